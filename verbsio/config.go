@@ -1,0 +1,148 @@
+package verbsio
+
+import (
+	"fmt"
+	"os"
+	"strconv"
+	"time"
+)
+
+// Config chooses and tunes a device. The zero value means "pick the best
+// device, defaults everywhere". Every field has an environment variable named
+// as in TensorFlow's verbs transport, read by ConfigFromEnv.
+type Config struct {
+	// Device is the device name (RDMA_DEVICE); "" picks one.
+	Device string
+	// Port is the 1-based port number (RDMA_DEVICE_PORT); 0 picks the first
+	// active port.
+	Port int
+	// GIDIndex is the GID table index (RDMA_GID_INDEX); -1 picks one,
+	// preferring RoCEv2.
+	GIDIndex int
+	// PKeyIndex is the partition key index (RDMA_QP_PKEY_INDEX).
+	PKeyIndex int
+	// QueueDepth is the send and receive queue depth (RDMA_QP_QUEUE_DEPTH,
+	// default 1024).
+	QueueDepth int
+	// Timeout is the local ACK timeout exponent (RDMA_QP_TIMEOUT, default 14:
+	// 4.096 us * 2^14, about 67 ms).
+	Timeout int
+	// RetryCount is the transport retry count (RDMA_QP_RETRY_COUNT, default 7).
+	RetryCount int
+	// SL is the service level (RDMA_QP_SL).
+	SL int
+	// MTU is the path MTU in bytes (RDMA_QP_MTU); 0 means the port's active MTU.
+	MTU int
+	// TrafficClass is the GRH traffic class (RDMA_TRAFFIC_CLASS).
+	TrafficClass int
+	// ListenAddr is where providers that need one listen ("host:port"; TCP
+	// provider; GDRLINK_LISTEN_ADDR). "" means an ephemeral loopback port.
+	ListenAddr string
+	// ConnectTimeout bounds Connect when the caller's context has no deadline
+	// (GDRLINK_CONNECT_TIMEOUT, a Go duration; default 30s).
+	ConnectTimeout time.Duration
+}
+
+// Defaults of Config.
+const (
+	DefaultQueueDepth     = 1024
+	DefaultTimeout        = 14
+	DefaultRetryCount     = 7
+	DefaultConnectTimeout = 30 * time.Second
+)
+
+// DefaultConfig returns the configuration with every default filled in.
+func DefaultConfig() Config {
+	return Config{GIDIndex: -1, QueueDepth: DefaultQueueDepth, Timeout: DefaultTimeout, RetryCount: DefaultRetryCount, ConnectTimeout: DefaultConnectTimeout}
+}
+
+// WithDefaults returns c with zero fields replaced by their defaults.
+func (c Config) WithDefaults() Config {
+	d := DefaultConfig()
+	if c.QueueDepth == 0 {
+		c.QueueDepth = d.QueueDepth
+	}
+	if c.Timeout == 0 {
+		c.Timeout = d.Timeout
+	}
+	if c.RetryCount == 0 {
+		c.RetryCount = d.RetryCount
+	}
+	if c.ConnectTimeout == 0 {
+		c.ConnectTimeout = d.ConnectTimeout
+	}
+	return c
+}
+
+// Validate checks ranges: queue depth 1..65536, timeout 0..31, retry count
+// 0..7, SL 0..15, MTU one of 0/256/512/1024/2048/4096, traffic class 0..255.
+func (c Config) Validate() error {
+	bad := func(name string, v any, want string) error {
+		return fmt.Errorf("%w: %s=%v, want %s", ErrBadConfig, name, v, want)
+	}
+	switch {
+	case c.Port < 0 || c.Port > 255:
+		return bad("RDMA_DEVICE_PORT", c.Port, "1..255")
+	case c.GIDIndex < -1 || c.GIDIndex > 65535:
+		return bad("RDMA_GID_INDEX", c.GIDIndex, "0..65535")
+	case c.PKeyIndex < 0 || c.PKeyIndex > 65535:
+		return bad("RDMA_QP_PKEY_INDEX", c.PKeyIndex, "0..65535")
+	case c.QueueDepth < 1 || c.QueueDepth > 65536:
+		return bad("RDMA_QP_QUEUE_DEPTH", c.QueueDepth, "1..65536")
+	case c.Timeout < 0 || c.Timeout > 31:
+		return bad("RDMA_QP_TIMEOUT", c.Timeout, "0..31")
+	case c.RetryCount < 0 || c.RetryCount > 7:
+		return bad("RDMA_QP_RETRY_COUNT", c.RetryCount, "0..7")
+	case c.SL < 0 || c.SL > 15:
+		return bad("RDMA_QP_SL", c.SL, "0..15")
+	case c.TrafficClass < 0 || c.TrafficClass > 255:
+		return bad("RDMA_TRAFFIC_CLASS", c.TrafficClass, "0..255")
+	}
+	switch c.MTU {
+	case 0, 256, 512, 1024, 2048, 4096:
+	default:
+		return bad("RDMA_QP_MTU", c.MTU, "256, 512, 1024, 2048 or 4096")
+	}
+	return nil
+}
+
+// ConfigFromEnv returns DefaultConfig overridden by the RDMA_* and GDRLINK_*
+// environment variables, validated.
+func ConfigFromEnv() (Config, error) { return configFromLookup(os.LookupEnv) }
+
+func configFromLookup(lookup func(string) (string, bool)) (Config, error) {
+	c := DefaultConfig()
+	if v, ok := lookup("RDMA_DEVICE"); ok {
+		c.Device = v
+	}
+	if v, ok := lookup("GDRLINK_LISTEN_ADDR"); ok {
+		c.ListenAddr = v
+	}
+	if v, ok := lookup("GDRLINK_CONNECT_TIMEOUT"); ok {
+		d, err := time.ParseDuration(v)
+		if err != nil || d <= 0 {
+			return c, fmt.Errorf("%w: GDRLINK_CONNECT_TIMEOUT=%q is not a positive duration", ErrBadConfig, v)
+		}
+		c.ConnectTimeout = d
+	}
+	ints := []struct {
+		name string
+		dst  *int
+	}{
+		{"RDMA_DEVICE_PORT", &c.Port}, {"RDMA_GID_INDEX", &c.GIDIndex}, {"RDMA_QP_PKEY_INDEX", &c.PKeyIndex},
+		{"RDMA_QP_QUEUE_DEPTH", &c.QueueDepth}, {"RDMA_QP_TIMEOUT", &c.Timeout}, {"RDMA_QP_RETRY_COUNT", &c.RetryCount},
+		{"RDMA_QP_SL", &c.SL}, {"RDMA_QP_MTU", &c.MTU}, {"RDMA_TRAFFIC_CLASS", &c.TrafficClass},
+	}
+	for _, f := range ints {
+		v, ok := lookup(f.name)
+		if !ok || v == "" {
+			continue
+		}
+		n, err := strconv.Atoi(v)
+		if err != nil {
+			return c, fmt.Errorf("%w: %s=%q is not an integer", ErrBadConfig, f.name, v)
+		}
+		*f.dst = n
+	}
+	return c, c.Validate()
+}

@@ -1,0 +1,12 @@
+// Package verbsio is gdrlink's verbs layer: devices, protection domains,
+// memory regions, completion queues and reliable-connected queue pairs with
+// ibverbs semantics (rkeys, access flags, remote-access errors, RDMA WRITE
+// WITH IMMEDIATE), implemented by providers that register themselves like
+// database/sql drivers.
+//
+// Providers: "ibverbs" (verbsio/ibverbs, cgo over rdma-core's libibverbs),
+// "onnode" (verbsio/onnode, one copy between processes of one host) and
+// "tcp" (verbsio/tcp, for hosts without RDMA). Code above this package cannot
+// tell them apart: the conformance suite in verbsio/verbstest runs against
+// every provider.
+package verbsio
