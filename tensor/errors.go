@@ -22,6 +22,9 @@ var (
 	ErrCorrupt = errors.New("tensor: inconsistent encoding")
 	// ErrNotDMAable: a byte view asked of a tensor whose elements are not bytes.
 	ErrNotDMAable = errors.New("tensor: not DMAable")
+	// ErrMisaligned: a typed view of bytes whose address is not aligned for
+	// the element type.
+	ErrMisaligned = errors.New("tensor: misaligned buffer")
 	// ErrReleased: a tensor used after Release.
 	ErrReleased = errors.New("tensor: used after release")
 )

@@ -37,7 +37,8 @@ func MetaFor(dt DType, shape Shape) (Meta, error) {
 
 // Validate checks that the meta-data is self-consistent: a valid type, a
 // valid shape, a non-negative byte size that matches type and shape for
-// DMAable types, and a zero byte size for dead tensors.
+// DMAable types or is at least the shortest encoding of that many strings
+// for String tensors, and a zero byte size for dead tensors.
 func (m Meta) Validate() error {
 	if !m.DType.Valid() {
 		return fmt.Errorf("%w: %d", ErrBadDType, uint8(m.DType))
@@ -60,8 +61,34 @@ func (m Meta) Validate() error {
 		if n > 0 && sz > (1<<62)/n || n*sz != m.ByteSize {
 			return fmt.Errorf("%w: %s%v is not %d bytes", ErrSizeMismatch, m.DType, m.Shape, m.ByteSize)
 		}
+		return nil
+	}
+	// A String tensor's encoding holds a version byte, the count, and at
+	// least one length byte per element.
+	if least := minStringsLen(n); uint64(m.ByteSize) < least {
+		return fmt.Errorf("%w: encoding of %d strings needs at least %d bytes, meta-data says %d", ErrSizeMismatch, n, least, m.ByteSize)
 	}
 	return nil
+}
+
+// MetaForStrings returns the meta-data of a live String tensor of the given
+// shape holding vals, with ByteSize the size of their wire encoding.
+func MetaForStrings(shape Shape, vals []string) (Meta, error) {
+	m := Meta{DType: String, Shape: shape.Clone()}
+	n, err := shape.NumElements()
+	if err != nil {
+		return m, err
+	}
+	if int64(len(vals)) != n {
+		return m, fmt.Errorf("%w: shape %v needs %d strings, got %d", ErrSizeMismatch, shape, n, len(vals))
+	}
+	m.ByteSize = int64(StringsEncodedLen(vals))
+	return m, nil
+}
+
+// minStringsLen is the size of the shortest encoding of n strings (all empty).
+func minStringsLen(n int64) uint64 {
+	return 1 + uint64(uvarintLen(uint64(n))) + uint64(n)
 }
 
 // Equal reports whether two meta-data are the same.

@@ -3,7 +3,6 @@ package tensor
 import (
 	"fmt"
 	"sync/atomic"
-	"unsafe"
 )
 
 // Buffer is memory that holds a tensor's bytes, usually a block of a pool
@@ -56,16 +55,11 @@ func New(meta Meta, buf Buffer) (*Tensor, error) {
 // must have exactly as many elements as the shape. Its ByteSize is the size of
 // its wire encoding.
 func NewStrings(shape Shape, vals []string) (*Tensor, error) {
-	n, err := shape.NumElements()
+	m, err := MetaForStrings(shape, vals)
 	if err != nil {
 		return nil, err
 	}
-	if int64(len(vals)) != n {
-		return nil, fmt.Errorf("%w: shape %v needs %d strings, got %d", ErrSizeMismatch, shape, n, len(vals))
-	}
-	t := &Tensor{meta: Meta{DType: String, Shape: shape.Clone()}, strs: vals}
-	t.meta.ByteSize = int64(StringsEncodedLen(vals))
-	return t, nil
+	return &Tensor{meta: m, strs: vals}, nil
 }
 
 // Dead returns a dead tensor: meta-data with no value and no bytes.
@@ -128,6 +122,9 @@ func (t *Tensor) Addr() uintptr {
 
 // Strings returns the elements of a String tensor.
 func (t *Tensor) Strings() ([]string, error) {
+	if t.released.Load() {
+		return nil, ErrReleased
+	}
 	if t.meta.DType != String {
 		return nil, fmt.Errorf("%w: %s tensor has no strings", ErrBadDType, t.meta.DType)
 	}
@@ -146,14 +143,14 @@ func (t *Tensor) Release() error {
 	return t.buf.Free()
 }
 
-// Float32s views a host float32 tensor as []float32.
-func (t *Tensor) Float32s() ([]float32, error) {
-	if t.meta.DType != Float32 {
-		return nil, fmt.Errorf("%w: %s is not float32", ErrBadDType, t.meta.DType)
-	}
-	b, err := t.Bytes()
-	if err != nil || len(b) == 0 {
-		return nil, err
-	}
-	return unsafe.Slice((*float32)(unsafe.Pointer(&b[0])), len(b)/4), nil
-}
+// Float32s views a host float32 tensor as []float32 (View[float32]).
+func (t *Tensor) Float32s() ([]float32, error) { return View[float32](t) }
+
+// Float64s views a host float64 tensor as []float64 (View[float64]).
+func (t *Tensor) Float64s() ([]float64, error) { return View[float64](t) }
+
+// Int32s views a host int32 tensor as []int32 (View[int32]).
+func (t *Tensor) Int32s() ([]int32, error) { return View[int32](t) }
+
+// Int64s views a host int64 tensor as []int64 (View[int64]).
+func (t *Tensor) Int64s() ([]int64, error) { return View[int64](t) }
