@@ -1,0 +1,575 @@
+package wire
+
+import (
+	"encoding/binary"
+	"fmt"
+	"math"
+
+	"github.com/gdrlink/gdrlink/tensor"
+)
+
+// Version is the protocol version this package writes and the only one it
+// reads.
+const Version = 1
+
+// Limits of the encoding.
+const (
+	// HeaderLen is the size of every frame's header.
+	HeaderLen = 8
+	// MaxFrame is the largest frame, header included. Receive buffers of
+	// this size hold any frame.
+	MaxFrame = 4096
+	// MaxName is the longest tensor name, in bytes.
+	MaxName = 1024
+	// MaxText is the longest error message or host name, in bytes.
+	MaxText = 1024
+	// MaxEndpoints is the most queue pair endpoints (rails) a HELLO carries.
+	MaxEndpoints = 8
+	// MaxEndpointData is the longest provider-specific endpoint blob.
+	MaxEndpointData = 512
+)
+
+// Type is a message type. Its values are part of the wire format.
+type Type uint8
+
+// Message types.
+const (
+	// TypeRequest is TENSOR_REQUEST: the receiver asks for a tensor and says
+	// where to write it.
+	TypeRequest Type = iota + 1
+	// TypeMetaResponse is META_DATA_RESPONSE: the tensor's meta-data did not
+	// match the receiver's cache (or no write follows: dead and empty
+	// tensors).
+	TypeMetaResponse
+	// TypeReRequest is TENSOR_RE_REQUEST: the receiver reallocated after a
+	// META_DATA_RESPONSE and gives the new address.
+	TypeReRequest
+	// TypeError is ERROR_STATUS: the sender could not serve a request.
+	TypeError
+	// TypeCredit returns receive credits and says nothing else.
+	TypeCredit
+	// TypeChecksum carries the CRC-32C of the bytes about to be written for a
+	// request (checksum mode).
+	TypeChecksum
+	// TypeCancel withdraws a request; the sender answers with ERROR_STATUS
+	// (CodeCancelled) unless the write is already on its way.
+	TypeCancel
+	// TypeBye says the peer is closing the channel on purpose.
+	TypeBye
+	// TypeHello is what peers trade before connecting: endpoints, ring
+	// depth, options.
+	TypeHello
+	numTypes
+)
+
+var typeNames = [numTypes]string{"", "TENSOR_REQUEST", "META_DATA_RESPONSE", "TENSOR_RE_REQUEST", "ERROR_STATUS", "CREDIT", "CHECKSUM", "CANCEL", "BYE", "HELLO"}
+
+// String names the type as the protocol description does.
+func (t Type) String() string {
+	if t > 0 && t < numTypes {
+		return typeNames[t]
+	}
+	return fmt.Sprintf("Type(%d)", uint8(t))
+}
+
+// Flags of TENSOR_REQUEST.
+const (
+	// ReqName: the request carries the tensor's name and thereby assigns it
+	// NameIndex for every later request on the channel.
+	ReqName uint8 = 1 << iota
+	// ReqMeta: the request carries the receiver's cached meta-data, and Addr,
+	// RKey and Capacity name a result buffer allocated from it.
+	ReqMeta
+	reqAll = ReqName | ReqMeta
+)
+
+// Flags of META_DATA_RESPONSE.
+const (
+	// RespFinal: no write follows; the request completes with this message
+	// (dead and empty tensors).
+	RespFinal uint8 = 1 << iota
+	// RespChecksum: Checksum holds the CRC-32C of the bytes to be written.
+	RespChecksum
+	respAll = RespFinal | RespChecksum
+)
+
+// Flags of HELLO.
+const (
+	// HelloChecksum: the peer runs in checksum mode.
+	HelloChecksum uint8 = 1 << iota
+	helloAll = HelloChecksum
+)
+
+// Code is the reason of an ERROR_STATUS. Unknown codes decode as they are,
+// so a newer peer's codes pass through.
+type Code uint16
+
+// Error codes.
+const (
+	// CodeInternal: the sender failed for a reason of its own.
+	CodeInternal Code = iota + 1
+	// CodeCancelled: the request was cancelled (CANCEL, or the sender closed).
+	CodeCancelled
+	// CodeSender: the sending application reported an error for this tensor.
+	CodeSender
+	// CodeBadRequest: the request was malformed or named an unknown index.
+	CodeBadRequest
+	// CodeTooSmall: the result buffer cannot hold the tensor.
+	CodeTooSmall
+	// CodeRemoteAccess: the write into the result buffer failed.
+	CodeRemoteAccess
+)
+
+var codeNames = [...]string{"", "internal", "cancelled", "sender error", "bad request", "buffer too small", "remote access"}
+
+// String names the code.
+func (c Code) String() string {
+	if int(c) < len(codeNames) && c > 0 {
+		return codeNames[c]
+	}
+	return fmt.Sprintf("Code(%d)", uint16(c))
+}
+
+// Meta is tensor meta-data as it travels: a fixed array of dimensions so a
+// Message holds it without allocating.
+type Meta struct {
+	DType    tensor.DType
+	Dead     bool
+	Rank     uint8
+	Dims     [tensor.MaxRank]int64
+	ByteSize int64
+}
+
+// SetMeta copies m into w. Ranks above tensor.MaxRank are cut; callers
+// validate m first.
+func (w *Meta) SetMeta(m tensor.Meta) {
+	w.DType, w.Dead, w.ByteSize = m.DType, m.IsDead, m.ByteSize
+	n := min(len(m.Shape), tensor.MaxRank)
+	w.Rank = uint8(n)
+	copy(w.Dims[:n], m.Shape[:n])
+}
+
+// Shape is the dimensions, sharing w's memory.
+func (w *Meta) Shape() tensor.Shape { return tensor.Shape(w.Dims[:w.Rank]) }
+
+// Tensor returns the meta-data as a tensor.Meta with its own shape.
+func (w *Meta) Tensor() tensor.Meta {
+	return tensor.Meta{DType: w.DType, IsDead: w.Dead, ByteSize: w.ByteSize, Shape: w.Shape().Clone()}
+}
+
+// Equal reports whether w describes m, without allocating.
+func (w *Meta) Equal(m tensor.Meta) bool {
+	return w.DType == m.DType && w.Dead == m.IsDead && w.ByteSize == m.ByteSize && w.Shape().Equal(m.Shape)
+}
+
+func (w *Meta) len() int { return 3 + 8*int(w.Rank) + 8 }
+
+// Endpoint is one queue pair endpoint in a HELLO, its fields aliasing the
+// decoded input.
+type Endpoint struct {
+	Provider []byte
+	Host     []byte
+	Data     []byte
+}
+
+// Message is any frame. Which fields are meaningful depends on Type:
+//
+//	TENSOR_REQUEST      Flags(ReqName|ReqMeta) Req Step NameIndex [Name] Addr RKey Capacity [Meta]
+//	META_DATA_RESPONSE  Flags(RespFinal|RespChecksum) Req Meta [Checksum]
+//	TENSOR_RE_REQUEST   Req Addr RKey Capacity
+//	ERROR_STATUS        Req Code Text
+//	CREDIT, BYE         (header only)
+//	CHECKSUM            Req Checksum
+//	CANCEL              Req
+//	HELLO               Flags(HelloChecksum) Ring Slot Text(peer name) Host Endpoints
+//
+// Credits rides in every header. A Message is plain data: reuse one for
+// decoding many frames; its byte slices alias the last input.
+type Message struct {
+	Type    Type
+	Credits uint16
+	Flags   uint8
+
+	// Req is the request index, the immediate of the write that answers it.
+	Req       uint32
+	Step      int64
+	NameIndex uint32
+	Name      []byte
+
+	// Addr, RKey and Capacity name the receiver's result buffer.
+	Addr     uint64
+	RKey     uint32
+	Capacity uint64
+
+	Meta     Meta
+	Checksum uint32
+
+	Code Code
+	// Text is the error message (ERROR_STATUS) or the peer's name (HELLO).
+	Text []byte
+
+	// Ring is the number of receive buffers the peer posts per channel:
+	// the credits each side starts with (HELLO).
+	Ring uint16
+	// Slot is the size of each receive buffer (HELLO).
+	Slot uint32
+	// Host identifies the peer's machine (HELLO).
+	Host         []byte
+	Endpoints    [MaxEndpoints]Endpoint
+	NumEndpoints uint8
+}
+
+// Len is the size of m's encoding.
+func (m *Message) Len() int {
+	n := HeaderLen
+	switch m.Type {
+	case TypeRequest:
+		n += 1 + 4 + 8 + 4 + 8 + 4 + 8
+		if m.Flags&ReqName != 0 {
+			n += 2 + len(m.Name)
+		}
+		if m.Flags&ReqMeta != 0 {
+			n += m.Meta.len()
+		}
+	case TypeMetaResponse:
+		n += 1 + 4 + m.Meta.len()
+		if m.Flags&RespChecksum != 0 {
+			n += 4
+		}
+	case TypeReRequest:
+		n += 4 + 8 + 4 + 8
+	case TypeError:
+		n += 4 + 2 + 2 + len(m.Text)
+	case TypeChecksum:
+		n += 4 + 4
+	case TypeCancel:
+		n += 4
+	case TypeHello:
+		n += 1 + 2 + 4 + 2 + len(m.Text) + 2 + len(m.Host) + 1
+		for i := 0; i < int(m.NumEndpoints) && i < MaxEndpoints; i++ {
+			e := &m.Endpoints[i]
+			n += 6 + len(e.Provider) + len(e.Host) + len(e.Data)
+		}
+	}
+	return n
+}
+
+// Append appends m's encoding to b and returns the extended slice. It
+// allocates only when b lacks room for Len() more bytes. Append encodes what
+// it is given; Check says whether the result will decode.
+func (m *Message) Append(b []byte) []byte {
+	n := m.Len()
+	if cap(b)-len(b) < n {
+		nb := make([]byte, len(b), len(b)+n)
+		copy(nb, b)
+		b = nb
+	}
+	le := binary.LittleEndian
+	b = append(b, Version, byte(m.Type))
+	b = le.AppendUint16(b, m.Credits)
+	b = le.AppendUint32(b, uint32(n))
+	switch m.Type {
+	case TypeRequest:
+		b = append(b, m.Flags)
+		b = le.AppendUint32(b, m.Req)
+		b = le.AppendUint64(b, uint64(m.Step))
+		b = le.AppendUint32(b, m.NameIndex)
+		if m.Flags&ReqName != 0 {
+			b = appendBytes16(b, m.Name)
+		}
+		b = le.AppendUint64(b, m.Addr)
+		b = le.AppendUint32(b, m.RKey)
+		b = le.AppendUint64(b, m.Capacity)
+		if m.Flags&ReqMeta != 0 {
+			b = m.Meta.append(b)
+		}
+	case TypeMetaResponse:
+		b = append(b, m.Flags)
+		b = le.AppendUint32(b, m.Req)
+		b = m.Meta.append(b)
+		if m.Flags&RespChecksum != 0 {
+			b = le.AppendUint32(b, m.Checksum)
+		}
+	case TypeReRequest:
+		b = le.AppendUint32(b, m.Req)
+		b = le.AppendUint64(b, m.Addr)
+		b = le.AppendUint32(b, m.RKey)
+		b = le.AppendUint64(b, m.Capacity)
+	case TypeError:
+		b = le.AppendUint32(b, m.Req)
+		b = le.AppendUint16(b, uint16(m.Code))
+		b = appendBytes16(b, m.Text)
+	case TypeChecksum:
+		b = le.AppendUint32(b, m.Req)
+		b = le.AppendUint32(b, m.Checksum)
+	case TypeCancel:
+		b = le.AppendUint32(b, m.Req)
+	case TypeHello:
+		b = append(b, m.Flags)
+		b = le.AppendUint16(b, m.Ring)
+		b = le.AppendUint32(b, m.Slot)
+		b = appendBytes16(b, m.Text)
+		b = appendBytes16(b, m.Host)
+		ne := min(int(m.NumEndpoints), MaxEndpoints)
+		b = append(b, byte(ne))
+		for i := 0; i < ne; i++ {
+			e := &m.Endpoints[i]
+			b = appendBytes16(b, e.Provider)
+			b = appendBytes16(b, e.Host)
+			b = appendBytes16(b, e.Data)
+		}
+	}
+	return b
+}
+
+func (w *Meta) append(b []byte) []byte {
+	le := binary.LittleEndian
+	var f byte
+	if w.Dead {
+		f = 1
+	}
+	b = append(b, byte(w.DType), f, w.Rank)
+	for i := 0; i < int(w.Rank) && i < tensor.MaxRank; i++ {
+		b = le.AppendUint64(b, uint64(w.Dims[i]))
+	}
+	return le.AppendUint64(b, uint64(w.ByteSize))
+}
+
+func appendBytes16(b, v []byte) []byte {
+	b = binary.LittleEndian.AppendUint16(b, uint16(len(v)))
+	return append(b, v...)
+}
+
+// Check reports whether m would encode to a frame that Decode accepts, with
+// the same error Decode would give. Senders call it on anything built from
+// user input (names, error messages) before Append.
+func (m *Message) Check() error {
+	var buf [MaxFrame]byte
+	if n := m.Len(); n > MaxFrame {
+		return fmt.Errorf("%w: %s frame of %d bytes exceeds %d", ErrLength, m.Type, n, MaxFrame)
+	}
+	var d Message
+	_, err := Decode(m.Append(buf[:0]), &d)
+	return err
+}
+
+// Decode decodes the frame at the start of b into m and returns its length.
+// Bytes after the frame are left alone (the next frame of a batch). On error
+// m holds partial data.
+func Decode(b []byte, m *Message) (int, error) {
+	if len(b) < HeaderLen {
+		return 0, fmt.Errorf("%w: %d bytes, header needs %d", ErrTruncated, len(b), HeaderLen)
+	}
+	if b[0] != Version {
+		return 0, fmt.Errorf("%w: version %d at offset 0, want %d", ErrVersion, b[0], Version)
+	}
+	t := Type(b[1])
+	if t == 0 || t >= numTypes {
+		return 0, fmt.Errorf("%w: %d at offset 1", ErrType, b[1])
+	}
+	le := binary.LittleEndian
+	n := le.Uint32(b[4:8])
+	switch {
+	case n < HeaderLen || n > MaxFrame:
+		return 0, fmt.Errorf("%w: frame length %d at offset 4, want %d..%d", ErrLength, n, HeaderLen, MaxFrame)
+	case int(n) > len(b):
+		return 0, fmt.Errorf("%w: %s frame of %d bytes, input has %d", ErrTruncated, t, n, len(b))
+	}
+	m.Type = t
+	m.Credits = le.Uint16(b[2:4])
+	r := reader{b: b[:n], off: HeaderLen, t: t}
+	switch t {
+	case TypeRequest:
+		m.Flags = r.u8()
+		m.Req = r.u32()
+		m.Step = int64(r.u64())
+		at := r.off
+		m.NameIndex = r.u32()
+		if r.err == nil && m.Flags&^reqAll != 0 {
+			return 0, fmt.Errorf("%w: %#x in %s", ErrFlags, m.Flags, t)
+		}
+		if r.err == nil && m.NameIndex == 0 {
+			return 0, fmt.Errorf("%w: name index 0 at offset %d", ErrField, at)
+		}
+		m.Name = nil
+		if m.Flags&ReqName != 0 {
+			at := r.off
+			m.Name = r.bytes16(MaxName, "name")
+			if r.err == nil && len(m.Name) == 0 {
+				return 0, fmt.Errorf("%w: empty name at offset %d", ErrField, at)
+			}
+		}
+		m.Addr = r.u64()
+		m.RKey = r.u32()
+		m.Capacity = r.u64()
+		if m.Flags&ReqMeta != 0 {
+			r.meta(&m.Meta)
+		}
+	case TypeMetaResponse:
+		m.Flags = r.u8()
+		if r.err == nil && m.Flags&^respAll != 0 {
+			return 0, fmt.Errorf("%w: %#x in %s", ErrFlags, m.Flags, t)
+		}
+		m.Req = r.u32()
+		r.meta(&m.Meta)
+		if m.Flags&RespChecksum != 0 {
+			m.Checksum = r.u32()
+		}
+	case TypeReRequest:
+		m.Req = r.u32()
+		m.Addr = r.u64()
+		m.RKey = r.u32()
+		m.Capacity = r.u64()
+	case TypeError:
+		m.Req = r.u32()
+		m.Code = Code(r.u16())
+		m.Text = r.bytes16(MaxText, "message")
+	case TypeChecksum:
+		m.Req = r.u32()
+		m.Checksum = r.u32()
+	case TypeCancel:
+		m.Req = r.u32()
+	case TypeCredit, TypeBye:
+	case TypeHello:
+		m.Flags = r.u8()
+		if r.err == nil && m.Flags&^helloAll != 0 {
+			return 0, fmt.Errorf("%w: %#x in %s", ErrFlags, m.Flags, t)
+		}
+		m.Ring = r.u16()
+		m.Slot = r.u32()
+		m.Text = r.bytes16(MaxText, "peer name")
+		m.Host = r.bytes16(MaxText, "host")
+		at := r.off
+		ne := r.u8()
+		if r.err == nil && ne > MaxEndpoints {
+			return 0, fmt.Errorf("%w: %d endpoints at offset %d, at most %d", ErrLength, ne, at, MaxEndpoints)
+		}
+		m.NumEndpoints = ne
+		for i := 0; i < int(ne) && r.err == nil; i++ {
+			e := &m.Endpoints[i]
+			e.Provider = r.bytes16(MaxText, "provider")
+			e.Host = r.bytes16(MaxText, "endpoint host")
+			e.Data = r.bytes16(MaxEndpointData, "endpoint data")
+		}
+	}
+	if r.err != nil {
+		return 0, r.err
+	}
+	if r.off != int(n) {
+		return 0, fmt.Errorf("%w: %s frame says %d bytes, body ends at %d", ErrLength, t, n, r.off)
+	}
+	return int(n), nil
+}
+
+// reader reads fixed-width fields and remembers the first error.
+type reader struct {
+	b   []byte
+	off int
+	t   Type
+	err error
+}
+
+func (r *reader) need(k int, what string) bool {
+	if r.err != nil {
+		return false
+	}
+	if len(r.b)-r.off < k {
+		r.err = fmt.Errorf("%w: %s of %s at offset %d needs %d bytes, frame has %d left", ErrTruncated, what, r.t, r.off, k, len(r.b)-r.off)
+		return false
+	}
+	return true
+}
+
+func (r *reader) u8() uint8 {
+	if !r.need(1, "field") {
+		return 0
+	}
+	v := r.b[r.off]
+	r.off++
+	return v
+}
+
+func (r *reader) u16() uint16 {
+	if !r.need(2, "field") {
+		return 0
+	}
+	v := binary.LittleEndian.Uint16(r.b[r.off:])
+	r.off += 2
+	return v
+}
+
+func (r *reader) u32() uint32 {
+	if !r.need(4, "field") {
+		return 0
+	}
+	v := binary.LittleEndian.Uint32(r.b[r.off:])
+	r.off += 4
+	return v
+}
+
+func (r *reader) u64() uint64 {
+	if !r.need(8, "field") {
+		return 0
+	}
+	v := binary.LittleEndian.Uint64(r.b[r.off:])
+	r.off += 8
+	return v
+}
+
+func (r *reader) bytes16(limit int, what string) []byte {
+	at := r.off
+	n := int(r.u16())
+	if r.err != nil {
+		return nil
+	}
+	if n > limit {
+		r.err = fmt.Errorf("%w: %s of %d bytes at offset %d, at most %d", ErrLength, what, n, at, limit)
+		return nil
+	}
+	if !r.need(n, what) {
+		return nil
+	}
+	v := r.b[r.off : r.off+n : r.off+n]
+	r.off += n
+	return v
+}
+
+func (r *reader) meta(w *Meta) {
+	at := r.off
+	w.DType = tensor.DType(r.u8())
+	f := r.u8()
+	w.Rank = r.u8()
+	if r.err != nil {
+		return
+	}
+	if f > 1 {
+		r.err = fmt.Errorf("%w: meta-data flags %#x at offset %d", ErrFlags, f, at+1)
+		return
+	}
+	w.Dead = f == 1
+	if w.Rank > tensor.MaxRank {
+		r.err = fmt.Errorf("%w: rank %d at offset %d exceeds %d", ErrMeta, w.Rank, at+2, tensor.MaxRank)
+		return
+	}
+	for i := 0; i < int(w.Rank); i++ {
+		d := r.u64()
+		if d > math.MaxInt64 {
+			r.err = fmt.Errorf("%w: dimension %d at offset %d does not fit an int64", ErrMeta, i, r.off-8)
+			return
+		}
+		w.Dims[i] = int64(d)
+	}
+	bs := r.u64()
+	if r.err != nil {
+		return
+	}
+	if bs > math.MaxInt64 {
+		r.err = fmt.Errorf("%w: byte size at offset %d does not fit an int64", ErrMeta, r.off-8)
+		return
+	}
+	w.ByteSize = int64(bs)
+	tm := tensor.Meta{DType: w.DType, IsDead: w.Dead, ByteSize: w.ByteSize, Shape: w.Shape()}
+	if err := tm.Validate(); err != nil {
+		r.err = fmt.Errorf("%w: at offset %d: %w", ErrMeta, at, err)
+	}
+}

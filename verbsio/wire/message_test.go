@@ -1,0 +1,273 @@
+package wire
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"testing"
+
+	"github.com/gdrlink/gdrlink/tensor"
+	"github.com/gdrlink/gdrlink/verbsio"
+)
+
+func metaOf(t testing.TB, dt tensor.DType, shape ...int64) Meta {
+	t.Helper()
+	tm, err := tensor.MetaFor(dt, shape)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var w Meta
+	w.SetMeta(tm)
+	return w
+}
+
+// samples is one valid message of each type and flag combination.
+func samples(t testing.TB) []Message {
+	hello := Message{Type: TypeHello, Flags: HelloChecksum, Ring: 64, Slot: MaxFrame, Text: []byte("rank-1"), Host: []byte("boot-id"), NumEndpoints: 2}
+	hello.Endpoints[0] = Endpoint{Provider: []byte("tcp"), Host: []byte("boot-id"), Data: []byte("127.0.0.1:4000")}
+	hello.Endpoints[1] = Endpoint{Provider: []byte("tcp"), Host: []byte("boot-id"), Data: []byte{1, 2, 3}}
+	return []Message{
+		{Type: TypeRequest, Credits: 3, Flags: ReqName | ReqMeta, Req: 7, Step: 42, NameIndex: 1, Name: []byte("layer0/weights"), Addr: 0x7f0000001000, RKey: 0x1234, Capacity: 24, Meta: metaOf(t, tensor.Float32, 2, 3)},
+		{Type: TypeRequest, Req: 8, Step: -1, NameIndex: 9},
+		{Type: TypeRequest, Flags: ReqMeta, Req: 1 << 31, Step: 1, NameIndex: 2, Meta: metaOf(t, tensor.Int8)},
+		{Type: TypeMetaResponse, Req: 7, Meta: metaOf(t, tensor.Complex128, 4, 0, 5)},
+		{Type: TypeMetaResponse, Flags: RespFinal, Req: 7, Meta: Meta{DType: tensor.Float32, Dead: true, Rank: 1, Dims: [tensor.MaxRank]int64{3}}},
+		{Type: TypeMetaResponse, Flags: RespChecksum, Req: 9, Checksum: 0xdeadbeef, Meta: metaOf(t, tensor.BFloat16, 1024)},
+		{Type: TypeReRequest, Credits: 1, Req: 7, Addr: 0x1000, RKey: 5, Capacity: 4096},
+		{Type: TypeError, Req: 7, Code: CodeSender, Text: []byte("no such tensor")},
+		{Type: TypeError, Req: 7, Code: 999},
+		{Type: TypeCredit, Credits: 32},
+		{Type: TypeChecksum, Req: 3, Checksum: 1},
+		{Type: TypeCancel, Req: 3},
+		{Type: TypeBye},
+		hello,
+	}
+}
+
+func TestRoundTrip(t *testing.T) {
+	for _, m := range samples(t) {
+		b := m.Append(nil)
+		if len(b) != m.Len() {
+			t.Fatalf("%s: Append wrote %d bytes, Len says %d", m.Type, len(b), m.Len())
+		}
+		if err := m.Check(); err != nil {
+			t.Fatalf("%s: Check: %v", m.Type, err)
+		}
+		var d Message
+		n, err := Decode(b, &d)
+		if err != nil {
+			t.Fatalf("%s: Decode: %v", m.Type, err)
+		}
+		if n != len(b) {
+			t.Fatalf("%s: Decode took %d of %d bytes", m.Type, n, len(b))
+		}
+		if again := d.Append(nil); !bytes.Equal(again, b) {
+			t.Fatalf("%s: re-encoding differs:\n%x\n%x", m.Type, b, again)
+		}
+		if d.Type != m.Type || d.Req != m.Req || d.Credits != m.Credits || d.Flags != m.Flags {
+			t.Fatalf("%s: decoded header %+v", m.Type, d)
+		}
+	}
+}
+
+func TestBatch(t *testing.T) {
+	var b []byte
+	ms := samples(t)
+	for i := range ms {
+		b = ms[i].Append(b)
+	}
+	var d Message
+	for i := 0; len(b) > 0; i++ {
+		n, err := Decode(b, &d)
+		if err != nil {
+			t.Fatalf("frame %d: %v", i, err)
+		}
+		if d.Type != ms[i].Type {
+			t.Fatalf("frame %d is %s, want %s", i, d.Type, ms[i].Type)
+		}
+		b = b[n:]
+	}
+}
+
+func TestMetaConversions(t *testing.T) {
+	tm, _ := tensor.MetaFor(tensor.Float64, tensor.Shape{3, 5})
+	var w Meta
+	w.SetMeta(tm)
+	if !w.Equal(tm) {
+		t.Fatal("Equal after SetMeta is false")
+	}
+	back := w.Tensor()
+	if !back.Equal(tm) {
+		t.Fatalf("Tensor() = %v, want %v", back, tm)
+	}
+	back.Shape[0] = 4
+	if w.Dims[0] != 3 {
+		t.Fatal("Tensor() shares memory with the wire meta-data")
+	}
+	other, _ := tensor.MetaFor(tensor.Float64, tensor.Shape{5, 3})
+	if w.Equal(other) {
+		t.Fatal("Equal ignores the shape")
+	}
+}
+
+func TestDecodeRejects(t *testing.T) {
+	good := func(i int) []byte { s := samples(t); return s[i].Append(nil) }
+	le := binary.LittleEndian
+	setLen := func(b []byte) []byte { le.PutUint32(b[4:], uint32(len(b))); return b }
+	cases := []struct {
+		name string
+		in   []byte
+		want error
+	}{
+		{"empty", nil, ErrTruncated},
+		{"short header", []byte{1, 1, 0}, ErrTruncated},
+		{"version", func() []byte { b := good(0); b[0] = 2; return b }(), ErrVersion},
+		{"type 0", func() []byte { b := good(0); b[1] = 0; return b }(), ErrType},
+		{"type high", func() []byte { b := good(0); b[1] = byte(numTypes); return b }(), ErrType},
+		{"length short", func() []byte { b := good(0); le.PutUint32(b[4:], 4); return b }(), ErrLength},
+		{"length huge", func() []byte { b := good(0); le.PutUint32(b[4:], MaxFrame+1); return b }(), ErrLength},
+		{"length past input", func() []byte { b := good(0); return b[:len(b)-1] }(), ErrTruncated},
+		{"body cut", func() []byte { b := good(0); return setLen(b[:len(b)-3]) }(), ErrTruncated},
+		{"trailing in frame", func() []byte { b := append(good(6), 0); return setLen(b) }(), ErrLength},
+		{"request flags", func() []byte { b := good(1); b[8] = 0x80; return b }(), ErrFlags},
+		{"name index 0", func() []byte { b := good(1); le.PutUint32(b[8+1+4+8:], 0); return b }(), ErrField},
+		{"empty name", func() []byte {
+			m := samples(t)[0]
+			m.Name = nil
+			return m.Append(nil)
+		}(), ErrField},
+		{"long name", func() []byte {
+			m := samples(t)[0]
+			m.Name = bytes.Repeat([]byte("x"), MaxName+1)
+			return m.Append(nil)
+		}(), ErrLength},
+		{"bad dtype", func() []byte {
+			m := samples(t)[3]
+			m.Meta.DType = 200
+			return m.Append(nil)
+		}(), ErrMeta},
+		{"size mismatch", func() []byte {
+			m := samples(t)[3]
+			m.Meta.ByteSize = 1
+			return m.Append(nil)
+		}(), ErrMeta},
+		{"negative dim", func() []byte {
+			m := samples(t)[3]
+			m.Meta.Dims[0] = -1
+			return m.Append(nil)
+		}(), ErrMeta},
+		{"rank too big", func() []byte { b := good(3); b[8+1+4+2] = tensor.MaxRank + 1; return b }(), ErrMeta},
+		{"meta flags", func() []byte { b := good(3); b[8+1+4+1] = 2; return b }(), ErrFlags},
+		{"dead with bytes", func() []byte {
+			m := samples(t)[4]
+			m.Meta.ByteSize = 12
+			return m.Append(nil)
+		}(), ErrMeta},
+		{"response flags", func() []byte { b := good(3); b[8] = 0x10; return b }(), ErrFlags},
+		{"hello flags", func() []byte { b := good(13); b[8] = 0x10; return b }(), ErrFlags},
+		{"too many endpoints", func() []byte {
+			m := samples(t)[13]
+			b := m.Append(nil)
+			off := 8 + 1 + 2 + 4 + 2 + len(m.Text) + 2 + len(m.Host)
+			b[off] = MaxEndpoints + 1
+			return b
+		}(), ErrLength},
+	}
+	for _, c := range cases {
+		var d Message
+		n, err := Decode(c.in, &d)
+		if !errors.Is(err, c.want) {
+			t.Errorf("%s: Decode = %d, %v; want %v", c.name, n, err, c.want)
+			continue
+		}
+		if !errors.Is(err, verbsio.ErrBadFrame) {
+			t.Errorf("%s: %v does not match verbsio.ErrBadFrame", c.name, err)
+		}
+	}
+}
+
+func TestCheckRejectsOversized(t *testing.T) {
+	m := Message{Type: TypeError, Req: 1, Code: CodeSender, Text: bytes.Repeat([]byte("e"), MaxText+1)}
+	if err := m.Check(); !errors.Is(err, ErrLength) {
+		t.Fatalf("Check of a long message = %v, want ErrLength", err)
+	}
+}
+
+func TestNoAllocs(t *testing.T) {
+	ms := samples(t)
+	buf := make([]byte, 0, MaxFrame)
+	var d Message
+	for i := range ms {
+		m := &ms[i]
+		if a := testing.AllocsPerRun(50, func() { buf = m.Append(buf[:0]) }); a != 0 {
+			t.Errorf("%s: Append allocates %v times", m.Type, a)
+		}
+		if a := testing.AllocsPerRun(50, func() {
+			if _, err := Decode(buf, &d); err != nil {
+				t.Fatal(err)
+			}
+		}); a != 0 {
+			t.Errorf("%s: Decode allocates %v times", m.Type, a)
+		}
+	}
+}
+
+func TestStrings(t *testing.T) {
+	if TypeRequest.String() != "TENSOR_REQUEST" || Type(77).String() != "Type(77)" {
+		t.Fatal("Type.String")
+	}
+	if CodeSender.String() != "sender error" || Code(500).String() != "Code(500)" {
+		t.Fatal("Code.String")
+	}
+}
+
+func FuzzDecode(f *testing.F) {
+	for _, m := range samples(f) {
+		f.Add(m.Append(nil))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		var m Message
+		n, err := Decode(b, &m)
+		if err != nil {
+			if !errors.Is(err, verbsio.ErrBadFrame) {
+				t.Fatalf("error %v does not match ErrBadFrame", err)
+			}
+			return
+		}
+		if n < HeaderLen || n > len(b) {
+			t.Fatalf("Decode took %d bytes of %d", n, len(b))
+		}
+		if m.Len() != n {
+			t.Fatalf("Len() = %d, frame is %d bytes", m.Len(), n)
+		}
+		if again := m.Append(nil); !bytes.Equal(again, b[:n]) {
+			t.Fatalf("re-encoding differs:\n%x\n%x", b[:n], again)
+		}
+		if err := m.Check(); err != nil {
+			t.Fatalf("Check of a decoded frame: %v", err)
+		}
+	})
+}
+
+func BenchmarkAppendRequest(b *testing.B) {
+	m := samples(b)[2]
+	buf := make([]byte, 0, MaxFrame)
+	b.ReportAllocs()
+	for b.Loop() {
+		buf = m.Append(buf[:0])
+	}
+	b.SetBytes(int64(len(buf)))
+}
+
+func BenchmarkDecodeRequest(b *testing.B) {
+	m := samples(b)[2]
+	buf := m.Append(nil)
+	var d Message
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := Decode(buf, &d); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.SetBytes(int64(len(buf)))
+}
