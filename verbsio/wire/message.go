@@ -97,7 +97,7 @@ const (
 const (
 	// HelloChecksum: the peer runs in checksum mode.
 	HelloChecksum uint8 = 1 << iota
-	helloAll = HelloChecksum
+	helloAll            = HelloChecksum
 )
 
 // Code is the reason of an ERROR_STATUS. Unknown codes decode as they are,
