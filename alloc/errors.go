@@ -1,0 +1,38 @@
+package alloc
+
+import "errors"
+
+// Errors of this package. Each is wrapped with the detail that caused it (the
+// size, the address, the pool's state); match them with errors.Is.
+var (
+	// ErrDoubleFree: a block freed twice, or a stale Block of a chunk that
+	// was freed and handed out again.
+	ErrDoubleFree = errors.New("alloc: block already freed")
+	// ErrNotOwned: an address or block that the pool did not hand out (outside
+	// its arenas, or inside a block but not at its start), or a region that a
+	// source did not make.
+	ErrNotOwned = errors.New("alloc: not owned by this pool")
+	// ErrPoolExhausted: an allocation that would take the pool beyond its
+	// byte limit, or that the source could not back with a new arena. The
+	// message carries the request, the pool's usage and a bin summary.
+	ErrPoolExhausted = errors.New("alloc: pool exhausted")
+	// ErrClosed: a pool or source used after Close.
+	ErrClosed = errors.New("alloc: pool closed")
+	// ErrLeaked: blocks still allocated when the pool was closed; the message
+	// counts them and their bytes.
+	ErrLeaked = errors.New("alloc: blocks leaked")
+	// ErrVisitor: a visitor failed to visit or release an arena; the message
+	// names the visitor and the arena, and the visitor's error is wrapped too.
+	ErrVisitor = errors.New("alloc: visitor failed")
+	// ErrBadSize: an allocation or region size that is zero, negative or
+	// too large to represent.
+	ErrBadSize = errors.New("alloc: invalid size")
+	// ErrBadOption: an option out of range (an alignment that is not a power
+	// of two, an arena size that is not positive).
+	ErrBadOption = errors.New("alloc: invalid option")
+	// ErrBadRegion: a region from a source that is smaller than asked, at
+	// address zero, or overlapping an arena of the pool.
+	ErrBadRegion = errors.New("alloc: invalid region from source")
+	// ErrCorrupt: Pool.Check found a broken invariant.
+	ErrCorrupt = errors.New("alloc: pool invariant broken")
+)
