@@ -45,4 +45,7 @@ var (
 	ErrClosed = errors.New("verbsio: closed")
 	// ErrTimeout: a peer or operation that did not answer in time.
 	ErrTimeout = errors.New("verbsio: timeout")
+	// ErrBadAddress: memory to register or to post that is empty, wraps
+	// around the address space or is not mapped.
+	ErrBadAddress = errors.New("verbsio: bad address")
 )

@@ -1,0 +1,423 @@
+package tcp
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"os"
+	"strconv"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/gdrlink/gdrlink/tensor"
+	"github.com/gdrlink/gdrlink/verbsio"
+	"golang.org/x/sys/unix"
+)
+
+// Name is the provider's registered name.
+const Name = "tcp"
+
+func init() { verbsio.Register(provider{}) }
+
+type provider struct{}
+
+func (provider) Name() string { return Name }
+
+// Devices always lists one device, "tcp": any host with a TCP stack has it.
+func (provider) Devices() ([]verbsio.DeviceInfo, error) {
+	return []verbsio.DeviceInfo{{Provider: Name, Name: Name, NUMANode: -1}}, nil
+}
+
+func (provider) Open(cfg verbsio.Config) (verbsio.Device, error) {
+	opt, err := OptionsFromEnv()
+	if err != nil {
+		return nil, err
+	}
+	return OpenDevice(cfg, opt)
+}
+
+// Options tune the tcp provider beyond verbsio.Config.
+type Options struct {
+	// Lanes is how many TCP connections each queue pair opens to its peer
+	// (GDRLINK_TCP_LANES, 1..16). Writes of at least StripeMin bytes are
+	// striped across them. 0 means DefaultLanes.
+	Lanes int
+	// StripeMin is the smallest write that is striped; 0 means
+	// DefaultStripeMin.
+	StripeMin int
+	// SocketBuffer sets SO_SNDBUF and SO_RCVBUF of every connection
+	// (GDRLINK_TCP_SOCKET_BUFFER, bytes); 0 leaves the kernel's automatic
+	// tuning on, which measured best on loopback.
+	SocketBuffer int
+	// RNRTimeout is how long a send or write with immediate waits at the
+	// receiver for a posted receive before it fails the sender with
+	// StatusRemoteOperation; 0 means DefaultRNRTimeout.
+	RNRTimeout time.Duration
+	// AdvertiseAddr is the "host:port" put in endpoints
+	// (GDRLINK_ADVERTISE_ADDR); "" means the listener's address, with an
+	// unspecified IP replaced by the first up non-loopback interface address.
+	AdvertiseAddr string
+}
+
+// Defaults of Options.
+const (
+	DefaultLanes      = 1
+	DefaultStripeMin  = 1 << 20
+	DefaultRNRTimeout = 5 * time.Second
+	maxInline         = 4096
+)
+
+// OptionsFromEnv reads GDRLINK_TCP_LANES, GDRLINK_TCP_SOCKET_BUFFER and
+// GDRLINK_ADVERTISE_ADDR; a malformed value is an error wrapping
+// verbsio.ErrBadConfig that names the variable.
+func OptionsFromEnv() (Options, error) {
+	var o Options
+	if v := os.Getenv("GDRLINK_TCP_LANES"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 || n > maxLanes {
+			return o, fmt.Errorf("%w: GDRLINK_TCP_LANES=%q, want 1..%d", verbsio.ErrBadConfig, v, maxLanes)
+		}
+		o.Lanes = n
+	}
+	if v := os.Getenv("GDRLINK_TCP_SOCKET_BUFFER"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 0 {
+			return o, fmt.Errorf("%w: GDRLINK_TCP_SOCKET_BUFFER=%q, want a byte count", verbsio.ErrBadConfig, v)
+		}
+		o.SocketBuffer = n
+	}
+	o.AdvertiseAddr = os.Getenv("GDRLINK_ADVERTISE_ADDR")
+	return o, nil
+}
+
+func (o Options) withDefaults() Options {
+	if o.Lanes == 0 {
+		o.Lanes = DefaultLanes
+	}
+	if o.StripeMin == 0 {
+		o.StripeMin = DefaultStripeMin
+	}
+	if o.RNRTimeout == 0 {
+		o.RNRTimeout = DefaultRNRTimeout
+	}
+	return o
+}
+
+// Device is an open tcp device: a listener that peers' queue pairs dial,
+// and the tables of its protection domains, completion queues and queue
+// pairs. It implements verbsio.Device.
+type Device struct {
+	cfg    verbsio.Config
+	opt    Options
+	ln     net.Listener
+	addr   string
+	host   string
+	userTO time.Duration
+
+	mu     sync.Mutex
+	closed bool
+	pds    map[*pd]struct{}
+	cqs    map[*cq]struct{}
+	qps    map[uint32]*qp
+	nextQP uint32
+	keys   map[uint32]struct{}
+	conns  map[net.Conn]struct{} // accepted, before their hello is answered
+	wg     sync.WaitGroup
+}
+
+// OpenDevice opens a tcp device: it listens on cfg.ListenAddr (an
+// ephemeral loopback port when empty). cfg.Device is ignored: the provider
+// has one device.
+func OpenDevice(cfg verbsio.Config, opt Options) (*Device, error) {
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	opt = opt.withDefaults()
+	if opt.Lanes < 1 || opt.Lanes > maxLanes {
+		return nil, fmt.Errorf("%w: %d lanes, want 1..%d", verbsio.ErrBadConfig, opt.Lanes, maxLanes)
+	}
+	la := cfg.ListenAddr
+	if la == "" {
+		la = "127.0.0.1:0"
+	}
+	ln, err := net.Listen("tcp", la)
+	if err != nil {
+		return nil, fmt.Errorf("%w: tcp: listening on %s: %w", verbsio.ErrBadConfig, la, err)
+	}
+	adv := opt.AdvertiseAddr
+	if adv == "" {
+		adv = advertised(ln.Addr().(*net.TCPAddr))
+	}
+	host, _ := verbsio.HostID()
+	// The ack timeout of ibverbs (4.096 us * 2^Timeout, RetryCount+1 tries)
+	// becomes TCP_USER_TIMEOUT, with a floor so a loaded host is not taken
+	// for a dead one.
+	to := time.Duration(4096<<uint(cfg.Timeout)) * time.Nanosecond * time.Duration(cfg.RetryCount+1)
+	to = max(to, 10*time.Second)
+	d := &Device{cfg: cfg, opt: opt, ln: ln, addr: adv, host: host, userTO: to,
+		pds: map[*pd]struct{}{}, cqs: map[*cq]struct{}{}, qps: map[uint32]*qp{},
+		nextQP: rand.Uint32N(1 << 20), keys: map[uint32]struct{}{}, conns: map[net.Conn]struct{}{}}
+	d.wg.Add(1)
+	go d.acceptLoop()
+	return d, nil
+}
+
+func advertised(a *net.TCPAddr) string {
+	if !a.IP.IsUnspecified() {
+		return a.String()
+	}
+	ifs, _ := net.Interfaces()
+	for _, ifc := range ifs {
+		if ifc.Flags&net.FlagUp == 0 || ifc.Flags&net.FlagLoopback != 0 {
+			continue
+		}
+		addrs, _ := ifc.Addrs()
+		for _, ad := range addrs {
+			if ipn, ok := ad.(*net.IPNet); ok && ipn.IP.To4() != nil {
+				return net.JoinHostPort(ipn.IP.String(), strconv.Itoa(a.Port))
+			}
+		}
+	}
+	return net.JoinHostPort("127.0.0.1", strconv.Itoa(a.Port))
+}
+
+// Addr is the "host:port" that peers dial.
+func (d *Device) Addr() string { return d.addr }
+
+// Info describes the device.
+func (d *Device) Info() verbsio.DeviceInfo {
+	return verbsio.DeviceInfo{Provider: Name, Name: Name, NUMANode: -1}
+}
+
+// Caps is what the device can do.
+func (d *Device) Caps() verbsio.Caps {
+	return verbsio.Caps{
+		Provider:           Name,
+		MemoryTypes:        []tensor.DeviceKind{tensor.CPU, tensor.PinnedHost},
+		DMABuf:             false,
+		WriteWithImmediate: true,
+		MaxInline:          maxInline,
+		MaxSGE:             16,
+		MaxQPDepth:         65536,
+		MaxMessage:         maxPayload,
+		SameHostOnly:       false,
+	}
+}
+
+// AllocPD makes a protection domain.
+func (d *Device) AllocPD() (verbsio.ProtectionDomain, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return nil, fmt.Errorf("%w: tcp device", verbsio.ErrClosed)
+	}
+	p := &pd{dev: d, byR: map[uint32]*mr{}, byL: map[uint32]*mr{}, qps: map[*qp]struct{}{}}
+	d.pds[p] = struct{}{}
+	return p, nil
+}
+
+// CreateCQ makes a completion queue. depth is a hint: the queue grows as
+// needed, so it never overruns.
+func (d *Device) CreateCQ(depth int) (verbsio.CompletionQueue, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return nil, fmt.Errorf("%w: tcp device", verbsio.ErrClosed)
+	}
+	if depth < 1 || depth > 1<<22 {
+		return nil, fmt.Errorf("%w: completion queue depth %d", verbsio.ErrBadConfig, depth)
+	}
+	c := newCQ(d, depth)
+	d.cqs[c] = struct{}{}
+	return c, nil
+}
+
+// Close stops the listener. It fails with ErrBusy while protection domains
+// or completion queues live. Idempotent.
+func (d *Device) Close() error {
+	d.mu.Lock()
+	if d.closed {
+		d.mu.Unlock()
+		return nil
+	}
+	if len(d.pds) > 0 || len(d.cqs) > 0 {
+		n, m := len(d.pds), len(d.cqs)
+		d.mu.Unlock()
+		return fmt.Errorf("%w: tcp device has %d protection domains and %d completion queues open", verbsio.ErrBusy, n, m)
+	}
+	d.closed = true
+	for c := range d.conns {
+		c.Close()
+	}
+	d.mu.Unlock()
+	err := d.ln.Close()
+	d.wg.Wait()
+	return err
+}
+
+// newKey draws a fresh nonzero key not used by any region of the device.
+// Callers hold d.mu.
+func (d *Device) newKey() uint32 {
+	for {
+		k := rand.Uint32()
+		if _, dup := d.keys[k]; k != 0 && !dup {
+			d.keys[k] = struct{}{}
+			return k
+		}
+	}
+}
+
+func (d *Device) acceptLoop() {
+	defer d.wg.Done()
+	for {
+		c, err := d.ln.Accept()
+		if err != nil {
+			if errors.Is(err, net.ErrClosed) {
+				return
+			}
+			time.Sleep(10 * time.Millisecond)
+			continue
+		}
+		d.mu.Lock()
+		if d.closed {
+			d.mu.Unlock()
+			c.Close()
+			return
+		}
+		d.conns[c] = struct{}{}
+		d.wg.Add(1)
+		d.mu.Unlock()
+		go d.handshake(c)
+	}
+}
+
+// handshake reads the hello of an accepted connection and hands it to its
+// queue pair, or answers why not and closes it.
+func (d *Device) handshake(c net.Conn) {
+	defer d.wg.Done()
+	done := func() {
+		d.mu.Lock()
+		delete(d.conns, c)
+		d.mu.Unlock()
+	}
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	var b [helloLen]byte
+	if _, err := io.ReadFull(c, b[:]); err != nil {
+		done()
+		c.Close()
+		return
+	}
+	h, err := parseHello(b[:])
+	refuse := func(code byte) {
+		c.Write([]byte{code})
+		done()
+		c.Close()
+	}
+	if err != nil {
+		refuse(helloMalformed)
+		return
+	}
+	d.mu.Lock()
+	q := d.qps[h.dstQP]
+	d.mu.Unlock()
+	switch {
+	case q == nil:
+		refuse(helloNoQP)
+		return
+	case q.nonce != h.dstNonce:
+		refuse(helloBadNonce)
+		return
+	}
+	d.tune(c)
+	if _, err := c.Write([]byte{helloOK}); err != nil {
+		done()
+		c.Close()
+		return
+	}
+	c.SetDeadline(time.Time{})
+	done()
+	if !q.addInbound(c, h) {
+		c.Close()
+	}
+}
+
+// dial opens one lane to a peer's queue pair.
+func (d *Device) dial(ctx context.Context, addr string, h hello) (net.Conn, error) {
+	var dl net.Dialer
+	c, err := dl.DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	d.tune(c)
+	if dl, ok := ctx.Deadline(); ok {
+		c.SetDeadline(dl)
+	}
+	b := h.Append(make([]byte, 0, helloLen))
+	var ans [1]byte
+	if _, err := c.Write(b); err == nil {
+		_, err = io.ReadFull(c, ans[:])
+	}
+	if err != nil {
+		c.Close()
+		return nil, err
+	}
+	c.SetDeadline(time.Time{})
+	switch ans[0] {
+	case helloOK:
+		return c, nil
+	case helloNoQP:
+		err = fmt.Errorf("peer %s has no queue pair %d", addr, h.dstQP)
+	case helloBadNonce:
+		err = fmt.Errorf("peer %s: queue pair %d is not the one in the endpoint (stale endpoint)", addr, h.dstQP)
+	default:
+		err = fmt.Errorf("peer %s refused the hello (code %d)", addr, ans[0])
+	}
+	c.Close()
+	return nil, err
+}
+
+// tune sets TCP_NODELAY, keepalive, TCP_USER_TIMEOUT and the socket buffers.
+func (d *Device) tune(c net.Conn) {
+	tc, ok := c.(*net.TCPConn)
+	if !ok {
+		return
+	}
+	tc.SetNoDelay(true)
+	tc.SetKeepAliveConfig(net.KeepAliveConfig{Enable: true, Idle: 5 * time.Second, Interval: 2 * time.Second, Count: 5})
+	if n := d.opt.SocketBuffer; n > 0 {
+		setBuffer(tc, n)
+	}
+	if rc, err := tc.SyscallConn(); err == nil {
+		rc.Control(func(fd uintptr) {
+			unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, int(d.userTO.Milliseconds()))
+		})
+	}
+}
+
+// setBuffer asks for n-byte socket buffers, past net.core.[rw]mem_max when
+// the process may (SO_*BUFFORCE needs CAP_NET_ADMIN), else up to the limit.
+func setBuffer(tc *net.TCPConn, n int) {
+	rc, err := tc.SyscallConn()
+	if err != nil {
+		return
+	}
+	rc.Control(func(fd uintptr) {
+		if unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_SNDBUFFORCE, n) != nil {
+			unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_SNDBUF, n)
+		}
+		if unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUFFORCE, n) != nil {
+			unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF, n)
+		}
+	})
+}
+
+// peerLost reports whether err is a connection that ended.
+func peerLost(err error) bool {
+	return errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) ||
+		errors.Is(err, syscall.EPIPE) || errors.Is(err, net.ErrClosed) || errors.Is(err, syscall.ETIMEDOUT)
+}

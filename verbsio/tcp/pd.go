@@ -1,0 +1,174 @@
+package tcp
+
+import (
+	"fmt"
+	"sync"
+
+	"github.com/gdrlink/gdrlink/verbsio"
+)
+
+// pd is a protection domain: the regions and queue pairs that may use them.
+type pd struct {
+	dev *Device
+
+	mu     sync.RWMutex
+	closed bool
+	byR    map[uint32]*mr
+	byL    map[uint32]*mr
+	qps    map[*qp]struct{}
+}
+
+const knownAccess = verbsio.AccessLocalWrite | verbsio.AccessRemoteWrite | verbsio.AccessRemoteRead
+
+// RegisterMemory registers [addr, addr+length). The kernel is asked
+// (mincore) that the whole range is mapped.
+func (p *pd) RegisterMemory(addr uintptr, length int, access verbsio.Access) (verbsio.MemoryRegion, error) {
+	if access&^knownAccess != 0 {
+		return nil, fmt.Errorf("%w: unknown access bits %#x", verbsio.ErrNotSupported, uint32(access&^knownAccess))
+	}
+	if length > maxPayload*4 {
+		return nil, fmt.Errorf("%w: %d bytes exceed the tcp provider's limit", verbsio.ErrBadAddress, length)
+	}
+	if err := checkMapped(addr, length); err != nil {
+		return nil, err
+	}
+	p.dev.mu.Lock()
+	if p.dev.closed {
+		p.dev.mu.Unlock()
+		return nil, fmt.Errorf("%w: tcp device", verbsio.ErrClosed)
+	}
+	m := &mr{pd: p, addr: addr, n: length, access: access, lkey: p.dev.newKey(), rkey: p.dev.newKey()}
+	p.dev.mu.Unlock()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		p.dev.dropKeys(m)
+		return nil, fmt.Errorf("%w: protection domain", verbsio.ErrClosed)
+	}
+	p.byR[m.rkey] = m
+	p.byL[m.lkey] = m
+	return m, nil
+}
+
+// RegisterDMABuf is not supported: the tcp provider moves host memory only.
+func (p *pd) RegisterDMABuf(fd int, offset uint64, length int, iova uint64, access verbsio.Access) (verbsio.MemoryRegion, error) {
+	return nil, fmt.Errorf("%w: tcp provider cannot register dma-buf (GPU) memory; stage it through host memory", verbsio.ErrNotSupported)
+}
+
+// CreateQP makes a queue pair.
+func (p *pd) CreateQP(cfg verbsio.QPConfig) (verbsio.QueuePair, error) {
+	return newQP(p, cfg)
+}
+
+// Close releases the domain; ErrBusy while regions or queue pairs live.
+func (p *pd) Close() error {
+	p.mu.Lock()
+	if p.closed {
+		p.mu.Unlock()
+		return nil
+	}
+	if len(p.byR) > 0 || len(p.qps) > 0 {
+		n, m := len(p.byR), len(p.qps)
+		p.mu.Unlock()
+		return fmt.Errorf("%w: protection domain has %d memory regions and %d queue pairs open", verbsio.ErrBusy, n, m)
+	}
+	p.closed = true
+	p.mu.Unlock()
+	p.dev.mu.Lock()
+	delete(p.dev.pds, p)
+	p.dev.mu.Unlock()
+	return nil
+}
+
+// local resolves an SGE against the domain's regions: the key must name a
+// region of this domain holding the range, with need among its access.
+func (p *pd) local(s verbsio.SGE, need verbsio.Access) ([]byte, error) {
+	p.mu.RLock()
+	m := p.byL[s.LKey]
+	p.mu.RUnlock()
+	if m == nil {
+		return nil, fmt.Errorf("%w: lkey %#x is not a region of this protection domain", verbsio.ErrLocalProtection, s.LKey)
+	}
+	if !m.contains(uint64(s.Addr), uint64(s.Length)) {
+		return nil, fmt.Errorf("%w: [%#x+%d) outside region lkey %#x [%#x+%d)", verbsio.ErrLocalProtection, s.Addr, s.Length, s.LKey, m.addr, m.n)
+	}
+	if m.access&need != need {
+		return nil, fmt.Errorf("%w: region lkey %#x has access %v, need %v", verbsio.ErrLocalProtection, s.LKey, m.access, need)
+	}
+	return bytesAt(s.Addr, int(s.Length)), nil
+}
+
+// remote resolves a peer's request: on success the region is returned
+// read-locked (the caller releases it with m.use.RUnlock once the bytes
+// have moved), so it cannot be deregistered under a transfer.
+func (p *pd) remote(rkey uint32, addr uint64, n uint32, need verbsio.Access) (*mr, []byte, error) {
+	p.mu.RLock()
+	m := p.byR[rkey]
+	p.mu.RUnlock()
+	if m == nil {
+		return nil, nil, fmt.Errorf("%w: rkey %#x unknown", verbsio.ErrRemoteAccess, rkey)
+	}
+	if !m.contains(addr, uint64(n)) {
+		return nil, nil, fmt.Errorf("%w: [%#x+%d) outside region rkey %#x [%#x+%d)", verbsio.ErrRemoteAccess, addr, n, rkey, m.addr, m.n)
+	}
+	if m.access&need != need {
+		return nil, nil, fmt.Errorf("%w: region rkey %#x has access %v, need %v", verbsio.ErrRemoteAccess, rkey, m.access, need)
+	}
+	m.use.RLock()
+	if m.closed {
+		m.use.RUnlock()
+		return nil, nil, fmt.Errorf("%w: rkey %#x deregistered", verbsio.ErrRemoteAccess, rkey)
+	}
+	return m, bytesAt(uintptr(addr), int(n)), nil
+}
+
+func (d *Device) dropKeys(m *mr) {
+	d.mu.Lock()
+	delete(d.keys, m.lkey)
+	delete(d.keys, m.rkey)
+	d.mu.Unlock()
+}
+
+// mr is a registered region.
+type mr struct {
+	pd         *pd
+	addr       uintptr
+	n          int
+	lkey, rkey uint32
+	access     verbsio.Access
+
+	// use is read-held while a peer's bytes move in or out of the region;
+	// Close takes it to wait for them.
+	use    sync.RWMutex
+	closed bool
+}
+
+func (m *mr) contains(addr, n uint64) bool {
+	base := uint64(m.addr)
+	return addr >= base && addr+n >= addr && addr+n <= base+uint64(m.n)
+}
+
+func (m *mr) Addr() uintptr          { return m.addr }
+func (m *mr) Len() int               { return m.n }
+func (m *mr) LKey() uint32           { return m.lkey }
+func (m *mr) RKey() uint32           { return m.rkey }
+func (m *mr) Access() verbsio.Access { return m.access }
+
+// Close deregisters the region; it waits for a peer's transfer into or out
+// of it that is under way. Idempotent.
+func (m *mr) Close() error {
+	p := m.pd
+	p.mu.Lock()
+	if p.byR[m.rkey] != m {
+		p.mu.Unlock()
+		return nil
+	}
+	delete(p.byR, m.rkey)
+	delete(p.byL, m.lkey)
+	p.mu.Unlock()
+	m.use.Lock()
+	m.closed = true
+	m.use.Unlock()
+	p.dev.dropKeys(m)
+	return nil
+}

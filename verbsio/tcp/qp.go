@@ -1,0 +1,931 @@
+package tcp
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/gdrlink/gdrlink/verbsio"
+)
+
+// qp is a reliable-connected queue pair over one or more TCP connections
+// ("lanes") to the peer's queue pair, in each direction: the lanes this
+// side dials carry its requests and the peer's responses; the lanes the
+// peer dials carry the peer's requests and this side's responses.
+//
+// Ordering is that of a verbs queue pair: one sequencer goroutine sends the
+// work requests in post order on lane 0; a striped write sends its stripes
+// on every lane and waits for their acknowledgements before the next work
+// request (and, for a write with immediate, before the zero-length frame
+// that carries the immediate on lane 0), so whatever follows a write on
+// lane 0 finds its bytes in place. Completions are delivered in post order.
+type qp struct {
+	pd       *pd
+	dev      *Device
+	scq, rcq *cq
+	id       uint32
+	nonce    uint64
+	maxSend  int
+	maxRecv  int
+	maxSGE   int
+	inline   int
+	lanes    int
+
+	// recvMu serializes the inbound operations that consume a posted
+	// receive, so receives complete in the order they were posted.
+	recvMu sync.Mutex
+
+	mu         sync.Mutex
+	state      verbsio.QPState
+	why        error
+	connecting bool
+	remote     *endpointData
+	out        []*outLane
+	in         map[net.Conn]srcKey
+	inCount    map[srcKey]int
+	inWant     map[srcKey]int
+	inReady    chan struct{}
+	readyShut  bool
+	sq         []*swr // posted and not completed, in post order
+	unsent     []*swr // the tail of sq the sequencer has not sent
+	stop       bool   // a work request failed: send nothing more
+	nextToken  uint64
+	rq         []*rwr
+	rqTaken    bool // rq[0] is being filled by an inbound operation
+	rqPosted   chan struct{}
+	kick       chan struct{}
+	closing    chan struct{}
+	lastBad    error // the last malformed frame seen from any peer
+	wg         sync.WaitGroup
+}
+
+type srcKey struct {
+	qp    uint32
+	nonce uint64
+}
+
+// swr is a posted send work request.
+type swr struct {
+	wrid     uint64
+	op       verbsio.Opcode
+	signaled bool
+	bufs     [][]byte
+	n        int
+	raddr    uint64
+	rkey     uint32
+	imm      uint32
+	token    uint64
+	sent     bool
+	done     bool
+	st       verbsio.Status
+	stripes  int
+	stripeCh chan struct{}
+}
+
+// rwr is a posted receive.
+type rwr struct {
+	wrid uint64
+	bufs [][]byte
+	n    int
+}
+
+// expect is a response an outbound lane waits for.
+type expect struct {
+	w      *swr
+	token  uint64
+	read   bool
+	n      uint32
+	stripe bool
+}
+
+type outLane struct {
+	c    net.Conn
+	mu   sync.Mutex
+	fifo []expect
+	jobs chan net.Buffers
+}
+
+func (l *outLane) expect(e expect) {
+	l.mu.Lock()
+	l.fifo = append(l.fifo, e)
+	l.mu.Unlock()
+}
+
+func newQP(p *pd, cfg verbsio.QPConfig) (*qp, error) {
+	d := p.dev
+	scq, ok1 := cfg.SendCQ.(*cq)
+	rcq, ok2 := cfg.RecvCQ.(*cq)
+	if !ok1 || !ok2 || scq == nil || rcq == nil || scq.dev != d || rcq.dev != d {
+		return nil, fmt.Errorf("%w: queue pair needs completion queues of the same tcp device", verbsio.ErrBadConfig)
+	}
+	q := &qp{pd: p, dev: d, scq: scq, rcq: rcq, nonce: rand.Uint64(), lanes: d.opt.Lanes,
+		maxSend: cfg.MaxSendWR, maxRecv: cfg.MaxRecvWR, maxSGE: cfg.MaxSGE, inline: cfg.MaxInline,
+		in: map[net.Conn]srcKey{}, inCount: map[srcKey]int{}, inWant: map[srcKey]int{},
+		inReady: make(chan struct{}), rqPosted: make(chan struct{}), kick: make(chan struct{}, 1), closing: make(chan struct{})}
+	if q.maxSend == 0 {
+		q.maxSend = d.cfg.QueueDepth
+	}
+	if q.maxRecv == 0 {
+		q.maxRecv = d.cfg.QueueDepth
+	}
+	if q.maxSGE == 0 {
+		q.maxSGE = 1
+	}
+	switch {
+	case q.maxSend < 1 || q.maxSend > 65536 || q.maxRecv < 1 || q.maxRecv > 65536:
+		return nil, fmt.Errorf("%w: queue depths %d/%d, want 1..65536", verbsio.ErrBadConfig, q.maxSend, q.maxRecv)
+	case q.maxSGE < 0 || q.maxSGE > 16:
+		return nil, fmt.Errorf("%w: %d SGEs per work request, want 1..16", verbsio.ErrBadConfig, q.maxSGE)
+	case q.inline < 0 || q.inline > maxInline:
+		return nil, fmt.Errorf("%w: inline size %d, want 0..%d", verbsio.ErrBadConfig, q.inline, maxInline)
+	}
+	d.mu.Lock()
+	if d.closed {
+		d.mu.Unlock()
+		return nil, fmt.Errorf("%w: tcp device", verbsio.ErrClosed)
+	}
+	for {
+		d.nextQP++
+		if _, used := d.qps[d.nextQP]; d.nextQP != 0 && !used {
+			break
+		}
+	}
+	q.id = d.nextQP
+	d.qps[q.id] = q
+	d.mu.Unlock()
+	p.mu.Lock()
+	if p.closed {
+		p.mu.Unlock()
+		d.mu.Lock()
+		delete(d.qps, q.id)
+		d.mu.Unlock()
+		return nil, fmt.Errorf("%w: protection domain", verbsio.ErrClosed)
+	}
+	p.qps[q] = struct{}{}
+	p.mu.Unlock()
+	for _, c := range []*cq{scq, rcq} {
+		c.mu.Lock()
+		c.refs++
+		c.mu.Unlock()
+	}
+	return q, nil
+}
+
+// Endpoint is what the peer needs to connect: this device's address, the
+// queue pair's number and a nonce that a stale or forged hello lacks.
+func (q *qp) Endpoint() verbsio.Endpoint {
+	e := endpointData{lanes: uint8(q.lanes), qp: q.id, nonce: q.nonce, addr: q.dev.addr}
+	return verbsio.Endpoint{Provider: Name, Host: q.dev.host, Data: e.Append(nil)}
+}
+
+// State is the queue pair's state.
+func (q *qp) State() verbsio.QPState {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.state
+}
+
+// Connect dials the peer's lanes, waits for the peer's lanes to arrive and
+// makes the queue pair ready. Without a deadline in ctx it gives up after
+// Config.ConnectTimeout.
+func (q *qp) Connect(ctx context.Context, remote verbsio.Endpoint) error {
+	if remote.Provider != Name {
+		return fmt.Errorf("%w: endpoint of provider %q given to a tcp queue pair", verbsio.ErrBadConfig, remote.Provider)
+	}
+	ep, err := parseEndpointData(remote.Data)
+	if err != nil {
+		return err
+	}
+	q.mu.Lock()
+	if q.state != verbsio.QPInit || q.connecting {
+		st := q.state
+		q.mu.Unlock()
+		return fmt.Errorf("%w: Connect on a queue pair in state %v", verbsio.ErrQPState, st)
+	}
+	q.connecting = true
+	q.remote = &ep
+	q.checkInReadyLocked()
+	q.mu.Unlock()
+
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, q.dev.cfg.ConnectTimeout)
+		defer cancel()
+	}
+	lanes := make([]*outLane, 0, q.lanes)
+	abort := func(err error) error {
+		for _, l := range lanes {
+			l.c.Close()
+		}
+		q.fail(err, false)
+		return err
+	}
+	for i := 0; i < q.lanes; i++ {
+		c, err := q.dev.dial(ctx, ep.addr, hello{lane: uint8(i), lanes: uint8(q.lanes), dstQP: ep.qp, dstNonce: ep.nonce, srcQP: q.id, srcNonce: q.nonce})
+		if err != nil {
+			return abort(fmt.Errorf("%w: tcp: connecting lane %d to %s: %w", ctxSentinel(ctx, verbsio.ErrPeerLost), i, ep.addr, err))
+		}
+		lanes = append(lanes, &outLane{c: c})
+	}
+	select {
+	case <-q.inReady:
+	case <-ctx.Done():
+		return abort(fmt.Errorf("%w: tcp: peer queue pair %d at %s did not connect back: %w", verbsio.ErrTimeout, ep.qp, ep.addr, ctx.Err()))
+	case <-q.closing:
+		return abort(fmt.Errorf("%w: queue pair closed while connecting", verbsio.ErrClosed))
+	}
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.state != verbsio.QPInit {
+		for _, l := range lanes {
+			l.c.Close()
+		}
+		return fmt.Errorf("%w: queue pair %v while connecting: %w", verbsio.ErrQPState, q.state, q.why)
+	}
+	q.out = lanes
+	q.state = verbsio.QPReady
+	for i, l := range lanes {
+		q.wg.Add(1)
+		go q.readResponses(l)
+		if i > 0 {
+			l.jobs = make(chan net.Buffers, 4)
+			q.wg.Add(1)
+			go q.laneWriter(l)
+		}
+	}
+	q.wg.Add(1)
+	go q.sequencer()
+	return nil
+}
+
+func ctxSentinel(ctx context.Context, otherwise error) error {
+	if ctx.Err() != nil {
+		return verbsio.ErrTimeout
+	}
+	return otherwise
+}
+
+// checkInReadyLocked closes inReady once every lane of the remote arrived.
+func (q *qp) checkInReadyLocked() {
+	if q.remote == nil || q.readyShut {
+		return
+	}
+	k := srcKey{q.remote.qp, q.remote.nonce}
+	if want := q.inWant[k]; want > 0 && q.inCount[k] >= want {
+		q.readyShut = true
+		close(q.inReady)
+	}
+}
+
+// addInbound takes an accepted lane whose hello named this queue pair.
+// Before Connect any peer holding the endpoint may connect (its requests are
+// checked like any other); after, only the connected peer.
+func (q *qp) addInbound(c net.Conn, h hello) bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.state == verbsio.QPError || q.state == verbsio.QPClosed {
+		return false
+	}
+	k := srcKey{h.srcQP, h.srcNonce}
+	if q.remote != nil && k != (srcKey{q.remote.qp, q.remote.nonce}) {
+		return false
+	}
+	q.in[c] = k
+	q.inCount[k]++
+	q.inWant[k] = int(h.lanes)
+	q.checkInReadyLocked()
+	q.wg.Add(1)
+	go q.serve(c, k)
+	return true
+}
+
+// PostSend checks the chain and queues it for the sequencer; a bad work
+// request rejects the whole chain with an error naming it.
+func (q *qp) PostSend(wrs []verbsio.SendWR) error {
+	ws := make([]*swr, len(wrs))
+	for i := range wrs {
+		w, err := q.prepare(&wrs[i])
+		if err != nil {
+			return fmt.Errorf("work request %d (wrid %d): %w", i, wrs[i].WRID, err)
+		}
+		ws[i] = w
+	}
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.state != verbsio.QPReady {
+		return fmt.Errorf("%w: PostSend on a queue pair in state %v: %v", verbsio.ErrQPState, q.state, q.why)
+	}
+	if len(q.sq)+len(ws) > q.maxSend {
+		return fmt.Errorf("%w: %d outstanding + %d posted > send queue depth %d", verbsio.ErrQueueFull, len(q.sq), len(ws), q.maxSend)
+	}
+	for _, w := range ws {
+		q.nextToken++
+		w.token = q.nextToken
+	}
+	q.sq = append(q.sq, ws...)
+	q.unsent = append(q.unsent, ws...)
+	select {
+	case q.kick <- struct{}{}:
+	default:
+	}
+	return nil
+}
+
+func (q *qp) prepare(wr *verbsio.SendWR) (*swr, error) {
+	w := &swr{wrid: wr.WRID, op: wr.Op, signaled: wr.Signaled, raddr: wr.RemoteAddr, rkey: wr.RKey}
+	switch wr.Op {
+	case verbsio.OpWrite, verbsio.OpSend, verbsio.OpRead:
+	case verbsio.OpWriteImm:
+		w.imm = wr.Imm
+	default:
+		return nil, fmt.Errorf("%w: opcode %v on a send queue", verbsio.ErrNotSupported, wr.Op)
+	}
+	if len(wr.SG) > q.maxSGE {
+		return nil, fmt.Errorf("%w: %d SGEs, queue pair allows %d", verbsio.ErrLocalLength, len(wr.SG), q.maxSGE)
+	}
+	for _, s := range wr.SG {
+		w.n += int(s.Length)
+	}
+	if w.n > maxPayload {
+		return nil, fmt.Errorf("%w: %d bytes, at most %d per work request", verbsio.ErrLocalLength, w.n, maxPayload)
+	}
+	if wr.Inline {
+		if wr.Op == verbsio.OpRead {
+			return nil, fmt.Errorf("%w: inline read", verbsio.ErrNotSupported)
+		}
+		if w.n > q.inline {
+			return nil, fmt.Errorf("%w: inline payload of %d bytes, queue pair allows %d", verbsio.ErrLocalLength, w.n, q.inline)
+		}
+		b := make([]byte, 0, w.n)
+		for _, s := range wr.SG {
+			b = append(b, bytesAt(s.Addr, int(s.Length))...)
+		}
+		w.bufs = [][]byte{b}
+		return w, nil
+	}
+	var need verbsio.Access
+	if wr.Op == verbsio.OpRead {
+		need = verbsio.AccessLocalWrite
+	}
+	for _, s := range wr.SG {
+		b, err := q.pd.local(s, need)
+		if err != nil {
+			return nil, err
+		}
+		if len(b) > 0 {
+			w.bufs = append(w.bufs, b)
+		}
+	}
+	return w, nil
+}
+
+// PostRecv checks the chain and posts it; receives may be posted before
+// Connect. A bad work request rejects the whole chain.
+func (q *qp) PostRecv(wrs []verbsio.RecvWR) error {
+	rs := make([]*rwr, len(wrs))
+	for i, wr := range wrs {
+		if len(wr.SG) > q.maxSGE {
+			return fmt.Errorf("receive %d (wrid %d): %w: %d SGEs, queue pair allows %d", i, wr.WRID, verbsio.ErrLocalLength, len(wr.SG), q.maxSGE)
+		}
+		r := &rwr{wrid: wr.WRID}
+		for _, s := range wr.SG {
+			b, err := q.pd.local(s, verbsio.AccessLocalWrite)
+			if err != nil {
+				return fmt.Errorf("receive %d (wrid %d): %w", i, wr.WRID, err)
+			}
+			if len(b) > 0 {
+				r.bufs = append(r.bufs, b)
+			}
+			r.n += len(b)
+		}
+		rs[i] = r
+	}
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.state != verbsio.QPInit && q.state != verbsio.QPReady {
+		return fmt.Errorf("%w: PostRecv on a queue pair in state %v: %v", verbsio.ErrQPState, q.state, q.why)
+	}
+	if len(q.rq)+len(rs) > q.maxRecv {
+		return fmt.Errorf("%w: %d posted + %d > receive queue depth %d", verbsio.ErrQueueFull, len(q.rq), len(rs), q.maxRecv)
+	}
+	q.rq = append(q.rq, rs...)
+	close(q.rqPosted)
+	q.rqPosted = make(chan struct{})
+	return nil
+}
+
+// Close fails what is outstanding as flushed, closes the lanes and waits for
+// the queue pair's goroutines. Idempotent.
+func (q *qp) Close() error {
+	q.mu.Lock()
+	if q.state == verbsio.QPClosed {
+		q.mu.Unlock()
+		return nil
+	}
+	q.failLocked(fmt.Errorf("%w: queue pair closed", verbsio.ErrClosed), false)
+	q.state = verbsio.QPClosed
+	q.mu.Unlock()
+	q.wg.Wait()
+	q.dev.mu.Lock()
+	delete(q.dev.qps, q.id)
+	q.dev.mu.Unlock()
+	q.pd.mu.Lock()
+	delete(q.pd.qps, q)
+	q.pd.mu.Unlock()
+	for _, c := range []*cq{q.scq, q.rcq} {
+		c.mu.Lock()
+		c.refs--
+		c.mu.Unlock()
+	}
+	return nil
+}
+
+func (q *qp) fail(err error, peerGone bool) {
+	q.mu.Lock()
+	q.failLocked(err, peerGone)
+	q.mu.Unlock()
+}
+
+// failLocked puts the queue pair in the error state: lanes closed, sent work
+// requests completed with StatusRetryExceeded when the peer is gone (else
+// flushed), the others and every posted receive flushed.
+func (q *qp) failLocked(err error, peerGone bool) {
+	if q.state == verbsio.QPError || q.state == verbsio.QPClosed {
+		return
+	}
+	q.state, q.why = verbsio.QPError, err
+	close(q.closing)
+	for _, l := range q.out {
+		l.c.Close()
+	}
+	for c := range q.in {
+		c.Close()
+	}
+	var cs []verbsio.Completion
+	for _, w := range q.sq {
+		st := verbsio.StatusFlushed
+		switch {
+		case w.done:
+			st = w.st
+		case w.sent && peerGone:
+			st = verbsio.StatusRetryExceeded
+		}
+		if st != verbsio.StatusSuccess || w.signaled {
+			cs = append(cs, verbsio.Completion{WRID: w.wrid, Status: st, Op: w.op, QP: q})
+		}
+	}
+	q.sq, q.unsent = nil, nil
+	q.scq.push(cs...)
+	cs = cs[:0]
+	for _, r := range q.rq {
+		cs = append(cs, verbsio.Completion{WRID: r.wrid, Status: verbsio.StatusFlushed, Op: verbsio.OpRecv, QP: q})
+	}
+	q.rq, q.rqTaken = nil, false
+	q.rcq.push(cs...)
+}
+
+// respond records a response to one frame of w and delivers the completions
+// that are now due, in post order.
+func (q *qp) respond(e expect, st verbsio.Status) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.state != verbsio.QPReady {
+		return
+	}
+	w := e.w
+	if st != verbsio.StatusSuccess {
+		q.stop = true
+		if w.st == verbsio.StatusSuccess {
+			w.st = st
+		}
+	}
+	if e.stripe {
+		w.stripes--
+		if w.stripes == 0 {
+			close(w.stripeCh)
+			if w.op == verbsio.OpWrite || w.st != verbsio.StatusSuccess {
+				w.done = true
+			}
+		}
+	} else {
+		w.done = true
+	}
+	var cs []verbsio.Completion
+	var failed *swr
+	for len(q.sq) > 0 && q.sq[0].done {
+		h := q.sq[0]
+		q.sq = q.sq[1:]
+		if h.st != verbsio.StatusSuccess {
+			cs = append(cs, verbsio.Completion{WRID: h.wrid, Status: h.st, Op: h.op, QP: q})
+			failed = h
+			break
+		}
+		if h.signaled {
+			cs = append(cs, verbsio.Completion{WRID: h.wrid, Status: h.st, Op: h.op, QP: q})
+		}
+	}
+	q.scq.push(cs...)
+	if failed != nil {
+		// As on a verbs queue pair, an error moves the queue pair to the
+		// error state and flushes what follows.
+		q.failLocked(fmt.Errorf("work request %d failed: %w", failed.wrid, failed.st.Err()), false)
+	}
+}
+
+// sequencer sends posted work requests in order.
+func (q *qp) sequencer() {
+	defer q.wg.Done()
+	hdrs := make([]byte, 0, 64*headerLen)
+	for {
+		select {
+		case <-q.kick:
+		case <-q.closing:
+			return
+		}
+		for {
+			q.mu.Lock()
+			if q.state != verbsio.QPReady || q.stop || len(q.unsent) == 0 {
+				q.mu.Unlock()
+				break
+			}
+			// A batch of small work requests goes out in one writev; a
+			// striped write goes alone.
+			var batch []*swr
+			size := 0
+			for len(q.unsent) > 0 && len(batch) < 64 && size < 1<<20 {
+				w := q.unsent[0]
+				if q.striped(w) {
+					if len(batch) == 0 {
+						batch = append(batch, w)
+						q.unsent = q.unsent[1:]
+					}
+					break
+				}
+				batch = append(batch, w)
+				size += w.n
+				q.unsent = q.unsent[1:]
+			}
+			for _, w := range batch {
+				w.sent = true
+			}
+			l0 := q.out[0]
+			q.mu.Unlock()
+			var err error
+			if len(batch) == 1 && q.striped(batch[0]) {
+				err = q.sendStriped(batch[0])
+			} else {
+				bufs := make(net.Buffers, 0, 2*len(batch))
+				hdrs = hdrs[:0]
+				for _, w := range batch {
+					h := w.header(w.n)
+					e := expect{w: w, token: w.token}
+					if w.op == verbsio.OpRead {
+						e.read, e.n = true, uint32(w.n)
+					}
+					l0.expect(e)
+					start := len(hdrs)
+					hdrs = h.Append(hdrs)
+					bufs = append(bufs, hdrs[start:len(hdrs):len(hdrs)])
+					if w.op != verbsio.OpRead {
+						bufs = append(bufs, w.bufs...)
+					}
+				}
+				_, err = bufs.WriteTo(l0.c)
+			}
+			if err != nil {
+				q.fail(fmt.Errorf("%w: tcp: sending to the peer: %w", verbsio.ErrPeerLost, err), true)
+				return
+			}
+		}
+	}
+}
+
+func (w *swr) header(n int) header {
+	h := header{token: w.token, length: uint32(n), raddr: w.raddr, rkey: w.rkey}
+	switch w.op {
+	case verbsio.OpWrite:
+		h.op = opWrite
+	case verbsio.OpWriteImm:
+		h.op, h.imm, h.flags, h.total = opWriteImm, w.imm, flagLast, uint32(n)
+	case verbsio.OpSend:
+		h.op, h.raddr, h.rkey = opSend, 0, 0
+	case verbsio.OpRead:
+		h.op = opReadReq
+	}
+	return h
+}
+
+func (q *qp) striped(w *swr) bool {
+	return len(q.out) > 1 && (w.op == verbsio.OpWrite || w.op == verbsio.OpWriteImm) && w.n >= q.dev.opt.StripeMin
+}
+
+// sendStriped sends w's bytes as one plain write per lane, waits until every
+// stripe is acknowledged, then (write with immediate) sends the zero-length
+// frame carrying the immediate on lane 0.
+func (q *qp) sendStriped(w *swr) error {
+	k := len(q.out)
+	part := (w.n + k - 1) / k
+	part = (part + 65535) &^ 65535
+	q.mu.Lock()
+	w.stripeCh = make(chan struct{})
+	for off := 0; off < w.n; off += part {
+		w.stripes++
+	}
+	q.mu.Unlock()
+	var first net.Buffers
+	for i, off := 0, 0; off < w.n; i, off = i+1, off+part {
+		n := min(part, w.n-off)
+		h := header{op: opWrite, token: w.token, length: uint32(n), raddr: w.raddr + uint64(off), rkey: w.rkey}
+		bufs := append(net.Buffers{h.Append(nil)}, slices(w.bufs, off, n)...)
+		l := q.out[i]
+		l.expect(expect{w: w, token: w.token, stripe: true})
+		if i == 0 {
+			first = bufs
+			continue
+		}
+		select {
+		case l.jobs <- bufs:
+		case <-q.closing:
+			return nil
+		}
+	}
+	if _, err := first.WriteTo(q.out[0].c); err != nil {
+		return err
+	}
+	select {
+	case <-w.stripeCh:
+	case <-q.closing:
+		return nil
+	}
+	if w.op != verbsio.OpWriteImm {
+		return nil
+	}
+	q.mu.Lock()
+	ok := w.st == verbsio.StatusSuccess && q.state == verbsio.QPReady
+	q.mu.Unlock()
+	if !ok {
+		return nil
+	}
+	h := header{op: opWriteImm, flags: flagLast, token: w.token, raddr: w.raddr, rkey: w.rkey, imm: w.imm, total: uint32(w.n)}
+	q.out[0].expect(expect{w: w, token: w.token})
+	_, err := q.out[0].c.Write(h.Append(make([]byte, 0, headerLen)))
+	return err
+}
+
+func (q *qp) laneWriter(l *outLane) {
+	defer q.wg.Done()
+	for {
+		select {
+		case b := <-l.jobs:
+			if _, err := b.WriteTo(l.c); err != nil {
+				q.fail(fmt.Errorf("%w: tcp: sending to the peer: %w", verbsio.ErrPeerLost, err), true)
+				return
+			}
+		case <-q.closing:
+			return
+		}
+	}
+}
+
+// readResponses reads the responses on an outbound lane, in request order.
+func (q *qp) readResponses(l *outLane) {
+	defer q.wg.Done()
+	var hb [headerLen]byte
+	for {
+		if _, err := io.ReadFull(l.c, hb[:]); err != nil {
+			q.fail(fmt.Errorf("%w: tcp: connection to the peer: %w", verbsio.ErrPeerLost, err), true)
+			return
+		}
+		h, err := parseHeader(hb[:])
+		if err == nil {
+			err = q.handleResponse(l, h)
+		}
+		if err != nil {
+			q.mu.Lock()
+			q.lastBad = err
+			q.mu.Unlock()
+			q.fail(fmt.Errorf("%w: %w", verbsio.ErrPeerLost, err), true)
+			return
+		}
+	}
+}
+
+func (q *qp) handleResponse(l *outLane, h header) error {
+	l.mu.Lock()
+	if len(l.fifo) == 0 {
+		l.mu.Unlock()
+		return fmt.Errorf("%w: unexpected %s frame", verbsio.ErrBadFrame, opName(h.op))
+	}
+	e := l.fifo[0]
+	l.fifo = l.fifo[1:]
+	l.mu.Unlock()
+	if h.token != e.token {
+		return fmt.Errorf("%w: response token %d, want %d", verbsio.ErrBadFrame, h.token, e.token)
+	}
+	switch {
+	case h.op == opAck && !e.read:
+		q.respond(e, verbsio.StatusSuccess)
+	case h.op == opNak:
+		q.respond(e, h.status)
+	case h.op == opReadResp && e.read:
+		if h.length != e.n {
+			return fmt.Errorf("%w: read response of %d bytes, asked %d", verbsio.ErrBadFrame, h.length, e.n)
+		}
+		for _, b := range e.w.bufs {
+			if _, err := io.ReadFull(l.c, b); err != nil {
+				return err
+			}
+		}
+		q.respond(e, verbsio.StatusSuccess)
+	default:
+		return fmt.Errorf("%w: %s frame in answer to a %v", verbsio.ErrBadFrame, opName(h.op), e.w.op)
+	}
+	return nil
+}
+
+var errRNR = errors.New("no receive posted")
+
+// takeRecv returns the oldest posted receive, waiting up to the RNR timeout
+// for one. The caller holds recvMu.
+func (q *qp) takeRecv() (*rwr, error) {
+	var timer *time.Timer
+	for {
+		q.mu.Lock()
+		if q.state == verbsio.QPError || q.state == verbsio.QPClosed {
+			q.mu.Unlock()
+			return nil, verbsio.ErrClosed
+		}
+		if len(q.rq) > 0 {
+			q.rqTaken = true
+			r := q.rq[0]
+			q.mu.Unlock()
+			return r, nil
+		}
+		ch := q.rqPosted
+		q.mu.Unlock()
+		if timer == nil {
+			timer = time.NewTimer(q.dev.opt.RNRTimeout)
+			defer timer.Stop()
+		}
+		select {
+		case <-ch:
+		case <-q.closing:
+			return nil, verbsio.ErrClosed
+		case <-timer.C:
+			return nil, errRNR
+		}
+	}
+}
+
+// finishRecv completes the taken receive r with c (or puts it back when c
+// is nil); a receive flushed meanwhile is left alone.
+func (q *qp) finishRecv(r *rwr, c *verbsio.Completion) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if !q.rqTaken || len(q.rq) == 0 || q.rq[0] != r {
+		return
+	}
+	q.rqTaken = false
+	if c == nil {
+		return
+	}
+	q.rq = q.rq[1:]
+	c.WRID, c.QP = r.wrid, q
+	q.rcq.push(*c)
+}
+
+// serve answers the requests of one inbound lane. Every request is checked
+// (key, range, access, receive posted) before any of its payload is read;
+// a payload that has nowhere to go is read into a small scratch buffer and
+// dropped.
+func (q *qp) serve(c net.Conn, src srcKey) {
+	defer q.wg.Done()
+	var hb [headerLen]byte
+	resp := make([]byte, 0, headerLen)
+	answer := func(h header) error {
+		resp = h.Append(resp[:0])
+		_, err := c.Write(resp)
+		return err
+	}
+	nak := func(f header, st verbsio.Status) error {
+		return answer(header{op: opNak, token: f.token, status: st})
+	}
+	var err error
+	for err == nil {
+		if _, err = io.ReadFull(c, hb[:]); err != nil {
+			break
+		}
+		var f header
+		if f, err = parseHeader(hb[:]); err != nil {
+			break
+		}
+		switch f.op {
+		case opWrite, opWriteImm:
+			err = q.serveWrite(c, f, answer, nak)
+		case opSend:
+			err = q.serveSend(c, f, answer, nak)
+		case opReadReq:
+			m, src, aerr := q.pd.remote(f.rkey, f.raddr, f.length, verbsio.AccessRemoteRead)
+			if aerr != nil {
+				err = nak(f, verbsio.StatusRemoteAccess)
+				break
+			}
+			h := header{op: opReadResp, token: f.token, length: f.length}
+			bufs := net.Buffers{h.Append(resp[:0]), src}
+			_, err = bufs.WriteTo(c)
+			m.use.RUnlock()
+		default:
+			err = fmt.Errorf("%w: %s frame on a request lane", verbsio.ErrBadFrame, opName(f.op))
+		}
+	}
+	c.Close()
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	delete(q.in, c)
+	if errors.Is(err, verbsio.ErrBadFrame) {
+		q.lastBad = err
+	}
+	if q.remote != nil && src == (srcKey{q.remote.qp, q.remote.nonce}) {
+		if errors.Is(err, verbsio.ErrBadFrame) {
+			q.failLocked(err, true)
+		} else {
+			q.failLocked(fmt.Errorf("%w: tcp: connection from the peer: %w", verbsio.ErrPeerLost, err), true)
+		}
+	}
+}
+
+func discard(c net.Conn, n uint32) error {
+	_, err := io.CopyN(io.Discard, c, int64(n))
+	return err
+}
+
+func (q *qp) serveWrite(c net.Conn, f header, answer func(header) error, nak func(header, verbsio.Status) error) error {
+	var r *rwr
+	if f.op == opWriteImm && f.flags&flagLast != 0 {
+		q.recvMu.Lock()
+		defer q.recvMu.Unlock()
+		var err error
+		if r, err = q.takeRecv(); err != nil {
+			if err != errRNR {
+				return err
+			}
+			if err := discard(c, f.length); err != nil {
+				return err
+			}
+			return nak(f, verbsio.StatusRemoteOperation)
+		}
+	}
+	m, dst, aerr := q.pd.remote(f.rkey, f.raddr, f.length, verbsio.AccessRemoteWrite)
+	if aerr != nil {
+		if r != nil {
+			q.finishRecv(r, nil)
+		}
+		if err := discard(c, f.length); err != nil {
+			return err
+		}
+		return nak(f, verbsio.StatusRemoteAccess)
+	}
+	_, err := io.ReadFull(c, dst)
+	m.use.RUnlock()
+	if err != nil {
+		return err
+	}
+	if r != nil {
+		q.finishRecv(r, &verbsio.Completion{Op: verbsio.OpRecvImm, Status: verbsio.StatusSuccess, ByteLen: f.total, Imm: f.imm, HasImm: true})
+	}
+	return answer(header{op: opAck, token: f.token})
+}
+
+func (q *qp) serveSend(c net.Conn, f header, answer func(header) error, nak func(header, verbsio.Status) error) error {
+	q.recvMu.Lock()
+	defer q.recvMu.Unlock()
+	r, err := q.takeRecv()
+	if err != nil {
+		if err != errRNR {
+			return err
+		}
+		if err := discard(c, f.length); err != nil {
+			return err
+		}
+		return nak(f, verbsio.StatusRemoteOperation)
+	}
+	if int(f.length) > r.n {
+		if err := discard(c, f.length); err != nil {
+			return err
+		}
+		q.finishRecv(r, &verbsio.Completion{Op: verbsio.OpRecv, Status: verbsio.StatusLocalLength, ByteLen: f.length})
+		return nak(f, verbsio.StatusRemoteOperation)
+	}
+	for _, b := range slices(r.bufs, 0, int(f.length)) {
+		if _, err := io.ReadFull(c, b); err != nil {
+			return err
+		}
+	}
+	q.finishRecv(r, &verbsio.Completion{Op: verbsio.OpRecv, Status: verbsio.StatusSuccess, ByteLen: f.length})
+	return answer(header{op: opAck, token: f.token})
+}
