@@ -27,8 +27,8 @@ const Unlimited int64 = -1
 // Limit is one row of /proc/<pid>/limits.
 type Limit struct {
 	// Soft and Hard are in the row's unit, Unlimited when unbounded.
-	Soft int64 `json:"soft"`
-	Hard int64 `json:"hard"`
+	Soft int64  `json:"soft"`
+	Hard int64  `json:"hard"`
 	Unit string `json:"unit,omitempty"`
 }
 

@@ -150,13 +150,13 @@ func (d *PCIDevice) IsBridge() bool { return d.Class>>8 == ClassPCIBridge }
 
 // ACS control bits (PCIe base specification, ACS extended capability).
 const (
-	ACSSourceValidation     = 1 << 0
-	ACSTranslationBlocking  = 1 << 1
-	ACSP2PRequestRedirect   = 1 << 2
+	ACSSourceValidation      = 1 << 0
+	ACSTranslationBlocking   = 1 << 1
+	ACSP2PRequestRedirect    = 1 << 2
 	ACSP2PCompletionRedirect = 1 << 3
-	ACSUpstreamForwarding   = 1 << 4
-	ACSP2PEgressControl     = 1 << 5
-	ACSDirectTranslatedP2P  = 1 << 6
+	ACSUpstreamForwarding    = 1 << 4
+	ACSP2PEgressControl      = 1 << 5
+	ACSDirectTranslatedP2P   = 1 << 6
 )
 
 // extCapACS is the PCIe extended capability ID of Access Control Services.
