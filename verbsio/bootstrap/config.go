@@ -1,0 +1,182 @@
+// Package bootstrap lets the processes of a job find each other and trade
+// the small messages that set up a verbs mesh (queue pair endpoints, region
+// addresses and keys) over plain TCP.
+//
+// Rank 0 listens at the root address; the other ranks dial it (retrying
+// until their context ends) and announce the address where they accept
+// pairwise connections; the root sends everyone the list. After Join,
+// AllGather and Barrier go through the root, and Exchange goes straight to
+// the peer. Every message is length-prefixed with a maximum size, and every
+// wait honours its context: a rank that never shows up is reported by
+// number and address, in an error wrapping verbsio.ErrTimeout.
+//
+// The job launcher is somebody else's: FromEnv reads what Slurm, Open MPI
+// and torchrun already set.
+package bootstrap
+
+import (
+	"fmt"
+	"net"
+	"os"
+	"strconv"
+	"strings"
+
+	"github.com/gdrlink/gdrlink/verbsio"
+)
+
+// Config says who this process is in the job and where the root listens.
+type Config struct {
+	// Rank is this process's number, 0..Size-1; rank 0 is the root.
+	Rank int
+	// Size is the number of processes.
+	Size int
+	// Root is the root's "host:port". Rank 0 listens there (port 0 picks
+	// one; see Group.RootAddr), unless Listener is set.
+	Root string
+	// Peers, when set, lists every rank's contact address ("host:port"),
+	// where that rank accepts pairwise connections; Peers[0] is the root
+	// when Root is empty. When nil, each rank listens on an ephemeral port
+	// of the address it reaches the root from.
+	Peers []string
+	// Listener, when set on rank 0, is used instead of listening at Root,
+	// so a caller can learn the port before the other ranks start.
+	Listener net.Listener
+	// MaxMessage bounds every message received, in bytes (0: 16 MiB).
+	MaxMessage int
+}
+
+// DefaultMaxMessage is the default of Config.MaxMessage.
+const DefaultMaxMessage = 16 << 20
+
+// Validate checks the configuration; errors wrap verbsio.ErrBadConfig.
+func (c Config) Validate() error {
+	switch {
+	case c.Size < 1:
+		return fmt.Errorf("%w: bootstrap size %d, want at least 1", verbsio.ErrBadConfig, c.Size)
+	case c.Rank < 0 || c.Rank >= c.Size:
+		return fmt.Errorf("%w: bootstrap rank %d, want 0..%d", verbsio.ErrBadConfig, c.Rank, c.Size-1)
+	case c.Peers != nil && len(c.Peers) != c.Size:
+		return fmt.Errorf("%w: %d peer addresses for %d ranks", verbsio.ErrBadConfig, len(c.Peers), c.Size)
+	case c.MaxMessage < 0:
+		return fmt.Errorf("%w: maximum message size %d", verbsio.ErrBadConfig, c.MaxMessage)
+	}
+	if c.Size > 1 && c.root() == "" && (c.Rank != 0 || c.Listener == nil) {
+		return fmt.Errorf("%w: no root address (set Root, Peers, GDRLINK_ROOT or MASTER_ADDR and MASTER_PORT)", verbsio.ErrBadConfig)
+	}
+	if r := c.root(); r != "" {
+		if _, _, err := net.SplitHostPort(r); err != nil {
+			return fmt.Errorf("%w: root address %q: %w", verbsio.ErrBadConfig, r, err)
+		}
+	}
+	return nil
+}
+
+func (c Config) root() string {
+	if c.Root != "" {
+		return c.Root
+	}
+	if len(c.Peers) > 0 {
+		return c.Peers[0]
+	}
+	return ""
+}
+
+// FromEnv builds a Config from the environment. The rank and size come from
+// the first of these that is set, most specific first:
+//
+//  1. GDRLINK_RANK and GDRLINK_SIZE (set by hand, overriding any launcher);
+//  2. torchrun: RANK and WORLD_SIZE;
+//  3. Open MPI (mpirun): OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE;
+//  4. Slurm (srun): SLURM_PROCID and SLURM_NTASKS.
+//
+// torchrun comes before the launchers it may run under (a torchrun job in a
+// Slurm allocation also has SLURM_PROCID, for the wrong process count), and
+// Open MPI before Slurm for the same reason.
+//
+// The root address is GDRLINK_ROOT ("host:port"), else MASTER_ADDR and
+// MASTER_PORT (as torchrun sets them). GDRLINK_PEERS, a comma-separated
+// list of every rank's contact address, is optional. A malformed or
+// inconsistent value is an error wrapping verbsio.ErrBadConfig that names
+// the variable.
+func FromEnv() (Config, error) { return fromLookup(os.LookupEnv) }
+
+func fromLookup(lookup func(string) (string, bool)) (Config, error) {
+	var c Config
+	sources := [][2]string{
+		{"GDRLINK_RANK", "GDRLINK_SIZE"},
+		{"RANK", "WORLD_SIZE"},
+		{"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"},
+		{"SLURM_PROCID", "SLURM_NTASKS"},
+	}
+	found := false
+	for _, s := range sources {
+		rv, rok := lookup(s[0])
+		sv, sok := lookup(s[1])
+		if !rok && !sok {
+			continue
+		}
+		if !rok || !sok {
+			missing := s[0]
+			if rok {
+				missing = s[1]
+			}
+			return c, fmt.Errorf("%w: %s is not set (it goes with %s)", verbsio.ErrBadConfig, missing, map[bool]string{true: s[0], false: s[1]}[rok])
+		}
+		var err error
+		if c.Rank, err = envInt(s[0], rv); err != nil {
+			return c, err
+		}
+		if c.Size, err = envInt(s[1], sv); err != nil {
+			return c, err
+		}
+		if c.Size < 1 {
+			return c, fmt.Errorf("%w: %s=%q, want at least 1", verbsio.ErrBadConfig, s[1], sv)
+		}
+		if c.Rank >= c.Size {
+			return c, fmt.Errorf("%w: %s=%d is not below %s=%d", verbsio.ErrBadConfig, s[0], c.Rank, s[1], c.Size)
+		}
+		found = true
+		break
+	}
+	if !found {
+		return c, fmt.Errorf("%w: no rank in the environment (GDRLINK_RANK, RANK, OMPI_COMM_WORLD_RANK or SLURM_PROCID)", verbsio.ErrBadConfig)
+	}
+	if v, ok := lookup("GDRLINK_ROOT"); ok && v != "" {
+		if _, _, err := net.SplitHostPort(v); err != nil {
+			return c, fmt.Errorf("%w: GDRLINK_ROOT=%q is not host:port: %w", verbsio.ErrBadConfig, v, err)
+		}
+		c.Root = v
+	} else if a, ok := lookup("MASTER_ADDR"); ok && a != "" {
+		p, ok := lookup("MASTER_PORT")
+		if !ok || p == "" {
+			return c, fmt.Errorf("%w: MASTER_ADDR is set but MASTER_PORT is not", verbsio.ErrBadConfig)
+		}
+		if _, err := envInt("MASTER_PORT", p); err != nil {
+			return c, err
+		}
+		c.Root = net.JoinHostPort(a, p)
+	}
+	if v, ok := lookup("GDRLINK_PEERS"); ok && v != "" {
+		c.Peers = strings.Split(v, ",")
+		if len(c.Peers) != c.Size {
+			return c, fmt.Errorf("%w: GDRLINK_PEERS has %d addresses for %d ranks", verbsio.ErrBadConfig, len(c.Peers), c.Size)
+		}
+		for _, p := range c.Peers {
+			if _, _, err := net.SplitHostPort(p); err != nil {
+				return c, fmt.Errorf("%w: GDRLINK_PEERS entry %q: %w", verbsio.ErrBadConfig, p, err)
+			}
+		}
+	}
+	if c.Size > 1 && c.root() == "" {
+		return c, fmt.Errorf("%w: no root address: set GDRLINK_ROOT=host:port (or MASTER_ADDR and MASTER_PORT)", verbsio.ErrBadConfig)
+	}
+	return c, nil
+}
+
+func envInt(name, v string) (int, error) {
+	n, err := strconv.Atoi(strings.TrimSpace(v))
+	if err != nil || n < 0 {
+		return 0, fmt.Errorf("%w: %s=%q is not a non-negative integer", verbsio.ErrBadConfig, name, v)
+	}
+	return n, nil
+}

@@ -1,0 +1,499 @@
+package bootstrap
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/gdrlink/gdrlink/verbsio"
+)
+
+// Group is a joined job: every rank's contact address, a control
+// connection to the root (or, at the root, to every rank) and pairwise
+// connections made on first use.
+type Group struct {
+	rank, size int
+	max        int
+	ln         net.Listener
+	addrs      []string
+
+	gatherMu sync.Mutex
+	root     net.Conn   // ranks > 0: the connection to the root
+	ranks    []net.Conn // rank 0: the connection of every rank
+
+	mu      sync.Mutex
+	closed  bool
+	pairs   map[int]*pair
+	joinCh  chan joinReq
+	pending map[net.Conn]struct{}
+	wg      sync.WaitGroup
+}
+
+type pair struct {
+	mu    sync.Mutex // one Exchange at a time
+	ready chan struct{}
+	c     net.Conn
+}
+
+type joinReq struct {
+	c net.Conn
+	h helloBody
+}
+
+// Join joins the job: rank 0 listens at the root address and waits for
+// every other rank, the others dial it until ctx ends. The error of a rank
+// that never shows up names it and wraps verbsio.ErrTimeout.
+func Join(ctx context.Context, cfg Config) (*Group, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	g := &Group{rank: cfg.Rank, size: cfg.Size, max: cfg.MaxMessage, pairs: map[int]*pair{},
+		joinCh: make(chan joinReq, cfg.Size), pending: map[net.Conn]struct{}{}}
+	if g.max == 0 {
+		g.max = DefaultMaxMessage
+	}
+	var err error
+	if cfg.Rank == 0 {
+		err = g.joinRoot(ctx, cfg)
+	} else {
+		err = g.joinRank(ctx, cfg)
+	}
+	if err != nil {
+		g.Close()
+		return nil, err
+	}
+	return g, nil
+}
+
+func (g *Group) listen(addr string) error {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return fmt.Errorf("%w: bootstrap rank %d: listening on %s: %w", verbsio.ErrBadConfig, g.rank, addr, err)
+	}
+	g.ln = ln
+	g.wg.Add(1)
+	go g.acceptLoop()
+	return nil
+}
+
+func (g *Group) joinRoot(ctx context.Context, cfg Config) error {
+	if cfg.Listener != nil {
+		g.ln = cfg.Listener
+		g.wg.Add(1)
+		go g.acceptLoop()
+	} else if err := g.listen(cfg.root()); err != nil {
+		return err
+	}
+	g.addrs = make([]string, g.size)
+	g.addrs[0] = contactOf(g.ln.Addr().String(), cfg.root())
+	g.ranks = make([]net.Conn, g.size)
+	for joined := 1; joined < g.size; {
+		select {
+		case j := <-g.joinCh:
+			why := ""
+			switch {
+			case j.h.size != g.size:
+				why = fmt.Sprintf("job size %d, root has %d", j.h.size, g.size)
+			case j.h.rank == 0 || g.ranks[j.h.rank] != nil:
+				why = fmt.Sprintf("rank %d already joined", j.h.rank)
+			}
+			if why != "" {
+				j.c.Write(appendMsg(nil, tRefused, []byte(why)))
+				j.c.Close()
+				continue
+			}
+			g.ranks[j.h.rank] = j.c
+			g.addrs[j.h.rank] = j.h.contact
+			joined++
+		case <-ctx.Done():
+			var missing []string
+			for r := 1; r < g.size; r++ {
+				if g.ranks[r] == nil {
+					missing = append(missing, fmt.Sprint(r))
+				}
+			}
+			return fmt.Errorf("%w: bootstrap root %s: rank(s) %s of %d never joined: %w", verbsio.ErrTimeout, g.addrs[0], strings.Join(missing, ", "), g.size, ctx.Err())
+		}
+	}
+	list := make([][]byte, g.size)
+	for i, a := range g.addrs {
+		list[i] = []byte(a)
+	}
+	m := appendMsg(nil, tAddrs, appendList(nil, list))
+	for r := 1; r < g.size; r++ {
+		if err := g.io(ctx, g.ranks[r], func(c net.Conn) error { _, err := c.Write(m); return err }); err != nil {
+			return fmt.Errorf("bootstrap root: sending addresses to rank %d at %s: %w", r, g.addrs[r], err)
+		}
+	}
+	return nil
+}
+
+// contactOf replaces an unspecified listening IP with the host of the
+// address the ranks were told (the root address or a peer list entry).
+func contactOf(listening, told string) string {
+	h, p, err := net.SplitHostPort(listening)
+	if err != nil {
+		return listening
+	}
+	if ip := net.ParseIP(h); ip == nil || !ip.IsUnspecified() {
+		return listening
+	}
+	if th, _, err := net.SplitHostPort(told); err == nil && th != "" {
+		return net.JoinHostPort(th, p)
+	}
+	return listening
+}
+
+func (g *Group) joinRank(ctx context.Context, cfg Config) error {
+	root := cfg.root()
+	var c net.Conn
+	var last error
+	for wait := 20 * time.Millisecond; ; wait = min(2*wait, time.Second) {
+		var d net.Dialer
+		c, last = d.DialContext(ctx, "tcp", root)
+		if last == nil {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%w: bootstrap rank %d: root (rank 0) at %s unreachable: %v (%w)", verbsio.ErrTimeout, g.rank, root, last, ctx.Err())
+		case <-time.After(wait):
+		}
+	}
+	g.root = c
+	contact := ""
+	if cfg.Peers != nil {
+		contact = cfg.Peers[g.rank]
+	} else {
+		h, _, _ := net.SplitHostPort(c.LocalAddr().String())
+		contact = net.JoinHostPort(h, "0")
+	}
+	if err := g.listen(contact); err != nil {
+		return err
+	}
+	contact = contactOf(g.ln.Addr().String(), contact)
+	hm := appendMsg(nil, tHello, helloBody{rank: g.rank, size: g.size, contact: contact}.Append(nil))
+	var m msg
+	err := g.io(ctx, c, func(c net.Conn) error {
+		if _, err := c.Write(hm); err != nil {
+			return err
+		}
+		var err error
+		m, err = readMsg(c, g.max)
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("bootstrap rank %d: waiting for the address list from the root at %s (are all %d ranks started?): %w", g.rank, root, g.size, err)
+	}
+	switch m.typ {
+	case tAddrs:
+	case tRefused:
+		return fmt.Errorf("%w: bootstrap rank %d: root %s refused: %s", verbsio.ErrBadConfig, g.rank, root, m.body)
+	default:
+		return fmt.Errorf("%w: bootstrap: message type %d from the root, want the address list", verbsio.ErrBadFrame, m.typ)
+	}
+	list, err := parseList(m.body, g.size)
+	if err != nil {
+		return err
+	}
+	g.addrs = make([]string, g.size)
+	for i, a := range list {
+		g.addrs[i] = string(a)
+	}
+	return nil
+}
+
+// io runs fn on c with c's deadline following ctx: cancelling ctx
+// interrupts a blocked read or write. A failure because ctx ended wraps
+// verbsio.ErrTimeout.
+func (g *Group) io(ctx context.Context, c net.Conn, fn func(net.Conn) error) error {
+	if dl, ok := ctx.Deadline(); ok {
+		c.SetDeadline(dl)
+	}
+	stop := context.AfterFunc(ctx, func() { c.SetDeadline(time.Unix(1, 0)) })
+	err := fn(c)
+	stop()
+	c.SetDeadline(time.Time{})
+	switch {
+	case err == nil:
+		return nil
+	case ctx.Err() != nil || errors.Is(err, os.ErrDeadlineExceeded):
+		return fmt.Errorf("%w: %w", verbsio.ErrTimeout, err)
+	case errors.Is(err, verbsio.ErrBadFrame):
+		return err
+	}
+	return fmt.Errorf("%w: %w", verbsio.ErrPeerLost, err)
+}
+
+func (g *Group) acceptLoop() {
+	defer g.wg.Done()
+	for {
+		c, err := g.ln.Accept()
+		if err != nil {
+			if errors.Is(err, net.ErrClosed) {
+				return
+			}
+			time.Sleep(10 * time.Millisecond)
+			continue
+		}
+		g.mu.Lock()
+		if g.closed {
+			g.mu.Unlock()
+			c.Close()
+			return
+		}
+		g.pending[c] = struct{}{}
+		g.wg.Add(1)
+		g.mu.Unlock()
+		go g.greet(c)
+	}
+}
+
+// greet reads the first message of an accepted connection: a rank joining
+// (root only) or a peer opening a pairwise connection.
+func (g *Group) greet(c net.Conn) {
+	defer g.wg.Done()
+	keep := false
+	defer func() {
+		g.mu.Lock()
+		delete(g.pending, c)
+		g.mu.Unlock()
+		if !keep {
+			c.Close()
+		}
+	}()
+	c.SetDeadline(time.Now().Add(30 * time.Second))
+	m, err := readMsg(c, 4096)
+	c.SetDeadline(time.Time{})
+	if err != nil {
+		return
+	}
+	h, err := parseHello(m.body)
+	if err != nil || h.size != g.size {
+		return
+	}
+	switch {
+	case m.typ == tHello && g.rank == 0:
+		select {
+		case g.joinCh <- joinReq{c: c, h: h}:
+			keep = true
+		default:
+		}
+	case m.typ == tPeerHello && h.rank < g.rank:
+		p := g.pair(h.rank)
+		g.mu.Lock()
+		if p.c == nil && !g.closed {
+			p.c = c
+			close(p.ready)
+			keep = true
+		}
+		g.mu.Unlock()
+	}
+}
+
+func (g *Group) pair(peer int) *pair {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	p := g.pairs[peer]
+	if p == nil {
+		p = &pair{ready: make(chan struct{})}
+		g.pairs[peer] = p
+	}
+	return p
+}
+
+// Rank is this process's rank.
+func (g *Group) Rank() int { return g.rank }
+
+// Size is the number of ranks.
+func (g *Group) Size() int { return g.size }
+
+// Addrs is every rank's contact address, by rank.
+func (g *Group) Addrs() []string { return slices.Clone(g.addrs) }
+
+// RootAddr is the root's address (useful when rank 0 listened on port 0).
+func (g *Group) RootAddr() string { return g.addrs[0] }
+
+// AllGather gives every rank's data, by rank, to every rank.
+func (g *Group) AllGather(ctx context.Context, data []byte) ([][]byte, error) {
+	if len(data) > g.max {
+		return nil, fmt.Errorf("%w: %d bytes over the message limit %d", verbsio.ErrBadConfig, len(data), g.max)
+	}
+	g.gatherMu.Lock()
+	defer g.gatherMu.Unlock()
+	if g.rank != 0 {
+		var m msg
+		err := g.io(ctx, g.root, func(c net.Conn) error {
+			if _, err := c.Write(appendMsg(nil, tGather, data)); err != nil {
+				return err
+			}
+			var err error
+			m, err = readMsg(c, g.max*g.size+4*g.size+4)
+			return err
+		})
+		if err != nil {
+			return nil, fmt.Errorf("bootstrap rank %d: all-gather through the root at %s: %w", g.rank, g.addrs[0], err)
+		}
+		if m.typ != tGathered {
+			return nil, fmt.Errorf("%w: message type %d from the root, want the gathered data", verbsio.ErrBadFrame, m.typ)
+		}
+		return parseList(m.body, g.size)
+	}
+	out := make([][]byte, g.size)
+	out[0] = slices.Clone(data)
+	for r := 1; r < g.size; r++ {
+		var m msg
+		err := g.io(ctx, g.ranks[r], func(c net.Conn) error {
+			var err error
+			m, err = readMsg(c, g.max)
+			return err
+		})
+		if err != nil {
+			return nil, fmt.Errorf("bootstrap root: rank %d at %s did not reach the all-gather: %w", r, g.addrs[r], err)
+		}
+		if m.typ != tGather {
+			return nil, fmt.Errorf("%w: message type %d from rank %d, want its all-gather data", verbsio.ErrBadFrame, m.typ, r)
+		}
+		out[r] = m.body
+	}
+	reply := appendMsg(nil, tGathered, appendList(nil, out))
+	for r := 1; r < g.size; r++ {
+		if err := g.io(ctx, g.ranks[r], func(c net.Conn) error { _, err := c.Write(reply); return err }); err != nil {
+			return nil, fmt.Errorf("bootstrap root: sending the all-gather to rank %d at %s: %w", r, g.addrs[r], err)
+		}
+	}
+	return out, nil
+}
+
+// Barrier returns once every rank has called it.
+func (g *Group) Barrier(ctx context.Context) error {
+	_, err := g.AllGather(ctx, nil)
+	return err
+}
+
+// Exchange sends data to peer and returns what peer sent in its Exchange
+// with this rank. The lower rank dials the higher one on first use.
+func (g *Group) Exchange(ctx context.Context, peer int, data []byte) ([]byte, error) {
+	if peer < 0 || peer >= g.size {
+		return nil, fmt.Errorf("%w: exchange with rank %d of %d", verbsio.ErrBadConfig, peer, g.size)
+	}
+	if len(data) > g.max {
+		return nil, fmt.Errorf("%w: %d bytes over the message limit %d", verbsio.ErrBadConfig, len(data), g.max)
+	}
+	if peer == g.rank {
+		return slices.Clone(data), nil
+	}
+	p := g.pair(peer)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := g.openPair(ctx, peer, p); err != nil {
+		return nil, err
+	}
+	var m msg
+	err := g.io(ctx, p.c, func(c net.Conn) error {
+		if _, err := c.Write(appendMsg(nil, tExchange, data)); err != nil {
+			return err
+		}
+		var err error
+		m, err = readMsg(c, g.max)
+		return err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("bootstrap rank %d: exchange with rank %d at %s: %w", g.rank, peer, g.addrs[peer], err)
+	}
+	if m.typ != tExchange {
+		return nil, fmt.Errorf("%w: message type %d from rank %d, want an exchange", verbsio.ErrBadFrame, m.typ, peer)
+	}
+	return m.body, nil
+}
+
+func (g *Group) openPair(ctx context.Context, peer int, p *pair) error {
+	if peer < g.rank {
+		select {
+		case <-p.ready:
+			return nil
+		case <-ctx.Done():
+			return fmt.Errorf("%w: bootstrap rank %d: rank %d at %s never opened its pairwise connection: %w", verbsio.ErrTimeout, g.rank, peer, g.addrs[peer], ctx.Err())
+		}
+	}
+	g.mu.Lock()
+	have := p.c != nil
+	g.mu.Unlock()
+	if have {
+		return nil
+	}
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "tcp", g.addrs[peer])
+	if err != nil {
+		return fmt.Errorf("%w: bootstrap rank %d: dialing rank %d at %s: %w", ctxSentinel(ctx), g.rank, peer, g.addrs[peer], err)
+	}
+	hm := appendMsg(nil, tPeerHello, helloBody{rank: g.rank, size: g.size}.Append(nil))
+	if err := g.io(ctx, c, func(c net.Conn) error { _, err := c.Write(hm); return err }); err != nil {
+		c.Close()
+		return err
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.closed {
+		c.Close()
+		return fmt.Errorf("%w: bootstrap group", verbsio.ErrClosed)
+	}
+	p.c = c
+	close(p.ready)
+	return nil
+}
+
+func ctxSentinel(ctx context.Context) error {
+	if ctx.Err() != nil {
+		return verbsio.ErrTimeout
+	}
+	return verbsio.ErrPeerLost
+}
+
+// Close closes the listener and every connection. Idempotent.
+func (g *Group) Close() error {
+	g.mu.Lock()
+	if g.closed {
+		g.mu.Unlock()
+		return nil
+	}
+	g.closed = true
+	for c := range g.pending {
+		c.Close()
+	}
+	for _, p := range g.pairs {
+		if p.c != nil {
+			p.c.Close()
+		}
+	}
+	g.mu.Unlock()
+	if g.ln != nil {
+		g.ln.Close()
+	}
+	if g.root != nil {
+		g.root.Close()
+	}
+	for _, c := range g.ranks {
+		if c != nil {
+			c.Close()
+		}
+	}
+	// Ranks that joined after the root gave up wait in joinCh.
+	for {
+		select {
+		case j := <-g.joinCh:
+			j.c.Close()
+			continue
+		default:
+		}
+		break
+	}
+	g.wg.Wait()
+	return nil
+}

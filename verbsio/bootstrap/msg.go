@@ -1,0 +1,215 @@
+package bootstrap
+
+import (
+	"encoding/binary"
+	"fmt"
+	"io"
+
+	"github.com/gdrlink/gdrlink/verbsio"
+)
+
+// A control message on the wire: a 4-byte big-endian length of what
+// follows, a version byte, a type byte, then the body. Bodies are built from
+// u32 integers and u32-length-prefixed byte strings.
+const (
+	msgVersion = 1
+	msgHdrLen  = 6
+)
+
+// Message types.
+const (
+	tHello     = 1 // rank -> root: rank, size, contact address
+	tAddrs     = 2 // root -> rank: every rank's contact address
+	tGather    = 3 // rank -> root: its AllGather contribution
+	tGathered  = 4 // root -> rank: every contribution
+	tPeerHello = 5 // dialing rank -> peer: rank, size
+	tExchange  = 6 // rank <-> peer: one Exchange payload
+	tRefused   = 7 // root or peer -> rank: why it is turned away
+	tMax       = tRefused
+)
+
+type msg struct {
+	typ  uint8
+	body []byte
+}
+
+// appendMsg appends a framed message to b.
+func appendMsg(b []byte, typ uint8, body []byte) []byte {
+	b = binary.BigEndian.AppendUint32(b, uint32(2+len(body)))
+	b = append(b, msgVersion, typ)
+	return append(b, body...)
+}
+
+// readMsg reads one message of at most max body bytes.
+func readMsg(r io.Reader, max int) (msg, error) {
+	var h [msgHdrLen]byte
+	if _, err := io.ReadFull(r, h[:]); err != nil {
+		return msg{}, err
+	}
+	n := binary.BigEndian.Uint32(h[:])
+	if err := checkHdr(h[:], max); err != nil {
+		return msg{}, err
+	}
+	body := make([]byte, int(n)-2)
+	if _, err := io.ReadFull(r, body); err != nil {
+		if err == io.EOF {
+			err = io.ErrUnexpectedEOF
+		}
+		return msg{}, err
+	}
+	return msg{typ: h[5], body: body}, nil
+}
+
+func checkHdr(h []byte, max int) error {
+	n := binary.BigEndian.Uint32(h)
+	switch {
+	case n < 2:
+		return fmt.Errorf("%w: control message length %d", verbsio.ErrBadFrame, n)
+	case uint64(n)-2 > uint64(max):
+		return fmt.Errorf("%w: control message of %d bytes over the limit %d", verbsio.ErrBadFrame, n-2, max)
+	case h[4] != msgVersion:
+		return fmt.Errorf("%w: control message version %d", verbsio.ErrBadFrame, h[4])
+	case h[5] == 0 || h[5] > tMax:
+		return fmt.Errorf("%w: control message type %d", verbsio.ErrBadFrame, h[5])
+	}
+	return nil
+}
+
+// parseMsg decodes one framed message from the front of b and returns the
+// rest: the decoder that readMsg applies to a stream, for fuzzing.
+func parseMsg(b []byte, max int) (msg, []byte, error) {
+	if len(b) < msgHdrLen {
+		return msg{}, nil, fmt.Errorf("%w: truncated control message header", verbsio.ErrBadFrame)
+	}
+	if err := checkHdr(b, max); err != nil {
+		return msg{}, nil, err
+	}
+	n := int(binary.BigEndian.Uint32(b))
+	if len(b) < 4+n {
+		return msg{}, nil, fmt.Errorf("%w: truncated control message body", verbsio.ErrBadFrame)
+	}
+	return msg{typ: b[5], body: b[msgHdrLen : 4+n]}, b[4+n:], nil
+}
+
+// dec reads the fields of a body; the first error sticks.
+type dec struct {
+	b   []byte
+	err error
+}
+
+func (d *dec) u32() uint32 {
+	if d.err != nil {
+		return 0
+	}
+	if len(d.b) < 4 {
+		d.err = fmt.Errorf("%w: truncated integer", verbsio.ErrBadFrame)
+		return 0
+	}
+	v := binary.BigEndian.Uint32(d.b)
+	d.b = d.b[4:]
+	return v
+}
+
+func (d *dec) bytes() []byte {
+	n := d.u32()
+	if d.err != nil {
+		return nil
+	}
+	if uint64(n) > uint64(len(d.b)) {
+		d.err = fmt.Errorf("%w: string of %d bytes with %d left", verbsio.ErrBadFrame, n, len(d.b))
+		return nil
+	}
+	v := d.b[:n:n]
+	d.b = d.b[n:]
+	return v
+}
+
+// count reads a list length, checking that the list can fit in what is
+// left (each element takes at least min bytes) before anything is allocated.
+func (d *dec) count(min int) int {
+	n := d.u32()
+	if d.err == nil && uint64(n)*uint64(min) > uint64(len(d.b)) {
+		d.err = fmt.Errorf("%w: list of %d elements in %d bytes", verbsio.ErrBadFrame, n, len(d.b))
+		return 0
+	}
+	return int(n)
+}
+
+func (d *dec) end() error {
+	if d.err == nil && len(d.b) != 0 {
+		d.err = fmt.Errorf("%w: %d trailing bytes", verbsio.ErrBadFrame, len(d.b))
+	}
+	return d.err
+}
+
+func appendBytes(b, v []byte) []byte {
+	b = binary.BigEndian.AppendUint32(b, uint32(len(v)))
+	return append(b, v...)
+}
+
+// helloBody is what a rank tells the root or a peer.
+type helloBody struct {
+	rank, size int
+	contact    string
+}
+
+func (h helloBody) Append(b []byte) []byte {
+	b = binary.BigEndian.AppendUint32(b, uint32(h.rank))
+	b = binary.BigEndian.AppendUint32(b, uint32(h.size))
+	return appendBytes(b, []byte(h.contact))
+}
+
+func parseHello(b []byte) (helloBody, error) {
+	d := dec{b: b}
+	h := helloBody{rank: int(d.u32()), size: int(d.u32()), contact: string(d.bytes())}
+	if err := d.end(); err != nil {
+		return h, err
+	}
+	if h.size < 1 || h.size > 1<<20 || h.rank >= h.size {
+		return h, fmt.Errorf("%w: hello of rank %d of %d", verbsio.ErrBadFrame, h.rank, h.size)
+	}
+	return h, nil
+}
+
+// appendList encodes a list of byte strings.
+func appendList(b []byte, vs [][]byte) []byte {
+	b = binary.BigEndian.AppendUint32(b, uint32(len(vs)))
+	for _, v := range vs {
+		b = appendBytes(b, v)
+	}
+	return b
+}
+
+func parseList(b []byte, want int) ([][]byte, error) {
+	d := dec{b: b}
+	n := d.count(4)
+	if d.err != nil {
+		return nil, d.err
+	}
+	if n != want {
+		return nil, fmt.Errorf("%w: list of %d entries, want %d", verbsio.ErrBadFrame, n, want)
+	}
+	out := make([][]byte, n)
+	for i := range out {
+		out[i] = d.bytes()
+	}
+	return out, d.end()
+}
+
+// EncodeEndpoint appends a verbs endpoint in the form Exchange carries.
+func EncodeEndpoint(b []byte, e verbsio.Endpoint) []byte {
+	b = appendBytes(b, []byte(e.Provider))
+	b = appendBytes(b, []byte(e.Host))
+	return appendBytes(b, e.Data)
+}
+
+// DecodeEndpoint decodes what EncodeEndpoint made; malformed input is an
+// error wrapping verbsio.ErrBadFrame.
+func DecodeEndpoint(b []byte) (verbsio.Endpoint, error) {
+	d := dec{b: b}
+	e := verbsio.Endpoint{Provider: string(d.bytes()), Host: string(d.bytes())}
+	if data := d.bytes(); len(data) > 0 {
+		e.Data = append([]byte(nil), data...)
+	}
+	return e, d.end()
+}
