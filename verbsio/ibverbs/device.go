@@ -1,0 +1,520 @@
+package ibverbs
+
+import (
+	"context"
+	"fmt"
+	"runtime"
+	"sync"
+	"syscall"
+
+	"errors"
+
+	"github.com/gdrlink/gdrlink/internal/ibv"
+	"github.com/gdrlink/gdrlink/tensor"
+	"github.com/gdrlink/gdrlink/verbsio"
+)
+
+// Device is an open RDMA device, one port and one GID of it.
+type Device struct {
+	p    *Provider
+	c    *ibv.Context
+	ch   choice
+	cfg  verbsio.Config
+	attr ibv.DeviceAttr
+	caps verbsio.Caps
+	info verbsio.DeviceInfo
+	host string
+	// dmabufWhy says why dma-buf registration is unavailable ("" if it is).
+	dmabufWhy string
+
+	mu       sync.Mutex
+	children int
+	closed   bool
+}
+
+func newDevice(p *Provider, c *ibv.Context, ch choice, cfg verbsio.Config) (*Device, error) {
+	attr, err := c.QueryDevice()
+	if err != nil {
+		return nil, wrap(err)
+	}
+	host, _ := verbsio.HostID()
+	d := &Device{p: p, c: c, ch: ch, cfg: cfg, attr: attr, host: host, info: p.info(ch.Device, ch.Port.Num)}
+	if cfg.QueueDepth > attr.MaxQPWR {
+		return nil, fmt.Errorf("%w: RDMA_QP_QUEUE_DEPTH=%d exceeds %s's limit of %d work requests", verbsio.ErrBadConfig, cfg.QueueDepth, ch.Device, attr.MaxQPWR)
+	}
+	inline, dmabuf, why := d.probe()
+	d.dmabufWhy = why
+	d.caps = verbsio.Caps{
+		Provider:           Name,
+		MemoryTypes:        []tensor.DeviceKind{tensor.CPU, tensor.PinnedHost},
+		DMABuf:             dmabuf,
+		WriteWithImmediate: true,
+		MaxInline:          inline,
+		MaxSGE:             attr.MaxSGE,
+		MaxQPDepth:         attr.MaxQPWR,
+		MaxMessage:         int64(ch.Port.Attr.MaxMsgSize),
+	}
+	return d, nil
+}
+
+// probe learns what the device grants: the largest inline payload a queue
+// pair gets, and whether ibv_reg_dmabuf_mr exists (asked with fd -1: a
+// device without it answers EOPNOTSUPP before looking at the fd).
+func (d *Device) probe() (inline int, dmabuf bool, why string) {
+	pd, err := d.c.AllocPD()
+	if err != nil {
+		return 0, false, "probe failed: " + err.Error()
+	}
+	defer pd.Close()
+	_, err = pd.RegDMABufMR(0, 4096, 0, -1, ibv.AccessLocalWrite)
+	switch {
+	case errors.Is(err, syscall.EOPNOTSUPP) || errors.Is(err, syscall.ENOSYS):
+		why = fmt.Sprintf("%s has no dma-buf registration (ibv_reg_dmabuf_mr: %v)", d.ch.Device, err)
+	case err != nil:
+		dmabuf = true // the verb exists and rejected the fd
+	}
+	cq, err := d.c.CreateCQ(2)
+	if err != nil {
+		return 0, dmabuf, why
+	}
+	defer cq.Close()
+	for _, want := range []int{512, 256, 128, 64} {
+		qp, err := pd.CreateQP(cq, cq, ibv.QPCaps{MaxSendWR: 1, MaxRecvWR: 1, MaxSendSGE: 1, MaxRecvSGE: 1, MaxInline: want})
+		if err == nil {
+			inline = qp.Caps().MaxInline
+			qp.Close()
+			break
+		}
+	}
+	return inline, dmabuf, why
+}
+
+// Info implements verbsio.Device.
+func (d *Device) Info() verbsio.DeviceInfo { return d.info }
+
+// Caps implements verbsio.Device.
+func (d *Device) Caps() verbsio.Caps {
+	c := d.caps
+	c.MemoryTypes = append([]tensor.DeviceKind(nil), c.MemoryTypes...)
+	return c
+}
+
+// Port is the port number in use.
+func (d *Device) Port() int { return d.ch.Port.Num }
+
+// GIDIndex is the GID table index in use (-1 on InfiniBand routes by LID).
+func (d *Device) GIDIndex() int {
+	if !d.ch.Global {
+		return -1
+	}
+	return d.ch.GID.Index
+}
+
+// GID is the GID in use and its type.
+func (d *Device) GID() (string, string) { return d.ch.GID.GID.String(), d.ch.GID.Type.String() }
+
+// MTU is the path MTU this side asks for, in bytes.
+func (d *Device) MTU() int { return d.ch.MTU }
+
+// Config is the configuration the device was opened with, defaults filled.
+func (d *Device) Config() verbsio.Config { return d.cfg }
+
+// String describes the device for people.
+func (d *Device) String() string {
+	return fmt.Sprintf("ibverbs %s port %d gid[%d] %s (%s) mtu %d", d.ch.Device, d.ch.Port.Num, d.ch.GID.Index, d.ch.GID.GID, d.ch.GID.Type, d.ch.MTU)
+}
+
+// Stats are a device's cgo crossings and work counts.
+type Stats struct {
+	// Crossings is the number of cgo calls into libibverbs.
+	Crossings uint64
+	// PostSend, PostRecv, Poll and Notify are crossings by kind (chains
+	// posted, batches polled, notification calls); Control is the rest.
+	PostSend, PostRecv, Poll, Notify, Control uint64
+	// SendWRs, RecvWRs and Completions are work requests posted and
+	// completions polled.
+	SendWRs, RecvWRs, Completions uint64
+}
+
+// Stats reads the device's counters.
+func (d *Device) Stats() Stats {
+	s := d.c.Counters().Snapshot()
+	return Stats{Crossings: s.Crossings(), PostSend: s.PostSend, PostRecv: s.PostRecv, Poll: s.Poll, Notify: s.Notify,
+		Control: s.Control, SendWRs: s.SendWRs, RecvWRs: s.RecvWRs, Completions: s.Completions}
+}
+
+// StatsOf returns the counters of a device of this provider.
+func StatsOf(dev verbsio.Device) (Stats, bool) {
+	d, ok := dev.(*Device)
+	if !ok {
+		return Stats{}, false
+	}
+	return d.Stats(), true
+}
+
+func (d *Device) addChild() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return fmt.Errorf("%w: device %s", verbsio.ErrClosed, d.ch.Device)
+	}
+	d.children++
+	return nil
+}
+
+func (d *Device) dropChild() {
+	d.mu.Lock()
+	d.children--
+	d.mu.Unlock()
+}
+
+// Close implements verbsio.Device. Idempotent; ErrBusy while protection
+// domains or completion queues live.
+func (d *Device) Close() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return nil
+	}
+	if d.children > 0 {
+		return fmt.Errorf("%w: device %s has %d live protection domains or completion queues", verbsio.ErrBusy, d.ch.Device, d.children)
+	}
+	if err := d.c.Close(); err != nil {
+		return wrap(err)
+	}
+	d.closed = true
+	return nil
+}
+
+// AllocPD implements verbsio.Device.
+func (d *Device) AllocPD() (verbsio.ProtectionDomain, error) {
+	if err := d.addChild(); err != nil {
+		return nil, err
+	}
+	p, err := d.c.AllocPD()
+	if err != nil {
+		d.dropChild()
+		return nil, wrap(err)
+	}
+	return &pd{d: d, pd: p}, nil
+}
+
+// CreateCQ implements verbsio.Device.
+func (d *Device) CreateCQ(depth int) (verbsio.CompletionQueue, error) {
+	if depth < 1 {
+		return nil, fmt.Errorf("%w: completion queue depth %d", verbsio.ErrBadConfig, depth)
+	}
+	if depth > d.attr.MaxCQE {
+		return nil, fmt.Errorf("%w: completion queue depth %d exceeds %s's limit of %d", verbsio.ErrBadConfig, depth, d.ch.Device, d.attr.MaxCQE)
+	}
+	if err := d.addChild(); err != nil {
+		return nil, err
+	}
+	q, err := d.c.CreateCQ(depth)
+	if err != nil {
+		d.dropChild()
+		return nil, wrap(err)
+	}
+	return &cq{d: d, q: q, qps: map[uint32]*qpRef{}, scratch: make([]ibv.WC, 64)}, nil
+}
+
+type pd struct {
+	d  *Device
+	pd *ibv.PD
+
+	mu       sync.Mutex
+	children int
+	closed   bool
+}
+
+func (p *pd) addChild() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return fmt.Errorf("%w: protection domain", verbsio.ErrClosed)
+	}
+	p.children++
+	return nil
+}
+
+func (p *pd) dropChild() {
+	p.mu.Lock()
+	p.children--
+	p.mu.Unlock()
+}
+
+func (p *pd) Close() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return nil
+	}
+	if p.children > 0 {
+		return fmt.Errorf("%w: protection domain has %d live memory regions or queue pairs", verbsio.ErrBusy, p.children)
+	}
+	if err := p.pd.Close(); err != nil {
+		return wrap(err)
+	}
+	p.closed = true
+	p.d.dropChild()
+	return nil
+}
+
+const knownAccess = verbsio.AccessLocalWrite | verbsio.AccessRemoteWrite | verbsio.AccessRemoteRead
+
+// ibvAccess converts access flags. Verbs require local write with remote
+// write, so remote write implies it.
+func ibvAccess(a verbsio.Access) (verbsio.Access, int) {
+	if a&verbsio.AccessRemoteWrite != 0 {
+		a |= verbsio.AccessLocalWrite
+	}
+	f := 0
+	if a&verbsio.AccessLocalWrite != 0 {
+		f |= ibv.AccessLocalWrite
+	}
+	if a&verbsio.AccessRemoteWrite != 0 {
+		f |= ibv.AccessRemoteWrite
+	}
+	if a&verbsio.AccessRemoteRead != 0 {
+		f |= ibv.AccessRemoteRead
+	}
+	return a, f
+}
+
+func (p *pd) RegisterMemory(addr uintptr, length int, access verbsio.Access) (verbsio.MemoryRegion, error) {
+	if access&^knownAccess != 0 {
+		return nil, fmt.Errorf("%w: unknown access flags %#x", verbsio.ErrBadConfig, uint32(access&^knownAccess))
+	}
+	if addr == 0 || length <= 0 {
+		return nil, fmt.Errorf("%w: register %#x+%d: empty or null range", verbsio.ErrBadConfig, addr, length)
+	}
+	if uint64(length) > p.d.attr.MaxMRSize {
+		return nil, fmt.Errorf("%w: register %d bytes: %s registers at most %d", verbsio.ErrNotSupported, length, p.d.ch.Device, p.d.attr.MaxMRSize)
+	}
+	if err := p.addChild(); err != nil {
+		return nil, err
+	}
+	eff, flags := ibvAccess(access)
+	m, err := p.pd.RegMR(addr, length, flags)
+	if err != nil {
+		p.dropChild()
+		if errors.Is(err, syscall.EFAULT) {
+			return nil, fmt.Errorf("%w: %w (range not mapped)", verbsio.ErrBadConfig, err)
+		}
+		if errors.Is(err, syscall.ENOMEM) {
+			return nil, fmt.Errorf("%w: %w (locked-memory limit too low? ulimit -l)", verbsio.ErrNotSupported, err)
+		}
+		return nil, wrap(err)
+	}
+	return &mr{p: p, m: m, access: eff}, nil
+}
+
+func (p *pd) RegisterDMABuf(fd int, offset uint64, length int, iova uint64, access verbsio.Access) (verbsio.MemoryRegion, error) {
+	if access&^knownAccess != 0 {
+		return nil, fmt.Errorf("%w: unknown access flags %#x", verbsio.ErrBadConfig, uint32(access&^knownAccess))
+	}
+	if length <= 0 {
+		return nil, fmt.Errorf("%w: dma-buf registration of %d bytes", verbsio.ErrBadConfig, length)
+	}
+	if err := p.addChild(); err != nil {
+		return nil, err
+	}
+	eff, flags := ibvAccess(access)
+	m, err := p.pd.RegDMABufMR(offset, length, iova, fd, flags)
+	if err != nil {
+		p.dropChild()
+		if errors.Is(err, syscall.EOPNOTSUPP) {
+			return nil, fmt.Errorf("%w: %s cannot register dma-buf memory: %w", verbsio.ErrNotSupported, p.d.ch.Device, err)
+		}
+		if errors.Is(err, syscall.EBADF) {
+			return nil, fmt.Errorf("%w: %w (not a dma-buf file descriptor)", verbsio.ErrBadConfig, err)
+		}
+		return nil, wrap(err)
+	}
+	return &mr{p: p, m: m, access: eff}, nil
+}
+
+type mr struct {
+	p      *pd
+	m      *ibv.MR
+	access verbsio.Access
+
+	mu     sync.Mutex
+	closed bool
+}
+
+func (m *mr) Addr() uintptr          { return m.m.Addr() }
+func (m *mr) Len() int               { return m.m.Len() }
+func (m *mr) LKey() uint32           { return m.m.LKey() }
+func (m *mr) RKey() uint32           { return m.m.RKey() }
+func (m *mr) Access() verbsio.Access { return m.access }
+
+func (m *mr) Close() error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed {
+		return nil
+	}
+	if err := m.m.Close(); err != nil {
+		return wrap(err)
+	}
+	m.closed = true
+	m.p.dropChild()
+	return nil
+}
+
+// qpRef is a queue pair attached to a completion queue, and in which role.
+type qpRef struct {
+	q          *qp
+	send, recv bool
+}
+
+type cq struct {
+	d *Device
+	q *ibv.CQ
+
+	qmu sync.RWMutex
+	qps map[uint32]*qpRef
+
+	pmu     sync.Mutex
+	scratch []ibv.WC
+
+	cmu    sync.Mutex
+	closed bool
+}
+
+func (c *cq) attach(q *qp, send, recv bool) {
+	c.qmu.Lock()
+	defer c.qmu.Unlock()
+	r := c.qps[q.q.QPN()]
+	if r == nil {
+		r = &qpRef{q: q}
+		c.qps[q.q.QPN()] = r
+	}
+	r.send = r.send || send
+	r.recv = r.recv || recv
+}
+
+func (c *cq) detach(qpn uint32) {
+	c.qmu.Lock()
+	delete(c.qps, qpn)
+	c.qmu.Unlock()
+}
+
+func (c *cq) Poll(out []verbsio.Completion) (int, error) {
+	if len(out) == 0 {
+		return 0, nil
+	}
+	c.pmu.Lock()
+	defer c.pmu.Unlock()
+	wc := c.scratch
+	if len(out) < len(wc) {
+		wc = wc[:len(out)]
+	}
+	n, err := c.q.Poll(wc)
+	if err != nil {
+		return 0, wrap(err)
+	}
+	c.qmu.RLock()
+	defer c.qmu.RUnlock()
+	for i := 0; i < n; i++ {
+		out[i] = c.convert(&wc[i])
+	}
+	return n, nil
+}
+
+func (c *cq) convert(w *ibv.WC) verbsio.Completion {
+	comp := verbsio.Completion{WRID: w.WRID, Status: statusOf(w.Status), ByteLen: w.ByteLen}
+	if w.Flags&ibv.WCWithImm != 0 {
+		comp.Imm, comp.HasImm = w.Imm, true
+	}
+	r := c.qps[w.QPNum]
+	recv := w.Opcode&ibv.WCRecv != 0
+	if r == nil {
+		comp.Op = opOfWC(w.Opcode)
+		return comp
+	}
+	comp.QP = r.q
+	switch {
+	case r.send && !r.recv:
+		recv = false
+	case r.recv && !r.send:
+		recv = true
+	case comp.Status != verbsio.StatusSuccess:
+		// The opcode of a failed completion is undefined: the queue whose
+		// oldest outstanding request has this ID is the one that completed.
+		recv = !r.q.sendHeadIs(w.WRID) && r.q.recvHeadIs(w.WRID)
+	}
+	comp.Op = r.q.complete(w, recv, comp.Status)
+	if !recv {
+		comp.ByteLen = 0
+	}
+	return comp
+}
+
+func opOfWC(op uint32) verbsio.Opcode {
+	switch op {
+	case ibv.WCSend:
+		return verbsio.OpSend
+	case ibv.WCRDMAWrite:
+		return verbsio.OpWrite
+	case ibv.WCRDMARead:
+		return verbsio.OpRead
+	case ibv.WCRecvRDMAImm:
+		return verbsio.OpRecvImm
+	}
+	return verbsio.OpRecv
+}
+
+func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
+	if len(out) == 0 {
+		return 0, nil
+	}
+	for {
+		if n, err := c.Poll(out); n > 0 || err != nil {
+			return n, err
+		}
+		for i := 0; i < c.d.p.o.spin; i++ {
+			if n, err := c.Poll(out); n > 0 || err != nil {
+				return n, err
+			}
+			runtime.Gosched()
+		}
+		if err := ctx.Err(); err != nil {
+			return 0, fmt.Errorf("%w: waiting for completions: %w", verbsio.ErrTimeout, err)
+		}
+		if err := c.q.Arm(); err != nil {
+			return 0, wrap(err)
+		}
+		// A completion that arrived before the arm raises no event.
+		if n, err := c.Poll(out); n > 0 || err != nil {
+			return n, err
+		}
+		if err := c.q.WaitEvent(ctx); err != nil {
+			if ctx.Err() != nil {
+				return 0, fmt.Errorf("%w: waiting for completions: %w", verbsio.ErrTimeout, err)
+			}
+			return 0, wrap(err)
+		}
+	}
+}
+
+func (c *cq) Close() error {
+	c.cmu.Lock()
+	defer c.cmu.Unlock()
+	if c.closed {
+		return nil
+	}
+	c.qmu.RLock()
+	n := len(c.qps)
+	c.qmu.RUnlock()
+	if n > 0 {
+		return fmt.Errorf("%w: completion queue has %d live queue pairs", verbsio.ErrBusy, n)
+	}
+	if err := c.q.Close(); err != nil {
+		return wrap(err)
+	}
+	c.closed = true
+	c.d.dropChild()
+	return nil
+}

@@ -1,0 +1,25 @@
+// Package ibverbs is gdrlink's RDMA provider over rdma-core's libibverbs:
+// any device the kernel's RDMA stack drives (Mellanox/NVIDIA ConnectX,
+// Broadcom, Intel, AWS EFA's verbs, Soft-RoCE rxe, siw) through reliable-
+// connected queue pairs. Import it for its side effect to make the provider
+// "ibverbs" available to verbsio:
+//
+//	import _ "github.com/gdrlink/gdrlink/verbsio/ibverbs"
+//
+// The device, port and GID come from verbsio.Config, whose fields carry
+// TensorFlow verbs' environment names (RDMA_DEVICE, RDMA_DEVICE_PORT,
+// RDMA_GID_INDEX, RDMA_QP_PKEY_INDEX, RDMA_QP_QUEUE_DEPTH, RDMA_QP_TIMEOUT,
+// RDMA_QP_RETRY_COUNT, RDMA_QP_SL, RDMA_QP_MTU, RDMA_TRAFFIC_CLASS). Left
+// unset, the provider picks the first device with an active port and, on
+// RoCE, a RoCE v2 GID (IPv4-mapped first). A name that does not exist is an
+// error wrapping verbsio.ErrBadConfig that lists what does.
+//
+// On a host without RDMA (no /sys/class/infiniband, no libibverbs provider
+// for the device, or a build without cgo), Devices returns an error wrapping
+// verbsio.ErrNoDevice that says which, so verbsio.Choose falls back to
+// another provider.
+//
+// The package is pure Go; all cgo lives in internal/ibv. Work request chains
+// and completion batches cross into C once per chain and once per batch;
+// Stats reports the crossings.
+package ibverbs

@@ -1,0 +1,202 @@
+package ibverbs
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+
+	"github.com/gdrlink/gdrlink/internal/ibv"
+	"github.com/gdrlink/gdrlink/verbsio"
+)
+
+// Name is the provider's registered name.
+const Name = "ibverbs"
+
+func init() { verbsio.Register(New()) }
+
+// Option tunes a Provider beyond verbsio.Config.
+type Option func(*options)
+
+type options struct {
+	sysRoot     string
+	rnrRetry    int
+	minRNRTimer int
+	hopLimit    int
+	spin        int
+}
+
+// WithSysfsRoot reads sysfs under root instead of /sys (a container that
+// mounts the host's as /host/sys).
+func WithSysfsRoot(root string) Option { return func(o *options) { o.sysRoot = root } }
+
+// WithRNRRetry sets how often a queue pair retries a send or write with
+// immediate that found no posted receive (0..7, 7 = forever; default 7).
+func WithRNRRetry(n int) Option { return func(o *options) { o.rnrRetry = n } }
+
+// WithMinRNRTimer sets the receiver-not-ready NAK timer code (0..31, default
+// 12: 0.64 ms).
+func WithMinRNRTimer(code int) Option { return func(o *options) { o.minRNRTimer = code } }
+
+// WithHopLimit sets the GRH hop limit of RoCE routes (default 64).
+func WithHopLimit(n int) Option { return func(o *options) { o.hopLimit = n } }
+
+// WithSpin sets how many polls a completion queue Wait makes before it
+// sleeps on its completion channel (default 64).
+func WithSpin(n int) Option { return func(o *options) { o.spin = n } }
+
+// Provider opens libibverbs devices. The zero value is not usable: make
+// one with New. The one registered as "ibverbs" has the defaults.
+type Provider struct{ o options }
+
+// New returns a provider with the given options.
+func New(opts ...Option) *Provider {
+	p := &Provider{o: options{sysRoot: "/sys", rnrRetry: 7, minRNRTimer: 12, hopLimit: 64, spin: 64}}
+	for _, f := range opts {
+		f(&p.o)
+	}
+	return p
+}
+
+// Name implements verbsio.Provider.
+func (p *Provider) Name() string { return Name }
+
+func (p *Provider) sys() sysfs { return sysfs{root: p.o.sysRoot} }
+
+// Devices lists the RDMA devices of this host. With none it returns an
+// error wrapping verbsio.ErrNoDevice that says what is missing.
+func (p *Provider) Devices() ([]verbsio.DeviceInfo, error) {
+	names, err := p.deviceNames()
+	if err != nil {
+		return nil, err
+	}
+	out := make([]verbsio.DeviceInfo, 0, len(names))
+	for _, n := range names {
+		out = append(out, p.info(n, 1))
+	}
+	return out, nil
+}
+
+func (p *Provider) info(name string, port int) verbsio.DeviceInfo {
+	numa, pci := p.sys().location(name)
+	return verbsio.DeviceInfo{Provider: Name, Name: name, NUMANode: numa, PCIAddress: pci, Netdev: p.sys().netdev(name, port)}
+}
+
+// deviceNames asks sysfs first, so a host without kernel RDMA support gets
+// a clear reason and libibverbs is not even loaded, then libibverbs.
+func (p *Provider) deviceNames() ([]string, error) {
+	if !ibv.Available {
+		return nil, fmt.Errorf("%w: ibverbs provider built without libibverbs (cgo disabled or the gdrlink_noibverbs tag)", verbsio.ErrNoDevice)
+	}
+	s := p.sys()
+	sysNames, err := s.devices()
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("%w: no RDMA devices: %s does not exist (the kernel has no RDMA device: no RDMA NIC driver, no rdma_rxe or siw loaded)", verbsio.ErrNoDevice, s.classDir())
+	}
+	if err != nil {
+		return nil, fmt.Errorf("%w: reading %s: %w", verbsio.ErrNoDevice, s.classDir(), err)
+	}
+	if len(sysNames) == 0 {
+		return nil, fmt.Errorf("%w: no RDMA devices: %s is empty (RDMA core loaded, no device driver or Soft-RoCE link)", verbsio.ErrNoDevice, s.classDir())
+	}
+	devs, err := ibv.Devices()
+	if err != nil {
+		return nil, fmt.Errorf("%w: libibverbs: %w", verbsio.ErrNoDevice, err)
+	}
+	if len(devs) == 0 {
+		return nil, fmt.Errorf("%w: libibverbs lists no devices although %s has %s (user-space provider missing? install ibverbs-providers; or no /dev/infiniband/uverbs* access)", verbsio.ErrNoDevice, s.classDir(), strings.Join(sysNames, ", "))
+	}
+	out := make([]string, len(devs))
+	for i, d := range devs {
+		out[i] = d.Name
+	}
+	return out, nil
+}
+
+// Open implements verbsio.Provider: it opens the device, port and GID that
+// cfg names, or the best ones.
+func (p *Provider) Open(cfg verbsio.Config) (verbsio.Device, error) {
+	d, err := p.OpenDevice(cfg)
+	if err != nil {
+		return nil, err
+	}
+	return d, nil
+}
+
+// OpenDevice is Open returning the concrete device.
+func (p *Provider) OpenDevice(cfg verbsio.Config) (*Device, error) {
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	names, err := p.deviceNames()
+	if err != nil {
+		return nil, err
+	}
+	facts := make([]deviceFacts, len(names))
+	ctxs := map[string]*ibv.Context{}
+	defer func() {
+		for _, c := range ctxs {
+			c.Close()
+		}
+	}()
+	for i, n := range names {
+		facts[i] = deviceFacts{Name: n}
+		if cfg.Device != "" && n != cfg.Device {
+			continue
+		}
+		c, err := ibv.Open(n)
+		if err != nil {
+			facts[i].Err = err
+			continue
+		}
+		ctxs[n] = c
+		facts[i].Ports, facts[i].Err = p.queryPorts(c)
+	}
+	ch, err := choose(facts, cfg)
+	if err != nil {
+		return nil, err
+	}
+	c := ctxs[ch.Device]
+	delete(ctxs, ch.Device)
+	d, err := newDevice(p, c, ch, cfg)
+	if err != nil {
+		c.Close()
+		return nil, err
+	}
+	return d, nil
+}
+
+func (p *Provider) queryPorts(c *ibv.Context) ([]portFacts, error) {
+	attr, err := c.QueryDevice()
+	if err != nil {
+		return nil, err
+	}
+	var ports []portFacts
+	for n := 1; n <= attr.PhysPortCount; n++ {
+		pa, err := c.QueryPort(n)
+		if err != nil {
+			return nil, err
+		}
+		pf := portFacts{Num: n, Attr: pa}
+		for i := 0; i < pa.GIDTblLen; i++ {
+			e, err := c.QueryGID(n, i)
+			if err != nil || e.GID.IsZero() {
+				continue // unused entry (ENODATA) or unreadable: not a candidate
+			}
+			if e.Type == ibv.GIDTypeUnknown || pa.LinkLayer == ibv.LinkLayerEthernet {
+				// sysfs is the authority on RoCE types where it has them.
+				if t := p.sys().gidType(c.Name(), n, i); t != ibv.GIDTypeUnknown {
+					e.Type = t
+				}
+			}
+			if pa.LinkLayer == ibv.LinkLayerInfiniBand {
+				e.Type = ibv.GIDTypeIB
+			}
+			e.Netdev = p.sys().gidNetdev(c.Name(), n, i)
+			pf.GIDs = append(pf.GIDs, e)
+		}
+		ports = append(ports, pf)
+	}
+	return ports, nil
+}
