@@ -354,7 +354,7 @@ func (p *Pool) leakError() error {
 }
 
 // take finds the smallest free chunk of at least rounded bytes (the lowest
-// address among equals), removes it from its bin and splits off the rest.
+// address among equals), takes it out of its bin and splits off the rest.
 func (p *Pool) take(rounded int) int32 {
 	b := p.binOf(rounded)
 	mask := p.nonEmpty >> b << b
@@ -367,8 +367,12 @@ func (p *Pool) take(rounded int) int32 {
 		}
 		if pos < len(list) {
 			idx := list[pos]
-			p.binRemoveAt(bi, pos)
-			p.split(idx, rounded)
+			if r := p.split(idx, rounded); r != nilChunk {
+				// The rest takes the chunk's place in the bin.
+				p.binReplace(bi, pos, r)
+			} else {
+				p.binRemoveAt(bi, pos)
+			}
 			return idx
 		}
 		mask &^= 1 << bi
@@ -376,14 +380,15 @@ func (p *Pool) take(rounded int) int32 {
 	return nilChunk
 }
 
-// split cuts chunk idx to rounded bytes; the rest becomes a free chunk.
-func (p *Pool) split(idx int32, rounded int) {
+// split cuts chunk idx to rounded bytes and returns the rest, a new free
+// chunk in no bin yet, or nilChunk when nothing is left to split off.
+func (p *Pool) split(idx int32, rounded int) int32 {
 	if p.chunks[idx].size-rounded < p.cfg.align {
-		return
+		return nilChunk
 	}
 	r, ok := p.newSlot()
 	if !ok {
-		return // no index left: hand out the whole chunk
+		return nilChunk // no index left: hand out the whole chunk
 	}
 	c := &p.chunks[idx]
 	p.chunks[r] = chunk{
@@ -400,10 +405,11 @@ func (p *Pool) split(idx int32, rounded int) {
 	}
 	c.next = r
 	c.size = rounded
-	p.binInsert(r)
+	return r
 }
 
-// release frees chunk idx and merges it with free neighbours.
+// release frees chunk idx and merges it with free neighbours. A merged chunk
+// takes its neighbour's place in the bins when it stays in the same bin.
 func (p *Pool) release(idx int32) {
 	c := &p.chunks[idx]
 	st := &p.st
@@ -414,16 +420,24 @@ func (p *Pool) release(idx int32) {
 	c.state = chunkFree
 	c.req = 0
 	c.gen++
+	binned := false
 	if nx := c.next; nx != nilChunk && p.chunks[nx].state == chunkFree {
-		p.binRemove(nx)
+		b, pos := p.binFind(nx)
 		p.absorbNext(idx)
+		binned = p.binReplace(b, pos, idx)
 	}
 	if pv := p.chunks[idx].prev; pv != nilChunk && p.chunks[pv].state == chunkFree {
-		p.binRemove(pv)
+		if binned {
+			p.binRemove(idx)
+		}
+		b, pos := p.binFind(pv)
 		p.absorbNext(pv)
+		binned = p.binReplace(b, pos, pv)
 		idx = pv
 	}
-	p.binInsert(idx)
+	if !binned {
+		p.binInsert(idx)
+	}
 }
 
 // absorbNext merges the chunk after a into a and retires its slot.
@@ -504,16 +518,47 @@ func (p *Pool) binInsert(idx int32) {
 }
 
 func (p *Pool) binRemove(idx int32) {
-	b := p.binOf(p.chunks[idx].size)
+	if b, pos := p.binFind(idx); pos >= 0 {
+		p.binRemoveAt(b, pos)
+	}
+}
+
+// binFind locates free chunk idx in its bin; pos is -1 (and the pool marked
+// broken) when it is missing.
+func (p *Pool) binFind(idx int32) (b, pos int) {
+	b = p.binOf(p.chunks[idx].size)
 	list := p.bins[b]
-	pos := p.position(list, idx)
+	pos = p.position(list, idx)
 	if pos >= len(list) || list[pos] != idx {
 		if pos = slices.Index(list, idx); pos < 0 {
 			p.broken = fmt.Errorf("%w: pool %q: free chunk %d missing from bin %d", ErrCorrupt, p.cfg.name, idx, b)
-			return
 		}
 	}
-	p.binRemoveAt(b, pos)
+	return b, pos
+}
+
+// binReplace puts free chunk idx where bins[b][pos] was, when idx belongs to
+// bin b, and moves it to its sorted place; otherwise it removes the old entry
+// and inserts idx in its own bin. It reports whether idx is binned, false only
+// when pos is -1.
+func (p *Pool) binReplace(b, pos int, idx int32) bool {
+	if pos < 0 {
+		return false
+	}
+	if p.binOf(p.chunks[idx].size) != b {
+		p.binRemoveAt(b, pos)
+		p.binInsert(idx)
+		return true
+	}
+	list := p.bins[b]
+	list[pos] = idx
+	for ; pos > 0 && p.chunkLess(idx, list[pos-1]); pos-- {
+		list[pos], list[pos-1] = list[pos-1], idx
+	}
+	for ; pos+1 < len(list) && p.chunkLess(list[pos+1], idx); pos++ {
+		list[pos], list[pos+1] = list[pos+1], idx
+	}
+	return true
 }
 
 func (p *Pool) binRemoveAt(b, pos int) {

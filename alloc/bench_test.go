@@ -1,0 +1,91 @@
+package alloc
+
+import (
+	"testing"
+)
+
+// BenchmarkAllocFree measures an Alloc and Free pair: of one cached size, of
+// mixed sizes with a working set of live blocks, and from parallel goroutines.
+func BenchmarkAllocFree(b *testing.B) {
+	b.Run("cached-4KiB", func(b *testing.B) {
+		p := newTestPool(b, NewMmapSource(MmapOptions{NUMANode: NoNUMANode}))
+		mustFree(b, mustAlloc(b, p, 4096)) // the arena exists before timing
+		b.ReportAllocs()
+		for b.Loop() {
+			blk, err := p.Alloc(4096)
+			if err != nil {
+				b.Fatal(err)
+			}
+			if err := p.Free(blk); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("mixed", func(b *testing.B) {
+		p := newTestPool(b, NewMmapSource(MmapOptions{NUMANode: NoNUMANode}))
+		rng := newRand(7)
+		sizes := make([]int, 1024)
+		for i := range sizes {
+			sizes[i] = 1 + rng.IntN(256<<uint(rng.IntN(10)))
+		}
+		// A working set of 64 live blocks; each op frees one and allocates.
+		ring := make([]Block, 64)
+		for i := range ring {
+			ring[i] = mustAlloc(b, p, sizes[i])
+		}
+		b.ReportAllocs()
+		i := 0
+		for b.Loop() {
+			k := i % len(ring)
+			if err := p.Free(ring[k]); err != nil {
+				b.Fatal(err)
+			}
+			blk, err := p.Alloc(sizes[i%len(sizes)])
+			if err != nil {
+				b.Fatal(err)
+			}
+			ring[k] = blk
+			i++
+		}
+		for _, blk := range ring {
+			mustFree(b, blk)
+		}
+	})
+	b.Run("parallel-4KiB", func(b *testing.B) {
+		p := newTestPool(b, NewMmapSource(MmapOptions{NUMANode: NoNUMANode}))
+		mustFree(b, mustAlloc(b, p, 4096))
+		b.ReportAllocs()
+		b.RunParallel(func(pb *testing.PB) {
+			for pb.Next() {
+				blk, err := p.Alloc(4096)
+				if err != nil {
+					b.Error(err)
+					return
+				}
+				if err := p.Free(blk); err != nil {
+					b.Error(err)
+					return
+				}
+			}
+		})
+	})
+}
+
+// BenchmarkArenaOf measures the lock-free address lookup over 16 arenas.
+func BenchmarkArenaOf(b *testing.B) {
+	p := newTestPool(b, NewMmapSource(MmapOptions{NUMANode: NoNUMANode}), WithInitialArena(1<<20), WithMaxArena(1<<20))
+	var blocks []Block
+	for range 16 {
+		blocks = append(blocks, mustAlloc(b, p, 1<<20))
+	}
+	i := 0
+	for b.Loop() {
+		if _, ok := p.ArenaOf(blocks[i&15].Addr() + 100); !ok {
+			b.Fatal("miss")
+		}
+		i++
+	}
+	for _, blk := range blocks {
+		mustFree(b, blk)
+	}
+}
