@@ -54,7 +54,7 @@ type Source interface {
 // anyone holding an address inside the arena finds them through Pool.ArenaOf.
 type Arena struct {
 	// ID is the arena's number in its pool, unique for the pool's life.
-	ID int
+	ID     int
 	region *Region
 
 	mu      sync.RWMutex
