@@ -6,6 +6,7 @@ import (
 	"io"
 	"math"
 	"strconv"
+	"strings"
 	"text/tabwriter"
 
 	"github.com/dustin/go-humanize"
@@ -113,7 +114,8 @@ func formatFigure(v float64) string {
 	case a >= 1000:
 		return humanize.CommafWithDigits(math.Round(v), 0)
 	case a >= 1:
-		return humanize.FtoaWithDigits(v, 2)
+		s := strconv.FormatFloat(v, 'f', 2, 64)
+		return strings.TrimSuffix(strings.TrimRight(s, "0"), ".")
 	case a == 0:
 		return "0"
 	}

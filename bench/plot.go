@@ -12,7 +12,6 @@ import (
 	"slices"
 	"strings"
 
-	"github.com/dustin/go-humanize"
 	"gonum.org/v1/plot"
 	"gonum.org/v1/plot/plotter"
 	"gonum.org/v1/plot/plotutil"
@@ -142,12 +141,13 @@ func plotSeries(p Plot, scenario string, results []Result) []series {
 // "tcp/1MiB", "tcp-1048576" and "tcp@1 MiB" at 1 MiB all give "tcp", so a
 // scenario may name its cases with or without their size.
 func seriesName(caseName string, size int64) string {
-	i := strings.LastIndexAny(caseName, "/@-_: ")
-	if i <= 0 {
-		return caseName
-	}
-	if n, err := parseSize(caseName[i+1:]); err == nil && n == size {
-		return caseName[:i]
+	for i := len(caseName) - 1; i > 0; i-- {
+		if !strings.ContainsRune("/@-_: ", rune(caseName[i])) {
+			continue
+		}
+		if n, err := parseSize(caseName[i+1:]); err == nil && n == size {
+			return caseName[:i]
+		}
 	}
 	return caseName
 }
@@ -226,9 +226,15 @@ func log2Ticks(lo, hi float64) []plot.Tick {
 	for e := first; e <= last; e++ {
 		t := plot.Tick{Value: math.Ldexp(1, e)}
 		if (e-first)%step == 0 {
-			t.Label = strings.ReplaceAll(humanize.IBytes(uint64(1)<<e), " ", "")
+			t.Label = pow2Label(e)
 		}
 		ticks = append(ticks, t)
 	}
 	return ticks
+}
+
+// pow2Label names 2^e bytes compactly: "512B", "64KiB", "1MiB", "2GiB".
+func pow2Label(e int) string {
+	units := []string{"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"}
+	return fmt.Sprintf("%d%s", 1<<(e%10), units[e/10])
 }
