@@ -94,7 +94,8 @@ func Decide(pf PairFacts, p Policy) Decision {
 	reason := func(format string, a ...any) { d.Reasons = append(d.Reasons, fmt.Sprintf(format, a...)) }
 	fix := func(format string, a ...any) { d.Fixes = append(d.Fixes, fmt.Sprintf(format, a...)) }
 
-	// What rules out RDMA altogether.
+	// What rules out RDMA altogether. Every check runs even when an
+	// earlier one has decided, so a person sees every fix at once.
 	unavailable := false
 	if port := n.ActivePort(); port == nil {
 		unavailable = true
@@ -120,10 +121,6 @@ func Decide(pf PairFacts, p Policy) Decision {
 		fix("raise memlock to unlimited")
 	case !m.Check.OK():
 		reason("could not tell RLIMIT_MEMLOCK: %s", m.Check.Detail)
-	}
-	if unavailable {
-		d.Mode = Unavailable
-		return d
 	}
 
 	// What rules out Direct.
@@ -189,7 +186,7 @@ func Decide(pf PairFacts, p Policy) Decision {
 			direct = false
 			reason("%s is farther than the policy level %s (%s)", eff, p.Level, orUnknown(p.LevelSource))
 			if eff == PathSYS {
-				fix("the NIC is on the other socket (%s on NUMA node %s, %s on %s): use a NIC on the GPU's socket", gname, numa(g.NUMANode), n.Name, numa(n.NUMANode))
+				fix("the NIC is on the other socket (GPU%d on NUMA node %s, %s on %s): use a NIC on the GPU's socket, or place the GPU's work there", g.Index, numa(g.NUMANode), n.Name, numa(n.NUMANode))
 			}
 			fix("or allow it: %s=%s (peer traffic through the CPU is often slower than the proxy)", EnvLevel, eff)
 		}
@@ -198,9 +195,12 @@ func Decide(pf PairFacts, p Policy) Decision {
 		reason("the IOMMU translates DMA addresses: peer-to-peer traffic may be slow or blocked")
 		fix("boot with iommu=pt (or intel_iommu=off / amd_iommu=off)")
 	}
-	if direct {
+	switch {
+	case unavailable:
+		d.Mode = Unavailable
+	case direct:
 		d.Mode = Direct
-	} else {
+	default:
 		d.Mode = Proxy
 	}
 	return d
