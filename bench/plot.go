@@ -167,6 +167,7 @@ func writeSVG(path, title, unit string, ss []series) (err error) {
 	p.Y.Label.Text = unit
 	p.X.Scale = plot.LogScale{}
 	p.Legend.Top = false
+	p.Legend.XOffs = -vg.Points(6)
 	minX, maxX, maxY := math.Inf(1), 0.0, 0.0
 	solid := 0
 	for _, s := range ss {

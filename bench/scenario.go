@@ -57,6 +57,9 @@ type Scenario struct {
 
 // Plot describes one SVG plot of a sweep: for each case whose name has the
 // prefix, value against size (log2 x axis), and its baseline when present.
+// A case name that ends in its own size ("tcp/1MiB", "tcp-1048576") is drawn
+// on the line of the name without it ("tcp"); baselines are dashed lines,
+// one per BaselineName.
 type Plot struct {
 	// File is the SVG file name, e.g. "xfer-bandwidth.svg".
 	File string

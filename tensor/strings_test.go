@@ -201,3 +201,33 @@ func FuzzDecodeStrings(f *testing.F) {
 		}
 	})
 }
+
+func benchStrings() []string {
+	vals := make([]string, 1024)
+	for i := range vals {
+		vals[i] = strings.Repeat("v", i%64)
+	}
+	return vals
+}
+
+func BenchmarkAppendStrings(b *testing.B) {
+	vals := benchStrings()
+	buf := make([]byte, 0, StringsEncodedLen(vals))
+	b.SetBytes(int64(cap(buf)))
+	b.ReportAllocs()
+	for b.Loop() {
+		buf = AppendStrings(buf[:0], vals)
+	}
+}
+
+func BenchmarkDecodeStrings(b *testing.B) {
+	vals := benchStrings()
+	enc := AppendStrings(nil, vals)
+	b.SetBytes(int64(len(enc)))
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := DecodeStrings(enc, int64(len(vals)), 0); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
