@@ -55,13 +55,13 @@ func AppendStrings(b []byte, vals []string) []byte {
 //
 // wantCount is the number of elements the tensor's shape holds; an encoding
 // with another count fails with ErrCorrupt. A negative wantCount accepts any
-// count. maxBytes caps the total length of the decoded strings (the memory
-// the result holds beyond its slice); maxBytes <= 0 means no cap other than
-// the input itself.
+// count. maxBytes caps what the result may hold: at most maxBytes elements
+// and maxBytes bytes of strings in total; maxBytes <= 0 means no cap other
+// than the input itself.
 //
 // Errors wrap ErrTruncated (the input ends inside the header, or before the
 // data its lengths announce), ErrOversized (a count or length larger than the
-// rest of the input could hold, or strings longer than maxBytes in total) or
+// rest of the input could hold, or more than maxBytes elements or bytes) or
 // ErrCorrupt (an unknown version, a padded or overflowing uvarint, a count
 // other than wantCount, bytes after the data), and say at which offset. The
 // decoder allocates at most the result's slice (bounded by len(b) elements)
@@ -81,6 +81,9 @@ func DecodeStrings(b []byte, wantCount int64, maxBytes int) ([]string, error) {
 	// Each element takes at least one byte for its length.
 	if count > uint64(len(b)-off) {
 		return nil, fmt.Errorf("%w: element count %d at offset 1 exceeds the %d bytes left", ErrOversized, count, len(b)-off)
+	}
+	if maxBytes > 0 && count > uint64(maxBytes) {
+		return nil, fmt.Errorf("%w: element count %d at offset 1, limit %d", ErrOversized, count, maxBytes)
 	}
 	if wantCount >= 0 && count != uint64(wantCount) {
 		return nil, fmt.Errorf("%w: element count %d at offset 1, shape holds %d", ErrCorrupt, count, wantCount)

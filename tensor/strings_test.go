@@ -93,6 +93,7 @@ func TestDecodeStringsErrors(t *testing.T) {
 		{"data cut", cat(v, uv(3), uv(2), uv(2), uv(2), []byte("aabbc")), -1, 0, ErrTruncated, "offset 5"},
 		{"trailing", cat(v, uv(1), uv(1), []byte("ab")), -1, 0, ErrCorrupt, "offset 4"},
 		{"trailing after empty", cat(v, uv(0), []byte{0}), -1, 0, ErrCorrupt, "offset 2"},
+		{"count over maxBytes", cat(v, uv(4), uv(0), uv(0), uv(0), uv(0)), -1, 3, ErrOversized, "offset 1"},
 		{"over maxBytes", cat(v, uv(2), uv(3), uv(3), []byte("abcdef")), -1, 5, ErrOversized, "offset 3"},
 	}
 	for _, tc := range tests {
