@@ -1,0 +1,618 @@
+// Package gpusim is a simulated GPU: host memory plus a copy goroutine per
+// stream with a configurable bandwidth, behind the same proxy.Device
+// interface as the real CUDA device. It exists so that the proxy's
+// pipelining, ordering and error paths run and are tested on machines
+// without a GPU; figures measured on it say nothing about a real GPU, and
+// DeviceInfo.Simulated says so.
+//
+// "Device memory" is anonymous memory mapped off the Go heap; every copy is a
+// real memory copy, paced per direction (host-to-device and device-to-host,
+// like a GPU's copy engines) so that a copy of n bytes takes at least
+// n/Bandwidth. Copies are checked as a GPU would check them: a destination
+// outside a device allocation, or a device pointer given as host memory,
+// fails with proxy.ErrWrongMemory or proxy.ErrOutOfRange and writes nothing.
+//
+// Faults can be injected: FailCopies makes chosen copies fail (the error
+// surfaces at the next event of the stream, as a GPU's asynchronous errors
+// do), and Lose makes the device lost: queued work fails and every later
+// call returns proxy.ErrDeviceLost.
+package gpusim
+
+import (
+	"context"
+	"fmt"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/gdrlink/gdrlink/alloc"
+	"github.com/gdrlink/gdrlink/proxy"
+)
+
+// Config sets up a simulated device.
+type Config struct {
+	// Name is the device's name (default "gpusim").
+	Name string
+	// Ordinal is the device's number.
+	Ordinal int
+	// Bandwidth is the copy rate of each direction in bytes per second;
+	// 0 means as fast as memory copies go.
+	Bandwidth float64
+	// MemoryLimit caps the device memory in bytes; 0 means no cap.
+	MemoryLimit int64
+}
+
+// Direction is the direction of a copy.
+type Direction int
+
+// Copy directions.
+const (
+	HostToDevice Direction = iota
+	DeviceToHost
+)
+
+// String names the direction.
+func (d Direction) String() string {
+	if d == HostToDevice {
+		return "HtoD"
+	}
+	return "DtoH"
+}
+
+// CopyInfo describes one copy to a fault hook.
+type CopyInfo struct {
+	Dir Direction
+	// Dst and Src are the addresses, N the length.
+	Dst, Src uintptr
+	N        int
+	// Seq counts the device's copies from 0, in the order they were queued.
+	Seq int64
+}
+
+// Stats counts what the device did.
+type Stats struct {
+	Copies       int64
+	BytesHtoD    int64
+	BytesDtoH    int64
+	FailedCopies int64
+	DeviceMemory int64
+	LiveStreams  int
+	LiveAllocs   int
+}
+
+// span is a range of memory.
+type span struct {
+	base uintptr
+	size int
+}
+
+func (s span) contains(addr uintptr, n int) bool {
+	return addr >= s.base && n >= 0 && uint64(addr-s.base)+uint64(n) <= uint64(s.size)
+}
+
+// spans is a list of disjoint ranges sorted by base.
+type spans []span
+
+// find returns the index of the span holding [addr, addr+n), or -1.
+func (l spans) find(addr uintptr, n int) int {
+	i := sort.Search(len(l), func(i int) bool { return l[i].base > addr }) - 1
+	if i >= 0 && l[i].contains(addr, n) {
+		return i
+	}
+	return -1
+}
+
+func (l spans) insert(s span) spans {
+	i := sort.Search(len(l), func(i int) bool { return l[i].base > s.base })
+	l = append(l, span{})
+	copy(l[i+1:], l[i:])
+	l[i] = s
+	return l
+}
+
+func (l spans) remove(i int) spans { return append(l[:i], l[i+1:]...) }
+
+// Device is a simulated GPU. It implements proxy.Device.
+type Device struct {
+	cfg Config
+
+	mu      sync.Mutex
+	allocs  spans // device memory
+	mems    map[uintptr][]byte
+	pinned  spans // host ranges registered as pinned
+	used    int64
+	streams map[*stream]struct{}
+	closed  bool
+	fail    func(CopyInfo) error
+
+	lost atomic.Bool
+	seq  atomic.Int64
+	pace [2]pacer
+
+	copies, bytesHtoD, bytesDtoH, failed atomic.Int64
+}
+
+var _ proxy.Device = (*Device)(nil)
+
+// New makes a simulated device.
+func New(cfg Config) *Device {
+	if cfg.Name == "" {
+		cfg.Name = "gpusim"
+	}
+	d := &Device{cfg: cfg, streams: map[*stream]struct{}{}, mems: map[uintptr][]byte{}}
+	for i := range d.pace {
+		d.pace[i].bw = cfg.Bandwidth
+	}
+	return d
+}
+
+// Info implements proxy.Device; Simulated is true.
+func (d *Device) Info() proxy.DeviceInfo {
+	return proxy.DeviceInfo{Name: d.cfg.Name, Ordinal: d.cfg.Ordinal, Simulated: true}
+}
+
+func (d *Device) usable() error {
+	if d.lost.Load() {
+		return fmt.Errorf("%w: simulated device %s", proxy.ErrDeviceLost, d.cfg.Name)
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return fmt.Errorf("%w: simulated device %s", proxy.ErrClosed, d.cfg.Name)
+	}
+	return nil
+}
+
+// Alloc implements proxy.Device with anonymous memory off the Go heap.
+func (d *Device) Alloc(n int) (proxy.DevicePtr, error) {
+	if err := d.usable(); err != nil {
+		return 0, err
+	}
+	if n <= 0 {
+		return 0, fmt.Errorf("%w: allocation of %d bytes", proxy.ErrOutOfRange, n)
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.cfg.MemoryLimit > 0 && d.used+int64(n) > d.cfg.MemoryLimit {
+		return 0, fmt.Errorf("%w: %d bytes asked, %d of %d in use on %s", proxy.ErrDeviceMemory, n, d.used, d.cfg.MemoryLimit, d.cfg.Name)
+	}
+	mem, err := unix.Mmap(-1, 0, n, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		return 0, fmt.Errorf("%w: mmap %d bytes: %w", proxy.ErrDeviceMemory, n, err)
+	}
+	base := uintptr(unsafe.Pointer(&mem[0]))
+	d.allocs = d.allocs.insert(span{base, n})
+	d.mems[base] = mem
+	d.used += int64(n)
+	return proxy.DevicePtr(base), nil
+}
+
+// Free implements proxy.Device.
+func (d *Device) Free(p proxy.DevicePtr) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	i := d.allocs.find(uintptr(p), 0)
+	if i < 0 || d.allocs[i].base != uintptr(p) {
+		return fmt.Errorf("%w: %#x is not an allocation of %s", proxy.ErrWrongMemory, p, d.cfg.Name)
+	}
+	d.allocs = d.allocs.remove(i)
+	mem := d.mems[uintptr(p)]
+	delete(d.mems, uintptr(p))
+	d.used -= int64(len(mem))
+	return unix.Munmap(mem)
+}
+
+// Peek returns a host view of n bytes of simulated device memory at p, for
+// tests that check what landed on the "GPU".
+func (d *Device) Peek(p proxy.DevicePtr, n int) ([]byte, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	i := d.allocs.find(uintptr(p), n)
+	if i < 0 {
+		return nil, fmt.Errorf("%w: %d bytes at %#x are not device memory of %s", proxy.ErrOutOfRange, n, p, d.cfg.Name)
+	}
+	off := uintptr(p) - d.allocs[i].base
+	return d.mems[d.allocs[i].base][off : off+uintptr(n)], nil
+}
+
+// RegisterHost marks [addr, addr+n) of host memory as pinned for this device
+// (what cuMemHostRegister does on a real GPU); unregister undoes it and is
+// idempotent. A device pointer fails with proxy.ErrWrongMemory.
+func (d *Device) RegisterHost(addr uintptr, n int) (unregister func(), err error) {
+	if err := d.usable(); err != nil {
+		return nil, err
+	}
+	if addr == 0 || n <= 0 {
+		return nil, fmt.Errorf("%w: host registration of %d bytes at %#x", proxy.ErrOutOfRange, n, addr)
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.allocs.find(addr, 0) >= 0 {
+		return nil, fmt.Errorf("%w: %#x is device memory of %s, not host memory", proxy.ErrWrongMemory, addr, d.cfg.Name)
+	}
+	if d.pinned.find(addr, 0) >= 0 {
+		return nil, fmt.Errorf("%w: %#x is already registered with %s", proxy.ErrWrongMemory, addr, d.cfg.Name)
+	}
+	d.pinned = d.pinned.insert(span{addr, n})
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			d.mu.Lock()
+			defer d.mu.Unlock()
+			if i := d.pinned.find(addr, 0); i >= 0 && d.pinned[i].base == addr {
+				d.pinned = d.pinned.remove(i)
+			}
+		})
+	}, nil
+}
+
+type pinKey struct{ d *Device }
+
+// HostRegisterVisitor is an alloc.Visitor that registers every arena of a
+// host pool as pinned with this device, as the cudahost visitor does with
+// cuMemHostRegister on a real GPU.
+func (d *Device) HostRegisterVisitor() alloc.Visitor {
+	return alloc.VisitorFuncs{
+		VisitorName: "gpusim-host-register:" + d.cfg.Name,
+		OnVisit: func(a *alloc.Arena) error {
+			un, err := d.RegisterHost(a.Base(), a.Size())
+			if err != nil {
+				return err
+			}
+			a.SetHandle(pinKey{d}, un)
+			return nil
+		},
+		OnRelease: func(a *alloc.Arena) error {
+			if h, ok := a.Handle(pinKey{d}); ok {
+				h.(func())()
+				a.DeleteHandle(pinKey{d})
+			}
+			return nil
+		},
+	}
+}
+
+// MemoryType implements proxy.Device.
+func (d *Device) MemoryType(addr uintptr) (proxy.MemoryType, error) {
+	if err := d.usable(); err != nil {
+		return 0, err
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	switch {
+	case d.allocs.find(addr, 0) >= 0:
+		return proxy.MemoryDevice, nil
+	case d.pinned.find(addr, 0) >= 0:
+		return proxy.MemoryPinned, nil
+	}
+	return proxy.MemoryPageable, nil
+}
+
+// FailCopies installs a fault hook called before every copy; a non-nil
+// error fails that copy (nothing is written) and surfaces, wrapped in
+// proxy.ErrCopyFailed, from the next event of its stream. nil removes it.
+func (d *Device) FailCopies(hook func(CopyInfo) error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.fail = hook
+}
+
+// Lose makes the device lost: queued copies fail, pending events complete
+// with proxy.ErrDeviceLost, and every later call returns it.
+func (d *Device) Lose() { d.lost.Store(true) }
+
+// Stats counts what the device did.
+func (d *Device) Stats() Stats {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return Stats{
+		Copies: d.copies.Load(), BytesHtoD: d.bytesHtoD.Load(), BytesDtoH: d.bytesDtoH.Load(),
+		FailedCopies: d.failed.Load(), DeviceMemory: d.used, LiveStreams: len(d.streams), LiveAllocs: len(d.allocs),
+	}
+}
+
+// Close stops the device's streams (after their queued work) and frees its
+// memory. Idempotent.
+func (d *Device) Close() error {
+	d.mu.Lock()
+	if d.closed {
+		d.mu.Unlock()
+		return nil
+	}
+	d.closed = true
+	ss := make([]*stream, 0, len(d.streams))
+	for s := range d.streams {
+		ss = append(ss, s)
+	}
+	d.mu.Unlock()
+	for _, s := range ss {
+		_ = s.Close()
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	var first error
+	for _, m := range d.mems {
+		if err := unix.Munmap(m); err != nil && first == nil {
+			first = err
+		}
+	}
+	d.mems, d.allocs, d.used = map[uintptr][]byte{}, nil, 0
+	return first
+}
+
+// pacer makes copies of one direction take n/bw each, back to back, like a
+// copy engine: a copy reserves the slot after the previous one and its
+// goroutine sleeps until the slot ends.
+type pacer struct {
+	mu   sync.Mutex
+	bw   float64
+	next time.Time
+}
+
+func (p *pacer) reserve(n int) time.Time {
+	if p.bw <= 0 {
+		return time.Time{}
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	start := time.Now()
+	if p.next.After(start) {
+		start = p.next
+	}
+	p.next = start.Add(time.Duration(float64(n) / p.bw * float64(time.Second)))
+	return p.next
+}
+
+// op is one item of a stream's queue: a copy, or an event to complete.
+type op struct {
+	info CopyInfo
+	ev   *event
+}
+
+// stream is a simulated stream: a queue and the goroutine that works it.
+type stream struct {
+	d    *Device
+	mu   sync.Mutex
+	cond *sync.Cond
+	q    []op
+	err  error // first error since the last event
+	busy bool
+	shut bool
+	done chan struct{}
+	once sync.Once
+}
+
+// NewStream implements proxy.Device: each stream gets a goroutine that runs
+// its queue in order.
+func (d *Device) NewStream() (proxy.Stream, error) {
+	if err := d.usable(); err != nil {
+		return nil, err
+	}
+	s := &stream{d: d, done: make(chan struct{})}
+	s.cond = sync.NewCond(&s.mu)
+	d.mu.Lock()
+	d.streams[s] = struct{}{}
+	d.mu.Unlock()
+	go s.run()
+	return s, nil
+}
+
+func (s *stream) push(o op) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.shut {
+		return fmt.Errorf("%w: stream", proxy.ErrClosed)
+	}
+	s.q = append(s.q, o)
+	s.cond.Signal()
+	return nil
+}
+
+func (s *stream) run() {
+	defer close(s.done)
+	for {
+		s.mu.Lock()
+		for len(s.q) == 0 && !s.shut {
+			s.cond.Wait()
+		}
+		if len(s.q) == 0 {
+			s.mu.Unlock()
+			return
+		}
+		o := s.q[0]
+		s.q = s.q[1:]
+		s.busy = true
+		s.mu.Unlock()
+
+		if o.ev != nil {
+			s.mu.Lock()
+			err := s.err
+			s.err = nil
+			s.busy = false
+			s.mu.Unlock()
+			if s.d.lost.Load() {
+				err = fmt.Errorf("%w: simulated device %s", proxy.ErrDeviceLost, s.d.cfg.Name)
+			}
+			o.ev.complete(err)
+			continue
+		}
+		err := s.d.copy(o.info)
+		s.mu.Lock()
+		if err != nil && s.err == nil {
+			s.err = err
+		}
+		s.busy = false
+		s.cond.Broadcast()
+		s.mu.Unlock()
+	}
+}
+
+// copy carries out one copy: fault hook, pacing, then the memory copy.
+func (d *Device) copy(c CopyInfo) error {
+	if d.lost.Load() {
+		d.failed.Add(1)
+		return fmt.Errorf("%w: simulated device %s", proxy.ErrDeviceLost, d.cfg.Name)
+	}
+	d.mu.Lock()
+	hook := d.fail
+	d.mu.Unlock()
+	if hook != nil {
+		if err := hook(c); err != nil {
+			d.failed.Add(1)
+			return fmt.Errorf("%w: %s of %d bytes %#x -> %#x (copy %d): %w", proxy.ErrCopyFailed, c.Dir, c.N, c.Src, c.Dst, c.Seq, err)
+		}
+	}
+	end := d.pace[c.Dir].reserve(c.N)
+	copy(unsafe.Slice((*byte)(ptr(c.Dst)), c.N), unsafe.Slice((*byte)(ptr(c.Src)), c.N))
+	if !end.IsZero() {
+		if w := time.Until(end); w > 0 {
+			time.Sleep(w)
+		}
+	}
+	d.copies.Add(1)
+	if c.Dir == HostToDevice {
+		d.bytesHtoD.Add(int64(c.N))
+	} else {
+		d.bytesDtoH.Add(int64(c.N))
+	}
+	return nil
+}
+
+// ptr turns an address of memory off the Go heap into a pointer.
+func ptr(addr uintptr) unsafe.Pointer { return *(*unsafe.Pointer)(unsafe.Pointer(&addr)) }
+
+// Synchronize implements proxy.Stream.
+func (s *stream) Synchronize() error {
+	ev := newEvent()
+	if err := s.push(op{ev: ev}); err != nil {
+		return err
+	}
+	return ev.Wait(context.Background())
+}
+
+// Close implements proxy.Stream: queued work runs, then the goroutine ends.
+func (s *stream) Close() error {
+	s.once.Do(func() {
+		s.mu.Lock()
+		s.shut = true
+		s.cond.Broadcast()
+		s.mu.Unlock()
+		<-s.done
+		s.d.mu.Lock()
+		delete(s.d.streams, s)
+		s.d.mu.Unlock()
+	})
+	return nil
+}
+
+func (d *Device) streamOf(st proxy.Stream) (*stream, error) {
+	s, ok := st.(*stream)
+	if !ok || s == nil || s.d != d {
+		return nil, fmt.Errorf("%w: stream %T is not a stream of simulated device %s", proxy.ErrWrongMemory, st, d.cfg.Name)
+	}
+	return s, nil
+}
+
+// checkCopy validates a copy the way the driver would, before queuing it.
+func (d *Device) checkCopy(dir Direction, dev uintptr, host uintptr, n int) error {
+	if n <= 0 {
+		return fmt.Errorf("%w: copy of %d bytes", proxy.ErrOutOfRange, n)
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.allocs.find(dev, n) < 0 {
+		return fmt.Errorf("%w: %s copy of %d bytes at device address %#x is outside every allocation of %s", proxy.ErrOutOfRange, dir, n, dev, d.cfg.Name)
+	}
+	if d.allocs.find(host, 0) >= 0 {
+		return fmt.Errorf("%w: %s copy with host address %#x, which is device memory of %s", proxy.ErrWrongMemory, dir, host, d.cfg.Name)
+	}
+	if host == 0 {
+		return fmt.Errorf("%w: %s copy from host address 0", proxy.ErrWrongMemory, dir)
+	}
+	return nil
+}
+
+// CopyHtoDAsync implements proxy.Device.
+func (d *Device) CopyHtoDAsync(dst proxy.DevicePtr, src uintptr, n int, st proxy.Stream) error {
+	if err := d.usable(); err != nil {
+		return err
+	}
+	s, err := d.streamOf(st)
+	if err != nil {
+		return err
+	}
+	if err := d.checkCopy(HostToDevice, uintptr(dst), src, n); err != nil {
+		return err
+	}
+	return s.push(op{info: CopyInfo{Dir: HostToDevice, Dst: uintptr(dst), Src: src, N: n, Seq: d.seq.Add(1) - 1}})
+}
+
+// CopyDtoHAsync implements proxy.Device.
+func (d *Device) CopyDtoHAsync(dst uintptr, src proxy.DevicePtr, n int, st proxy.Stream) error {
+	if err := d.usable(); err != nil {
+		return err
+	}
+	s, err := d.streamOf(st)
+	if err != nil {
+		return err
+	}
+	if err := d.checkCopy(DeviceToHost, uintptr(src), dst, n); err != nil {
+		return err
+	}
+	return s.push(op{info: CopyInfo{Dir: DeviceToHost, Dst: dst, Src: uintptr(src), N: n, Seq: d.seq.Add(1) - 1}})
+}
+
+// RecordEvent implements proxy.Device. It works on a lost device too, so
+// that callers can wait for copies already queued to drain; such an event
+// completes with proxy.ErrDeviceLost.
+func (d *Device) RecordEvent(st proxy.Stream) (proxy.Event, error) {
+	s, err := d.streamOf(st)
+	if err != nil {
+		return nil, err
+	}
+	ev := newEvent()
+	if err := s.push(op{ev: ev}); err != nil {
+		return nil, err
+	}
+	return ev, nil
+}
+
+// event is a simulated event.
+type event struct {
+	done chan struct{}
+	err  error
+}
+
+func newEvent() *event { return &event{done: make(chan struct{})} }
+
+func (e *event) complete(err error) {
+	e.err = err
+	close(e.done)
+}
+
+// Query implements proxy.Event.
+func (e *event) Query() (bool, error) {
+	select {
+	case <-e.done:
+		return true, e.err
+	default:
+		return false, nil
+	}
+}
+
+// Wait implements proxy.Event.
+func (e *event) Wait(ctx context.Context) error {
+	select {
+	case <-e.done:
+		return e.err
+	case <-ctx.Done():
+		return fmt.Errorf("%w: waiting for a simulated event: %w", proxy.ErrCanceled, ctx.Err())
+	}
+}
+
+// Close implements proxy.Event. Idempotent.
+func (e *event) Close() error { return nil }
