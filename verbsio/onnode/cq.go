@@ -1,0 +1,224 @@
+package onnode
+
+import (
+	"context"
+	"fmt"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/gdrlink/gdrlink/verbsio"
+)
+
+// cq is a completion queue. Completions of sends are pushed by PostSend;
+// those of receives by whoever drains the notification rings of the queue
+// pairs attached to it: Poll itself, or a queue pair's progress goroutine
+// when Wait sleeps.
+type cq struct {
+	dev   *Device
+	depth int
+
+	mu     sync.Mutex
+	q      []verbsio.Completion
+	head   int
+	closed bool
+
+	sleepers atomic.Int32
+	notify   chan struct{}
+	qps      atomic.Pointer[[]*qp] // queue pairs whose receives complete here
+	refs     int                   // queue pairs using the queue (under mu)
+}
+
+func newCQ(d *Device, depth int) *cq {
+	c := &cq{dev: d, depth: depth, notify: make(chan struct{}, 1)}
+	c.qps.Store(&[]*qp{})
+	return c
+}
+
+func (c *cq) push(cs ...verbsio.Completion) {
+	c.mu.Lock()
+	c.q = append(c.q, cs...)
+	c.mu.Unlock()
+	if c.sleepers.Load() > 0 {
+		c.wake()
+	}
+}
+
+func (c *cq) wake() {
+	select {
+	case c.notify <- struct{}{}:
+	default:
+	}
+}
+
+func (c *cq) take(out []verbsio.Completion) int {
+	c.mu.Lock()
+	n := copy(out, c.q[c.head:])
+	c.head += n
+	if c.head == len(c.q) {
+		c.q, c.head = c.q[:0], 0
+	} else if c.head > 4096 && c.head*2 > len(c.q) {
+		c.q = append(c.q[:0], c.q[c.head:]...)
+		c.head = 0
+	}
+	c.mu.Unlock()
+	return n
+}
+
+func (c *cq) pending() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.head < len(c.q)
+}
+
+func (c *cq) attach(q *qp) {
+	for {
+		old := c.qps.Load()
+		nl := append(append([]*qp(nil), *old...), q)
+		if c.qps.CompareAndSwap(old, &nl) {
+			return
+		}
+	}
+}
+
+func (c *cq) detach(q *qp) {
+	for {
+		old := c.qps.Load()
+		nl := make([]*qp, 0, len(*old))
+		for _, x := range *old {
+			if x != q {
+				nl = append(nl, x)
+			}
+		}
+		if c.qps.CompareAndSwap(old, &nl) {
+			return
+		}
+	}
+}
+
+func (c *cq) ref() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return fmt.Errorf("%w: completion queue", verbsio.ErrClosed)
+	}
+	c.refs++
+	return nil
+}
+
+func (c *cq) unref() {
+	c.mu.Lock()
+	c.refs--
+	c.mu.Unlock()
+}
+
+// Poll implements verbsio.CompletionQueue.
+func (c *cq) Poll(out []verbsio.Completion) (int, error) {
+	if len(out) == 0 {
+		return 0, nil
+	}
+	n := c.take(out)
+	if n == len(out) {
+		return n, nil
+	}
+	drained := false
+	for _, q := range *c.qps.Load() {
+		if q.drainIfReady() {
+			drained = true
+		}
+	}
+	if drained {
+		n += c.take(out[n:])
+	}
+	if n == 0 && c.isClosed() {
+		return 0, fmt.Errorf("%w: completion queue", verbsio.ErrClosed)
+	}
+	return n, nil
+}
+
+func (c *cq) isClosed() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.closed
+}
+
+// Wait implements verbsio.CompletionQueue: it polls for Options.Spin, then
+// sleeps until a completion arrives or ctx ends.
+func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
+	if len(out) == 0 {
+		return 0, nil
+	}
+	spin := c.dev.opts.Spin
+	start := time.Now()
+	for i := 0; ; i++ {
+		n, err := c.Poll(out)
+		if n > 0 || err != nil {
+			return n, err
+		}
+		if i&63 == 63 {
+			if err := ctx.Err(); err != nil {
+				return 0, fmt.Errorf("%w: waiting for completions: %w", verbsio.ErrTimeout, err)
+			}
+			if time.Since(start) >= spin {
+				break
+			}
+			runtime.Gosched()
+		}
+	}
+	for {
+		c.sleep(true)
+		n, err := c.Poll(out)
+		if n > 0 || err != nil {
+			c.sleep(false)
+			return n, err
+		}
+		select {
+		case <-c.notify:
+		case <-ctx.Done():
+			c.sleep(false)
+			return 0, fmt.Errorf("%w: waiting for completions: %w", verbsio.ErrTimeout, ctx.Err())
+		}
+		c.sleep(false)
+		n, err = c.Poll(out)
+		if n > 0 || err != nil {
+			if c.sleepers.Load() > 0 && c.pending() {
+				c.wake()
+			}
+			return n, err
+		}
+	}
+}
+
+// sleep counts a sleeping waiter in or out and tells the senders of the
+// attached queue pairs whether to signal.
+func (c *cq) sleep(in bool) {
+	var n int32
+	if in {
+		n = c.sleepers.Add(1)
+	} else {
+		n = c.sleepers.Add(-1)
+	}
+	flag := uint32(0)
+	if n > 0 {
+		flag = 1
+	}
+	for _, q := range *c.qps.Load() {
+		q.setSleep(flag)
+	}
+}
+
+// Close implements verbsio.CompletionQueue; ErrBusy while queue pairs use it.
+func (c *cq) Close() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return nil
+	}
+	if c.refs > 0 {
+		return fmt.Errorf("%w: completion queue used by %d queue pairs", verbsio.ErrBusy, c.refs)
+	}
+	c.closed = true
+	c.dev.dropChild()
+	return nil
+}

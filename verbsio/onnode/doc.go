@@ -1,0 +1,43 @@
+// Package onnode is the verbsio provider for peers on the same host: an RDMA
+// WRITE moves the bytes with exactly one copy, from the sender's registered
+// source straight into the receiver's registered region.
+//
+// Two mechanisms carry the copy:
+//
+//   - MechVM: process_vm_writev(2) from the sender's memory into the peer's
+//     address space. It works for any registered host memory of the peer and
+//     needs the right to ptrace the peer (same user, no Yama restriction).
+//   - MechSHM: when the receiver's region is a shared mapping of a memfd (or
+//     another file), the receiver passes the file descriptor to the sender
+//     over the queue pair's unix socket (SCM_RIGHTS); the sender maps it and
+//     copies with a plain memmove.
+//
+// Options.Mechanism picks one; the default, MechAuto, uses MechSHM where the
+// region allows it and MechVM elsewhere (see bench scenario "xfer" and
+// BenchmarkWrite for the figures behind this choice).
+//
+// # Keys and deregistration
+//
+// Each protection domain publishes its memory regions in a table in a memfd
+// that connected peers map read-only. A sender looks the rkey up there before
+// it writes (wrong key, address out of bounds, or no remote-write access: the
+// work request completes with verbsio.StatusRemoteAccess and the target is
+// untouched). Entries carry a sequence number, and a sender announces each
+// write in a per-entry counter that the receiver waits on when it
+// deregisters, so no write lands in a region after its Close returns.
+//
+// # Notifications
+//
+// Immediates, receive completions and SEND payloads (small control messages,
+// which are copied) travel through a single-producer ring in a memfd that the
+// receiving queue pair owns. A completion queue's Wait spins on the rings of
+// its queue pairs for a short while (Options.Spin) and then sleeps on an
+// eventfd that the sender signals only when the receiver sleeps. A peer that
+// dies closes its end of the unix socket: its queue pairs enter the error
+// state and pending work requests complete with verbsio.StatusRetryExceeded
+// (errors.Is(status.Err(), verbsio.ErrPeerLost)).
+//
+// PostSend carries out each work request before it returns (the CPU is the
+// NIC here); completions still arrive through the completion queue as with
+// any provider.
+package onnode

@@ -1,0 +1,428 @@
+package onnode
+
+import (
+	"bufio"
+	"context"
+	"encoding/hex"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/gdrlink/gdrlink/verbsio"
+)
+
+// The tests run two real processes: the test binary re-executes itself with
+// helperEnv set, and the copy obeys line commands on stdin.
+const helperEnv = "GDRLINK_ONNODE_TEST_HELPER"
+
+func TestMain(m *testing.M) {
+	if os.Getenv(helperEnv) == "1" {
+		os.Exit(runHelper(os.Stdin, os.Stdout))
+	}
+	os.Exit(m.Run())
+}
+
+// memory is test memory off the Go heap.
+type memory struct {
+	b  []byte
+	fd int
+}
+
+func (m *memory) free() {
+	unix.Munmap(m.b)
+	if m.fd >= 0 {
+		unix.Close(m.fd)
+	}
+}
+
+// allocMemory makes size bytes of "anon", "thp" (anonymous, huge pages
+// advised, 2 MiB aligned) or "memfd" (shared file) memory.
+func allocMemory(kind string, size int) (*memory, error) {
+	switch kind {
+	case "anon":
+		b, err := unix.Mmap(-1, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+		return &memory{b: b, fd: -1}, err
+	case "thp":
+		const huge = 2 << 20
+		raw, err := unix.Mmap(-1, 0, size+huge, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+		if err != nil {
+			return nil, err
+		}
+		off := int((huge - addrOf(raw)%huge) % huge)
+		if off > 0 {
+			unix.Munmap(raw[:off])
+		}
+		if tail := raw[off+size:]; len(tail) > 0 {
+			unix.Munmap(tail)
+		}
+		b := raw[off : off+size : off+size]
+		unix.Madvise(b, unix.MADV_HUGEPAGE)
+		return &memory{b: b, fd: -1}, nil
+	case "memfd":
+		fd, b, err := newMemfd("gdrlink-onnode-test", size)
+		return &memory{b: b, fd: fd}, err
+	}
+	return nil, fmt.Errorf("memory kind %q", kind)
+}
+
+// node is one side: a device, a domain, one completion queue and a queue pair.
+type node struct {
+	dev  verbsio.Device
+	pd   verbsio.ProtectionDomain
+	scq  verbsio.CompletionQueue
+	rcq  verbsio.CompletionQueue
+	qp   verbsio.QueuePair
+	mrs  map[uint32]verbsio.MemoryRegion
+	mems map[uint32]*memory
+	bufs []*memory
+}
+
+func newNode(opts Options) (*node, error) {
+	d, err := Open(verbsio.Config{}, opts)
+	if err != nil {
+		return nil, err
+	}
+	n := &node{dev: d, mrs: map[uint32]verbsio.MemoryRegion{}, mems: map[uint32]*memory{}}
+	if n.pd, err = d.AllocPD(); err != nil {
+		return nil, err
+	}
+	if n.scq, err = d.CreateCQ(256); err != nil {
+		return nil, err
+	}
+	if n.rcq, err = d.CreateCQ(256); err != nil {
+		return nil, err
+	}
+	return n, n.newQP()
+}
+
+func (n *node) newQP() error {
+	if n.qp != nil {
+		n.qp.Close()
+	}
+	var err error
+	n.qp, err = n.pd.CreateQP(verbsio.QPConfig{SendCQ: n.scq, RecvCQ: n.rcq, MaxSGE: 4, MaxInline: 256})
+	return err
+}
+
+func (n *node) register(kind string, size int, access verbsio.Access, fill byte) (verbsio.MemoryRegion, error) {
+	m, err := allocMemory(kind, size)
+	if err != nil {
+		return nil, err
+	}
+	for i := range m.b {
+		m.b[i] = fill
+	}
+	mr, err := n.pd.RegisterMemory(addrOf(m.b), size, access)
+	if err != nil {
+		m.free()
+		return nil, err
+	}
+	n.mrs[mr.RKey()] = mr
+	n.mems[mr.RKey()] = m
+	return mr, nil
+}
+
+func (n *node) deregister(key uint32) {
+	if mr := n.mrs[key]; mr != nil {
+		mr.Close()
+		n.mems[key].free()
+		delete(n.mrs, key)
+		delete(n.mems, key)
+	}
+}
+
+func (n *node) close() {
+	if n.qp != nil {
+		n.qp.Close()
+	}
+	for k := range n.mrs {
+		n.deregister(k)
+	}
+	n.scq.Close()
+	n.rcq.Close()
+	n.pd.Close()
+	n.dev.Close()
+}
+
+func encodeEndpoint(e verbsio.Endpoint) string {
+	return e.Provider + "," + e.Host + "," + hex.EncodeToString(e.Data)
+}
+
+func decodeEndpoint(s string) (verbsio.Endpoint, error) {
+	f := strings.Split(s, ",")
+	if len(f) != 3 {
+		return verbsio.Endpoint{}, fmt.Errorf("endpoint %q", s)
+	}
+	d, err := hex.DecodeString(f[2])
+	return verbsio.Endpoint{Provider: f[0], Host: f[1], Data: d}, err
+}
+
+func fmtCompletion(c verbsio.Completion) string {
+	return fmt.Sprintf("comp %d %d %d %d %d %t", c.WRID, c.Status, c.Op, c.ByteLen, c.Imm, c.HasImm)
+}
+
+// runHelper is the peer process: it answers each command line with lines
+// ending in "." (or "err ..." then ".").
+func runHelper(in io.Reader, out io.Writer) int {
+	opts := Options{Spin: DefaultSpin}
+	if m, err := ParseMechanism(os.Getenv("GDRLINK_ONNODE_MECH")); err == nil {
+		opts.Mechanism = m
+	}
+	n, err := newNode(opts)
+	if err != nil {
+		fmt.Fprintf(out, "err %v\n.\n", err)
+		return 1
+	}
+	w := bufio.NewWriter(out)
+	say := func(f string, a ...any) { fmt.Fprintf(w, f+"\n", a...) }
+	sc := bufio.NewScanner(in)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		f := strings.Fields(sc.Text())
+		if len(f) == 0 {
+			continue
+		}
+		arg := func(i int) int64 { v, _ := strconv.ParseInt(f[i], 0, 64); return v }
+		switch f[0] {
+		case "ep":
+			say("ep %s", encodeEndpoint(n.qp.Endpoint()))
+		case "newqp":
+			if err := n.newQP(); err != nil {
+				say("err %v", err)
+			} else {
+				say("ep %s", encodeEndpoint(n.qp.Endpoint()))
+			}
+		case "connect":
+			e, err := decodeEndpoint(f[1])
+			if err == nil {
+				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				err = n.qp.Connect(ctx, e)
+				cancel()
+			}
+			if err != nil {
+				say("err %v", err)
+			}
+		case "reg": // reg kind size access fill
+			mr, err := n.register(f[1], int(arg(2)), verbsio.Access(arg(3)), byte(arg(4)))
+			if err != nil {
+				say("err %v", err)
+			} else {
+				say("mr %d %d %d", mr.Addr(), mr.RKey(), mr.Len())
+			}
+		case "dereg":
+			n.deregister(uint32(arg(1)))
+		case "check": // check rkey off len byte: first byte that differs, or -1
+			m := n.mems[uint32(arg(1))]
+			bad := -1
+			for i, c := range m.b[arg(2) : arg(2)+arg(3)] {
+				if c != byte(arg(4)) {
+					bad = i
+					break
+				}
+			}
+			say("bad %d", bad)
+		case "crc": // crc rkey off len
+			m := n.mems[uint32(arg(1))]
+			say("crc %d", crc32.ChecksumIEEE(m.b[arg(2):arg(2)+arg(3)]))
+		case "recv": // recv wrid rkey off len
+			mr := n.mrs[uint32(arg(2))]
+			err := n.qp.PostRecv([]verbsio.RecvWR{{WRID: uint64(arg(1)), SG: []verbsio.SGE{{Addr: mr.Addr() + uintptr(arg(3)), Length: uint32(arg(4)), LKey: mr.LKey()}}}})
+			if err != nil {
+				say("err %v", err)
+			}
+		case "wait": // wait count timeout-ms
+			ctx, cancel := context.WithTimeout(context.Background(), time.Duration(arg(2))*time.Millisecond)
+			buf := make([]verbsio.Completion, 16)
+			for got := 0; got < int(arg(1)); {
+				k, err := n.rcq.Wait(ctx, buf)
+				if err != nil {
+					say("err %v", err)
+					break
+				}
+				for _, c := range buf[:k] {
+					say("%s", fmtCompletion(c))
+				}
+				got += k
+			}
+			cancel()
+		case "writeimm": // writeimm lrkey loff len raddr rkey imm
+			mr := n.mrs[uint32(arg(1))]
+			wr := verbsio.SendWR{WRID: 1, Op: verbsio.OpWriteImm, Signaled: true, Imm: uint32(arg(6)), RemoteAddr: uint64(arg(4)), RKey: uint32(arg(5)),
+				SG: []verbsio.SGE{{Addr: mr.Addr() + uintptr(arg(2)), Length: uint32(arg(3)), LKey: mr.LKey()}}}
+			if err := n.qp.PostSend([]verbsio.SendWR{wr}); err != nil {
+				say("err %v", err)
+				break
+			}
+			buf := make([]verbsio.Completion, 1)
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			if _, err := n.scq.Wait(ctx, buf); err != nil {
+				say("err %v", err)
+			} else {
+				say("%s", fmtCompletion(buf[0]))
+			}
+			cancel()
+		case "die":
+			w.Flush()
+			syscall.Kill(os.Getpid(), syscall.SIGKILL)
+		case "exit":
+			n.close()
+			say(".")
+			w.Flush()
+			return 0
+		default:
+			say("err unknown command %q", f[0])
+		}
+		say(".")
+		w.Flush()
+	}
+	n.close()
+	return 0
+}
+
+// peer is the helper process seen from the test.
+type peer struct {
+	t    *testing.T
+	cmd  *exec.Cmd
+	in   io.WriteCloser
+	out  *bufio.Scanner
+	mu   sync.Mutex
+	dead bool
+}
+
+func startPeer(t *testing.T, mech Mechanism) *peer {
+	t.Helper()
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(exe, "-test.run=^$")
+	cmd.Env = append(os.Environ(), helperEnv+"=1", "GDRLINK_ONNODE_MECH="+mech.String())
+	cmd.Stderr = os.Stderr
+	in, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	outp, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	p := &peer{t: t, cmd: cmd, in: in, out: bufio.NewScanner(outp)}
+	t.Cleanup(func() {
+		if !p.dead {
+			fmt.Fprintln(p.in, "exit")
+		}
+		p.in.Close()
+		done := make(chan struct{})
+		go func() { cmd.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			cmd.Process.Kill()
+			<-done
+			t.Errorf("helper process did not exit")
+		}
+	})
+	return p
+}
+
+// do sends a command and returns its answer lines (without the final ".").
+func (p *peer) do(format string, a ...any) []string {
+	p.t.Helper()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	fmt.Fprintf(p.in, format+"\n", a...)
+	var lines []string
+	for p.out.Scan() {
+		l := p.out.Text()
+		if l == "." {
+			return lines
+		}
+		lines = append(lines, l)
+	}
+	p.t.Fatalf("helper ended during %q: %v", fmt.Sprintf(format, a...), p.out.Err())
+	return nil
+}
+
+// one runs a command expected to answer one line starting with want and
+// returns its fields after the first.
+func (p *peer) one(want, format string, a ...any) []string {
+	p.t.Helper()
+	lines := p.do(format, a...)
+	if len(lines) != 1 || !strings.HasPrefix(lines[0], want+" ") {
+		p.t.Fatalf("%q answered %q, want a %q line", fmt.Sprintf(format, a...), lines, want)
+	}
+	return strings.Fields(lines[0])[1:]
+}
+
+func (p *peer) ok(format string, a ...any) {
+	p.t.Helper()
+	if lines := p.do(format, a...); len(lines) != 0 {
+		p.t.Fatalf("%q answered %q", fmt.Sprintf(format, a...), lines)
+	}
+}
+
+func atoi(t *testing.T, s string) uint64 {
+	t.Helper()
+	v, err := strconv.ParseUint(s, 10, 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return v
+}
+
+// connect connects n's queue pair with the helper's current one.
+func connect(t *testing.T, n *node, p *peer, ep []string) {
+	t.Helper()
+	remote, err := decodeEndpoint(ep[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	errc := make(chan error, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		errc <- n.qp.Connect(ctx, remote)
+	}()
+	p.ok("connect %s", encodeEndpoint(n.qp.Endpoint()))
+	if err := <-errc; err != nil {
+		t.Fatal(err)
+	}
+}
+
+// pair starts a helper and connects a local node to it.
+func pair(t *testing.T, mech Mechanism) (*node, *peer) {
+	t.Helper()
+	n, err := newNode(Options{Mechanism: mech, Spin: DefaultSpin})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(n.close)
+	p := startPeer(t, mech)
+	connect(t, n, p, p.one("ep", "ep"))
+	return n, p
+}
+
+// waitOne waits for one completion on cq.
+func waitOne(t *testing.T, cq verbsio.CompletionQueue, d time.Duration) verbsio.Completion {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	defer cancel()
+	var c [1]verbsio.Completion
+	if _, err := cq.Wait(ctx, c[:]); err != nil {
+		t.Fatalf("waiting for a completion: %v", err)
+	}
+	return c[0]
+}

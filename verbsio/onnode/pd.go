@@ -1,0 +1,336 @@
+package onnode
+
+import (
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/gdrlink/gdrlink/verbsio"
+)
+
+// The memory-region table that a protection domain publishes to its peers.
+// Entry i is 64 bytes at i*entrySize: seq, key|access<<32, addr, len, flags,
+// file offset. The write counters live at tableBytes + i*64, one cache line
+// each; peers map the table read-only and the counters read-write.
+const (
+	tableSlots  = 1024
+	slotBits    = 10
+	entrySize   = 64
+	tableBytes  = tableSlots * entrySize
+	counterSize = 64
+	tableFile   = tableBytes + tableSlots*counterSize
+
+	eSeq    = 0
+	eKey    = 8
+	eAddr   = 16
+	eLen    = 24
+	eFlags  = 32
+	eOffset = 40
+
+	flagValid = 1
+	flagFile  = 2
+
+	validAccess = verbsio.AccessLocalWrite | verbsio.AccessRemoteWrite | verbsio.AccessRemoteRead
+)
+
+// entry is a consistent snapshot of a table entry.
+type entry struct {
+	key    uint32
+	access verbsio.Access
+	addr   uint64
+	length uint64
+	flags  uint64
+	offset uint64
+}
+
+// readEntry takes a consistent snapshot of slot i of a table and, when hold is
+// true and the snapshot is a valid entry, announces a write in its counter
+// (the caller must call the returned release). ok is false when the slot is
+// being rewritten for too long.
+func readEntry(table, counters []byte, i int, hold bool) (e entry, release func(), ok bool) {
+	base := i * entrySize
+	for try := 0; try < 1000; try++ {
+		s1 := load64(table, base+eSeq)
+		if s1&1 != 0 {
+			continue
+		}
+		k := load64(table, base+eKey)
+		e = entry{key: uint32(k), access: verbsio.Access(k >> 32), addr: load64(table, base+eAddr),
+			length: load64(table, base+eLen), flags: load64(table, base+eFlags), offset: load64(table, base+eOffset)}
+		var ctr *uint64
+		if hold && e.flags&flagValid != 0 {
+			ctr = u64(counters, i*counterSize)
+			atomic.AddUint64(ctr, 1)
+		}
+		if load64(table, base+eSeq) != s1 {
+			if ctr != nil {
+				atomic.AddUint64(ctr, ^uint64(0))
+			}
+			continue
+		}
+		if ctr == nil {
+			return e, func() {}, true
+		}
+		return e, func() { atomic.AddUint64(ctr, ^uint64(0)) }, true
+	}
+	return entry{}, func() {}, false
+}
+
+type slot struct {
+	gen  uint32
+	busy bool
+	mr   *memoryRegion
+}
+
+// pd is a protection domain: its regions and its published table.
+type pd struct {
+	dev *Device
+
+	mu      sync.RWMutex // guards slots; held for reading during local copies
+	slots   [tableSlots]slot
+	tableFD int
+	table   []byte // the whole table file, read-write
+	live    int    // regions and queue pairs
+	closed  bool
+}
+
+func newPD(d *Device) (*pd, error) {
+	fd, mem, err := newMemfd("gdrlink-onnode-mrtable", tableFile)
+	if err != nil {
+		return nil, fmt.Errorf("%w: onnode: %w", verbsio.ErrNotSupported, err)
+	}
+	return &pd{dev: d, tableFD: fd, table: mem}, nil
+}
+
+// RegisterMemory implements verbsio.ProtectionDomain. When the memory is a
+// shared mapping of a file this process has open (a memfd arena), peers using
+// MechSHM write it through that file.
+func (p *pd) RegisterMemory(addr uintptr, length int, access verbsio.Access) (verbsio.MemoryRegion, error) {
+	return p.register(addr, length, access, -1, 0, true)
+}
+
+// RegisterMemoryFD registers memory that is a MAP_SHARED mapping of fd at
+// offset (an alloc memfd region: Region.FD). The descriptor is duplicated;
+// the caller keeps its own.
+func (p *pd) RegisterMemoryFD(addr uintptr, length int, access verbsio.Access, fd int, offset int64) (verbsio.MemoryRegion, error) {
+	if fd < 0 || offset < 0 {
+		return nil, fmt.Errorf("%w: onnode: file descriptor %d offset %d", verbsio.ErrBadConfig, fd, offset)
+	}
+	return p.register(addr, length, access, fd, offset, false)
+}
+
+// FDRegistrar is implemented by the provider's protection domains: it
+// registers memory that is a shared mapping of a file, so that peers can map
+// it. A memory-region visitor uses it when an arena has a file descriptor.
+type FDRegistrar interface {
+	RegisterMemoryFD(addr uintptr, length int, access verbsio.Access, fd int, offset int64) (verbsio.MemoryRegion, error)
+}
+
+var _ FDRegistrar = (*pd)(nil)
+
+func (p *pd) register(addr uintptr, length int, access verbsio.Access, fd int, offset int64, detect bool) (verbsio.MemoryRegion, error) {
+	if length <= 0 || length > MaxMessage*2 {
+		return nil, fmt.Errorf("%w: onnode: region length %d", verbsio.ErrLocalLength, length)
+	}
+	if access&^validAccess != 0 {
+		return nil, fmt.Errorf("%w: onnode: access flags %#x", verbsio.ErrBadConfig, uint32(access))
+	}
+	maps, err := readSelfMaps()
+	if err != nil {
+		return nil, fmt.Errorf("%w: onnode: %w", verbsio.ErrNotSupported, err)
+	}
+	ms, err := mappingsCovering(maps, uint64(addr), uint64(length))
+	if err != nil {
+		return nil, fmt.Errorf("%w: onnode: registering %#x+%d: %w", verbsio.ErrLocalProtection, addr, length, err)
+	}
+	fileFD, fileOff := -1, uint64(0)
+	if fd >= 0 {
+		var st unix.Stat_t
+		if err := unix.Fstat(fd, &st); err != nil {
+			return nil, fmt.Errorf("%w: onnode: fstat fd %d: %w", verbsio.ErrBadConfig, fd, err)
+		}
+		m := ms[0]
+		if len(ms) != 1 || !m.Shared() || m.Inode != st.Ino || m.Offset+(uint64(addr)-m.Start) != uint64(offset) {
+			return nil, fmt.Errorf("%w: %#x+%d and fd %d offset %d", ErrNotShared, addr, length, fd, offset)
+		}
+		if fileFD, err = unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0); err != nil {
+			return nil, fmt.Errorf("%w: onnode: dup fd %d: %w", verbsio.ErrNotSupported, fd, err)
+		}
+		fileOff = uint64(offset)
+	} else if detect && len(ms) == 1 && ms[0].Shared() && ms[0].Inode != 0 {
+		m := ms[0]
+		if fileFD = findFD(unix.Mkdev(m.DevMajor, m.DevMinor), m.Inode); fileFD >= 0 {
+			fileOff = m.Offset + (uint64(addr) - m.Start)
+		}
+	}
+
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		closeFD(fileFD)
+		return nil, fmt.Errorf("%w: protection domain", verbsio.ErrClosed)
+	}
+	idx := -1
+	for i := range p.slots {
+		if !p.slots[i].busy {
+			idx = i
+			break
+		}
+	}
+	if idx < 0 {
+		closeFD(fileFD)
+		return nil, fmt.Errorf("%w: onnode: all %d memory-region slots in use", verbsio.ErrQueueFull, tableSlots)
+	}
+	s := &p.slots[idx]
+	s.gen = (s.gen + 1) & (1<<(32-slotBits) - 1)
+	if s.gen == 0 {
+		s.gen = 1
+	}
+	mr := &memoryRegion{pd: p, idx: idx, key: s.gen<<slotBits | uint32(idx), addr: addr, length: length, access: access, fd: fileFD}
+	s.busy, s.mr = true, mr
+	flags := uint64(flagValid)
+	if fileFD >= 0 {
+		flags |= flagFile
+	}
+	base := idx * entrySize
+	seq := load64(p.table, base+eSeq)
+	store64(p.table, base+eSeq, seq+1)
+	store64(p.table, base+eKey, uint64(mr.key)|uint64(access)<<32)
+	store64(p.table, base+eAddr, uint64(addr))
+	store64(p.table, base+eLen, uint64(length))
+	store64(p.table, base+eOffset, fileOff)
+	store64(p.table, base+eFlags, flags)
+	store64(p.table, base+eSeq, seq+2)
+	p.live++
+	return mr, nil
+}
+
+func closeFD(fd int) {
+	if fd >= 0 {
+		unix.Close(fd)
+	}
+}
+
+// lookupLocal finds the region of lkey that holds [addr, addr+n) with the
+// needed access. The caller holds p.mu for reading.
+func (p *pd) lookupLocal(lkey uint32, addr uintptr, n uint32, need verbsio.Access) (*memoryRegion, verbsio.Status) {
+	s := &p.slots[lkey&(tableSlots-1)]
+	mr := s.mr
+	if mr == nil || mr.key != lkey || addr < mr.addr || uint64(addr-mr.addr)+uint64(n) > uint64(mr.length) || mr.access&need != need {
+		return nil, verbsio.StatusLocalProtection
+	}
+	return mr, verbsio.StatusSuccess
+}
+
+// fileOf returns the descriptor of the region with key rkey if it is still
+// registered and file-backed (the answer to a peer's request).
+func (p *pd) fileOf(rkey uint32) int {
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	mr := p.slots[rkey&(tableSlots-1)].mr
+	if mr == nil || mr.key != rkey {
+		return -1
+	}
+	return mr.fd
+}
+
+func (p *pd) deregister(mr *memoryRegion) {
+	p.mu.Lock()
+	base := mr.idx * entrySize
+	seq := load64(p.table, base+eSeq)
+	store64(p.table, base+eSeq, seq+1)
+	store64(p.table, base+eFlags, 0)
+	store64(p.table, base+eSeq, seq+2)
+	p.slots[mr.idx].mr = nil // slot stays busy until peers' writes drain
+	p.mu.Unlock()
+
+	// Writes that peers announced before the entry changed finish before
+	// the region is given back; a peer that died mid-write is waited for
+	// no longer than the timeout.
+	ctr := u64(p.table, tableBytes+mr.idx*counterSize)
+	deadline := time.Now().Add(p.dev.opts.DeregTimeout)
+	for atomic.LoadUint64(ctr) != 0 && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Microsecond)
+	}
+	closeFD(mr.fd)
+
+	p.mu.Lock()
+	p.slots[mr.idx].busy = false
+	p.live--
+	p.mu.Unlock()
+}
+
+func (p *pd) addQP() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return fmt.Errorf("%w: protection domain", verbsio.ErrClosed)
+	}
+	p.live++
+	return nil
+}
+
+func (p *pd) dropQP() {
+	p.mu.Lock()
+	p.live--
+	p.mu.Unlock()
+}
+
+// RegisterDMABuf implements verbsio.ProtectionDomain: not on this provider.
+func (p *pd) RegisterDMABuf(fd int, offset uint64, length int, iova uint64, access verbsio.Access) (verbsio.MemoryRegion, error) {
+	return nil, fmt.Errorf("%w: onnode registers host memory only (no dma-buf)", verbsio.ErrNotSupported)
+}
+
+// CreateQP implements verbsio.ProtectionDomain.
+func (p *pd) CreateQP(cfg verbsio.QPConfig) (verbsio.QueuePair, error) {
+	return newQP(p, cfg)
+}
+
+// Close implements verbsio.ProtectionDomain.
+func (p *pd) Close() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return nil
+	}
+	if p.live > 0 {
+		return fmt.Errorf("%w: protection domain has %d live regions or queue pairs", verbsio.ErrBusy, p.live)
+	}
+	p.closed = true
+	unix.Munmap(p.table)
+	unix.Close(p.tableFD)
+	p.table = nil
+	p.dev.dropChild()
+	return nil
+}
+
+// memoryRegion is a registered range.
+type memoryRegion struct {
+	pd     *pd
+	idx    int
+	key    uint32
+	addr   uintptr
+	length int
+	access verbsio.Access
+	fd     int
+	once   sync.Once
+}
+
+func (m *memoryRegion) Addr() uintptr          { return m.addr }
+func (m *memoryRegion) Len() int               { return m.length }
+func (m *memoryRegion) LKey() uint32           { return m.key }
+func (m *memoryRegion) RKey() uint32           { return m.key }
+func (m *memoryRegion) Access() verbsio.Access { return m.access }
+
+// FileBacked reports whether peers can map the region (MechSHM).
+func (m *memoryRegion) FileBacked() bool { return m.fd >= 0 }
+
+// Close deregisters the region; idempotent. It returns once no peer's write
+// into the region is in flight.
+func (m *memoryRegion) Close() error {
+	m.once.Do(func() { m.pd.deregister(m) })
+	return nil
+}

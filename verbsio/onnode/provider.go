@@ -1,0 +1,260 @@
+package onnode
+
+import (
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/gdrlink/gdrlink/tensor"
+	"github.com/gdrlink/gdrlink/verbsio"
+)
+
+// Name is the provider's registered name.
+const Name = "onnode"
+
+// DeviceName is the name of the provider's one device.
+const DeviceName = "onnode0"
+
+// Limits advertised in Caps.
+const (
+	// MaxSGE is the most scatter/gather entries per work request.
+	MaxSGE = 16
+	// MaxInline is the largest inline payload.
+	MaxInline = 64 << 10
+	// MaxQPDepth is the deepest queue a queue pair may ask for.
+	MaxQPDepth = 65536
+	// MaxMessage is the largest single write, read or send.
+	MaxMessage = 1 << 31
+)
+
+func init() { verbsio.Register(provider{}) }
+
+// Mechanism is how a write's bytes cross into the peer.
+type Mechanism uint8
+
+// Mechanisms.
+const (
+	// MechAuto uses MechSHM for file-backed regions of the peer and MechVM
+	// for the others.
+	MechAuto Mechanism = iota
+	// MechVM always uses process_vm_writev/readv.
+	MechVM
+	// MechSHM maps file-backed regions of the peer and copies; regions that
+	// are not file-backed still use process_vm_writev.
+	MechSHM
+)
+
+// String names the mechanism as ParseMechanism reads it.
+func (m Mechanism) String() string {
+	switch m {
+	case MechAuto:
+		return "auto"
+	case MechVM:
+		return "vm"
+	case MechSHM:
+		return "shm"
+	}
+	return fmt.Sprintf("Mechanism(%d)", uint8(m))
+}
+
+// ParseMechanism reads "auto", "vm" or "shm".
+func ParseMechanism(s string) (Mechanism, error) {
+	switch strings.ToLower(s) {
+	case "", "auto":
+		return MechAuto, nil
+	case "vm":
+		return MechVM, nil
+	case "shm":
+		return MechSHM, nil
+	}
+	return MechAuto, fmt.Errorf("%w: onnode mechanism %q, want auto, vm or shm", verbsio.ErrBadConfig, s)
+}
+
+// Options tune the provider beyond verbsio.Config.
+type Options struct {
+	// Mechanism is how writes cross into the peer (GDRLINK_ONNODE_MECH).
+	Mechanism Mechanism
+	// Spin is how long CompletionQueue.Wait polls before it sleeps
+	// (GDRLINK_ONNODE_SPIN, a Go duration; default DefaultSpin).
+	Spin time.Duration
+	// DeregTimeout bounds how long closing a memory region waits for writes
+	// of peers in flight (default DefaultDeregTimeout).
+	DeregTimeout time.Duration
+}
+
+// Defaults of Options.
+const (
+	DefaultSpin         = 50 * time.Microsecond
+	DefaultDeregTimeout = 5 * time.Second
+)
+
+// OptionsFromEnv reads GDRLINK_ONNODE_MECH and GDRLINK_ONNODE_SPIN.
+func OptionsFromEnv() (Options, error) {
+	o := Options{Spin: DefaultSpin, DeregTimeout: DefaultDeregTimeout}
+	m, err := ParseMechanism(os.Getenv("GDRLINK_ONNODE_MECH"))
+	if err != nil {
+		return o, err
+	}
+	o.Mechanism = m
+	if v := os.Getenv("GDRLINK_ONNODE_SPIN"); v != "" {
+		d, err := time.ParseDuration(v)
+		if err != nil || d < 0 {
+			return o, fmt.Errorf("%w: GDRLINK_ONNODE_SPIN=%q is not a duration", verbsio.ErrBadConfig, v)
+		}
+		o.Spin = d
+	}
+	return o, nil
+}
+
+type provider struct{}
+
+func (provider) Name() string { return Name }
+
+func (provider) Devices() ([]verbsio.DeviceInfo, error) {
+	if _, err := bootID(); err != nil {
+		return nil, fmt.Errorf("%w: onnode: %w", verbsio.ErrNoDevice, err)
+	}
+	return []verbsio.DeviceInfo{deviceInfo()}, nil
+}
+
+func (provider) Open(cfg verbsio.Config) (verbsio.Device, error) {
+	o, err := OptionsFromEnv()
+	if err != nil {
+		return nil, err
+	}
+	return Open(cfg, o)
+}
+
+func deviceInfo() verbsio.DeviceInfo {
+	return verbsio.DeviceInfo{Provider: Name, Name: DeviceName, NUMANode: -1}
+}
+
+// bootPath is where the host's identity is read.
+const bootPath = "/proc/sys/kernel/random/boot_id"
+
+func bootID() (string, error) {
+	b, err := os.ReadFile(bootPath)
+	if err != nil {
+		return "", fmt.Errorf("reading boot id: %w", err)
+	}
+	id := strings.TrimSpace(string(b))
+	if id == "" {
+		return "", fmt.Errorf("empty boot id in %s", bootPath)
+	}
+	return id, nil
+}
+
+// Open opens the provider's device with explicit options; verbsio.Open("onnode",
+// cfg) does the same with OptionsFromEnv.
+func Open(cfg verbsio.Config, o Options) (verbsio.Device, error) {
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if cfg.Device != "" && cfg.Device != DeviceName {
+		return nil, fmt.Errorf("%w: onnode has no device %q (it has %s)", verbsio.ErrBadConfig, cfg.Device, DeviceName)
+	}
+	if o.Mechanism > MechSHM {
+		return nil, fmt.Errorf("%w: %s", verbsio.ErrBadConfig, o.Mechanism)
+	}
+	if o.Spin < 0 {
+		o.Spin = 0
+	}
+	if o.DeregTimeout <= 0 {
+		o.DeregTimeout = DefaultDeregTimeout
+	}
+	host, err := bootID()
+	if err != nil {
+		return nil, fmt.Errorf("%w: onnode: %w", verbsio.ErrNoDevice, err)
+	}
+	return &Device{cfg: cfg, opts: o, host: host}, nil
+}
+
+// Device is the provider's device. Besides verbsio.Device it tells which
+// options it runs with.
+type Device struct {
+	cfg  verbsio.Config
+	opts Options
+	host string
+
+	mu       sync.Mutex
+	children int
+	closed   bool
+}
+
+// Options returns the options the device was opened with.
+func (d *Device) Options() Options { return d.opts }
+
+// Info implements verbsio.Device.
+func (d *Device) Info() verbsio.DeviceInfo { return deviceInfo() }
+
+// Caps implements verbsio.Device.
+func (d *Device) Caps() verbsio.Caps {
+	return verbsio.Caps{
+		Provider:           Name,
+		MemoryTypes:        []tensor.DeviceKind{tensor.CPU, tensor.PinnedHost},
+		DMABuf:             false,
+		WriteWithImmediate: true,
+		MaxInline:          MaxInline,
+		MaxSGE:             MaxSGE,
+		MaxQPDepth:         MaxQPDepth,
+		MaxMessage:         MaxMessage,
+		SameHostOnly:       true,
+	}
+}
+
+func (d *Device) addChild() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return fmt.Errorf("%w: device %s", verbsio.ErrClosed, DeviceName)
+	}
+	d.children++
+	return nil
+}
+
+func (d *Device) dropChild() {
+	d.mu.Lock()
+	d.children--
+	d.mu.Unlock()
+}
+
+// AllocPD implements verbsio.Device.
+func (d *Device) AllocPD() (verbsio.ProtectionDomain, error) {
+	if err := d.addChild(); err != nil {
+		return nil, err
+	}
+	pd, err := newPD(d)
+	if err != nil {
+		d.dropChild()
+		return nil, err
+	}
+	return pd, nil
+}
+
+// CreateCQ implements verbsio.Device.
+func (d *Device) CreateCQ(depth int) (verbsio.CompletionQueue, error) {
+	if depth < 1 || depth > 1<<22 {
+		return nil, fmt.Errorf("%w: completion queue depth %d, want 1..%d", verbsio.ErrBadConfig, depth, 1<<22)
+	}
+	if err := d.addChild(); err != nil {
+		return nil, err
+	}
+	return newCQ(d, depth), nil
+}
+
+// Close implements verbsio.Device: ErrBusy while domains or queues live.
+func (d *Device) Close() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return nil
+	}
+	if d.children > 0 {
+		return fmt.Errorf("%w: device %s has %d live protection domains or completion queues", verbsio.ErrBusy, DeviceName, d.children)
+	}
+	d.closed = true
+	return nil
+}

@@ -1,0 +1,791 @@
+package onnode
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/gdrlink/gdrlink/verbsio"
+)
+
+// Bounds on waits that a peer could otherwise stretch.
+const (
+	fdRequestTimeout = 5 * time.Second
+	ringFullTimeout  = 30 * time.Second
+	maxBacklog       = 64 << 20 // bytes of SEND payload that may wait for receives
+)
+
+// postedRecv is a receive buffer waiting for a SEND or a write with immediate.
+type postedRecv struct {
+	wrid uint64
+	sg   []verbsio.SGE
+}
+
+// arrival is a SEND or a write with immediate that no receive has taken yet.
+type arrival struct {
+	kind     uint8
+	imm      uint32
+	n        uint32
+	data     []byte
+	complete bool
+}
+
+// fileMap is a peer's file-backed region mapped here.
+type fileMap struct {
+	mem   []byte
+	delta int // offset of the region's first byte in mem
+}
+
+type qp struct {
+	pd             *pd
+	sendCQ, recvCQ *cq
+	maxSend        int
+	maxRecv        int
+	maxSGE         int
+	maxInline      int
+	mech           Mechanism
+	name           string
+	host           string
+	ln             *net.UnixListener
+
+	// The ring this queue pair receives on, and the eventfd peers signal.
+	inFD  int
+	inMem []byte
+	in    *ring
+	efd   int
+	efile *os.File
+
+	state    atomic.Uint32 // verbsio.QPState
+	lastErr  atomic.Pointer[error]
+	lost     atomic.Bool
+	lostCh   chan struct{}
+	lostOnce sync.Once
+	done     chan struct{}
+	wg       sync.WaitGroup
+
+	// Set by Connect.
+	conn        *net.UnixConn
+	writeMu     sync.Mutex // socket writes
+	peerPID     int
+	pidOverride int // tests: pretend the peer is this process id
+	out         *ring
+	peerEFD     int
+	peerTable   []byte
+	peerCtr     []byte
+	vmErr       error
+
+	sendMu   sync.Mutex // sends, the outgoing ring's tail, file maps
+	tail     uint64
+	fileMaps map[uint32]*fileMap
+	fdResp   chan fdAnswer
+
+	consMu    sync.Mutex // the incoming ring, receives, arrivals
+	recvs     []postedRecv
+	arrivals  []arrival
+	backlog   int
+	compBuf   []verbsio.Completion
+	closeOnce sync.Once
+}
+
+type fdAnswer struct {
+	rkey uint32
+	fd   int
+}
+
+func newQP(p *pd, cfg verbsio.QPConfig) (*qp, error) {
+	scq, ok1 := cfg.SendCQ.(*cq)
+	rcq, ok2 := cfg.RecvCQ.(*cq)
+	if !ok1 || !ok2 || scq == nil || rcq == nil {
+		return nil, fmt.Errorf("%w: onnode queue pairs need completion queues of the onnode device", verbsio.ErrBadConfig)
+	}
+	depth := p.dev.cfg.QueueDepth
+	q := &qp{pd: p, sendCQ: scq, recvCQ: rcq, maxSend: cfg.MaxSendWR, maxRecv: cfg.MaxRecvWR, maxSGE: cfg.MaxSGE,
+		maxInline: cfg.MaxInline, mech: p.dev.opts.Mechanism, host: p.dev.host, done: make(chan struct{}), lostCh: make(chan struct{}), inFD: -1, efd: -1, peerEFD: -1,
+		fileMaps: map[uint32]*fileMap{}, fdResp: make(chan fdAnswer, 1)}
+	if q.maxSend == 0 {
+		q.maxSend = depth
+	}
+	if q.maxRecv == 0 {
+		q.maxRecv = depth
+	}
+	if q.maxSGE == 0 {
+		q.maxSGE = 1
+	}
+	switch {
+	case q.maxSend < 1 || q.maxSend > MaxQPDepth || q.maxRecv < 1 || q.maxRecv > MaxQPDepth:
+		return nil, fmt.Errorf("%w: onnode queue depths %d/%d, want 1..%d", verbsio.ErrBadConfig, q.maxSend, q.maxRecv, MaxQPDepth)
+	case q.maxSGE < 1 || q.maxSGE > MaxSGE:
+		return nil, fmt.Errorf("%w: onnode MaxSGE %d, want 1..%d", verbsio.ErrBadConfig, q.maxSGE, MaxSGE)
+	case q.maxInline < 0 || q.maxInline > MaxInline:
+		return nil, fmt.Errorf("%w: onnode MaxInline %d, want 0..%d", verbsio.ErrBadConfig, q.maxInline, MaxInline)
+	}
+	if err := p.addQP(); err != nil {
+		return nil, err
+	}
+	if err := scq.ref(); err != nil {
+		p.dropQP()
+		return nil, err
+	}
+	if err := rcq.ref(); err != nil {
+		scq.unref()
+		p.dropQP()
+		return nil, err
+	}
+	if err := q.setup(); err != nil {
+		q.release()
+		return nil, fmt.Errorf("%w: onnode: %w", verbsio.ErrNotSupported, err)
+	}
+	return q, nil
+}
+
+func (q *qp) setup() error {
+	var rnd [12]byte
+	if _, err := rand.Read(rnd[:]); err != nil {
+		return err
+	}
+	q.name = fmt.Sprintf("gdrlink-onnode-%d-%s", os.Getpid(), hex.EncodeToString(rnd[:]))
+	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: "@" + q.name, Net: "unixpacket"})
+	if err != nil {
+		return fmt.Errorf("listening on @%s: %w", q.name, err)
+	}
+	q.ln = ln
+	if q.inFD, q.inMem, err = newMemfd("gdrlink-onnode-ring", ringFile); err != nil {
+		return err
+	}
+	q.in = newRing(q.inMem)
+	if q.efd, err = unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK); err != nil {
+		return fmt.Errorf("eventfd: %w", err)
+	}
+	q.efile = os.NewFile(uintptr(q.efd), "gdrlink-onnode-eventfd")
+	return nil
+}
+
+// release frees what setup and Connect made; the queue pair is closed.
+func (q *qp) release() {
+	if q.ln != nil {
+		q.ln.Close()
+	}
+	if q.conn != nil {
+		q.conn.Close()
+	}
+	if q.efile != nil {
+		q.efile.Close()
+	} else {
+		closeFD(q.efd)
+	}
+	q.wg.Wait()
+	for k, m := range q.fileMaps {
+		unix.Munmap(m.mem)
+		delete(q.fileMaps, k)
+	}
+	closeFD(q.peerEFD)
+	q.detachPeer()
+	if q.inMem != nil {
+		unix.Munmap(q.inMem)
+		q.inMem, q.in = nil, nil
+	}
+	closeFD(q.inFD)
+	q.sendCQ.unref()
+	q.recvCQ.unref()
+	q.pd.dropQP()
+}
+
+// Endpoint implements verbsio.QueuePair.
+func (q *qp) Endpoint() verbsio.Endpoint {
+	e := endpointData{PID: uint32(os.Getpid()), Name: q.name}
+	return verbsio.Endpoint{Provider: Name, Host: q.host, Data: e.Append(nil)}
+}
+
+// State implements verbsio.QueuePair.
+func (q *qp) State() verbsio.QPState { return verbsio.QPState(q.state.Load()) }
+
+// LastError returns the error that moved a queue pair of this provider to the
+// error state (it wraps the verbsio sentinel and, for refused cross-process
+// copies, ErrCrossMemory and the errno), or nil.
+func LastError(qpair verbsio.QueuePair) error {
+	q, ok := qpair.(*qp)
+	if !ok {
+		return nil
+	}
+	if p := q.lastErr.Load(); p != nil {
+		return *p
+	}
+	return nil
+}
+
+// Connect implements verbsio.QueuePair. Both sides call it with the other's
+// endpoint; the one with the smaller socket name dials, the other accepts.
+func (q *qp) Connect(ctx context.Context, remote verbsio.Endpoint) error {
+	if remote.Provider != Name {
+		return fmt.Errorf("%w: onnode cannot connect to a %q endpoint", verbsio.ErrBadConfig, remote.Provider)
+	}
+	if remote.Host != q.host {
+		return fmt.Errorf("%w: onnode peer is on host %q, this is %q", verbsio.ErrNotSupported, remote.Host, q.host)
+	}
+	ed, err := parseEndpointData(remote.Data)
+	if err != nil {
+		return err
+	}
+	if ed.Name == q.name {
+		return fmt.Errorf("%w: onnode queue pair connected to itself", verbsio.ErrBadConfig)
+	}
+	if !q.state.CompareAndSwap(uint32(verbsio.QPInit), uint32(verbsio.QPInit)) || q.conn != nil {
+		return fmt.Errorf("%w: Connect in state %s", verbsio.ErrQPState, q.State())
+	}
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, q.pd.dev.cfg.ConnectTimeout)
+		defer cancel()
+	}
+	conn, h, fds, err := q.establish(ctx, ed.Name)
+	if err != nil {
+		return err
+	}
+	if err := q.attachPeer(conn, h, fds); err != nil {
+		conn.Close()
+		return err
+	}
+	q.conn = conn
+	q.recvCQ.attach(q)
+	if q.recvCQ.sleepers.Load() > 0 {
+		q.setSleep(1)
+	}
+	q.state.Store(uint32(verbsio.QPReady))
+	q.wg.Add(2)
+	go q.readLoop()
+	go q.progressLoop()
+	return nil
+}
+
+// establish dials or accepts the peer and swaps hellos.
+func (q *qp) establish(ctx context.Context, peer string) (*net.UnixConn, hello, []int, error) {
+	if q.name < peer {
+		var d net.Dialer
+		c, err := d.DialContext(ctx, "unixpacket", "@"+peer)
+		if err != nil {
+			return nil, hello{}, nil, fmt.Errorf("%w: onnode dialing @%s: %w", verbsio.ErrTimeout, peer, err)
+		}
+		conn := c.(*net.UnixConn)
+		h, fds, err := q.handshake(ctx, conn, peer)
+		if err != nil {
+			conn.Close()
+			return nil, hello{}, nil, err
+		}
+		return conn, h, fds, nil
+	}
+	stop := context.AfterFunc(ctx, func() { q.ln.SetDeadline(time.Unix(1, 0)) })
+	defer stop()
+	for {
+		conn, err := q.ln.AcceptUnix()
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil, hello{}, nil, fmt.Errorf("%w: onnode waiting for @%s: %w", verbsio.ErrTimeout, peer, ctx.Err())
+			}
+			return nil, hello{}, nil, fmt.Errorf("%w: onnode accept: %w", verbsio.ErrPeerLost, err)
+		}
+		h, fds, err := q.handshake(ctx, conn, peer)
+		if err == nil {
+			return conn, h, fds, nil
+		}
+		conn.Close() // not our peer: keep waiting for it
+		if ctx.Err() != nil {
+			return nil, hello{}, nil, fmt.Errorf("%w: onnode waiting for @%s: %w", verbsio.ErrTimeout, peer, ctx.Err())
+		}
+	}
+}
+
+func (q *qp) handshake(ctx context.Context, conn *net.UnixConn, peer string) (hello, []int, error) {
+	if dl, ok := ctx.Deadline(); ok {
+		conn.SetDeadline(dl)
+		defer conn.SetDeadline(time.Time{})
+	}
+	mine := hello{PID: uint32(os.Getpid()), Probe: uint64(addrOf(q.inMem[offProbe:])), RingSize: ringData, Name: q.name, PeerName: peer}
+	oob := unix.UnixRights(q.inFD, q.efd, q.pd.tableFD)
+	if _, _, err := conn.WriteMsgUnix(mine.Append(nil), oob, nil); err != nil {
+		return hello{}, nil, fmt.Errorf("%w: onnode hello to @%s: %w", verbsio.ErrPeerLost, peer, err)
+	}
+	buf := make([]byte, 512)
+	oobBuf := make([]byte, unix.CmsgSpace(4*4))
+	n, oobn, _, _, err := conn.ReadMsgUnix(buf, oobBuf)
+	if err != nil {
+		return hello{}, nil, fmt.Errorf("%w: onnode hello from @%s: %w", verbsio.ErrPeerLost, peer, err)
+	}
+	fds := parseRights(oobBuf[:oobn])
+	h, err := parseHello(buf[:n])
+	if err == nil && (h.Name != peer || h.PeerName != q.name || h.RingSize != ringData || len(fds) != 3) {
+		err = fmt.Errorf("%w: onnode hello from %q for %q, ring %d, %d fds; want %q for %q", verbsio.ErrBadFrame, h.Name, h.PeerName, h.RingSize, len(fds), peer, q.name)
+	}
+	if err == nil {
+		err = checkPeerCred(conn, int(h.PID))
+	}
+	if err != nil {
+		for _, fd := range fds {
+			unix.Close(fd)
+		}
+		return hello{}, nil, err
+	}
+	return h, fds, nil
+}
+
+func parseRights(oob []byte) []int {
+	msgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return nil
+	}
+	var fds []int
+	for _, m := range msgs {
+		if f, err := unix.ParseUnixRights(&m); err == nil {
+			fds = append(fds, f...)
+		}
+	}
+	return fds
+}
+
+func checkPeerCred(conn *net.UnixConn, pid int) error {
+	raw, err := conn.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var cred *unix.Ucred
+	var cerr error
+	raw.Control(func(fd uintptr) { cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED) })
+	if cerr != nil {
+		return fmt.Errorf("%w: onnode SO_PEERCRED: %w", verbsio.ErrNotSupported, cerr)
+	}
+	if int(cred.Pid) != pid {
+		return fmt.Errorf("%w: onnode peer claims pid %d, socket says %d", verbsio.ErrBadFrame, pid, cred.Pid)
+	}
+	return nil
+}
+
+// attachPeer maps the peer's ring and region table and probes whether this
+// process may write into the peer's memory.
+func (q *qp) attachPeer(conn *net.UnixConn, h hello, fds []int) error {
+	defer func() {
+		unix.Close(fds[0])
+		unix.Close(fds[2])
+		if q.peerEFD != fds[1] {
+			unix.Close(fds[1])
+		}
+	}()
+	ok := false
+	defer func() {
+		if !ok {
+			q.detachPeer()
+		}
+	}()
+	var st unix.Stat_t
+	if err := unix.Fstat(fds[0], &st); err != nil || st.Size < ringFile {
+		return fmt.Errorf("%w: onnode peer ring file of %d bytes", verbsio.ErrBadFrame, st.Size)
+	}
+	if err := unix.Fstat(fds[2], &st); err != nil || st.Size < tableFile {
+		return fmt.Errorf("%w: onnode peer region table of %d bytes", verbsio.ErrBadFrame, st.Size)
+	}
+	ringMem, err := unix.Mmap(fds[0], 0, ringFile, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return fmt.Errorf("%w: onnode mapping peer ring: %w", verbsio.ErrNotSupported, err)
+	}
+	q.out = newRing(ringMem)
+	q.tail = load64(ringMem, offTail)
+	if q.peerTable, err = unix.Mmap(fds[2], 0, tableBytes, unix.PROT_READ, unix.MAP_SHARED); err != nil {
+		return fmt.Errorf("%w: onnode mapping peer region table: %w", verbsio.ErrNotSupported, err)
+	}
+	if q.peerCtr, err = unix.Mmap(fds[2], tableBytes, tableFile-tableBytes, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED); err != nil {
+		return fmt.Errorf("%w: onnode mapping peer counters: %w", verbsio.ErrNotSupported, err)
+	}
+	q.peerEFD = fds[1]
+	q.peerPID = int(h.PID)
+	if q.pidOverride != 0 {
+		q.peerPID = q.pidOverride
+	}
+	var word [8]byte
+	if err := q.vmCopy(true, [][]byte{word[:]}, h.Probe, 8); err != nil {
+		q.vmErr = err
+		if q.mech == MechVM {
+			return err
+		}
+	}
+	ok = true
+	return nil
+}
+
+// detachPeer undoes attachPeer.
+func (q *qp) detachPeer() {
+	if q.out != nil {
+		unix.Munmap(q.out.mem)
+		q.out = nil
+	}
+	for _, m := range []*[]byte{&q.peerTable, &q.peerCtr} {
+		if *m != nil {
+			unix.Munmap(*m)
+			*m = nil
+		}
+	}
+	q.peerEFD = -1
+	q.vmErr = nil
+}
+
+// vmCopy moves n bytes between local (in order) and the peer's addr with
+// process_vm_writev (write) or process_vm_readv.
+func (q *qp) vmCopy(write bool, local [][]byte, addr uint64, n int) error {
+	var arr [MaxSGE + 1]unix.Iovec
+	done := 0
+	for done < n {
+		iov, skip := arr[:0], done
+		for _, b := range local {
+			if skip >= len(b) {
+				skip -= len(b)
+				continue
+			}
+			b, skip = b[skip:], 0
+			v := unix.Iovec{Base: &b[0]}
+			v.SetLen(len(b))
+			iov = append(iov, v)
+		}
+		rv := []unix.RemoteIovec{{Base: uintptr(addr) + uintptr(done), Len: n - done}}
+		var m int
+		var err error
+		op := "process_vm_readv"
+		if write {
+			op = "process_vm_writev"
+			m, err = unix.ProcessVMWritev(q.peerPID, iov, rv, 0)
+		} else {
+			m, err = unix.ProcessVMReadv(q.peerPID, iov, rv, 0)
+		}
+		if err != nil {
+			return fmt.Errorf("%w: %s pid %d at %#x+%d: %w", ErrCrossMemory, op, q.peerPID, addr, n, err)
+		}
+		if m <= 0 {
+			return fmt.Errorf("%w: %s pid %d moved nothing", ErrCrossMemory, op, q.peerPID)
+		}
+		done += m
+	}
+	return nil
+}
+
+func (q *qp) setSleep(v uint32) {
+	q.consMu.Lock()
+	if q.State() != verbsio.QPClosed && q.in != nil {
+		atomic.StoreUint32(u32(q.in.mem, offSleep), v)
+	}
+	q.consMu.Unlock()
+}
+
+// readLoop serves the control socket: requests for files of regions, and
+// answers to ours. Its end is the peer's end.
+func (q *qp) readLoop() {
+	defer q.wg.Done()
+	buf := make([]byte, 64)
+	oob := make([]byte, unix.CmsgSpace(4*4))
+	for {
+		n, oobn, _, _, err := q.conn.ReadMsgUnix(buf, oob)
+		fds := parseRights(oob[:oobn])
+		if err == nil && n == 0 {
+			err = errors.New("connection closed")
+		}
+		if err != nil {
+			for _, fd := range fds {
+				unix.Close(fd)
+			}
+			q.peerGone(err)
+			return
+		}
+		c, perr := parseControl(buf[:n])
+		switch {
+		case perr == nil && c.Kind == msgFDReq && len(fds) == 0:
+			fd := q.pd.fileOf(c.RKey)
+			resp := control{Kind: msgFDResp, RKey: c.RKey, OK: fd >= 0}
+			var rights []byte
+			if fd >= 0 {
+				rights = unix.UnixRights(fd)
+			}
+			q.writeMu.Lock()
+			_, _, werr := q.conn.WriteMsgUnix(resp.Append(nil), rights, nil)
+			q.writeMu.Unlock()
+			if werr != nil {
+				q.peerGone(werr)
+				return
+			}
+		case perr == nil && c.Kind == msgFDResp && len(fds) == 1 == c.OK:
+			a := fdAnswer{rkey: c.RKey, fd: -1}
+			if c.OK {
+				a.fd = fds[0]
+			}
+			select {
+			case q.fdResp <- a:
+			default:
+				closeFD(a.fd)
+			}
+		default:
+			for _, fd := range fds {
+				unix.Close(fd)
+			}
+			if perr == nil {
+				perr = fmt.Errorf("%w: onnode control message kind %d with %d fds", verbsio.ErrBadFrame, c.Kind, len(fds))
+			}
+			q.peerGone(perr)
+			return
+		}
+	}
+}
+
+// progressLoop drains the incoming ring when a sender signals: a sleeping
+// Wait, or a sender waiting for room.
+func (q *qp) progressLoop() {
+	defer q.wg.Done()
+	var b [8]byte
+	for {
+		if _, err := q.efile.Read(b[:]); err != nil {
+			return
+		}
+		q.consMu.Lock()
+		q.drainLocked()
+		q.consMu.Unlock()
+	}
+}
+
+// peerGone handles the end of the control connection.
+func (q *qp) peerGone(err error) {
+	select {
+	case <-q.done:
+		return // our own Close
+	default:
+	}
+	q.lost.Store(true)
+	q.lostOnce.Do(func() { close(q.lostCh) })
+	q.consMu.Lock()
+	q.drainLocked()
+	q.failLocked(verbsio.StatusRetryExceeded, fmt.Errorf("%w: onnode peer pid %d: %w", verbsio.ErrPeerLost, q.peerPID, err))
+	q.consMu.Unlock()
+	q.sendCQ.wake()
+}
+
+// failLocked moves the queue pair to the error state (once) and completes
+// its posted receives with st. The caller holds consMu.
+func (q *qp) failLocked(st verbsio.Status, err error) {
+	for {
+		s := q.state.Load()
+		if s == uint32(verbsio.QPClosed) {
+			return
+		}
+		if s == uint32(verbsio.QPError) || q.state.CompareAndSwap(s, uint32(verbsio.QPError)) {
+			break
+		}
+	}
+	q.lastErr.CompareAndSwap(nil, &err)
+	cs := q.compBuf[:0]
+	for _, r := range q.recvs {
+		cs = append(cs, verbsio.Completion{WRID: r.wrid, Status: st, Op: verbsio.OpRecv, QP: q})
+	}
+	q.recvs = q.recvs[:0]
+	q.arrivals, q.backlog = nil, 0
+	if len(cs) > 0 {
+		q.recvCQ.push(cs...)
+	}
+	q.compBuf = cs[:0]
+}
+
+// drainIfReady drains the incoming ring if it holds records and nobody else
+// is draining it; it reports whether it did.
+func (q *qp) drainIfReady() bool {
+	if !q.consMu.TryLock() {
+		return false
+	}
+	defer q.consMu.Unlock()
+	if q.State() != verbsio.QPReady || load64(q.in.mem, offHead) == atomic.LoadUint64(u64(q.in.mem, offTail)) {
+		return false
+	}
+	q.drainLocked()
+	return true
+}
+
+// drainLocked consumes every published record. The caller holds consMu.
+func (q *qp) drainLocked() {
+	r := q.in
+	if r == nil || q.State() == verbsio.QPClosed {
+		return
+	}
+	head := load64(r.mem, offHead)
+	tail := atomic.LoadUint64(u64(r.mem, offTail))
+	if tail-head > ringData {
+		q.failLocked(verbsio.StatusRemoteOperation, fmt.Errorf("%w: onnode ring tail %d head %d", verbsio.ErrBadFrame, tail, head))
+		return
+	}
+	cs := q.compBuf[:0]
+	for head != tail {
+		off := head & (ringData - 1)
+		avail := min(tail-head, ringData-off)
+		rec, err := parseRecord(r.data[off : off+avail])
+		if err != nil {
+			q.compBuf = cs
+			q.flushComps()
+			q.failLocked(verbsio.StatusRemoteOperation, err)
+			return
+		}
+		cs = q.handleLocked(rec, cs)
+		head += uint64(rec.Size)
+		store64(r.mem, offHead, head)
+		if q.State() == verbsio.QPError {
+			break
+		}
+	}
+	q.compBuf = cs
+	q.flushComps()
+}
+
+func (q *qp) flushComps() {
+	if len(q.compBuf) > 0 {
+		q.recvCQ.push(q.compBuf...)
+	}
+	q.compBuf = q.compBuf[:0]
+}
+
+// handleLocked takes one record: it completes a receive or keeps an arrival.
+func (q *qp) handleLocked(rec record, cs []verbsio.Completion) []verbsio.Completion {
+	switch rec.Kind {
+	case recPad:
+		return cs
+	case recError:
+		q.compBuf = cs
+		q.flushComps()
+		q.failLocked(verbsio.StatusFlushed, fmt.Errorf("%w: onnode peer queue pair failed (%s)", verbsio.ErrFlushed, verbsio.Status(rec.Imm)))
+		return q.compBuf
+	case recWriteImm:
+		if len(q.arrivals) == 0 && len(q.recvs) > 0 {
+			r := q.recvs[0]
+			q.recvs = q.recvs[1:]
+			return append(cs, verbsio.Completion{WRID: r.wrid, Op: verbsio.OpRecvImm, ByteLen: rec.N, Imm: rec.Imm, HasImm: true, QP: q})
+		}
+		q.arrivals = append(q.arrivals, arrival{kind: recWriteImm, imm: rec.Imm, n: rec.N, complete: true})
+		return cs
+	case recSend:
+		if k := len(q.arrivals); k > 0 && !q.arrivals[k-1].complete {
+			a := &q.arrivals[k-1]
+			a.data = append(a.data, rec.Payload...)
+			a.complete = rec.Flags&flagMore == 0
+		} else if k == 0 && len(q.recvs) > 0 && rec.Flags&flagMore == 0 {
+			r := q.recvs[0]
+			q.recvs = q.recvs[1:]
+			return append(cs, q.deliver(r, rec.Payload))
+		} else {
+			q.arrivals = append(q.arrivals, arrival{kind: recSend, data: append([]byte(nil), rec.Payload...), complete: rec.Flags&flagMore == 0})
+		}
+		q.backlog += len(rec.Payload)
+		if q.backlog > maxBacklog {
+			q.compBuf = cs
+			q.flushComps()
+			q.failLocked(verbsio.StatusRemoteOperation, fmt.Errorf("%w: onnode peer sent %d bytes with no receive posted", verbsio.ErrRemoteOperation, q.backlog))
+			return q.compBuf
+		}
+		return q.matchLocked(cs)
+	}
+	return cs
+}
+
+// matchLocked pairs complete arrivals with posted receives, in order.
+func (q *qp) matchLocked(cs []verbsio.Completion) []verbsio.Completion {
+	for len(q.arrivals) > 0 && len(q.recvs) > 0 && q.arrivals[0].complete {
+		a := q.arrivals[0]
+		q.arrivals = q.arrivals[1:]
+		r := q.recvs[0]
+		q.recvs = q.recvs[1:]
+		if a.kind == recWriteImm {
+			cs = append(cs, verbsio.Completion{WRID: r.wrid, Op: verbsio.OpRecvImm, ByteLen: a.n, Imm: a.imm, HasImm: true, QP: q})
+			continue
+		}
+		q.backlog -= len(a.data)
+		cs = append(cs, q.deliver(r, a.data))
+	}
+	if len(q.arrivals) == 0 {
+		q.arrivals = q.arrivals[:0]
+	}
+	return cs
+}
+
+// deliver copies a SEND's payload into a receive's buffers.
+func (q *qp) deliver(r postedRecv, data []byte) verbsio.Completion {
+	c := verbsio.Completion{WRID: r.wrid, Op: verbsio.OpRecv, ByteLen: uint32(len(data)), QP: q}
+	q.pd.mu.RLock()
+	defer q.pd.mu.RUnlock()
+	room := 0
+	for _, s := range r.sg {
+		if _, st := q.pd.lookupLocal(s.LKey, s.Addr, s.Length, verbsio.AccessLocalWrite); st != verbsio.StatusSuccess {
+			c.Status, c.ByteLen = st, 0
+			return c
+		}
+		room += int(s.Length)
+	}
+	if len(data) > room {
+		c.Status, c.ByteLen = verbsio.StatusLocalLength, 0
+		return c
+	}
+	rest := data
+	for _, s := range r.sg {
+		if len(rest) == 0 {
+			break
+		}
+		n := copy(bytesAt(s.Addr, int(s.Length)), rest)
+		rest = rest[n:]
+	}
+	return c
+}
+
+// PostRecv implements verbsio.QueuePair.
+func (q *qp) PostRecv(wrs []verbsio.RecvWR) error {
+	for _, w := range wrs {
+		if len(w.SG) > q.maxSGE {
+			return fmt.Errorf("%w: receive with %d SGEs, queue pair allows %d", verbsio.ErrLocalLength, len(w.SG), q.maxSGE)
+		}
+	}
+	q.consMu.Lock()
+	defer q.consMu.Unlock()
+	switch q.State() {
+	case verbsio.QPClosed:
+		return fmt.Errorf("%w: queue pair", verbsio.ErrClosed)
+	case verbsio.QPError:
+		cs := make([]verbsio.Completion, 0, len(wrs))
+		for _, w := range wrs {
+			cs = append(cs, verbsio.Completion{WRID: w.WRID, Status: verbsio.StatusFlushed, Op: verbsio.OpRecv, QP: q})
+		}
+		q.recvCQ.push(cs...)
+		return nil
+	}
+	if len(q.recvs)+len(wrs) > q.maxRecv {
+		return fmt.Errorf("%w: %d receives posted, %d more asked, depth %d", verbsio.ErrQueueFull, len(q.recvs), len(wrs), q.maxRecv)
+	}
+	for _, w := range wrs {
+		q.recvs = append(q.recvs, postedRecv{wrid: w.WRID, sg: append([]verbsio.SGE(nil), w.SG...)})
+	}
+	if q.State() == verbsio.QPReady {
+		q.drainLocked()
+		q.compBuf = q.matchLocked(q.compBuf[:0])
+		q.flushComps()
+	}
+	return nil
+}
+
+// Close implements verbsio.QueuePair: outstanding receives complete as
+// flushed. Idempotent.
+func (q *qp) Close() error {
+	q.closeOnce.Do(func() {
+		close(q.done)
+		q.sendMu.Lock()
+		q.consMu.Lock()
+		q.failLocked(verbsio.StatusFlushed, fmt.Errorf("%w: queue pair closed", verbsio.ErrFlushed))
+		q.state.Store(uint32(verbsio.QPClosed))
+		q.consMu.Unlock()
+		q.recvCQ.detach(q)
+		q.release()
+		q.sendMu.Unlock()
+	})
+	return nil
+}
