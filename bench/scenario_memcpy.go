@@ -53,10 +53,7 @@ func runMemcpy(ctx context.Context, env *Env) error {
 	if llcErr != nil {
 		env.Log.Debug("no cache size", "err", llcErr)
 	}
-	// Each buffer is at least twice the last-level cache, so source plus
-	// destination are four times it and a pass over them leaves nothing
-	// useful in the cache: small copies measure memory, not cache.
-	ws := max(sizes[len(sizes)-1], 2*max(llc, 32<<20), minWorkingSet)
+	ws := memcpyWorkingSet(sizes[len(sizes)-1], llc)
 	if v, ok := env.Args[setWorkingSet]; ok {
 		n, err := parseSize(v)
 		if err != nil || n < sizes[len(sizes)-1] {
@@ -112,6 +109,23 @@ func runMemcpy(ctx context.Context, env *Env) error {
 		}
 	}
 	return nil
+}
+
+// memcpyWorkingSet is the size of each of the two buffers for copies of up
+// to largest bytes on a machine whose last-level cache is llc bytes (0 when
+// unknown): at least twice the cache, so source plus destination are four
+// times it and a pass over them leaves nothing useful in the cache; small
+// copies then measure memory, not cache.
+//
+// Scenarios that hold a transfer against memcpy measure their ceiling with
+// the same buffers:
+//
+//	b, err := newCopyBuffers(memcpyWorkingSet(largest, llc), true)
+//	...
+//	defer b.Close()
+//	gbs, err := b.measure(ctx, size, env.Reps)
+func memcpyWorkingSet(largest, llc int64) int64 {
+	return max(largest, 2*max(llc, 32<<20), minWorkingSet)
 }
 
 // memcpyNote says what a case measured, for readers of its results.

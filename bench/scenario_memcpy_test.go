@@ -153,3 +153,16 @@ func writeFile(t *testing.T, path, data string) {
 		t.Fatal(err)
 	}
 }
+
+func TestMemcpyWorkingSet(t *testing.T) {
+	for _, tc := range []struct{ largest, llc, want int64 }{
+		{1 << 20, 32 << 20, 64 << 20},
+		{1 << 20, 0, 64 << 20},
+		{1 << 20, 96 << 20, 192 << 20},
+		{256 << 20, 32 << 20, 256 << 20},
+	} {
+		if got := memcpyWorkingSet(tc.largest, tc.llc); got != tc.want {
+			t.Errorf("memcpyWorkingSet(%d, %d) = %d, want %d", tc.largest, tc.llc, got, tc.want)
+		}
+	}
+}
