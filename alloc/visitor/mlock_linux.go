@@ -1,0 +1,95 @@
+package visitor
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/dustin/go-humanize"
+	"github.com/gdrlink/gdrlink/alloc"
+	"golang.org/x/sys/unix"
+)
+
+// Mlock is a visitor that locks every page of each arena in RAM (mlock) when
+// the arena is created and unlocks it (munlock) before it is released, so
+// that the kernel never swaps or migrates memory a NIC or a GPU copy engine
+// may be reading. It attaches a Locked handle. Locking counts against
+// RLIMIT_MEMLOCK unless the process has CAP_IPC_LOCK.
+type Mlock struct{}
+
+// Locked is the handle Mlock attaches to an arena.
+type Locked struct {
+	// Bytes is the number of bytes locked.
+	Bytes int
+}
+
+type lockedKey struct{}
+
+// NewMlock returns the page-locking visitor.
+func NewMlock() *Mlock { return &Mlock{} }
+
+// Name is "mlock".
+func (*Mlock) Name() string { return "mlock" }
+
+// Visit locks the arena's pages.
+func (*Mlock) Visit(a *alloc.Arena) error {
+	if _, ok := a.Handle(lockedKey{}); ok {
+		return fmt.Errorf("%w: mlock of %s", ErrAlreadyVisited, a)
+	}
+	mem := a.Region().HostBytes()
+	if mem == nil {
+		return fmt.Errorf("%w: cannot mlock %s", ErrNotHostMemory, a)
+	}
+	if err := unix.Mlock(mem); err != nil {
+		return mlockError(a, err)
+	}
+	a.SetHandle(lockedKey{}, Locked{Bytes: len(mem)})
+	return nil
+}
+
+// Release unlocks the arena's pages.
+func (*Mlock) Release(a *alloc.Arena) error {
+	h, ok := a.Handle(lockedKey{})
+	if !ok {
+		return fmt.Errorf("%w: munlock of %s", ErrNotVisited, a)
+	}
+	a.DeleteHandle(lockedKey{})
+	mem := a.Region().HostBytes()
+	if err := unix.Munlock(mem[:h.(Locked).Bytes]); err != nil {
+		return fmt.Errorf("%w: munlock of %s: %w", ErrMlock, a, err)
+	}
+	return nil
+}
+
+// LockedOf returns the Mlock handle of an arena, if Mlock visited it.
+func LockedOf(a *alloc.Arena) (Locked, bool) {
+	h, ok := a.Handle(lockedKey{})
+	if !ok {
+		return Locked{}, false
+	}
+	l, ok := h.(Locked)
+	return l, ok
+}
+
+// mlockError explains a failed mlock. ENOMEM and EPERM mostly mean the
+// locked-memory limit: the error names it with its values.
+func mlockError(a *alloc.Arena, err error) error {
+	if !errors.Is(err, unix.ENOMEM) && !errors.Is(err, unix.EPERM) {
+		return fmt.Errorf("%w: mlock of %s: %w", ErrMlock, a, err)
+	}
+	var lim unix.Rlimit
+	limits := "unknown"
+	if gerr := unix.Getrlimit(unix.RLIMIT_MEMLOCK, &lim); gerr == nil {
+		limits = fmt.Sprintf("soft %s, hard %s", rlimitString(lim.Cur), rlimitString(lim.Max))
+	} else {
+		limits = fmt.Sprintf("unreadable (%v)", gerr)
+	}
+	return fmt.Errorf("%w: mlock of %s (%s) failed: RLIMIT_MEMLOCK is %s; raise it (ulimit -l, LimitMEMLOCK= in a systemd unit, --ulimit memlock= for a container) or grant CAP_IPC_LOCK: %w",
+		ErrMemlockLimit, a, humanize.IBytes(uint64(a.Size())), limits, err)
+}
+
+func rlimitString(v uint64) string {
+	if v == unix.RLIM_INFINITY {
+		return "unlimited"
+	}
+	return fmt.Sprintf("%s (%d bytes)", humanize.IBytes(v), v)
+}
