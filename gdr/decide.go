@@ -101,6 +101,7 @@ func Decide(pf PairFacts, p Policy) Decision {
 		unavailable = true
 		if len(n.Ports) == 0 {
 			reason("%s has no ports in sysfs", n.Name)
+			fix("check the driver of %s (dmesg; the mlx5_ib or rdma_rxe module)", n.Name)
 		}
 		for _, pt := range n.Ports {
 			reason("%s port %d is %s (physical state %s)", n.Name, pt.Port, orUnknown(pt.State), orUnknown(pt.PhysState))
