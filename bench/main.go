@@ -18,6 +18,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"os"
 	"os/signal"
 	"runtime/debug"
@@ -219,13 +220,17 @@ func runScenario(ctx context.Context, s Scenario, o options, log *slog.Logger, o
 		Reps:    o.reps,
 		MaxSize: o.maxSize,
 		Log:     log.With("scenario", s.Name),
-		Args:    o.args,
+		Args:    maps.Clone(o.args), // a scenario may not change another's settings
 	}
 	env.Emit = func(r Result) {
 		mu.Lock()
 		defer mu.Unlock()
 		if r.Scenario == "" {
 			r.Scenario = s.Name
+		}
+		if r.Scenario != s.Name {
+			invalid = append(invalid, fmt.Errorf("result of scenario %q emitted by %q", r.Scenario, s.Name))
+			return
 		}
 		if err := checkResult(r); err != nil {
 			invalid = append(invalid, err)

@@ -169,12 +169,16 @@ func TestFailingScenarioDoesNotStopOthers(t *testing.T) {
 		env.Emit(newResult("t-nan", "c", 1, math.NaN(), "GB/s", 0, ""))
 		return nil
 	}})
+	addScenario(t, Scenario{Name: "t-misnamed", Run: func(ctx context.Context, env *Env) error {
+		env.Emit(newResult("t-other", "c", 1, 1, "GB/s", 0, ""))
+		return nil
+	}})
 	addScenario(t, Scenario{Name: "t-ok", Run: ok})
-	code, out, errOut := runBench(t, "-json", "-scenario", "t-fail,t-panic,t-nan,t-ok")
+	code, out, errOut := runBench(t, "-json", "-scenario", "t-fail,t-panic,t-nan,t-misnamed,t-ok")
 	if code != exitFailed {
 		t.Fatalf("exit %d, want %d", code, exitFailed)
 	}
-	for _, want := range []string{"t-fail failed: no device here", "t-panic failed: panic: boom", "t-nan failed", "not finite"} {
+	for _, want := range []string{"t-fail failed: no device here", "t-panic failed: panic: boom", "t-nan failed", "not finite", `result of scenario "t-other" emitted by "t-misnamed"`} {
 		if !strings.Contains(errOut, want) {
 			t.Errorf("stderr lacks %q:\n%s", want, errOut)
 		}
