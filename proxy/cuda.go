@@ -1,0 +1,226 @@
+package proxy
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/gdrlink/gdrlink/internal/cuda"
+)
+
+// CUDADevice is a real GPU, through the CUDA driver loaded at run time. It
+// implements Device.
+type CUDADevice struct {
+	drv  *cuda.Driver
+	ctx  *cuda.Context
+	info DeviceInfo
+
+	mu     sync.Mutex
+	allocs map[DevicePtr]*cuda.DeviceMemory
+	closed bool
+}
+
+var _ Device = (*CUDADevice)(nil)
+
+// NewCUDADevice opens the driver and retains the primary context of the GPU
+// with the given ordinal. Without a driver the error wraps cuda.ErrNoDriver.
+func NewCUDADevice(ordinal int) (*CUDADevice, error) {
+	drv, err := cuda.Open("")
+	if err != nil {
+		return nil, err
+	}
+	d, err := drv.Device(ordinal)
+	if err != nil {
+		drv.Close()
+		return nil, err
+	}
+	name, err := d.Name()
+	if err != nil {
+		drv.Close()
+		return nil, err
+	}
+	ctx, err := d.RetainPrimaryContext()
+	if err != nil {
+		drv.Close()
+		return nil, err
+	}
+	return &CUDADevice{drv: drv, ctx: ctx, info: DeviceInfo{Name: name, Ordinal: ordinal}, allocs: map[DevicePtr]*cuda.DeviceMemory{}}, nil
+}
+
+// Context is the retained primary context, for callers that need the
+// driver directly (registering host memory, dma-buf export).
+func (d *CUDADevice) Context() *cuda.Context { return d.ctx }
+
+// Info implements Device.
+func (d *CUDADevice) Info() DeviceInfo { return d.info }
+
+// mapErr wraps a driver error in this package's sentinels, keeping the
+// driver's error (and its code) in the chain.
+func mapErr(err error, what string) error {
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, cuda.ErrDeviceLost):
+		return fmt.Errorf("%w: %s: %w", ErrDeviceLost, what, err)
+	case errors.Is(err, cuda.ErrOutOfMemory):
+		return fmt.Errorf("%w: %s: %w", ErrDeviceMemory, what, err)
+	case errors.Is(err, cuda.ErrClosed):
+		return fmt.Errorf("%w: %s: %w", ErrClosed, what, err)
+	case errors.Is(err, cuda.ErrInvalidValue):
+		return fmt.Errorf("%w: %s: %w", ErrOutOfRange, what, err)
+	}
+	return fmt.Errorf("%w: %s: %w", ErrCopyFailed, what, err)
+}
+
+// Alloc implements Device.
+func (d *CUDADevice) Alloc(n int) (DevicePtr, error) {
+	m, err := d.ctx.MemAlloc(n)
+	if err != nil {
+		return 0, mapErr(err, "device allocation")
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.allocs[DevicePtr(m.Ptr)] = m
+	return DevicePtr(m.Ptr), nil
+}
+
+// Free implements Device.
+func (d *CUDADevice) Free(p DevicePtr) error {
+	d.mu.Lock()
+	m, ok := d.allocs[p]
+	delete(d.allocs, p)
+	d.mu.Unlock()
+	if !ok {
+		return fmt.Errorf("%w: %#x is not an allocation of this device handle", ErrWrongMemory, p)
+	}
+	return mapErr(m.Close(), "device free")
+}
+
+type cudaStream struct{ s *cuda.Stream }
+
+func (s cudaStream) Synchronize() error { return mapErr(s.s.Synchronize(), "stream synchronize") }
+func (s cudaStream) Close() error       { return mapErr(s.s.Close(), "stream destroy") }
+
+// NewStream implements Device with a non-blocking stream.
+func (d *CUDADevice) NewStream() (Stream, error) {
+	s, err := d.ctx.NewStream(cuda.StreamNonBlocking)
+	if err != nil {
+		return nil, mapErr(err, "stream create")
+	}
+	return cudaStream{s}, nil
+}
+
+func (d *CUDADevice) stream(s Stream) (*cuda.Stream, error) {
+	cs, ok := s.(cudaStream)
+	if !ok {
+		return nil, fmt.Errorf("%w: stream %T is not a CUDA stream", ErrWrongMemory, s)
+	}
+	return cs.s, nil
+}
+
+// CopyHtoDAsync implements Device (cuMemcpyHtoDAsync_v2).
+func (d *CUDADevice) CopyHtoDAsync(dst DevicePtr, src uintptr, n int, s Stream) error {
+	cs, err := d.stream(s)
+	if err != nil {
+		return err
+	}
+	return mapErr(d.ctx.MemcpyHtoDAsync(uintptr(dst), src, n, cs), "host-to-device copy")
+}
+
+// CopyDtoHAsync implements Device (cuMemcpyDtoHAsync_v2).
+func (d *CUDADevice) CopyDtoHAsync(dst uintptr, src DevicePtr, n int, s Stream) error {
+	cs, err := d.stream(s)
+	if err != nil {
+		return err
+	}
+	return mapErr(d.ctx.MemcpyDtoHAsync(dst, uintptr(src), n, cs), "device-to-host copy")
+}
+
+type cudaEvent struct{ e *cuda.Event }
+
+func (e cudaEvent) Query() (bool, error) {
+	done, err := e.e.Query()
+	if err != nil {
+		return true, mapErr(err, "event")
+	}
+	return done, nil
+}
+
+// Wait polls the event with a backoff (5 µs doubling to 200 µs) so that no
+// thread blocks inside the driver and ctx is honoured.
+func (e cudaEvent) Wait(ctx context.Context) error {
+	sleep := pollMinSleep
+	for {
+		done, err := e.Query()
+		if done || err != nil {
+			return err
+		}
+		t := time.NewTimer(sleep)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return fmt.Errorf("%w: waiting for a CUDA event: %w", ErrCanceled, ctx.Err())
+		}
+		if sleep *= 2; sleep > pollMaxSleep {
+			sleep = pollMaxSleep
+		}
+	}
+}
+
+func (e cudaEvent) Close() error { return mapErr(e.e.Close(), "event destroy") }
+
+// RecordEvent implements Device with an event without timing (the cheapest
+// kind to record and query).
+func (d *CUDADevice) RecordEvent(s Stream) (Event, error) {
+	cs, err := d.stream(s)
+	if err != nil {
+		return nil, err
+	}
+	e, err := d.ctx.NewEvent(cuda.EventDisableTiming)
+	if err != nil {
+		return nil, mapErr(err, "event create")
+	}
+	if err := e.Record(cs); err != nil {
+		_ = e.Close()
+		return nil, mapErr(err, "event record")
+	}
+	return cudaEvent{e}, nil
+}
+
+// MemoryType implements Device (cuPointerGetAttribute MEMORY_TYPE).
+func (d *CUDADevice) MemoryType(addr uintptr) (MemoryType, error) {
+	mt, err := d.ctx.MemoryType(addr)
+	if err != nil {
+		return 0, mapErr(err, "pointer attribute")
+	}
+	switch mt {
+	case cuda.MemoryHost:
+		return MemoryPinned, nil
+	case cuda.MemoryDevice:
+		return MemoryDevice, nil
+	case cuda.MemoryUnified:
+		return MemoryManaged, nil
+	}
+	return MemoryPageable, nil
+}
+
+// Close frees what Alloc made and not yet freed, releases the context and
+// the driver. Streams and events must be closed first. Idempotent.
+func (d *CUDADevice) Close() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return nil
+	}
+	d.closed = true
+	var errs []error
+	for p, m := range d.allocs {
+		errs = append(errs, m.Close())
+		delete(d.allocs, p)
+	}
+	errs = append(errs, d.ctx.Close(), d.drv.Close())
+	return errors.Join(errs...)
+}
