@@ -1,0 +1,714 @@
+package rendezvous
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/gdrlink/gdrlink/tensor"
+	"github.com/gdrlink/gdrlink/verbsio"
+	"github.com/gdrlink/gdrlink/verbsio/wire"
+)
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// Work request IDs carry their kind in the top byte.
+const (
+	wridRecv  uint64 = 1 << 56
+	wridCtrl  uint64 = 2 << 56
+	wridWrite uint64 = 3 << 56
+	wridKind  uint64 = 0xff << 56
+)
+
+// maxInline is the largest control SEND carried inline when the device can.
+const maxInline = 256
+
+type chanState uint8
+
+const (
+	stateNew chanState = iota
+	stateConnected
+	stateFailed
+	stateClosed
+)
+
+// skey names a tensor on a channel: key and step.
+type skey struct {
+	name string
+	step int64
+}
+
+// Channel is one side of the tensor protocol with one peer, over one queue
+// pair. It is safe for concurrent use. Make one with New, trade Hello with
+// the peer through a bootstrap, then Connect.
+type Channel struct {
+	opts     options
+	log      *slog.Logger
+	dev      verbsio.Device
+	pd       verbsio.ProtectionDomain
+	mem      Memory
+	provider string
+	devName  string
+	host     string
+	caps     verbsio.Caps
+
+	cq verbsio.CompletionQueue
+	qp verbsio.QueuePair
+
+	slot     int
+	inline   int
+	recvBuf  tensor.Buffer
+	recvMR   verbsio.MemoryRegion
+	sendBuf  tensor.Buffer
+	sendMR   verbsio.MemoryRegion
+	recvWRs  []verbsio.RecvWR // reused for re-posting
+	recvSGEs []verbsio.SGE
+	posted   bool // receives posted before Connect
+
+	ctx      context.Context
+	stop     context.CancelFunc
+	pollDone chan struct{}
+	byeSent  chan struct{}
+
+	mu        sync.Mutex
+	state     chanState
+	failErr   error
+	peer      string
+	checksum  bool
+	credits   int
+	owed      int
+	threshold int
+	sqOut     int
+	sqMax     int
+	freeSlots []int
+	outq      []outItem
+	orphans   []tensor.Buffer
+	byeWRID   uint64
+
+	// receiver side
+	nextReq  uint32
+	reqs     map[uint32]*request
+	byKey    map[skey]*request
+	names    map[string]uint32
+	nextName uint32
+	cache    map[string]tensor.Meta
+
+	// sender side
+	peerNames map[uint32]string
+	sends     map[skey]*sendEntry
+	kept      map[uint32]*sendEntry
+	writes    map[uint64]*sendEntry
+	nextWrite uint64
+
+	stats statsCounters
+	once  sync.Once
+}
+
+type statsCounters struct {
+	requests, metaResponses, reRequests, finals, writesIn, writesOut atomic.Uint64
+	bytesIn, bytesOut, errors, controlOut, creditsOnly, nameDefs     atomic.Uint64
+	checksumFailures, staged                                         atomic.Uint64
+}
+
+// outItem is a queued control frame or write, posted in order.
+type outItem struct {
+	frame []byte
+	write *sendEntry
+}
+
+// New makes a channel on dev: a completion queue, a queue pair in pd, and its
+// control buffers from mem (which must be registered with pd). Receives are
+// posted at once where the provider allows it.
+func New(dev verbsio.Device, pd verbsio.ProtectionDomain, mem Memory, opts ...Option) (*Channel, error) {
+	o := options{ring: DefaultRing, sendSlots: DefaultSendSlots, maxStrings: DefaultMaxStringBytes, log: slog.New(discard{})}
+	for _, f := range opts {
+		if f == nil {
+			continue
+		}
+		if err := f(&o); err != nil {
+			return nil, err
+		}
+	}
+	if dev == nil || pd == nil || mem == nil {
+		return nil, fmt.Errorf("%w: device, protection domain and memory are required", ErrBadOption)
+	}
+	host, _ := verbsio.HostID()
+	c := &Channel{
+		opts: o, log: o.log, dev: dev, pd: pd, mem: mem,
+		provider: dev.Info().Provider, devName: dev.Info().Name, host: host, caps: dev.Caps(),
+		slot: wire.MaxFrame, checksum: o.checksum,
+		pollDone: make(chan struct{}), byeSent: make(chan struct{}),
+		reqs: map[uint32]*request{}, byKey: map[skey]*request{}, names: map[string]uint32{}, cache: map[string]tensor.Meta{},
+		peerNames: map[uint32]string{}, sends: map[skey]*sendEntry{}, kept: map[uint32]*sendEntry{}, writes: map[uint64]*sendEntry{},
+		nextReq: 1, nextName: 1, nextWrite: 1,
+	}
+	if c.provider == "" {
+		c.provider = c.caps.Provider
+	}
+	c.ctx, c.stop = context.WithCancel(context.Background())
+	if err := c.setup(); err != nil {
+		c.release()
+		return nil, err
+	}
+	return c, nil
+}
+
+func (c *Channel) setup() error {
+	o := &c.opts
+	c.sqMax = o.sendSlots + 2*o.ring
+	if c.caps.MaxQPDepth > 0 && c.sqMax > c.caps.MaxQPDepth {
+		c.sqMax = c.caps.MaxQPDepth
+	}
+	if c.sqMax < 4 {
+		return fmt.Errorf("%w: send queue of %d", ErrBadOption, c.sqMax)
+	}
+	recvDepth := o.ring
+	if c.caps.MaxQPDepth > 0 && recvDepth > c.caps.MaxQPDepth {
+		return fmt.Errorf("%w: ring of %d exceeds the device's queue depth %d", ErrBadOption, recvDepth, c.caps.MaxQPDepth)
+	}
+	var err error
+	if c.cq, err = c.dev.CreateCQ(c.sqMax + recvDepth); err != nil {
+		return fmt.Errorf("rendezvous: completion queue: %w", err)
+	}
+	c.inline = min(c.caps.MaxInline, maxInline)
+	if c.qp, err = c.pd.CreateQP(verbsio.QPConfig{SendCQ: c.cq, RecvCQ: c.cq, MaxSendWR: c.sqMax, MaxRecvWR: recvDepth, MaxSGE: 1, MaxInline: c.inline}); err != nil {
+		return fmt.Errorf("rendezvous: queue pair: %w", err)
+	}
+	if c.recvBuf, c.recvMR, err = c.allocRegistered(o.ring * c.slot); err != nil {
+		return fmt.Errorf("rendezvous: receive buffers: %w", err)
+	}
+	if c.sendBuf, c.sendMR, err = c.allocRegistered(o.sendSlots * c.slot); err != nil {
+		return fmt.Errorf("rendezvous: send buffers: %w", err)
+	}
+	c.freeSlots = make([]int, 0, o.sendSlots)
+	for i := o.sendSlots - 1; i >= 0; i-- {
+		c.freeSlots = append(c.freeSlots, i)
+	}
+	c.recvSGEs = make([]verbsio.SGE, o.ring)
+	c.recvWRs = make([]verbsio.RecvWR, 0, o.ring)
+	all := make([]verbsio.RecvWR, o.ring)
+	for i := range all {
+		all[i] = c.recvWR(i)
+	}
+	// Posting before Connect lets the peer send as soon as it is connected;
+	// providers that only take receives once connected get them in Connect.
+	if err := c.qp.PostRecv(all); err == nil {
+		c.posted = true
+	} else if !errors.Is(err, verbsio.ErrQPState) {
+		return fmt.Errorf("rendezvous: posting receives: %w", err)
+	}
+	c.threshold = max(1, o.ring/4)
+	return nil
+}
+
+func (c *Channel) allocRegistered(n int) (tensor.Buffer, verbsio.MemoryRegion, error) {
+	b, err := c.mem.Alloc(n, tensor.Host)
+	if err != nil {
+		return nil, nil, err
+	}
+	mr, ok := c.mem.Region(b.Addr(), n)
+	if !ok {
+		_ = b.Free()
+		return nil, nil, fmt.Errorf("%w: memory at %#x+%d is not registered", ErrBadOption, b.Addr(), n)
+	}
+	if b.Bytes() == nil {
+		_ = b.Free()
+		return nil, nil, fmt.Errorf("%w: control buffers need host memory", ErrBadOption)
+	}
+	return b, mr, nil
+}
+
+func (c *Channel) recvWR(i int) verbsio.RecvWR {
+	c.recvSGEs[i] = verbsio.SGE{Addr: c.recvBuf.Addr() + uintptr(i*c.slot), Length: uint32(c.slot), LKey: c.recvMR.LKey()}
+	return verbsio.RecvWR{WRID: wridRecv | uint64(i), SG: c.recvSGEs[i : i+1 : i+1]}
+}
+
+// Hello is what the peer needs to connect to this channel, to be carried to
+// it by a bootstrap (verbsio/bootstrap) and passed to its Connect.
+func (c *Channel) Hello() []byte {
+	m := wire.Message{Type: wire.TypeHello, Ring: uint16(c.opts.ring), Slot: uint32(c.slot), Text: []byte(c.opts.name), Host: []byte(c.host), NumEndpoints: 1}
+	if c.opts.checksum {
+		m.Flags |= wire.HelloChecksum
+	}
+	ep := c.qp.Endpoint()
+	m.Endpoints[0] = wire.Endpoint{Provider: []byte(ep.Provider), Host: []byte(ep.Host), Data: ep.Data}
+	return m.Append(nil)
+}
+
+// Connect connects to the peer whose Hello is given and starts the channel's
+// completion goroutine. The peers must agree on checksum mode and provider.
+func (c *Channel) Connect(ctx context.Context, peerHello []byte) error {
+	var m wire.Message
+	n, err := wire.Decode(peerHello, &m)
+	if err != nil {
+		return fmt.Errorf("rendezvous: peer hello: %w", err)
+	}
+	if m.Type != wire.TypeHello || n != len(peerHello) {
+		return fmt.Errorf("%w: peer hello is a %s of %d bytes in %d", ErrProtocol, m.Type, n, len(peerHello))
+	}
+	peer := string(m.Text)
+	if peer == "" {
+		peer = "peer"
+	}
+	if m.NumEndpoints < 1 {
+		return fmt.Errorf("%w: peer %s sent no endpoint", ErrMismatch, peer)
+	}
+	if (m.Flags&wire.HelloChecksum != 0) != c.opts.checksum {
+		return fmt.Errorf("%w: peer %s checksum mode %v, ours %v", ErrMismatch, peer, m.Flags&wire.HelloChecksum != 0, c.opts.checksum)
+	}
+	if int(m.Slot) < wire.MaxFrame {
+		return fmt.Errorf("%w: peer %s receive buffers of %d bytes, need %d", ErrMismatch, peer, m.Slot, wire.MaxFrame)
+	}
+	if m.Ring < 2 {
+		return fmt.Errorf("%w: peer %s posts %d receive buffers", ErrMismatch, peer, m.Ring)
+	}
+	e := m.Endpoints[0]
+	ep := verbsio.Endpoint{Provider: string(e.Provider), Host: string(e.Host), Data: append([]byte(nil), e.Data...)}
+	if ep.Provider != c.qp.Endpoint().Provider {
+		return fmt.Errorf("%w: peer %s uses provider %q, this side %q", ErrMismatch, peer, ep.Provider, c.qp.Endpoint().Provider)
+	}
+	c.mu.Lock()
+	if c.state != stateNew {
+		st := c.state
+		c.mu.Unlock()
+		return fmt.Errorf("%w: Connect on a channel in state %d", ErrClosed, st)
+	}
+	c.peer = peer
+	c.credits = int(m.Ring)
+	c.mu.Unlock()
+	if err := c.qp.Connect(ctx, ep); err != nil {
+		return fmt.Errorf("rendezvous: connecting to %s: %w", peer, err)
+	}
+	if !c.posted {
+		all := make([]verbsio.RecvWR, c.opts.ring)
+		for i := range all {
+			all[i] = c.recvWR(i)
+		}
+		if err := c.qp.PostRecv(all); err != nil {
+			return fmt.Errorf("rendezvous: posting receives: %w", err)
+		}
+		c.posted = true
+	}
+	c.mu.Lock()
+	if c.state == stateNew {
+		c.state = stateConnected
+	}
+	c.mu.Unlock()
+	go c.poll()
+	c.log.Debug("rendezvous: connected", "peer", peer, "provider", c.provider, "device", c.devName, "ring", c.opts.ring, "peer_ring", m.Ring, "checksum", c.opts.checksum)
+	return nil
+}
+
+// Peer is the peer's name from its Hello ("" before Connect).
+func (c *Channel) Peer() string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.peer
+}
+
+// Provider and Device name the verbs provider and device of the channel.
+func (c *Channel) Provider() string { return c.provider }
+
+// Device names the verbs device of the channel.
+func (c *Channel) Device() string { return c.devName }
+
+// Stats returns the channel's counters.
+func (c *Channel) Stats() Stats {
+	s := &c.stats
+	return Stats{
+		Requests: s.requests.Load(), MetaResponses: s.metaResponses.Load(), ReRequests: s.reRequests.Load(), Finals: s.finals.Load(),
+		WritesIn: s.writesIn.Load(), WritesOut: s.writesOut.Load(), BytesIn: s.bytesIn.Load(), BytesOut: s.bytesOut.Load(),
+		Errors: s.errors.Load(), ControlOut: s.controlOut.Load(), CreditsOnly: s.creditsOnly.Load(), NameDefs: s.nameDefs.Load(),
+		ChecksumFailures: s.checksumFailures.Load(), Staged: s.staged.Load(),
+	}
+}
+
+// Err is why the channel stopped working, nil while it works.
+func (c *Channel) Err() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.failErr
+}
+
+// Close says BYE to the peer (waiting up to a second for it to leave), fails
+// everything pending with ErrClosed, and releases the queue pair, completion
+// queue and buffers. It is idempotent.
+func (c *Channel) Close() error {
+	first := false
+	c.once.Do(func() { first = true })
+	if !first {
+		return nil
+	}
+	c.mu.Lock()
+	wasConnected := c.state == stateConnected
+	if wasConnected {
+		m := wire.Message{Type: wire.TypeBye}
+		c.outq = append(c.outq, outItem{frame: m.Append(nil)})
+		c.flushLocked()
+	}
+	if c.byeWRID == 0 {
+		close(c.byeSent)
+	}
+	var ds deliveries
+	c.failLocked(fmt.Errorf("%w: closed by this side", ErrClosed), &ds, stateClosed)
+	c.mu.Unlock()
+	ds.run()
+	if wasConnected {
+		select {
+		case <-c.byeSent:
+		case <-c.pollDone:
+		case <-time.After(time.Second):
+		}
+		c.stop()
+		<-c.pollDone
+	}
+	c.stop()
+	return c.release()
+}
+
+func (c *Channel) release() error {
+	var errs []error
+	if c.qp != nil {
+		errs = append(errs, c.qp.Close())
+	}
+	if c.cq != nil {
+		errs = append(errs, c.cq.Close())
+	}
+	c.mu.Lock()
+	orphans := c.orphans
+	c.orphans = nil
+	c.mu.Unlock()
+	for _, b := range orphans {
+		errs = append(errs, b.Free())
+	}
+	if c.recvBuf != nil {
+		errs = append(errs, c.recvBuf.Free())
+	}
+	if c.sendBuf != nil {
+		errs = append(errs, c.sendBuf.Free())
+	}
+	return errors.Join(errs...)
+}
+
+// deliveries are callbacks collected under the lock and run after it.
+type deliveries []func()
+
+func (d *deliveries) add(f func()) { *d = append(*d, f) }
+func (d deliveries) run() {
+	for _, f := range d {
+		f()
+	}
+}
+
+// failLocked stops the channel: every pending request and send fails with
+// err. Buffers of requests whose writes may still land are freed only once
+// the queue pair is gone (in release, via the poller's exit).
+func (c *Channel) failLocked(err error, ds *deliveries, st chanState) {
+	if c.state == stateFailed || c.state == stateClosed {
+		if st == stateClosed {
+			c.state = stateClosed
+		}
+		return
+	}
+	c.state = st
+	c.failErr = err
+	for idx, r := range c.reqs {
+		delete(c.reqs, idx)
+		c.finishLocked(r, nil, fmt.Errorf("rendezvous: %q step %d from %s: %w", r.key.name, r.key.step, c.peer, err), ds)
+	}
+	for k, e := range c.sends {
+		delete(c.sends, k)
+		c.dropSendLocked(e, err, ds)
+	}
+	for k, e := range c.kept {
+		delete(c.kept, k)
+		c.dropSendLocked(e, err, ds)
+	}
+	for k, e := range c.writes {
+		delete(c.writes, k)
+		c.dropSendLocked(e, err, ds)
+	}
+	c.outq = nil
+	if st == stateFailed {
+		c.log.Debug("rendezvous: channel failed", "peer", c.peer, "err", err)
+	}
+}
+
+func (c *Channel) peerLost(cause error) error {
+	return fmt.Errorf("%w: %s (%s on %s): %w", verbsio.ErrPeerLost, c.peer, c.provider, c.devName, cause)
+}
+
+// poll is the channel's completion goroutine.
+func (c *Channel) poll() {
+	defer close(c.pollDone)
+	comps := make([]verbsio.Completion, 64)
+	for {
+		n, err := c.cq.Wait(c.ctx, comps)
+		if err != nil {
+			if c.ctx.Err() != nil {
+				return
+			}
+			var ds deliveries
+			c.mu.Lock()
+			c.failLocked(c.peerLost(err), &ds, stateFailed)
+			c.mu.Unlock()
+			ds.run()
+			return
+		}
+		var ds deliveries
+		c.mu.Lock()
+		c.recvWRs = c.recvWRs[:0]
+		for i := 0; i < n; i++ {
+			c.handleLocked(&comps[i], &ds)
+		}
+		if len(c.recvWRs) > 0 && c.state == stateConnected {
+			if err := c.qp.PostRecv(c.recvWRs); err != nil {
+				c.failLocked(c.peerLost(err), &ds, stateFailed)
+			} else {
+				c.owed += len(c.recvWRs)
+			}
+		}
+		c.flushLocked()
+		stopped := c.state == stateFailed
+		c.mu.Unlock()
+		ds.run()
+		if stopped {
+			// The queue pair is in error: nothing more will complete
+			// successfully. Leave the rest to Close.
+			return
+		}
+	}
+}
+
+func (c *Channel) handleLocked(wc *verbsio.Completion, ds *deliveries) {
+	kind := wc.WRID & wridKind
+	id := wc.WRID &^ wridKind
+	if wc.Status != verbsio.StatusSuccess {
+		if c.state == stateConnected {
+			c.failLocked(c.peerLost(fmt.Errorf("%s %s: %w", wc.Op, wc.Status, wc.Status.Err())), ds, stateFailed)
+		}
+		if kind == wridCtrl {
+			c.freeSlots = append(c.freeSlots, int(id))
+		}
+		return
+	}
+	switch kind {
+	case wridRecv:
+		slot := int(id)
+		if slot >= c.opts.ring {
+			c.failLocked(fmt.Errorf("%w: receive completion for slot %d", ErrProtocol, slot), ds, stateFailed)
+			return
+		}
+		if wc.Op == verbsio.OpRecvImm || wc.HasImm {
+			c.onWriteLocked(wc.Imm, ds)
+		} else {
+			b := c.recvBuf.Bytes()[slot*c.slot:]
+			if int(wc.ByteLen) > c.slot {
+				c.failLocked(fmt.Errorf("%w: %d bytes in a %d-byte buffer", ErrProtocol, wc.ByteLen, c.slot), ds, stateFailed)
+				return
+			}
+			c.onFramesLocked(b[:wc.ByteLen], ds)
+		}
+		if c.state == stateConnected {
+			c.recvWRs = append(c.recvWRs, c.recvWR(slot))
+		}
+	case wridCtrl:
+		c.sqOut--
+		c.freeSlots = append(c.freeSlots, int(id))
+		if wc.WRID == c.byeWRID {
+			close(c.byeSent)
+		}
+	case wridWrite:
+		c.sqOut--
+		seq := id >> 8
+		last := id&0xff == 1
+		if !last {
+			return
+		}
+		e, ok := c.writes[seq]
+		if !ok {
+			return
+		}
+		delete(c.writes, seq)
+		c.stats.writesOut.Add(1)
+		c.stats.bytesOut.Add(uint64(e.n))
+		c.dropSendLocked(e, nil, ds)
+	}
+}
+
+func (c *Channel) onFramesLocked(b []byte, ds *deliveries) {
+	var m wire.Message
+	for len(b) > 0 && c.state == stateConnected {
+		n, err := wire.Decode(b, &m)
+		if err != nil {
+			c.failLocked(fmt.Errorf("%w: from %s: %w", ErrProtocol, c.peer, err), ds, stateFailed)
+			return
+		}
+		b = b[n:]
+		c.credits += int(m.Credits)
+		switch m.Type {
+		case wire.TypeCredit:
+		case wire.TypeRequest:
+			c.onRequestLocked(&m, ds)
+		case wire.TypeReRequest:
+			c.onReRequestLocked(&m, ds)
+		case wire.TypeCancel:
+			c.onCancelLocked(&m, ds)
+		case wire.TypeMetaResponse:
+			c.onMetaLocked(&m, ds)
+		case wire.TypeChecksum:
+			c.onChecksumLocked(&m, ds)
+		case wire.TypeError:
+			c.onErrorLocked(&m, ds)
+		case wire.TypeBye:
+			c.failLocked(fmt.Errorf("%w: by peer %s", ErrClosed, c.peer), ds, stateFailed)
+		default:
+			c.failLocked(fmt.Errorf("%w: %s from %s on an open channel", ErrProtocol, m.Type, c.peer), ds, stateFailed)
+		}
+	}
+}
+
+// enqueueLocked queues a control message.
+func (c *Channel) enqueueLocked(m *wire.Message) {
+	c.outq = append(c.outq, outItem{frame: m.Append(make([]byte, 0, m.Len()))})
+}
+
+// flushLocked posts queued items in order while credits, send slots and
+// send-queue room allow, packing consecutive control frames into one SEND,
+// then returns credits alone if many are owed and nothing else carried them.
+func (c *Channel) flushLocked() {
+	if c.state != stateConnected {
+		return
+	}
+	for len(c.outq) > 0 {
+		// One credit stays in reserve for a CREDIT message.
+		if c.credits <= 1 {
+			break
+		}
+		it := &c.outq[0]
+		if it.write != nil {
+			if !c.postWriteLocked(it.write) {
+				break
+			}
+			c.outq = c.outq[1:]
+			continue
+		}
+		if len(c.freeSlots) == 0 || c.sqOut >= c.sqMax {
+			break
+		}
+		slot := c.freeSlots[len(c.freeSlots)-1]
+		buf := c.sendBuf.Bytes()[slot*c.slot : (slot+1)*c.slot]
+		n := 0
+		bye := false
+		for len(c.outq) > 0 && c.outq[0].write == nil && n+len(c.outq[0].frame) <= len(buf) {
+			f := c.outq[0].frame
+			copy(buf[n:], f)
+			if f[1] == byte(wire.TypeBye) {
+				bye = true
+			}
+			n += len(f)
+			c.outq = c.outq[1:]
+		}
+		c.putCredits(buf)
+		if !c.postCtrlLocked(slot, n, bye) {
+			return
+		}
+	}
+	if c.owed >= c.threshold && c.credits >= 1 && len(c.freeSlots) > 0 && c.sqOut < c.sqMax {
+		slot := c.freeSlots[len(c.freeSlots)-1]
+		buf := c.sendBuf.Bytes()[slot*c.slot : (slot+1)*c.slot]
+		m := wire.Message{Type: wire.TypeCredit}
+		n := len(m.Append(buf[:0]))
+		c.putCredits(buf)
+		if c.postCtrlLocked(slot, n, false) {
+			c.stats.creditsOnly.Add(1)
+		}
+	}
+}
+
+// putCredits writes the credits owed into the header of the frame at b.
+func (c *Channel) putCredits(b []byte) {
+	k := min(c.owed, 0xffff)
+	b[2], b[3] = byte(k), byte(k>>8)
+	c.owed -= k
+}
+
+func (c *Channel) postCtrlLocked(slot, n int, bye bool) bool {
+	wr := verbsio.SendWR{
+		WRID: wridCtrl | uint64(slot), Op: verbsio.OpSend, Signaled: true,
+		SG: []verbsio.SGE{{Addr: c.sendBuf.Addr() + uintptr(slot*c.slot), Length: uint32(n), LKey: c.sendMR.LKey()}},
+	}
+	if c.inline >= n {
+		wr.Inline = true
+	}
+	c.freeSlots = c.freeSlots[:len(c.freeSlots)-1]
+	if err := c.qp.PostSend([]verbsio.SendWR{wr}); err != nil {
+		c.freeSlots = append(c.freeSlots, slot)
+		var ds deliveries
+		c.failLocked(c.peerLost(err), &ds, stateFailed)
+		go ds.run()
+		return false
+	}
+	if bye {
+		c.byeWRID = wr.WRID
+	}
+	c.sqOut++
+	c.credits--
+	c.stats.controlOut.Add(1)
+	return true
+}
+
+// postWriteLocked posts the write of e: chunks of at most the device's
+// largest message, the last with the request index as immediate.
+func (c *Channel) postWriteLocked(e *sendEntry) bool {
+	maxMsg := int64(1 << 30)
+	if c.caps.MaxMessage > 0 && c.caps.MaxMessage < maxMsg {
+		maxMsg = c.caps.MaxMessage
+	}
+	chunks := int((e.n + maxMsg - 1) / maxMsg)
+	if c.sqOut+chunks > c.sqMax {
+		return false
+	}
+	seq := c.nextWrite
+	c.nextWrite++
+	wrs := make([]verbsio.SendWR, 0, chunks)
+	for off := int64(0); off < e.n; off += maxMsg {
+		l := min(maxMsg, e.n-off)
+		last := off+l == e.n
+		wr := verbsio.SendWR{
+			WRID: wridWrite | seq<<8, Op: verbsio.OpWrite, Signaled: true,
+			SG:         []verbsio.SGE{{Addr: e.addr + uintptr(off), Length: uint32(l), LKey: e.lkey}},
+			RemoteAddr: e.raddr + uint64(off), RKey: e.rkey,
+		}
+		if last {
+			wr.WRID |= 1
+			wr.Op = verbsio.OpWriteImm
+			wr.Imm = e.req
+		}
+		wrs = append(wrs, wr)
+	}
+	c.writes[seq] = e
+	if err := c.qp.PostSend(wrs); err != nil {
+		delete(c.writes, seq)
+		var ds deliveries
+		c.dropSendLocked(e, err, &ds)
+		c.failLocked(c.peerLost(err), &ds, stateFailed)
+		go ds.run()
+		return false
+	}
+	c.sqOut += chunks
+	c.credits--
+	return true
+}
+
+type discard struct{}
+
+func (discard) Enabled(context.Context, slog.Level) bool  { return false }
+func (discard) Handle(context.Context, slog.Record) error { return nil }
+func (d discard) WithAttrs([]slog.Attr) slog.Handler      { return d }
+func (d discard) WithGroup(string) slog.Handler           { return d }

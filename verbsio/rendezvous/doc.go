@@ -1,0 +1,26 @@
+// Package rendezvous is gdrlink's zero-copy tensor protocol and the
+// rendezvous API Go code uses to move tensors between two peers.
+//
+// A Channel joins this process to one peer over one queue pair of any verbs
+// provider. The protocol is receiver-driven, as TensorFlow's verbs transport
+// with zero copies: Recv allocates the result tensor from registered memory
+// using a per-name meta-data cache and sends TENSOR_REQUEST with the result's
+// address and rkey; the sender matches it with Send (either may come first)
+// and answers with one RDMA write with immediate straight from the source
+// tensor into the result, the immediate being the request index. When the
+// cached meta-data is stale, the sender answers META_DATA_RESPONSE and keeps
+// the tensor; the receiver reallocates and sends TENSOR_RE_REQUEST. Dead and
+// empty tensors complete with a control message and no write; string tensors
+// travel in tensor's wire encoding from a registered staging block.
+//
+// Beyond TensorFlow's transport: many control messages in flight per channel,
+// paced by credits over a ring of posted receive buffers (credits ride back
+// in every header, or in a CREDIT message when there is nothing else to
+// send); names mapped to small indexes after first use; an optional checksum
+// mode (CRC-32C of the source, verified on arrival); cancellation and
+// deadlines on Recv; and every completed transfer says which path it took in
+// a Transfer and in a debug log record.
+//
+// A peer that goes away fails every pending request and send of its channel
+// with an error wrapping verbsio.ErrPeerLost that names the peer.
+package rendezvous

@@ -1,0 +1,40 @@
+package rendezvous
+
+import "errors"
+
+// Errors of the rendezvous, one per condition; they are wrapped with the
+// peer, key and step concerned. A lost peer is reported with
+// verbsio.ErrPeerLost.
+var (
+	// ErrClosed: the channel was closed, by this side or (BYE) by the peer.
+	ErrClosed = errors.New("rendezvous: channel closed")
+	// ErrNotConnected: Send or Recv before Connect.
+	ErrNotConnected = errors.New("rendezvous: channel not connected")
+	// ErrDuplicate: a second Send, or a second pending Recv, for one key and
+	// step.
+	ErrDuplicate = errors.New("rendezvous: duplicate key and step")
+	// ErrBadKey: an empty key or one longer than wire.MaxName bytes.
+	ErrBadKey = errors.New("rendezvous: invalid key")
+	// ErrBadTensor: a nil or released tensor, or one whose bytes cannot be
+	// read for sending.
+	ErrBadTensor = errors.New("rendezvous: invalid tensor")
+	// ErrRemote: the sender answered ERROR_STATUS; the message carries its
+	// code and text.
+	ErrRemote = errors.New("rendezvous: error from peer")
+	// ErrCancelled: the receiver withdrew the request (its context ended).
+	ErrCancelled = errors.New("rendezvous: request cancelled")
+	// ErrChecksum: in checksum mode, the bytes that arrived do not match the
+	// sender's CRC-32C.
+	ErrChecksum = errors.New("rendezvous: checksum mismatch")
+	// ErrProtocol: the peer sent something the protocol does not allow at
+	// this point (an unknown request index, a frame that does not decode).
+	ErrProtocol = errors.New("rendezvous: protocol violation")
+	// ErrMismatch: the peers' HELLOs disagree (checksum mode, provider).
+	ErrMismatch = errors.New("rendezvous: peers disagree")
+	// ErrNoPath: no way to land a result on the asked device (GPU memory the
+	// NIC cannot reach and no proxy).
+	ErrNoPath = errors.New("rendezvous: no path to device")
+)
+
+// ErrBadOption: an option out of its range.
+var ErrBadOption = errors.New("rendezvous: invalid option")

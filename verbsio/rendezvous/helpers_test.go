@@ -1,0 +1,276 @@
+package rendezvous
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/gdrlink/gdrlink/alloc"
+	"github.com/gdrlink/gdrlink/tensor"
+	"github.com/gdrlink/gdrlink/verbsio"
+	_ "github.com/gdrlink/gdrlink/verbsio/ibverbs"
+	_ "github.com/gdrlink/gdrlink/verbsio/onnode"
+	_ "github.com/gdrlink/gdrlink/verbsio/tcp"
+)
+
+// providersUnderTest are the providers the tests run against: the
+// comma-separated GDRLINK_PROVIDER, or tcp and onnode.
+func providersUnderTest() []string {
+	if v := os.Getenv("GDRLINK_PROVIDER"); v != "" {
+		return strings.Split(v, ",")
+	}
+	return []string{"tcp", "onnode"}
+}
+
+// skipUnavailable skips when the provider cannot run here, and fails
+// instead when GDRLINK_REQUIRE_RDMA=1 says an RDMA device should be there.
+func skipUnavailable(t testing.TB, provider string, err error) {
+	t.Helper()
+	if provider == "ibverbs" && os.Getenv("GDRLINK_REQUIRE_RDMA") == "1" {
+		t.Fatalf("GDRLINK_REQUIRE_RDMA=1 but provider %s is unusable: %v", provider, err)
+	}
+	t.Skipf("provider %s unavailable here: %v", provider, err)
+}
+
+// forEachProvider runs f as a subtest per provider.
+func forEachProvider(t *testing.T, f func(t *testing.T, provider string)) {
+	for _, p := range providersUnderTest() {
+		t.Run(p, func(t *testing.T) { f(t, p) })
+	}
+}
+
+type mrKey struct{}
+
+// registration is the memory-registration visitor the tests use: each arena
+// is registered once with pd for local and remote access.
+func registration(pd verbsio.ProtectionDomain) alloc.Visitor {
+	return alloc.VisitorFuncs{
+		VisitorName: "test-mr",
+		OnVisit: func(a *alloc.Arena) error {
+			mr, err := pd.RegisterMemory(a.Base(), a.Size(), verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite|verbsio.AccessRemoteRead)
+			if err != nil {
+				return err
+			}
+			a.SetHandle(mrKey{}, mr)
+			return nil
+		},
+		OnRelease: func(a *alloc.Arena) error {
+			v, ok := a.Handle(mrKey{})
+			if !ok {
+				return nil
+			}
+			a.DeleteHandle(mrKey{})
+			return v.(verbsio.MemoryRegion).Close()
+		},
+	}
+}
+
+func regionOf(a *alloc.Arena) (verbsio.MemoryRegion, bool) {
+	v, ok := a.Handle(mrKey{})
+	if !ok {
+		return nil, false
+	}
+	return v.(verbsio.MemoryRegion), true
+}
+
+// side is one end: device, protection domain, registered pool, channel.
+type side struct {
+	dev  verbsio.Device
+	pd   verbsio.ProtectionDomain
+	pool *alloc.Pool
+	mem  Memory
+	ch   *Channel
+}
+
+func (s *side) close() error {
+	var errs []error
+	if s.ch != nil {
+		errs = append(errs, s.ch.Close())
+	}
+	if s.pool != nil {
+		errs = append(errs, s.pool.Close())
+	}
+	if s.pd != nil {
+		errs = append(errs, s.pd.Close())
+	}
+	if s.dev != nil {
+		errs = append(errs, s.dev.Close())
+	}
+	return errors.Join(errs...)
+}
+
+// openSide opens provider's device and makes a channel; it returns an error
+// wrapping verbsio.ErrNoDevice or ErrNotSupported when the provider cannot
+// run here.
+func openSide(provider, name string, opts ...Option) (*side, error) {
+	cfg, err := verbsio.ConfigFromEnv()
+	if err != nil {
+		return nil, err
+	}
+	s := &side{}
+	if s.dev, err = verbsio.Open(provider, cfg); err != nil {
+		return nil, err
+	}
+	if s.pd, err = s.dev.AllocPD(); err != nil {
+		_ = s.close()
+		return nil, err
+	}
+	s.pool, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: -1}), alloc.WithVisitors(registration(s.pd)), alloc.WithName(name))
+	if err != nil {
+		_ = s.close()
+		return nil, err
+	}
+	s.mem = PoolMemory(regionOf, s.pool)
+	if s.ch, err = New(s.dev, s.pd, s.mem, append([]Option{WithName(name)}, opts...)...); err != nil {
+		_ = s.close()
+		return nil, err
+	}
+	return s, nil
+}
+
+// pair makes two connected sides in this process.
+func pair(t *testing.T, provider string, opts ...Option) (a, b *side) {
+	t.Helper()
+	a, err := openSide(provider, "a", opts...)
+	if err != nil {
+		skipUnavailable(t, provider, err)
+	}
+	b, err = openSide(provider, "b", opts...)
+	if err != nil {
+		_ = a.close()
+		skipUnavailable(t, provider, err)
+	}
+	t.Cleanup(func() {
+		if err := b.close(); err != nil {
+			t.Errorf("closing b: %v", err)
+		}
+		if err := a.close(); err != nil {
+			t.Errorf("closing a: %v", err)
+		}
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	var wg sync.WaitGroup
+	var ea, eb error
+	ha, hb := a.ch.Hello(), b.ch.Hello()
+	wg.Add(2)
+	go func() { defer wg.Done(); ea = a.ch.Connect(ctx, hb) }()
+	go func() { defer wg.Done(); eb = b.ch.Connect(ctx, ha) }()
+	wg.Wait()
+	if ea != nil || eb != nil {
+		t.Fatalf("connect: %v / %v", ea, eb)
+	}
+	return a, b
+}
+
+// seedOf derives a pattern seed from key and step.
+func seedOf(key string, step int64) byte {
+	h := fnv.New32a()
+	fmt.Fprintf(h, "%s/%d", key, step)
+	return byte(h.Sum32())
+}
+
+func fill(b []byte, seed byte) {
+	for i := range b {
+		b[i] = seed + byte(i*7) + byte(i>>8)
+	}
+}
+
+func checkFill(b []byte, seed byte) error {
+	for i := range b {
+		if want := seed + byte(i*7) + byte(i>>8); b[i] != want {
+			return fmt.Errorf("byte %d of %d is %#x, want %#x", i, len(b), b[i], want)
+		}
+	}
+	return nil
+}
+
+// makeTensor makes a tensor of kind ("float32", "dead:int8", "string", ...)
+// and shape in pool, filled with the pattern of key and step.
+func makeTensor(pool *alloc.Pool, kind string, shape tensor.Shape, key string, step int64) (*tensor.Tensor, error) {
+	if d, ok := strings.CutPrefix(kind, "dead:"); ok {
+		dt, err := tensor.ParseDType(d)
+		if err != nil {
+			return nil, err
+		}
+		return tensor.Dead(dt, shape), nil
+	}
+	dt, err := tensor.ParseDType(kind)
+	if err != nil {
+		return nil, err
+	}
+	if dt == tensor.String {
+		n, err := shape.NumElements()
+		if err != nil {
+			return nil, err
+		}
+		vals := make([]string, n)
+		seed := seedOf(key, step)
+		for i := range vals {
+			vals[i] = strings.Repeat(string(rune('a'+(int(seed)+i)%26)), i%5) + fmt.Sprint(i)
+		}
+		return tensor.NewStrings(shape, vals)
+	}
+	meta, err := tensor.MetaFor(dt, shape)
+	if err != nil {
+		return nil, err
+	}
+	t, err := pool.NewTensor(meta)
+	if err != nil {
+		return nil, err
+	}
+	b, err := t.Bytes()
+	if err != nil {
+		return nil, err
+	}
+	fill(b, seedOf(key, step))
+	return t, nil
+}
+
+// checkTensor verifies a received tensor against makeTensor's.
+func checkTensor(t *tensor.Tensor, kind string, shape tensor.Shape, key string, step int64) error {
+	if kind != "string" && !strings.HasPrefix(kind, "dead:") {
+		dt, err := tensor.ParseDType(kind)
+		if err != nil {
+			return err
+		}
+		meta, err := tensor.MetaFor(dt, shape)
+		if err != nil {
+			return err
+		}
+		if !t.Meta().Equal(meta) {
+			return fmt.Errorf("meta-data %v, want %v", t.Meta(), meta)
+		}
+		b, err := t.Bytes()
+		if err != nil {
+			return err
+		}
+		return checkFill(b, seedOf(key, step))
+	}
+	want, err := makeTensor(nil, kind, shape, key, step)
+	if err != nil {
+		return err
+	}
+	if !t.Meta().Equal(want.Meta()) {
+		return fmt.Errorf("meta-data %v, want %v", t.Meta(), want.Meta())
+	}
+	if kind == "string" {
+		got, err := t.Strings()
+		if err != nil {
+			return err
+		}
+		exp, _ := want.Strings()
+		for i := range exp {
+			if got[i] != exp[i] {
+				return fmt.Errorf("string %d is %q, want %q", i, got[i], exp[i])
+			}
+		}
+	}
+	return nil
+}

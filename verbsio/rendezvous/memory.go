@@ -1,0 +1,60 @@
+package rendezvous
+
+import (
+	"fmt"
+
+	"github.com/gdrlink/gdrlink/alloc"
+	"github.com/gdrlink/gdrlink/tensor"
+	"github.com/gdrlink/gdrlink/verbsio"
+)
+
+// Memory is where a channel gets registered memory: result tensors, staging
+// blocks for strings, and its control-message buffers. Every buffer it hands
+// out must lie inside a region registered with the channel's protection
+// domain for local and remote write.
+type Memory interface {
+	// Alloc returns a buffer of at least n bytes on dev. A device it has no
+	// registered memory for gives an error wrapping verbsio.ErrNotSupported.
+	Alloc(n int, dev tensor.Device) (tensor.Buffer, error)
+	// Region returns the registered region holding [addr, addr+n), if any.
+	Region(addr uintptr, n int) (verbsio.MemoryRegion, bool)
+}
+
+// RegionOf finds the memory region a visitor attached to an arena.
+type RegionOf func(a *alloc.Arena) (verbsio.MemoryRegion, bool)
+
+// PoolMemory is a Memory over pools whose arenas a memory-registration
+// visitor registered; regionOf finds the region the visitor attached to an
+// arena (visitor.MemoryRegionOf). One pool per device.
+func PoolMemory(regionOf RegionOf, pools ...*alloc.Pool) Memory {
+	return &poolMemory{pools: pools, regionOf: regionOf}
+}
+
+type poolMemory struct {
+	pools    []*alloc.Pool
+	regionOf RegionOf
+}
+
+func (m *poolMemory) Alloc(n int, dev tensor.Device) (tensor.Buffer, error) {
+	for _, p := range m.pools {
+		if p.Device() == dev {
+			b, err := p.Alloc(max(n, 1))
+			if err != nil {
+				return nil, err
+			}
+			return b, nil
+		}
+	}
+	return nil, fmt.Errorf("%w: no registered pool on %s", verbsio.ErrNotSupported, dev)
+}
+
+func (m *poolMemory) Region(addr uintptr, n int) (verbsio.MemoryRegion, bool) {
+	for _, p := range m.pools {
+		a, ok := p.ArenaOf(addr)
+		if !ok || !a.Contains(addr, n) {
+			continue
+		}
+		return m.regionOf(a)
+	}
+	return nil, false
+}

@@ -1,0 +1,107 @@
+package rendezvous
+
+import (
+	"fmt"
+	"log/slog"
+
+	"github.com/gdrlink/gdrlink/tensor"
+)
+
+// Defaults of a channel.
+const (
+	// DefaultRing is the number of receive buffers posted per channel: the
+	// control messages and writes the peer may have in flight at once.
+	DefaultRing = 128
+	// DefaultSendSlots is the number of control-message send buffers.
+	DefaultSendSlots = 64
+	// DefaultMaxStringBytes caps the decoded size of one string tensor.
+	DefaultMaxStringBytes = 1 << 30
+)
+
+// Proxy lands results on devices the NIC cannot write directly: the write
+// lands in a host tensor in registered memory, and the proxy copies it to the
+// device (the proxy package's pipelined host-to-device copy implements it).
+type Proxy interface {
+	// ToDevice copies host to a new tensor on dev and calls done with it,
+	// from any goroutine, once. It owns host and releases it.
+	ToDevice(host *tensor.Tensor, dev tensor.Device, done func(*tensor.Tensor, error))
+}
+
+type options struct {
+	name       string
+	ring       int
+	sendSlots  int
+	checksum   bool
+	log        *slog.Logger
+	proxy      Proxy
+	maxStrings int
+	// corrupt, when set, changes the bytes of a source after its checksum
+	// is taken and before it is written (fault injection for tests).
+	corrupt func(key string, step int64, b []byte)
+}
+
+// Option configures a channel made by New.
+type Option func(*options) error
+
+// WithName is this side's name as the peer's errors and logs show it.
+func WithName(name string) Option {
+	return func(o *options) error { o.name = name; return nil }
+}
+
+// WithRing sets how many receive buffers the channel posts (default
+// DefaultRing, 2..65535): the credits the peer starts with.
+func WithRing(n int) Option {
+	return func(o *options) error {
+		if n < 2 || n > 65535 {
+			return fmt.Errorf("%w: ring of %d buffers, want 2..65535", ErrBadOption, n)
+		}
+		o.ring = n
+		return nil
+	}
+}
+
+// WithSendSlots sets how many control-message send buffers the channel has
+// (default DefaultSendSlots, 1..4096).
+func WithSendSlots(n int) Option {
+	return func(o *options) error {
+		if n < 1 || n > 4096 {
+			return fmt.Errorf("%w: %d send slots, want 1..4096", ErrBadOption, n)
+		}
+		o.sendSlots = n
+		return nil
+	}
+}
+
+// WithChecksum turns checksum mode on: the sender sends the CRC-32C of every
+// tensor it writes, and the receiver verifies it on arrival (ErrChecksum).
+// Both peers must agree.
+func WithChecksum(on bool) Option {
+	return func(o *options) error { o.checksum = on; return nil }
+}
+
+// WithLogger sets the structured logger; transfers are logged at debug level.
+func WithLogger(l *slog.Logger) Option {
+	return func(o *options) error {
+		if l == nil {
+			return fmt.Errorf("%w: nil logger", ErrBadOption)
+		}
+		o.log = l
+		return nil
+	}
+}
+
+// WithProxy sets the proxy path for GPU results the NIC cannot write.
+func WithProxy(p Proxy) Option {
+	return func(o *options) error { o.proxy = p; return nil }
+}
+
+// WithMaxStringBytes caps the decoded size of a received string tensor.
+func WithMaxStringBytes(n int) Option {
+	return func(o *options) error {
+		if n <= 0 {
+			return fmt.Errorf("%w: string limit %d", ErrBadOption, n)
+		}
+		o.maxStrings = n
+		return nil
+	}
+}

@@ -1,0 +1,424 @@
+package rendezvous
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"time"
+
+	"github.com/gdrlink/gdrlink/tensor"
+	"github.com/gdrlink/gdrlink/verbsio"
+	"github.com/gdrlink/gdrlink/verbsio/wire"
+)
+
+// request is the receiver's side of one Recv.
+type request struct {
+	idx       uint32
+	key       skey
+	dev       tensor.Device
+	meta      tensor.Meta // what buf was sized for
+	buf       tensor.Buffer
+	path      Path
+	crc       uint32
+	hasCRC    bool
+	roundTrip bool
+	cancelled bool
+	done      bool
+	start     time.Time
+	cb        func(*tensor.Tensor, Transfer, error)
+	stop      func() bool
+}
+
+// RecvOption changes one Recv.
+type RecvOption func(*request)
+
+// OnDevice asks for the result on dev (default: host memory). For a GPU the
+// NIC can write, the result is written there directly (PathDirectGPU);
+// otherwise it lands in a host proxy and the channel's Proxy copies it over
+// (PathProxy). With neither, Recv fails with ErrNoPath.
+func OnDevice(dev tensor.Device) RecvOption { return func(r *request) { r.dev = dev } }
+
+func checkKey(key string) error {
+	if key == "" || len(key) > wire.MaxName {
+		return fmt.Errorf("%w: %d bytes, want 1..%d", ErrBadKey, len(key), wire.MaxName)
+	}
+	return nil
+}
+
+// Recv asks the peer for the tensor sent under key and step and waits for
+// it, or for ctx to end (the request is then withdrawn and the error wraps
+// ErrCancelled and ctx's cause). The caller owns the result and releases it.
+func (c *Channel) Recv(ctx context.Context, key string, step int64, opts ...RecvOption) (*tensor.Tensor, Transfer, error) {
+	type result struct {
+		t   *tensor.Tensor
+		tr  Transfer
+		err error
+	}
+	ch := make(chan result, 1)
+	c.RecvFunc(ctx, key, step, func(t *tensor.Tensor, tr Transfer, err error) { ch <- result{t, tr, err} }, opts...)
+	r := <-ch
+	return r.t, r.tr, r.err
+}
+
+// RecvFunc is Recv in callback form: it returns at once, and cb runs exactly
+// once with the result or the error. cb runs on the channel's completion
+// goroutine (or the one that ended ctx) and must not block.
+func (c *Channel) RecvFunc(ctx context.Context, key string, step int64, cb func(*tensor.Tensor, Transfer, error), opts ...RecvOption) {
+	tr := Transfer{Key: key, Step: step, Provider: c.provider, Device: c.devName}
+	if err := checkKey(key); err != nil {
+		cb(nil, tr, err)
+		return
+	}
+	if err := ctx.Err(); err != nil {
+		cb(nil, tr, fmt.Errorf("%w: %q step %d: %w", ErrCancelled, key, step, context.Cause(ctx)))
+		return
+	}
+	r := &request{key: skey{key, step}, dev: tensor.Host, start: time.Now(), cb: cb}
+	for _, o := range opts {
+		o(r)
+	}
+	c.mu.Lock()
+	tr.Peer = c.peer
+	if c.state != stateConnected {
+		err := c.stateErrLocked()
+		c.mu.Unlock()
+		cb(nil, tr, fmt.Errorf("rendezvous: %q step %d: %w", key, step, err))
+		return
+	}
+	if _, dup := c.byKey[r.key]; dup {
+		c.mu.Unlock()
+		cb(nil, tr, fmt.Errorf("%w: Recv of %q step %d is already pending", ErrDuplicate, key, step))
+		return
+	}
+	m := wire.Message{Type: wire.TypeRequest, Step: step}
+	if meta, ok := c.cache[key]; ok {
+		if err := c.allocResultLocked(r, meta); err != nil {
+			c.mu.Unlock()
+			cb(nil, tr, fmt.Errorf("rendezvous: result of %q step %d: %w", key, step, err))
+			return
+		}
+		m.Flags |= wire.ReqMeta
+		m.Meta.SetMeta(meta)
+		m.Addr, m.RKey, m.Capacity = c.bufTarget(r)
+	}
+	r.idx = c.allocReqLocked()
+	m.Req = r.idx
+	ni, ok := c.names[key]
+	if !ok {
+		ni = c.nextName
+		c.nextName++
+		c.names[key] = ni
+		m.Flags |= wire.ReqName
+		m.Name = []byte(key)
+		c.stats.nameDefs.Add(1)
+	}
+	m.NameIndex = ni
+	c.reqs[r.idx] = r
+	c.byKey[r.key] = r
+	c.enqueueLocked(&m)
+	c.stats.requests.Add(1)
+	if ctx.Done() != nil {
+		r.stop = context.AfterFunc(ctx, func() { c.cancel(r, context.Cause(ctx)) })
+	}
+	c.flushLocked()
+	c.mu.Unlock()
+}
+
+func (c *Channel) stateErrLocked() error {
+	switch c.state {
+	case stateNew:
+		return ErrNotConnected
+	case stateClosed:
+		if c.failErr != nil {
+			return c.failErr
+		}
+		return ErrClosed
+	}
+	return c.failErr
+}
+
+func (c *Channel) allocReqLocked() uint32 {
+	for {
+		idx := c.nextReq
+		c.nextReq++
+		if c.nextReq == 0 {
+			c.nextReq = 1
+		}
+		if _, used := c.reqs[idx]; !used {
+			return idx
+		}
+	}
+}
+
+func (c *Channel) bufTarget(r *request) (addr uint64, rkey uint32, capacity uint64) {
+	if r.buf == nil {
+		return 0, 0, 0
+	}
+	mr, ok := c.mem.Region(r.buf.Addr(), r.buf.Len())
+	if !ok {
+		return 0, 0, 0
+	}
+	return uint64(r.buf.Addr()), mr.RKey(), uint64(r.buf.Len())
+}
+
+// allocResultLocked sizes r's result buffer for meta, choosing the path.
+func (c *Channel) allocResultLocked(r *request, meta tensor.Meta) error {
+	r.meta = meta
+	if r.buf != nil {
+		_ = r.buf.Free()
+		r.buf = nil
+	}
+	dev := r.dev
+	switch {
+	case meta.DType == tensor.String:
+		dev, r.path = tensor.Host, PathSerialized
+	case dev.IsGPU():
+		r.path = PathDirectGPU
+	default:
+		r.path = PathDirect
+	}
+	if meta.IsDead || meta.ByteSize == 0 {
+		return nil
+	}
+	buf, err := c.mem.Alloc(int(meta.ByteSize), dev)
+	if err != nil && r.path == PathDirectGPU && errors.Is(err, verbsio.ErrNotSupported) {
+		if c.opts.proxy == nil {
+			return fmt.Errorf("%w: %s: %w (and no proxy)", ErrNoPath, dev, err)
+		}
+		r.path = PathProxy
+		buf, err = c.mem.Alloc(int(meta.ByteSize), tensor.Host)
+	}
+	if err != nil {
+		return err
+	}
+	if _, ok := c.mem.Region(buf.Addr(), buf.Len()); !ok {
+		_ = buf.Free()
+		return fmt.Errorf("%w: result memory at %#x is not registered", ErrNoPath, buf.Addr())
+	}
+	r.buf = buf
+	return nil
+}
+
+// cancel withdraws r if it has not completed, and reports whether it did.
+func (c *Channel) cancel(r *request, cause error) bool {
+	c.mu.Lock()
+	if r.done || r.cancelled {
+		c.mu.Unlock()
+		return false
+	}
+	r.cancelled = true
+	cb := r.cb
+	r.cb = nil
+	delete(c.byKey, r.key)
+	if c.state == stateConnected {
+		m := wire.Message{Type: wire.TypeCancel, Req: r.idx}
+		c.enqueueLocked(&m)
+		c.flushLocked()
+	}
+	tr := Transfer{Key: r.key.name, Step: r.key.step, Peer: c.peer, Provider: c.provider, Device: c.devName, Took: time.Since(r.start)}
+	c.mu.Unlock()
+	cb(nil, tr, fmt.Errorf("%w: %q step %d from %s: %w", ErrCancelled, r.key.name, r.key.step, tr.Peer, cause))
+	return true
+}
+
+// forgetLocked removes a finished or withdrawn request and frees its buffer.
+func (c *Channel) forgetLocked(r *request) {
+	delete(c.reqs, r.idx)
+	if c.byKey[r.key] == r {
+		delete(c.byKey, r.key)
+	}
+	if r.buf != nil {
+		_ = r.buf.Free()
+		r.buf = nil
+	}
+}
+
+// finishLocked completes r with t or err; the callback runs after the lock.
+// A buffer still in r.buf (not handed to t) is freed.
+func (c *Channel) finishLocked(r *request, t *tensor.Tensor, err error, ds *deliveries) {
+	r.done = true
+	if r.stop != nil {
+		r.stop()
+	}
+	delete(c.reqs, r.idx)
+	if c.byKey[r.key] == r {
+		delete(c.byKey, r.key)
+	}
+	if r.buf != nil {
+		if c.state != stateConnected {
+			// A write may still be landing in it until the queue pair is
+			// gone; release frees it then.
+			c.orphans = append(c.orphans, r.buf)
+		} else {
+			_ = r.buf.Free()
+		}
+		r.buf = nil
+	}
+	cb := r.cb
+	r.cb = nil
+	if cb == nil {
+		return
+	}
+	tr := Transfer{Key: r.key.name, Step: r.key.step, Peer: c.peer, Path: r.path, Provider: c.provider, Device: c.devName,
+		MetaRoundTrip: r.roundTrip, Checksummed: r.hasCRC && err == nil, Took: time.Since(r.start)}
+	if t != nil {
+		tr.Meta = t.Meta()
+		if !tr.Meta.IsDead {
+			tr.Bytes = tr.Meta.ByteSize
+		}
+	} else if err == nil {
+		tr.Path = PathNone
+	}
+	if err == nil {
+		c.log.Debug("rendezvous: transfer", "transfer", tr)
+	}
+	if err == nil && r.path == PathProxy && t != nil && !t.IsDead() && t.ByteSize() > 0 {
+		px, dev := c.opts.proxy, r.dev
+		ds.add(func() { px.ToDevice(t, dev, func(out *tensor.Tensor, err error) { cb(out, tr, err) }) })
+		return
+	}
+	ds.add(func() { cb(t, tr, err) })
+}
+
+func (c *Channel) protocolLocked(ds *deliveries, format string, args ...any) {
+	c.failLocked(fmt.Errorf("%w: from %s: %s", ErrProtocol, c.peer, fmt.Sprintf(format, args...)), ds, stateFailed)
+}
+
+func (c *Channel) onMetaLocked(m *wire.Message, ds *deliveries) {
+	r, ok := c.reqs[m.Req]
+	if !ok {
+		c.protocolLocked(ds, "%s for unknown request %d", m.Type, m.Req)
+		return
+	}
+	final := m.Flags&wire.RespFinal != 0
+	meta := m.Meta.Tensor()
+	if final != (meta.IsDead || meta.ByteSize == 0) {
+		c.protocolLocked(ds, "%s for request %d: final=%v with meta-data %v", m.Type, m.Req, final, meta)
+		return
+	}
+	if r.cancelled {
+		if final {
+			c.forgetLocked(r)
+		}
+		return
+	}
+	if final {
+		c.stats.finals.Add(1)
+		r.path = PathNone
+		if r.buf != nil {
+			_ = r.buf.Free()
+			r.buf = nil
+		}
+		if meta.IsDead {
+			c.finishLocked(r, tensor.Dead(meta.DType, meta.Shape), nil, ds)
+			return
+		}
+		c.cache[r.key.name] = meta
+		t, err := tensor.New(meta, nil)
+		if meta.DType == tensor.String {
+			t, err = tensor.NewStrings(meta.Shape, nil)
+		}
+		c.finishLocked(r, t, err, ds)
+		return
+	}
+	c.stats.metaResponses.Add(1)
+	c.cache[r.key.name] = meta
+	r.roundTrip = true
+	if m.Flags&wire.RespChecksum != 0 {
+		r.crc, r.hasCRC = m.Checksum, true
+	}
+	if err := c.allocResultLocked(r, meta); err != nil {
+		// Withdraw the request so the sender drops what it kept.
+		cb := r.cb
+		r.cb = nil
+		r.cancelled = true
+		delete(c.byKey, r.key)
+		cm := wire.Message{Type: wire.TypeCancel, Req: r.idx}
+		c.enqueueLocked(&cm)
+		tr := Transfer{Key: r.key.name, Step: r.key.step, Peer: c.peer, Provider: c.provider, Device: c.devName}
+		e := fmt.Errorf("rendezvous: result of %q step %d (%v): %w", r.key.name, r.key.step, meta, err)
+		ds.add(func() { cb(nil, tr, e) })
+		return
+	}
+	rr := wire.Message{Type: wire.TypeReRequest, Req: r.idx}
+	rr.Addr, rr.RKey, rr.Capacity = c.bufTarget(r)
+	c.enqueueLocked(&rr)
+	c.stats.reRequests.Add(1)
+}
+
+func (c *Channel) onChecksumLocked(m *wire.Message, ds *deliveries) {
+	r, ok := c.reqs[m.Req]
+	if !ok {
+		c.protocolLocked(ds, "%s for unknown request %d", m.Type, m.Req)
+		return
+	}
+	r.crc, r.hasCRC = m.Checksum, true
+}
+
+func (c *Channel) onErrorLocked(m *wire.Message, ds *deliveries) {
+	r, ok := c.reqs[m.Req]
+	if !ok {
+		c.protocolLocked(ds, "%s for unknown request %d", m.Type, m.Req)
+		return
+	}
+	c.stats.errors.Add(1)
+	if r.cancelled {
+		c.forgetLocked(r)
+		return
+	}
+	err := fmt.Errorf("%w: %s for %q step %d: %s: %s", ErrRemote, c.peer, r.key.name, r.key.step, m.Code, m.Text)
+	c.finishLocked(r, nil, err, ds)
+}
+
+func (c *Channel) onWriteLocked(imm uint32, ds *deliveries) {
+	r, ok := c.reqs[imm]
+	if !ok {
+		c.protocolLocked(ds, "write with immediate %d names no request", imm)
+		return
+	}
+	if r.buf == nil {
+		c.protocolLocked(ds, "write for request %d, which has no result buffer", imm)
+		return
+	}
+	if r.cancelled {
+		c.forgetLocked(r)
+		return
+	}
+	c.stats.writesIn.Add(1)
+	c.stats.bytesIn.Add(uint64(r.meta.ByteSize))
+	meta := r.meta
+	var host []byte
+	if b := r.buf.Bytes(); b != nil {
+		host = b[:meta.ByteSize]
+	}
+	if c.checksum {
+		if !r.hasCRC {
+			c.protocolLocked(ds, "write for request %d without a checksum in checksum mode", imm)
+			return
+		}
+		if host != nil {
+			if got := crc32.Checksum(host, castagnoli); got != r.crc {
+				c.stats.checksumFailures.Add(1)
+				r.hasCRC = false
+				c.finishLocked(r, nil, fmt.Errorf("%w: %q step %d from %s: CRC-32C %#08x, sender's %#08x (%d bytes)", ErrChecksum, r.key.name, r.key.step, c.peer, got, r.crc, len(host)), ds)
+				return
+			}
+		} else {
+			r.hasCRC = false // GPU memory: not verifiable here
+		}
+	}
+	if r.path == PathSerialized {
+		t, err := tensor.DecodeStringTensor(meta, host, c.opts.maxStrings)
+		// The strings were copied out: the buffer is free again.
+		_ = r.buf.Free()
+		r.buf = nil
+		c.finishLocked(r, t, err, ds)
+		return
+	}
+	t, err := tensor.New(meta, r.buf)
+	if err == nil {
+		r.buf = nil // owned by t now
+	}
+	c.finishLocked(r, t, err, ds)
+}

@@ -1,0 +1,336 @@
+package rendezvous
+
+import (
+	"fmt"
+	"hash/crc32"
+	"unicode/utf8"
+
+	"github.com/gdrlink/gdrlink/tensor"
+	"github.com/gdrlink/gdrlink/verbsio/wire"
+)
+
+// sendEntry is the sender's side of one key and step: a Send, a request, or
+// both once matched.
+type sendEntry struct {
+	key  skey
+	t    *tensor.Tensor
+	done func(error)
+	serr error
+	has  bool // Send or SendError arrived
+
+	hasReq     bool
+	req        uint32
+	reqHasMeta bool
+	reqMeta    wire.Meta
+	raddr      uint64
+	rkey       uint32
+	rcap       uint64
+
+	prepared bool
+	meta     tensor.Meta
+	addr     uintptr
+	n        int64
+	lkey     uint32
+	src      []byte // host view of the bytes written, nil for GPU memory
+	stage    tensor.Buffer
+	crc      uint32
+	crcSent  bool
+}
+
+// Send hands t to the peer under key and step. It never waits for the
+// network: the tensor is written when the peer's request arrives (or at once
+// if it already has). The channel owns t from now on and releases it once
+// written or dropped. t should live in registered memory (a pool of the
+// channel's Memory); other host tensors are copied into a registered block
+// first (counted in Stats.Staged and logged).
+func (c *Channel) Send(key string, step int64, t *tensor.Tensor) error {
+	if t == nil {
+		return fmt.Errorf("%w: nil tensor for %q step %d", ErrBadTensor, key, step)
+	}
+	return c.SendFunc(key, step, t, func(error) { _ = t.Release() })
+}
+
+// SendFunc is Send that gives t back: done runs once with nil when t has been
+// written (or needed no write), or with the error that dropped it. t must not
+// change until then. done runs on the channel's completion goroutine and must
+// not block. If SendFunc returns an error, done is not called.
+func (c *Channel) SendFunc(key string, step int64, t *tensor.Tensor, done func(error)) error {
+	if err := checkKey(key); err != nil {
+		return err
+	}
+	if t == nil {
+		return fmt.Errorf("%w: nil tensor for %q step %d", ErrBadTensor, key, step)
+	}
+	return c.put(skey{key, step}, t, nil, done)
+}
+
+// SendError answers the peer's Recv of key and step with an error: the peer
+// gets ERROR_STATUS with err's text, and its Recv fails with ErrRemote.
+func (c *Channel) SendError(key string, step int64, err error) error {
+	if e := checkKey(key); e != nil {
+		return e
+	}
+	if err == nil {
+		return fmt.Errorf("%w: SendError with a nil error", ErrBadTensor)
+	}
+	return c.put(skey{key, step}, nil, err, nil)
+}
+
+func (c *Channel) put(k skey, t *tensor.Tensor, serr error, done func(error)) error {
+	var ds deliveries
+	c.mu.Lock()
+	if c.state != stateConnected {
+		err := c.stateErrLocked()
+		c.mu.Unlock()
+		return fmt.Errorf("rendezvous: Send of %q step %d: %w", k.name, k.step, err)
+	}
+	e, ok := c.sends[k]
+	if ok && e.has {
+		c.mu.Unlock()
+		return fmt.Errorf("%w: Send of %q step %d", ErrDuplicate, k.name, k.step)
+	}
+	if !ok {
+		e = &sendEntry{key: k}
+	}
+	e.t, e.serr, e.done, e.has = t, serr, done, true
+	if e.hasReq {
+		delete(c.sends, k)
+		c.serveLocked(e, &ds)
+		c.flushLocked()
+	} else {
+		c.sends[k] = e
+	}
+	c.mu.Unlock()
+	ds.run()
+	return nil
+}
+
+func (c *Channel) onRequestLocked(m *wire.Message, ds *deliveries) {
+	var name string
+	if m.Flags&wire.ReqName != 0 {
+		name = string(m.Name)
+		if old, ok := c.peerNames[m.NameIndex]; ok && old != name {
+			c.protocolLocked(ds, "name index %d redefined from %q to %q", m.NameIndex, old, name)
+			return
+		}
+		c.peerNames[m.NameIndex] = name
+	} else {
+		var ok bool
+		if name, ok = c.peerNames[m.NameIndex]; !ok {
+			c.protocolLocked(ds, "request %d uses undefined name index %d", m.Req, m.NameIndex)
+			return
+		}
+	}
+	k := skey{name, m.Step}
+	e, ok := c.sends[k]
+	if ok && e.hasReq {
+		c.sendErrorLocked(m.Req, wire.CodeBadRequest, fmt.Sprintf("%q step %d is already requested", name, m.Step))
+		return
+	}
+	if !ok {
+		e = &sendEntry{key: k}
+	}
+	e.hasReq, e.req = true, m.Req
+	e.reqHasMeta = m.Flags&wire.ReqMeta != 0
+	if e.reqHasMeta {
+		e.reqMeta = m.Meta
+	}
+	e.raddr, e.rkey, e.rcap = m.Addr, m.RKey, m.Capacity
+	if e.has {
+		delete(c.sends, k)
+		c.serveLocked(e, ds)
+		return
+	}
+	c.sends[k] = e
+}
+
+// serveLocked answers a matched request: a write when the receiver's
+// meta-data matches, META_DATA_RESPONSE otherwise (keeping the tensor for the
+// re-request), a final META_DATA_RESPONSE for dead and empty tensors.
+func (c *Channel) serveLocked(e *sendEntry, ds *deliveries) {
+	if e.serr != nil {
+		c.sendErrorLocked(e.req, wire.CodeSender, e.serr.Error())
+		return
+	}
+	if err := c.prepareLocked(e); err != nil {
+		c.sendErrorLocked(e.req, wire.CodeInternal, err.Error())
+		c.dropSendLocked(e, err, ds)
+		return
+	}
+	meta := e.meta
+	if meta.IsDead || meta.ByteSize == 0 {
+		m := wire.Message{Type: wire.TypeMetaResponse, Flags: wire.RespFinal, Req: e.req}
+		m.Meta.SetMeta(meta)
+		c.enqueueLocked(&m)
+		c.dropSendLocked(e, nil, ds)
+		return
+	}
+	if e.reqHasMeta && e.reqMeta.Equal(meta) && e.raddr != 0 && e.rcap >= uint64(meta.ByteSize) {
+		c.queueWriteLocked(e)
+		return
+	}
+	m := wire.Message{Type: wire.TypeMetaResponse, Req: e.req}
+	m.Meta.SetMeta(meta)
+	if c.checksum {
+		m.Flags |= wire.RespChecksum
+		m.Checksum = e.crc
+		e.crcSent = true
+	}
+	c.enqueueLocked(&m)
+	c.kept[e.req] = e
+}
+
+// prepareLocked finds (or makes) registered bytes to write from.
+func (c *Channel) prepareLocked(e *sendEntry) error {
+	if e.prepared {
+		return nil
+	}
+	t := e.t
+	meta := t.Meta()
+	e.meta = meta
+	if meta.IsDead || meta.ByteSize == 0 {
+		e.prepared = true
+		return nil
+	}
+	n := int(meta.ByteSize)
+	if meta.DType == tensor.String {
+		vals, err := t.Strings()
+		if err != nil {
+			return fmt.Errorf("%w: %q step %d: %w", ErrBadTensor, e.key.name, e.key.step, err)
+		}
+		blk, err := c.mem.Alloc(n, tensor.Host)
+		if err != nil {
+			return fmt.Errorf("rendezvous: staging %d bytes of strings: %w", n, err)
+		}
+		hb := blk.Bytes()
+		enc := tensor.AppendStrings(hb[:0:n], vals)
+		mr, ok := c.mem.Region(blk.Addr(), n)
+		if len(enc) != n || !ok || &enc[0] != &hb[0] {
+			_ = blk.Free()
+			return fmt.Errorf("%w: %q step %d: encoding of %d bytes, meta-data says %d", ErrBadTensor, e.key.name, e.key.step, len(enc), n)
+		}
+		e.stage, e.addr, e.lkey, e.src = blk, blk.Addr(), mr.LKey(), enc
+	} else {
+		buf := t.Buffer()
+		if buf == nil {
+			return fmt.Errorf("%w: %q step %d has no buffer", ErrBadTensor, e.key.name, e.key.step)
+		}
+		host, herr := t.Bytes()
+		if herr != nil && buf.Bytes() != nil {
+			return fmt.Errorf("%w: %q step %d: %w", ErrBadTensor, e.key.name, e.key.step, herr)
+		}
+		if mr, ok := c.mem.Region(buf.Addr(), n); ok {
+			e.addr, e.lkey, e.src = buf.Addr(), mr.LKey(), host
+		} else {
+			if host == nil {
+				return fmt.Errorf("%w: %q step %d: %s memory at %#x is not registered and has no host view", ErrBadTensor, e.key.name, e.key.step, buf.Device(), buf.Addr())
+			}
+			blk, err := c.mem.Alloc(n, tensor.Host)
+			if err != nil {
+				return fmt.Errorf("rendezvous: staging %d bytes: %w", n, err)
+			}
+			mr, ok := c.mem.Region(blk.Addr(), n)
+			if !ok {
+				_ = blk.Free()
+				return fmt.Errorf("%w: staging block at %#x is not registered", ErrBadTensor, blk.Addr())
+			}
+			sb := blk.Bytes()[:n]
+			copy(sb, host)
+			e.stage, e.addr, e.lkey, e.src = blk, blk.Addr(), mr.LKey(), sb
+			c.stats.staged.Add(1)
+			c.log.Debug("rendezvous: staged source", "key", e.key.name, "step", e.key.step, "bytes", n, "reason", "source not in registered memory")
+		}
+	}
+	e.n = int64(n)
+	if c.checksum {
+		if e.src == nil {
+			return fmt.Errorf("%w: checksum mode needs a host view of %q step %d", ErrBadTensor, e.key.name, e.key.step)
+		}
+		e.crc = crc32.Checksum(e.src, castagnoli)
+	}
+	e.prepared = true
+	return nil
+}
+
+func (c *Channel) queueWriteLocked(e *sendEntry) {
+	if c.checksum && !e.crcSent {
+		m := wire.Message{Type: wire.TypeChecksum, Req: e.req, Checksum: e.crc}
+		c.enqueueLocked(&m)
+		e.crcSent = true
+	}
+	if c.opts.corrupt != nil && e.src != nil {
+		c.opts.corrupt(e.key.name, e.key.step, e.src)
+	}
+	c.outq = append(c.outq, outItem{write: e})
+}
+
+func (c *Channel) onReRequestLocked(m *wire.Message, ds *deliveries) {
+	e, ok := c.kept[m.Req]
+	if !ok {
+		c.protocolLocked(ds, "%s for request %d, which awaits none", m.Type, m.Req)
+		return
+	}
+	delete(c.kept, m.Req)
+	e.raddr, e.rkey, e.rcap = m.Addr, m.RKey, m.Capacity
+	if e.raddr == 0 || e.rcap < uint64(e.n) {
+		c.sendErrorLocked(e.req, wire.CodeTooSmall, fmt.Sprintf("%q step %d needs %d bytes, buffer at %#x holds %d", e.key.name, e.key.step, e.n, e.raddr, e.rcap))
+		c.dropSendLocked(e, fmt.Errorf("%w: receiver's buffer too small", ErrRemote), ds)
+		return
+	}
+	c.queueWriteLocked(e)
+}
+
+func (c *Channel) onCancelLocked(m *wire.Message, ds *deliveries) {
+	if e, ok := c.kept[m.Req]; ok {
+		// Matched but not written: the tensor waits for the next request
+		// of its key and step.
+		delete(c.kept, m.Req)
+		c.sendErrorLocked(m.Req, wire.CodeCancelled, "cancelled by the receiver")
+		e.hasReq, e.reqHasMeta, e.crcSent = false, false, false
+		if _, taken := c.sends[e.key]; taken {
+			c.dropSendLocked(e, fmt.Errorf("%w: by %s for %q step %d", ErrCancelled, c.peer, e.key.name, e.key.step), ds)
+			return
+		}
+		c.sends[e.key] = e
+		return
+	}
+	for k, e := range c.sends {
+		if e.hasReq && e.req == m.Req {
+			e.hasReq = false
+			if !e.has {
+				delete(c.sends, k)
+			}
+			c.sendErrorLocked(m.Req, wire.CodeCancelled, "cancelled by the receiver")
+			return
+		}
+	}
+	// The write is on its way or done; its completion ends the request.
+}
+
+func (c *Channel) sendErrorLocked(req uint32, code wire.Code, text string) {
+	if len(text) > wire.MaxText {
+		text = text[:wire.MaxText]
+		for !utf8.ValidString(text) && len(text) > 0 {
+			text = text[:len(text)-1]
+		}
+	}
+	m := wire.Message{Type: wire.TypeError, Req: req, Code: code, Text: []byte(text)}
+	c.enqueueLocked(&m)
+}
+
+// dropSendLocked ends a send: its staging block is freed and done runs after
+// the lock with err.
+func (c *Channel) dropSendLocked(e *sendEntry, err error, ds *deliveries) {
+	if e.stage != nil {
+		if c.state == stateConnected || err == nil {
+			_ = e.stage.Free()
+		} else {
+			c.orphans = append(c.orphans, e.stage)
+		}
+		e.stage = nil
+	}
+	if done := e.done; done != nil {
+		e.done = nil
+		ds.add(func() { done(err) })
+	}
+}

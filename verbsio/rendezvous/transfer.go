@@ -1,0 +1,107 @@
+package rendezvous
+
+import (
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/gdrlink/gdrlink/tensor"
+)
+
+// Path is how a tensor's bytes reached the result.
+type Path uint8
+
+// Paths.
+const (
+	// PathNone: no bytes moved (dead or empty tensor, or the transfer failed).
+	PathNone Path = iota
+	// PathDirect: one RDMA write from the source tensor into the result
+	// tensor in host memory.
+	PathDirect
+	// PathDirectGPU: one RDMA write into GPU memory registered with the NIC
+	// (GPUDirect RDMA, dma-buf or peer memory).
+	PathDirectGPU
+	// PathProxy: the write landed in a host proxy tensor and was copied to
+	// the GPU by the proxy path.
+	PathProxy
+	// PathSerialized: a non-DMAable (string) tensor, written in its wire
+	// encoding and decoded on arrival.
+	PathSerialized
+)
+
+var pathNames = [...]string{"none", "direct", "direct-gpu", "proxy", "serialized"}
+
+// String names the path.
+func (p Path) String() string {
+	if int(p) < len(pathNames) {
+		return pathNames[p]
+	}
+	return fmt.Sprintf("Path(%d)", uint8(p))
+}
+
+// Transfer is what one completed Recv did.
+type Transfer struct {
+	Key  string
+	Step int64
+	// Peer is the sending peer's name.
+	Peer string
+	// Path is how the bytes arrived.
+	Path Path
+	// Provider and Device name the verbs provider and device that carried it.
+	Provider string
+	Device   string
+	// Meta is the received tensor's meta-data.
+	Meta tensor.Meta
+	// Bytes is the number of bytes written into this process.
+	Bytes int64
+	// MetaRoundTrip reports that the meta-data cache was stale or empty, so a
+	// META_DATA_RESPONSE and a TENSOR_RE_REQUEST were needed.
+	MetaRoundTrip bool
+	// Checksummed reports that the bytes were verified against the sender's
+	// CRC-32C.
+	Checksummed bool
+	// Took is the time from the request to the completion.
+	Took time.Duration
+}
+
+// LogValue makes a Transfer print as a group in structured logs.
+func (t Transfer) LogValue() slog.Value {
+	return slog.GroupValue(
+		slog.String("key", t.Key), slog.Int64("step", t.Step), slog.String("peer", t.Peer),
+		slog.String("path", t.Path.String()), slog.String("provider", t.Provider), slog.String("device", t.Device),
+		slog.String("meta", t.Meta.String()), slog.Int64("bytes", t.Bytes),
+		slog.Bool("meta_round_trip", t.MetaRoundTrip), slog.Bool("checksummed", t.Checksummed),
+		slog.Duration("took", t.Took))
+}
+
+// Stats counts what a channel did. Read it with Channel.Stats.
+type Stats struct {
+	// Requests is the number of TENSOR_REQUESTs sent.
+	Requests uint64
+	// MetaResponses is the number of META_DATA_RESPONSEs received that asked
+	// for a re-request (stale or empty cache).
+	MetaResponses uint64
+	// ReRequests is the number of TENSOR_RE_REQUESTs sent.
+	ReRequests uint64
+	// Finals is the number of requests completed by a control message alone
+	// (dead and empty tensors).
+	Finals uint64
+	// WritesIn is the number of writes with immediate that completed a
+	// request here; WritesOut the number this side posted.
+	WritesIn, WritesOut uint64
+	// BytesIn and BytesOut are the tensor bytes written into and out of this
+	// process.
+	BytesIn, BytesOut uint64
+	// Errors is the number of ERROR_STATUS received.
+	Errors uint64
+	// ControlOut is the number of control SENDs posted (each may carry
+	// several messages); CreditsOnly of them carried nothing but credits.
+	ControlOut, CreditsOnly uint64
+	// NameDefs is the number of requests that carried a full name.
+	NameDefs uint64
+	// ChecksumFailures is the number of arrivals that failed verification.
+	ChecksumFailures uint64
+	// Staged is the number of sends whose source was not in registered memory
+	// and was copied into a registered block first.
+	Staged uint64
+}
