@@ -1,0 +1,98 @@
+//go:build cgo && linux
+
+package nvml
+
+import (
+	"fmt"
+
+	gonvml "github.com/NVIDIA/go-nvml/pkg/nvml"
+	"github.com/gdrlink/gdrlink/gdr"
+)
+
+func cstr(b []uint8) string {
+	for i, c := range b {
+		if c == 0 {
+			return string(b[:i])
+		}
+	}
+	return string(b)
+}
+
+func (s *Source) gpus() (gdr.GPUInventory, error) {
+	var inv gdr.GPUInventory
+	var opts []gonvml.LibraryOption
+	if s.LibraryPath != "" {
+		opts = append(opts, gonvml.WithLibraryPath(s.LibraryPath))
+	}
+	lib := gonvml.New(opts...)
+	switch ret := lib.Init(); ret {
+	case gonvml.SUCCESS:
+	case gonvml.ERROR_LIBRARY_NOT_FOUND:
+		return inv, fmt.Errorf("%w: libnvidia-ml.so.1 not found", ErrNotAvailable)
+	case gonvml.ERROR_DRIVER_NOT_LOADED:
+		return inv, fmt.Errorf("%w: the NVIDIA kernel driver is not loaded", ErrNotAvailable)
+	default:
+		return inv, fmt.Errorf("nvml: init: %s", ret.Error())
+	}
+	defer lib.Shutdown()
+	if v, ret := lib.SystemGetDriverVersion(); ret == gonvml.SUCCESS {
+		inv.Driver.DriverVersion = v
+	}
+	if v, ret := lib.SystemGetCudaDriverVersion(); ret == gonvml.SUCCESS {
+		inv.Driver.CUDAVersion = cudaVersion(v)
+	}
+	n, ret := lib.DeviceGetCount()
+	if ret != gonvml.SUCCESS {
+		return inv, fmt.Errorf("nvml: device count: %s", ret.Error())
+	}
+	devs := make([]gonvml.Device, 0, n)
+	for i := 0; i < n; i++ {
+		d, ret := lib.DeviceGetHandleByIndex(i)
+		if ret != gonvml.SUCCESS {
+			return inv, fmt.Errorf("nvml: device %d: %s", i, ret.Error())
+		}
+		devs = append(devs, d)
+		g := gdr.GPUFacts{Index: i, Source: "nvml"}
+		if v, ret := d.GetName(); ret == gonvml.SUCCESS {
+			g.Name = v
+		}
+		if p, ret := d.GetPciInfo(); ret == gonvml.SUCCESS {
+			if a, err := gdr.ParsePCIAddress(cstr(p.BusId[:])); err == nil {
+				g.PCIBusID = a
+			}
+		}
+		if v, ret := d.GetNumaNodeId(); ret == gonvml.SUCCESS && v >= 0 {
+			g.NUMANode = &v
+		}
+		if m, ret := d.GetBAR1MemoryInfo(); ret == gonvml.SUCCESS {
+			total, free := m.Bar1Total, m.Bar1Free
+			g.BAR1Total, g.BAR1Free = &total, &free
+		}
+		if v, ret := d.GetPersistenceMode(); ret == gonvml.SUCCESS {
+			on := v == gonvml.FEATURE_ENABLED
+			g.PersistenceMode = &on
+		}
+		inv.GPUs = append(inv.GPUs, g)
+	}
+	for a := 0; a < n; a++ {
+		for b := a + 1; b < n; b++ {
+			t := gdr.GPUTopology{A: a, B: b}
+			if lvl, ret := devs[a].GetTopologyCommonAncestor(devs[b]); ret == gonvml.SUCCESS {
+				t.Path = topologyPath(int(lvl))
+			}
+			for l := 0; l < gonvml.NVLINK_MAX_LINKS; l++ {
+				st, ret := devs[a].GetNvLinkState(l)
+				if ret != gonvml.SUCCESS || st != gonvml.FEATURE_ENABLED {
+					continue
+				}
+				if p, ret := devs[a].GetNvLinkRemotePciInfo(l); ret == gonvml.SUCCESS {
+					if addr, err := gdr.ParsePCIAddress(cstr(p.BusId[:])); err == nil && addr == inv.GPUs[b].PCIBusID {
+						t.NVLinks++
+					}
+				}
+			}
+			inv.Topology = append(inv.Topology, t)
+		}
+	}
+	return inv, nil
+}
