@@ -270,3 +270,31 @@ func TestELFExports(t *testing.T) {
 	}
 	t.Skip("libibverbs.so.1 not installed (apt-get install libibverbs1)")
 }
+
+type memRecorder struct {
+	files map[string]string
+	links map[string]string
+	dirs  map[string]bool
+}
+
+func (m *memRecorder) File(n string, b []byte) { m.files[n] = string(b) }
+func (m *memRecorder) Link(n, t string)        { m.links[n] = t }
+func (m *memRecorder) Dir(n string)            { m.dirs[n] = true }
+
+func TestRecorder(t *testing.T) {
+	r := fixtureRoot(t, "two-socket")
+	m := &memRecorder{files: map[string]string{}, links: map[string]string{}, dirs: map[string]bool{}}
+	r.SetRecorder(m)
+	if _, err := r.ReadString("/sys/bus/pci/devices/0000:3b:00.0/numa_node"); err != nil {
+		t.Fatal(err)
+	}
+	if got := m.links["/sys/bus/pci/devices/0000:3b:00.0"]; got != "../../../devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0" {
+		t.Errorf("link recorded as %q", got)
+	}
+	if got := m.files["/sys/devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0/numa_node"]; got != "0\n" {
+		t.Errorf("file recorded as %q (files %v)", got, m.files)
+	}
+	if _, err := r.ReadDir("/sys/class/infiniband"); err != nil || !m.dirs["/sys/class/infiniband"] {
+		t.Errorf("dir not recorded: %v %v", err, m.dirs)
+	}
+}

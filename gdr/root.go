@@ -6,6 +6,7 @@ import (
 	"io"
 	"io/fs"
 	"os"
+	"path"
 	"path/filepath"
 	"sort"
 	"strings"
@@ -26,6 +27,63 @@ type Root struct {
 	host   bool
 	r      *os.Root
 	closed atomic.Bool
+	rec    Recorder
+}
+
+// Recorder is told about everything a Root reads successfully, under the
+// real path inside the root (symbolic links resolved, each link reported
+// with its target). gdrcheck's snapshot command uses it to capture exactly
+// what the checks read.
+type Recorder interface {
+	// File is a regular file that was read.
+	File(name string, data []byte)
+	// Link is a symbolic link that was followed or read.
+	Link(name, target string)
+	// Dir is a directory that was listed.
+	Dir(name string)
+}
+
+// SetRecorder makes the root report its reads to rec (nil stops it). Call
+// it before the root is shared.
+func (r *Root) SetRecorder(rec Recorder) { r.rec = rec }
+
+// resolve returns the real path of name inside the root, reporting each
+// symbolic link on the way to the recorder.
+func (r *Root) resolve(name string) string {
+	parts := strings.Split(strings.TrimPrefix(filepath.Clean("/"+name), "/"), "/")
+	cur := ""
+	for hops := 0; len(parts) > 0 && hops < 64; {
+		c := parts[0]
+		parts = parts[1:]
+		if c == "" || c == "." {
+			continue
+		}
+		next := path.Join(cur, c)
+		if c == ".." {
+			cur = path.Dir(cur)
+			if cur == "." {
+				cur = ""
+			}
+			continue
+		}
+		fi, err := r.r.Lstat(next)
+		if err != nil || fi.Mode()&fs.ModeSymlink == 0 {
+			cur = next
+			continue
+		}
+		t, err := r.r.Readlink(next)
+		if err != nil {
+			cur = next
+			continue
+		}
+		hops++
+		r.rec.Link("/"+next, t)
+		if strings.HasPrefix(t, "/") {
+			cur = ""
+		}
+		parts = append(strings.Split(t, "/"), parts...)
+	}
+	return "/" + cur
 }
 
 // OpenRoot opens dir as a root. "" means "/".
@@ -106,6 +164,9 @@ func (r *Root) ReadFile(name string) ([]byte, error) {
 	if len(b) > maxFileSize {
 		return nil, fmt.Errorf("%w: %s is larger than %d bytes", ErrMalformed, filepath.Join(r.dir, name), maxFileSize)
 	}
+	if r.rec != nil {
+		r.rec.File(r.resolve(name), b)
+	}
 	return b, nil
 }
 
@@ -126,6 +187,9 @@ func (r *Root) Readlink(name string) (string, error) {
 		return "", err
 	}
 	t, err := r.r.Readlink(p)
+	if err == nil && r.rec != nil {
+		r.rec.Link(path.Join(r.resolve(path.Dir("/"+p)), path.Base(p)), t)
+	}
 	return t, r.wrap("readlink", name, err)
 }
 
@@ -145,6 +209,9 @@ func (r *Root) ReadDir(name string) ([]string, error) {
 		return nil, r.wrap("readdir", name, err)
 	}
 	sort.Strings(names)
+	if r.rec != nil {
+		r.rec.Dir(r.resolve(name))
+	}
 	return names, nil
 }
 
@@ -154,6 +221,9 @@ func (r *Root) Exists(name string) bool {
 	if err != nil {
 		return false
 	}
-	_, err = r.r.Stat(p)
+	fi, err := r.r.Stat(p)
+	if err == nil && r.rec != nil && fi.Mode().IsRegular() {
+		_, _ = r.ReadFile(name)
+	}
 	return err == nil
 }
