@@ -70,3 +70,6 @@ func totalLen(bufs [][]byte) int {
 	}
 	return n
 }
+
+// addrOfBytes is the address of b's first byte (b off the Go heap).
+func addrOfBytes(b []byte) uintptr { return uintptr(unsafe.Pointer(&b[0])) }
