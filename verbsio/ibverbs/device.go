@@ -89,6 +89,20 @@ func (d *Device) probe() (inline int, dmabuf bool, why string) {
 	return inline, dmabuf, why
 }
 
+// rxeVendorID is the vendor ID Soft-RoCE (rdma_rxe) reports.
+const rxeVendorID = 0xffffff
+
+// retryCount is the transport retry count queue pairs get. The verbs
+// specification makes 7 a count of seven retries (only the RNR retry count
+// uses 7 for "forever"), but Soft-RoCE takes a retry count of 7 as
+// unlimited, so a dead peer would never be reported: there it becomes 6.
+func (d *Device) retryCount() int {
+	if d.cfg.RetryCount == 7 && d.attr.VendorID == rxeVendorID {
+		return 6
+	}
+	return d.cfg.RetryCount
+}
+
 // Info implements verbsio.Device.
 func (d *Device) Info() verbsio.DeviceInfo { return d.info }
 
@@ -491,7 +505,7 @@ func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 			return n, err
 		}
 		if err := c.q.WaitEvent(ctx); err != nil {
-			if ctx.Err() != nil {
+			if ctx.Err() != nil || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
 				return 0, fmt.Errorf("%w: waiting for completions: %w", verbsio.ErrTimeout, err)
 			}
 			return 0, wrap(err)

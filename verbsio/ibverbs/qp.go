@@ -154,7 +154,7 @@ func (q *qp) Connect(ctx context.Context, remote verbsio.Endpoint) error {
 	if err := q.q.ToRTR(rtr); err != nil {
 		return fmt.Errorf("%w: %w", verbsio.ErrBadConfig, err)
 	}
-	rts := ibv.RTSAttr{SQPSN: q.psn, Timeout: cfg.Timeout, RetryCount: cfg.RetryCount, RNRRetry: q.d.p.o.rnrRetry,
+	rts := ibv.RTSAttr{SQPSN: q.psn, Timeout: cfg.Timeout, RetryCount: q.d.retryCount(), RNRRetry: q.d.p.o.rnrRetry,
 		MaxRdAtomic: min(16, q.d.attr.MaxQPInitRdAtom)}
 	if err := q.q.ToRTS(rts); err != nil {
 		q.q.ToError()
