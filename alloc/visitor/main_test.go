@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"strings"
 	"testing"
 )
 
@@ -29,7 +30,29 @@ func TestMain(m *testing.M) {
 		}
 		os.Exit(0)
 	}
-	os.Exit(m.Run())
+	before, err := openMemfds()
+	code := m.Run()
+	if after, err2 := openMemfds(); code == 0 && err == nil && err2 == nil && after > before {
+		fmt.Fprintf(os.Stderr, "leak: %d memfd descriptors open after the tests, %d before\n", after, before)
+		code = 1
+	}
+	os.Exit(code)
+}
+
+// openMemfds counts this process's descriptors that name a memfd (the
+// regions of memfd sources and their exported duplicates).
+func openMemfds() (int, error) {
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		return 0, err
+	}
+	n := 0
+	for _, e := range ents {
+		if link, err := os.Readlink("/proc/self/fd/" + e.Name()); err == nil && strings.HasPrefix(link, "/memfd:") {
+			n++
+		}
+	}
+	return n, nil
 }
 
 // helperCmd re-executes the test binary as helper name.
