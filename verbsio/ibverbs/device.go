@@ -459,6 +459,13 @@ func (c *cq) convert(w *ibv.WC) verbsio.Completion {
 		// oldest outstanding request has this ID is the one that completed.
 		recv = !r.q.sendHeadIs(w.WRID) && r.q.recvHeadIs(w.WRID)
 	}
+	if recv && w.Status == ibv.WCLocQPOpErr {
+		// Soft-RoCE reports a message longer than the receive buffer as a
+		// local QP operation error (a malformed receive request); on a
+		// receive queue that is the buffer's length, as other devices
+		// report with a local length error.
+		comp.Status = verbsio.StatusLocalLength
+	}
 	comp.Op = r.q.complete(w, recv, comp.Status)
 	if !recv {
 		comp.ByteLen = 0

@@ -15,6 +15,7 @@ import (
 
 	"github.com/gdrlink/gdrlink/verbsio"
 	"github.com/gdrlink/gdrlink/verbsio/bootstrap"
+	"github.com/gdrlink/gdrlink/verbsio/verbstest"
 )
 
 // The two-process tests re-execute the test binary as the peer: with
@@ -22,6 +23,7 @@ import (
 const helperEnv = "GDRLINK_IBVERBS_HELPER"
 
 func TestMain(m *testing.M) {
+	verbstest.PeerMain()
 	if h := os.Getenv(helperEnv); h != "" {
 		os.Exit(runHelper(h))
 	}
