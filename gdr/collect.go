@@ -366,7 +366,7 @@ func collectGPUs(f *Facts, root *Root, snap *SnapshotFacts, sources []GPUSource)
 		for _, s := range sources {
 			got, err := s.GPUs()
 			if err != nil {
-				tried = append(tried, s.Name()+": "+err.Error())
+				tried = append(tried, s.Name()+": "+strings.Replace(err.Error(), ErrNotSupported.Error()+": ", "", 1))
 				continue
 			}
 			if inv == nil {
@@ -414,7 +414,13 @@ func collectGPUs(f *Facts, root *Root, snap *SnapshotFacts, sources []GPUSource)
 	}
 	for i := range f.GPUs {
 		g := &f.GPUs[i]
-		if d := f.PCI[g.PCIBusID]; d != nil && g.NUMANode == nil {
+		d := f.PCI[g.PCIBusID]
+		switch {
+		case d == nil && len(f.PCI) > 0:
+			f.Notes = append(f.Notes, fmt.Sprintf("GPU%d's PCI address %s is not in the PCI tree", g.Index, g.PCIBusID))
+		case d != nil && !d.IsGPU():
+			f.Notes = append(f.Notes, fmt.Sprintf("GPU%d's PCI address %s is a %04x:%04x class %06x device in the PCI tree, not a GPU", g.Index, g.PCIBusID, d.Vendor, d.Device, d.Class))
+		case d != nil && g.NUMANode == nil:
 			g.NUMANode = d.NUMANode
 		}
 	}

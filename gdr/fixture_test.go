@@ -126,7 +126,7 @@ func h100(idx int, bus string, numa int) GPUFacts {
 
 func fixtureSpecs() []fxNode {
 	dgxGPUs := &GPUInventory{Driver: GPUDriverFacts{DriverVersion: "550.54.15", CUDAVersion: "12.4"},
-		GPUs: []GPUFacts{h100(0, "0000:1a:00.0", 0), h100(1, "0000:1e:00.0", 0), h100(2, "0000:9a:00.0", 1), h100(3, "0000:9e:00.0", 1)}}
+		GPUs: []GPUFacts{h100(0, "0000:1a:00.0", 0), h100(1, "0000:1e:00.0", 0), h100(2, "0000:9c:00.0", 1), h100(3, "0000:a0:00.0", 1)}}
 	for a := 0; a < 4; a++ {
 		for b := a + 1; b < 4; b++ {
 			dgxGPUs.Topology = append(dgxGPUs.Topology, GPUTopology{A: a, B: b, Path: PathSYS, NVLinks: 18})
@@ -135,7 +135,7 @@ func fixtureSpecs() []fxNode {
 	dgxDevs := append(dgxHalf("pci0000:15", 0x15, 0, "0-55,112-167", 0), dgxHalf("pci0000:97", 0x97, 1, "56-111,168-223", 0)...)
 	dgxNICs := []fxNIC{
 		{name: "mlx5_0", addr: "0000:1b:00.0", fw: "28.39.1002", ports: []fxPort{ibPort("4: ACTIVE", "5: LinkUp")}},
-		{name: "mlx5_1", addr: "0000:9b:00.0", fw: "28.39.1002", ports: []fxPort{ibPort("4: ACTIVE", "5: LinkUp")}},
+		{name: "mlx5_1", addr: "0000:9d:00.0", fw: "28.39.1002", ports: []fxPort{ibPort("4: ACTIVE", "5: LinkUp")}},
 	}
 	base := []string{"nvidia", "nvidia_uvm", "ib_core", "ib_uverbs", "rdma_ucm", "mlx5_ib", "mlx5_core"}
 	roce := func(netdev string, mtu int, ip string) fxPort {
