@@ -224,6 +224,9 @@ func probeLibIBVerbs(root *Root) Check {
 			return Missing("%s has no ibv_reg_dmabuf_mr (rdma-core older than 34)", p)
 		}
 	}
+	if !root.IsHost() {
+		return Check{Status: StatusUnknown, Detail: "no libibverbs.so.1 under the root and no snapshot facts about it"}
+	}
 	return Missing("libibverbs.so.1 not found (rdma-core's libibverbs is not installed)")
 }
 
@@ -404,7 +407,7 @@ func collectGPUs(f *Facts, root *Root, snap *SnapshotFacts, sources []GPUSource)
 		if len(tried) > 0 {
 			why = " (" + strings.Join(tried, "; ") + ")"
 		} else if !root.IsHost() {
-			why = " (no GPU data in the snapshot)"
+			why = " (no NVML data under the root)"
 		}
 		if len(f.GPUs) == 0 {
 			f.GPUSource = Missing("no NVIDIA GPU on the PCI bus%s", why)
@@ -491,7 +494,7 @@ func readNICs(root *Root, pci map[string]*PCIDevice) ([]NICFacts, Check) {
 	if len(out) == 0 {
 		return nil, Missing("%s is empty: no RDMA device", cls)
 	}
-	return out, Available(fmt.Sprintf("%d RDMA devices", len(out)))
+	return out, Available(fmt.Sprintf("%d RDMA device(s)", len(out)))
 }
 
 func readNIC(root *Root, pci map[string]*PCIDevice, name string) NICFacts {

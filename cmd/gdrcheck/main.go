@@ -1,0 +1,126 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"time"
+
+	"github.com/gdrlink/gdrlink/gdr"
+	"github.com/gdrlink/gdrlink/internal/nvml"
+)
+
+func main() {
+	os.Exit(run(context.Background(), os.Args[1:], os.Stdout, os.Stderr))
+}
+
+// options are the command line.
+type options struct {
+	json     bool
+	root     string
+	gpus     string
+	nics     string
+	level    string
+	color    string
+	selftest bool
+	size     int
+	timeout  time.Duration
+}
+
+func usage(fs *flag.FlagSet) func() {
+	return func() {
+		w := fs.Output()
+		fmt.Fprintf(w, "usage: gdrcheck [flags]\n       gdrcheck snapshot [--root DIR] FILE.tar.gz\n\n")
+		fmt.Fprintf(w, "Checks whether this node (or the tree under --root) can move tensors with\nGPUDirect RDMA, says why not and how to fix it.\n")
+		fmt.Fprintf(w, "Exit status: 0 ready, 1 degraded (CPU proxy for some GPU), 2 not ready or error.\n\n")
+		fs.PrintDefaults()
+	}
+}
+
+// run is main without the process: it returns the exit code.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	if len(args) > 0 && args[0] == "snapshot" {
+		return runSnapshot(ctx, args[1:], stdout, stderr)
+	}
+	var o options
+	fs := flag.NewFlagSet("gdrcheck", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = usage(fs)
+	fs.BoolVar(&o.json, "json", false, "print the report as JSON (schema: cmd/gdrcheck/schema.json)")
+	fs.StringVar(&o.root, "root", "", "read sysfs and procfs from this directory or snapshot archive (.tar.gz) instead of /")
+	fs.StringVar(&o.gpus, "gpu", "", "only these GPUs: indices or PCI addresses, comma-separated")
+	fs.StringVar(&o.nics, "nic", "", "only these RDMA devices: names or PCI addresses, comma-separated")
+	fs.StringVar(&o.level, "level", "", "policy level: farthest path for GPUDirect (LOC, PIX, PXB, PHB, NODE, SYS or NCCL's 0..5); default $"+gdr.EnvLevel+" or PXB")
+	fs.StringVar(&o.color, "color", "auto", "color the human report: auto (on a terminal), always, never")
+	fs.BoolVar(&o.selftest, "selftest", false, "also move a pattern through every verbs provider available here and report bandwidth")
+	fs.IntVar(&o.size, "selftest-size", 4<<20, "bytes per selftest transfer")
+	fs.DurationVar(&o.timeout, "timeout", 60*time.Second, "give up after this long")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return exitReady
+		}
+		return exitNotReady
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "gdrcheck: unexpected argument %q\n", fs.Arg(0))
+		return exitNotReady
+	}
+	ctx, cancel := context.WithTimeout(ctx, o.timeout)
+	defer cancel()
+	policy, err := gdr.PolicyFromEnv()
+	if err != nil {
+		fmt.Fprintf(stderr, "gdrcheck: %v\n", err)
+		return exitNotReady
+	}
+	if o.level != "" {
+		l, err := gdr.ParseLevel(o.level)
+		if err != nil {
+			fmt.Fprintf(stderr, "gdrcheck: --level: %v\n", err)
+			return exitNotReady
+		}
+		policy.Level, policy.LevelSource = l, "option --level"
+	}
+	root, cleanup, err := openRootArg(o.root)
+	if err != nil {
+		fmt.Fprintf(stderr, "gdrcheck: %v\n", err)
+		return exitNotReady
+	}
+	defer cleanup()
+	facts, err := gdr.Collect(ctx, root, gdr.CollectOptions{GPUSources: []gdr.GPUSource{&nvml.Source{}}})
+	if err != nil {
+		fmt.Fprintf(stderr, "gdrcheck: %v\n", err)
+		return exitNotReady
+	}
+	if err := filter(facts, o.gpus, o.nics); err != nil {
+		fmt.Fprintf(stderr, "gdrcheck: %v\n", err)
+		return exitNotReady
+	}
+	r := buildReport(facts, policy, o.root)
+	r.Process = readProcess(root)
+	if o.root != "" {
+		r.Facts.Root = o.root
+	}
+	if o.selftest {
+		r.Selftest = runSelftest(ctx, o.size)
+		if r.Selftest.Failed > 0 && r.ExitCode < exitNotReady {
+			r.ExitCode, r.Verdict = exitNotReady, "not-ready"
+			r.Summary += fmt.Sprintf("; selftest: %d of %d paths failed", r.Selftest.Failed, len(r.Selftest.Runs))
+		}
+	}
+	if o.json {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		if err := enc.Encode(r); err != nil {
+			fmt.Fprintf(stderr, "gdrcheck: %v\n", err)
+			return exitNotReady
+		}
+	} else {
+		color := o.color == "always" || o.color == "auto" && isTerminal(stdout)
+		writeHuman(stdout, r, color)
+	}
+	return r.ExitCode
+}
