@@ -363,7 +363,7 @@ func collectGPUs(f *Facts, root *Root, snap *SnapshotFacts, sources []GPUSource)
 			}
 		}
 	} else if snap != nil && snap.GPUSource != nil {
-		tried = append(tried, "snapshot: "+snap.GPUSource.Detail)
+		tried = append(tried, snap.GPUSource.Detail)
 	}
 	if inv == nil && root.IsHost() {
 		for _, s := range sources {
@@ -403,11 +403,13 @@ func collectGPUs(f *Facts, root *Root, snap *SnapshotFacts, sources []GPUSource)
 			f.GPUs = append(f.GPUs, GPUFacts{Index: idx, PCIBusID: a, NUMANode: d.NUMANode, Source: "pci"})
 			idx++
 		}
+		f.GPUSourceWhy = strings.Join(tried, "; ")
+		if len(tried) == 0 && !root.IsHost() {
+			f.GPUSourceWhy = "no NVML data under the root"
+		}
 		why := ""
-		if len(tried) > 0 {
-			why = " (" + strings.Join(tried, "; ") + ")"
-		} else if !root.IsHost() {
-			why = " (no NVML data under the root)"
+		if f.GPUSourceWhy != "" {
+			why = " (" + f.GPUSourceWhy + ")"
 		}
 		if len(f.GPUs) == 0 {
 			f.GPUSource = Missing("no NVIDIA GPU on the PCI bus%s", why)

@@ -206,9 +206,11 @@ type Facts struct {
 	// NUMANodes is the number of online NUMA nodes (0 when unknown).
 	NUMANodes int `json:"numa_nodes"`
 	// GPUSource says where the GPU facts came from, or why there are none.
-	GPUSource Check          `json:"gpu_source"`
-	Driver    GPUDriverFacts `json:"gpu_driver"`
-	GPUs      []GPUFacts     `json:"gpus"`
+	GPUSource Check `json:"gpu_source"`
+	// GPUSourceWhy says why no GPU source answered, "" when one did.
+	GPUSourceWhy string         `json:"-"`
+	Driver       GPUDriverFacts `json:"gpu_driver"`
+	GPUs         []GPUFacts     `json:"gpus"`
 	// GPUTopology is what NVML says about GPU pairs, for the matrix and to
 	// cross-check the PCI tree.
 	GPUTopology []GPUTopology `json:"gpu_topology"`

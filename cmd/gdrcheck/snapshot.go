@@ -161,7 +161,8 @@ func snapshot(ctx context.Context, rootArg, out string) error {
 	}
 	_, _ = root.ReadFile("/proc/self/limits")
 	_ = readProcess(root)
-	sf := gdr.SnapshotFacts{Version: gdr.SnapshotFactsVersion, GPUSource: &facts.GPUSource, LibIBVerbs: &facts.LibIBVerbs}
+	why := gdr.Missing("%s", facts.GPUSourceWhy)
+	sf := gdr.SnapshotFacts{Version: gdr.SnapshotFactsVersion, GPUSource: &why, LibIBVerbs: &facts.LibIBVerbs}
 	if len(facts.GPUs) > 0 && facts.GPUs[0].Source != "pci" {
 		sf.GPUs = &gdr.GPUInventory{Driver: facts.Driver, GPUs: facts.GPUs, Topology: facts.GPUTopology}
 	}
