@@ -85,7 +85,7 @@ func (p *Pool) binSummary() string {
 		if sb.Len() > 0 {
 			sb.WriteString(", ")
 		}
-		fmt.Fprintf(&sb, "[%s+: %d free, %s, largest %s]", humanize.IBytes(uint64(p.cfg.align)<<b), len(list),
+		fmt.Fprintf(&sb, "[up to %s: %d free, %s, largest %s]", humanize.IBytes(uint64(p.cfg.align)<<b), len(list),
 			humanize.IBytes(uint64(total)), humanize.IBytes(uint64(p.chunks[list[len(list)-1]].size)))
 	}
 	if sb.Len() == 0 {

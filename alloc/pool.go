@@ -19,7 +19,7 @@ const (
 	// nilChunk marks the absence of a neighbour.
 	nilChunk int32 = -1
 	// numBins is the number of size classes: bin b holds free chunks of
-	// [2^b, 2^(b+1)) alignment units, the last bin everything larger.
+	// (2^(b-1), 2^b] alignment units, the last bin everything larger.
 	numBins = 48
 	// maxAlloc bounds a single request so that rounding never overflows.
 	maxAlloc = math.MaxInt64 >> 2
@@ -471,9 +471,12 @@ func (p *Pool) newSlot() (int32, bool) {
 	return int32(len(p.chunks) - 1), true
 }
 
+// binOf is the bin of a chunk of size bytes (at least one unit). Bins are
+// closed above, (2^(b-1), 2^b] units, so that an arena of a power-of-two
+// size and what is left of it after small splits share a bin: the rest then
+// keeps its place in the bin instead of moving to another one.
 func (p *Pool) binOf(size int) int {
-	b := bits.Len(uint(size)>>p.shift) - 1
-	return min(max(b, 0), numBins-1)
+	return min(bits.Len((uint(size)>>p.shift)-1), numBins-1)
 }
 
 // chunkLess orders chunks by size, then address.
