@@ -19,6 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/gdrlink/gdrlink/verbsio"
+	"github.com/gdrlink/gdrlink/verbsio/verbstest"
 )
 
 // The tests run two real processes: the test binary re-executes itself with
@@ -26,6 +27,7 @@ import (
 const helperEnv = "GDRLINK_ONNODE_TEST_HELPER"
 
 func TestMain(m *testing.M) {
+	verbstest.PeerMain()
 	if os.Getenv(helperEnv) == "1" {
 		os.Exit(runHelper(os.Stdin, os.Stdout))
 	}

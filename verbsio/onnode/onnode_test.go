@@ -172,7 +172,7 @@ func TestHostileWrites(t *testing.T) {
 				if n.qp.State() != verbsio.QPError {
 					t.Errorf("%s: state %s after a remote access error", c.name, n.qp.State())
 				}
-				if err := n.qp.PostSend([]verbsio.SendWR{{Op: verbsio.OpWrite}}); !errors.Is(err, verbsio.ErrQPState) {
+				if err := n.qp.PostSend([]verbsio.SendWR{{WRID: 8, Op: verbsio.OpWrite}}); !errors.Is(err, verbsio.ErrQPState) {
 					t.Errorf("%s: posting in the error state: %v", c.name, err)
 				}
 				if c.checkFilled {
@@ -213,8 +213,17 @@ func TestPeerDies(t *testing.T) {
 	}
 	t.Logf("peer loss seen after %v", time.Since(start))
 	err = n.qp.PostSend([]verbsio.SendWR{{WRID: 1, Op: verbsio.OpWrite, RemoteAddr: addr, RKey: uint32(rkey), SG: []verbsio.SGE{{Addr: buf.Addr(), Length: 8, LKey: buf.LKey()}}}})
-	if !errors.Is(err, verbsio.ErrQPState) || !errors.Is(err, verbsio.ErrPeerLost) {
+	if err != nil {
 		t.Fatalf("PostSend after peer loss: %v", err)
+	}
+	if c := waitOne(t, n.scq, 5*time.Second); c.Status == verbsio.StatusSuccess {
+		t.Fatalf("write after peer loss: %+v", c)
+	}
+	if err := LastError(n.qp); !errors.Is(err, verbsio.ErrPeerLost) {
+		t.Fatalf("LastError after peer loss: %v", err)
+	}
+	if err := n.qp.PostSend([]verbsio.SendWR{{WRID: 2, Op: verbsio.OpWrite}}); !errors.Is(err, verbsio.ErrQPState) || !errors.Is(err, verbsio.ErrPeerLost) {
+		t.Fatalf("second PostSend after peer loss: %v", err)
 	}
 }
 

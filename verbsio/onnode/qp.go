@@ -33,6 +33,7 @@ type postedRecv struct {
 // arrival is a SEND or a write with immediate that no receive has taken yet.
 type arrival struct {
 	kind     uint8
+	seq      uint32 // a SEND's sequence number, acknowledged to the sender
 	imm      uint32
 	n        uint32
 	data     []byte
@@ -64,13 +65,15 @@ type qp struct {
 	efd   int
 	efile *os.File
 
-	state    atomic.Uint32 // verbsio.QPState
-	lastErr  atomic.Pointer[error]
-	lost     atomic.Bool
-	lostCh   chan struct{}
-	lostOnce sync.Once
-	done     chan struct{}
-	wg       sync.WaitGroup
+	state   atomic.Uint32 // verbsio.QPState
+	lastErr atomic.Pointer[error]
+	lost    atomic.Bool
+	// lossReported: a send work request has completed with the peer's loss.
+	lossReported atomic.Bool
+	lostCh       chan struct{}
+	lostOnce     sync.Once
+	done         chan struct{}
+	wg           sync.WaitGroup
 
 	// Set by Connect.
 	conn        *net.UnixConn
@@ -87,6 +90,11 @@ type qp struct {
 	tail     uint64
 	fileMaps map[uint32]*fileMap
 	fdResp   chan fdAnswer
+	sendSeq  uint32
+
+	compMu  sync.Mutex // pending send completions
+	pending []pendingComp
+	acks    []uint32 // receiver side: SENDs to acknowledge (seq, top bit: failed)
 
 	consMu    sync.Mutex // the incoming ring, receives, arrivals
 	recvs     []postedRecv
@@ -94,6 +102,15 @@ type qp struct {
 	backlog   int
 	compBuf   []verbsio.Completion
 	closeOnce sync.Once
+}
+
+// pendingComp is a send completion held back to keep completions in post
+// order behind a SEND that the peer has not acknowledged yet.
+type pendingComp struct {
+	c        verbsio.Completion
+	signaled bool
+	waiting  bool // a SEND waiting for its acknowledgement
+	seq      uint32
 }
 
 type fdAnswer struct {
@@ -515,6 +532,12 @@ func (q *qp) readLoop() {
 				q.peerGone(werr)
 				return
 			}
+		case perr == nil && c.Kind == msgAck && len(fds) == 0:
+			st := verbsio.StatusSuccess
+			if !c.OK {
+				st = verbsio.StatusRemoteOperation
+			}
+			q.acked(c.RKey, st)
 		case perr == nil && c.Kind == msgFDResp && len(fds) == 1 == c.OK:
 			a := fdAnswer{rkey: c.RKey, fd: -1}
 			if c.OK {
@@ -582,6 +605,11 @@ func (q *qp) failLocked(st verbsio.Status, err error) {
 		}
 	}
 	q.lastErr.CompareAndSwap(nil, &err)
+	pst := st
+	if pst == verbsio.StatusLocalLength {
+		pst = verbsio.StatusFlushed
+	}
+	q.flushPending(pst)
 	cs := q.compBuf[:0]
 	for _, r := range q.recvs {
 		cs = append(cs, verbsio.Completion{WRID: r.wrid, Status: st, Op: verbsio.OpRecv, QP: q})
@@ -647,6 +675,87 @@ func (q *qp) flushComps() {
 		q.recvCQ.push(q.compBuf...)
 	}
 	q.compBuf = q.compBuf[:0]
+	for _, a := range q.acks {
+		m := control{Kind: msgAck, RKey: a &^ (1 << 31), OK: a&(1<<31) == 0}
+		q.writeMu.Lock()
+		_, _, err := q.conn.WriteMsgUnix(m.Append(nil), nil, nil)
+		q.writeMu.Unlock()
+		if err != nil {
+			break // the peer is gone; readLoop sees it
+		}
+	}
+	q.acks = q.acks[:0]
+}
+
+// enqueue adds send completions in post order: they reach the completion
+// queue at once unless a SEND before them still waits for its
+// acknowledgement.
+func (q *qp) enqueue(ps []pendingComp) {
+	if len(ps) == 0 {
+		return
+	}
+	q.compMu.Lock()
+	q.pending = append(q.pending, ps...)
+	out := q.releaseLocked(nil)
+	q.compMu.Unlock()
+	if len(out) > 0 {
+		q.sendCQ.push(out...)
+	}
+}
+
+// releaseLocked moves the completions at the head of pending that no longer
+// wait to out. The caller holds compMu.
+func (q *qp) releaseLocked(out []verbsio.Completion) []verbsio.Completion {
+	i := 0
+	for ; i < len(q.pending) && !q.pending[i].waiting; i++ {
+		if p := q.pending[i]; p.signaled || p.c.Status != verbsio.StatusSuccess {
+			out = append(out, p.c)
+		}
+	}
+	q.pending = append(q.pending[:0], q.pending[i:]...)
+	return out
+}
+
+// acked completes the SEND with sequence number seq; a failed one moves the
+// queue pair to the error state.
+func (q *qp) acked(seq uint32, st verbsio.Status) {
+	q.resolve(seq, st)
+	if st != verbsio.StatusSuccess {
+		q.consMu.Lock()
+		q.failLocked(verbsio.StatusFlushed, fmt.Errorf("%w: the peer could not take SEND %d (receive too small or failed)", verbsio.ErrRemoteOperation, seq))
+		q.consMu.Unlock()
+	}
+}
+
+// resolve gives the waiting SEND seq its status and releases what can go.
+func (q *qp) resolve(seq uint32, st verbsio.Status) {
+	q.compMu.Lock()
+	for i := range q.pending {
+		if p := &q.pending[i]; p.waiting && p.seq == seq {
+			p.waiting, p.c.Status = false, st
+			break
+		}
+	}
+	out := q.releaseLocked(nil)
+	q.compMu.Unlock()
+	if len(out) > 0 {
+		q.sendCQ.push(out...)
+	}
+}
+
+// flushPending completes every SEND still waiting with st and releases all.
+func (q *qp) flushPending(st verbsio.Status) {
+	q.compMu.Lock()
+	for i := range q.pending {
+		if p := &q.pending[i]; p.waiting {
+			p.waiting, p.c.Status = false, st
+		}
+	}
+	out := q.releaseLocked(nil)
+	q.compMu.Unlock()
+	if len(out) > 0 {
+		q.sendCQ.push(out...)
+	}
 }
 
 // handleLocked takes one record: it completes a receive or keeps an arrival.
@@ -672,12 +781,13 @@ func (q *qp) handleLocked(rec record, cs []verbsio.Completion) []verbsio.Complet
 			a := &q.arrivals[k-1]
 			a.data = append(a.data, rec.Payload...)
 			a.complete = rec.Flags&flagMore == 0
+			a.seq = rec.Imm
 		} else if k == 0 && len(q.recvs) > 0 && rec.Flags&flagMore == 0 {
 			r := q.recvs[0]
 			q.recvs = q.recvs[1:]
-			return append(cs, q.deliver(r, rec.Payload))
+			return append(cs, q.deliver(r, rec.Payload, rec.Imm))
 		} else {
-			q.arrivals = append(q.arrivals, arrival{kind: recSend, data: append([]byte(nil), rec.Payload...), complete: rec.Flags&flagMore == 0})
+			q.arrivals = append(q.arrivals, arrival{kind: recSend, seq: rec.Imm, data: append([]byte(nil), rec.Payload...), complete: rec.Flags&flagMore == 0})
 		}
 		q.backlog += len(rec.Payload)
 		if q.backlog > maxBacklog {
@@ -703,7 +813,7 @@ func (q *qp) matchLocked(cs []verbsio.Completion) []verbsio.Completion {
 			continue
 		}
 		q.backlog -= len(a.data)
-		cs = append(cs, q.deliver(r, a.data))
+		cs = append(cs, q.deliver(r, a.data, a.seq))
 	}
 	if len(q.arrivals) == 0 {
 		q.arrivals = q.arrivals[:0]
@@ -711,9 +821,17 @@ func (q *qp) matchLocked(cs []verbsio.Completion) []verbsio.Completion {
 	return cs
 }
 
-// deliver copies a SEND's payload into a receive's buffers.
-func (q *qp) deliver(r postedRecv, data []byte) verbsio.Completion {
-	c := verbsio.Completion{WRID: r.wrid, Op: verbsio.OpRecv, ByteLen: uint32(len(data)), QP: q}
+// deliver copies a SEND's payload into a receive's buffers and queues the
+// SEND's acknowledgement.
+func (q *qp) deliver(r postedRecv, data []byte, seq uint32) (c verbsio.Completion) {
+	c = verbsio.Completion{WRID: r.wrid, Op: verbsio.OpRecv, ByteLen: uint32(len(data)), QP: q}
+	defer func() {
+		a := seq &^ (1 << 31)
+		if c.Status != verbsio.StatusSuccess {
+			a |= 1 << 31
+		}
+		q.acks = append(q.acks, a)
+	}()
 	q.pd.mu.RLock()
 	defer q.pd.mu.RUnlock()
 	room := 0

@@ -48,31 +48,53 @@ func (q *qp) PostSend(wrs []verbsio.SendWR) error {
 	case verbsio.QPClosed:
 		return fmt.Errorf("%w: queue pair", verbsio.ErrClosed)
 	case verbsio.QPError:
+		if q.lost.Load() && !q.lossReported.Swap(true) {
+			// The first work requests posted after the peer died are the
+			// ones that find out, as an RC requester whose retries run
+			// out: they complete with StatusRetryExceeded.
+			ps := make([]pendingComp, 0, len(wrs))
+			for _, w := range wrs {
+				ps = append(ps, pendingComp{c: verbsio.Completion{WRID: w.WRID, Status: verbsio.StatusRetryExceeded, Op: w.Op, QP: q}})
+			}
+			q.enqueue(ps)
+			return nil
+		}
 		if err := LastError(q); err != nil {
 			return fmt.Errorf("%w: queue pair in error state: %w", verbsio.ErrQPState, err)
 		}
 		return fmt.Errorf("%w: queue pair in error state", verbsio.ErrQPState)
 	}
-	var buf [8]verbsio.Completion
-	cs := buf[:0]
+	var buf [8]pendingComp
+	ps := buf[:0]
 	for i := range wrs {
 		w := &wrs[i]
+		if w.Op == verbsio.OpSend {
+			// Its completion waits for the peer's acknowledgement, so it
+			// must be queued before the peer can answer.
+			q.sendSeq = (q.sendSeq + 1) &^ (1 << 31)
+			ps = append(ps, pendingComp{c: verbsio.Completion{WRID: w.WRID, Op: w.Op, QP: q}, signaled: w.Signaled, waiting: true, seq: q.sendSeq})
+			q.enqueue(ps)
+			ps = ps[:0]
+		}
 		st, err := q.exec(w)
 		if st != verbsio.StatusSuccess {
-			cs = append(cs, verbsio.Completion{WRID: w.WRID, Status: st, Op: w.Op, QP: q})
-			for _, r := range wrs[i+1:] {
-				cs = append(cs, verbsio.Completion{WRID: r.WRID, Status: verbsio.StatusFlushed, Op: r.Op, QP: q})
+			if w.Op == verbsio.OpSend {
+				q.resolve(q.sendSeq, st)
+			} else {
+				ps = append(ps, pendingComp{c: verbsio.Completion{WRID: w.WRID, Status: st, Op: w.Op, QP: q}})
 			}
+			for _, r := range wrs[i+1:] {
+				ps = append(ps, pendingComp{c: verbsio.Completion{WRID: r.WRID, Status: verbsio.StatusFlushed, Op: r.Op, QP: q}})
+			}
+			q.enqueue(ps)
 			q.sendFail(st, err)
-			break
+			return nil
 		}
-		if w.Signaled {
-			cs = append(cs, verbsio.Completion{WRID: w.WRID, Op: w.Op, QP: q})
+		if w.Op != verbsio.OpSend {
+			ps = append(ps, pendingComp{c: verbsio.Completion{WRID: w.WRID, Op: w.Op, QP: q}, signaled: w.Signaled})
 		}
 	}
-	if len(cs) > 0 {
-		q.sendCQ.push(cs...)
-	}
+	q.enqueue(ps)
 	return nil
 }
 
@@ -105,6 +127,7 @@ func (q *qp) exec(w *verbsio.SendWR) (verbsio.Status, error) {
 		return verbsio.StatusLocalLength, fmt.Errorf("%w: %d bytes, at most %d", verbsio.ErrLocalLength, total, MaxMessage)
 	}
 	if q.lost.Load() {
+		q.lossReported.Store(true)
 		return verbsio.StatusRetryExceeded, LastError(q)
 	}
 	var arr [MaxSGE][]byte
@@ -157,7 +180,7 @@ func (q *qp) sendPayload(segs [][]byte, n int) (verbsio.Status, error) {
 		if to < n {
 			flags = flagMore
 		}
-		st, err := q.produce(recSend, flags, 0, uint32(to-from), segs, from, true)
+		st, err := q.produce(recSend, flags, q.sendSeq, uint32(to-from), segs, from, true)
 		if st != verbsio.StatusSuccess || to == n {
 			return st, err
 		}
@@ -199,7 +222,9 @@ func (q *qp) produce(kind, flags uint8, imm, n uint32, segs [][]byte, from int, 
 			}
 			q.tail += size
 			atomic.StoreUint64(u64(r.mem, offTail), q.tail)
-			if atomic.LoadUint32(u32(r.mem, offSleep)) != 0 {
+			// A SEND needs the peer to take it even when nobody polls there
+			// (its acknowledgement completes it here).
+			if kind == recSend || atomic.LoadUint32(u32(r.mem, offSleep)) != 0 {
 				q.signal()
 			}
 			return verbsio.StatusSuccess, nil

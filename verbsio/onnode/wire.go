@@ -50,6 +50,7 @@ const (
 	msgHello  = 1 // fds: ring, eventfd, region table
 	msgFDReq  = 2 // rkey: asks for the file of a file-backed region
 	msgFDResp = 3 // rkey, ok; fd: the file when ok
+	msgAck    = 4 // rkey holds a SEND's sequence number; ok: it landed in a receive
 )
 
 // hello is the first message each side sends on a new connection.
@@ -98,7 +99,7 @@ func parseHello(b []byte) (hello, error) {
 	return h, nil
 }
 
-// control is an FD request or response.
+// control is an FD request or response, or a SEND's acknowledgement.
 type control struct {
 	Kind uint8
 	RKey uint32
@@ -121,7 +122,7 @@ func (c control) Append(b []byte) []byte {
 
 func parseControl(b []byte) (control, error) {
 	var c control
-	if len(b) != 7 || b[0] != wireVersion || (b[1] != msgFDReq && b[1] != msgFDResp) || b[6] > 1 {
+	if len(b) != 7 || b[0] != wireVersion || (b[1] != msgFDReq && b[1] != msgFDResp && b[1] != msgAck) || b[6] > 1 {
 		return c, fmt.Errorf("%w: onnode control message of %d bytes", verbsio.ErrBadFrame, len(b))
 	}
 	c.Kind = b[1]
