@@ -24,6 +24,7 @@ type config struct {
 	visitors  []Visitor
 	align     int
 	initArena int
+	initSet   bool // initArena given by WithInitialArena
 	maxArena  int
 	limit     int64
 }
@@ -62,18 +63,19 @@ func WithAlignment(n int) Option {
 // later arena is twice the previous one, up to the maximum arena size.
 func WithInitialArena(bytes int) Option {
 	return func(c *config) error {
-		if bytes <= 0 {
+		if bytes <= 0 || bytes > maxAlloc {
 			return fmt.Errorf("%w: initial arena of %d bytes", ErrBadOption, bytes)
 		}
-		c.initArena = bytes
+		c.initArena, c.initSet = bytes, true
 		return nil
 	}
 }
 
 // WithMaxArena sets the size at which arenas stop doubling (default 1 GiB).
+// Without WithInitialArena, the first arena is no larger than this.
 func WithMaxArena(bytes int) Option {
 	return func(c *config) error {
-		if bytes <= 0 {
+		if bytes <= 0 || bytes > maxAlloc {
 			return fmt.Errorf("%w: maximum arena of %d bytes", ErrBadOption, bytes)
 		}
 		c.maxArena = bytes

@@ -108,6 +108,9 @@ func New(src Source, opts ...Option) (*Pool, error) {
 			return nil, err
 		}
 	}
+	if cfg.maxArena < cfg.initArena && !cfg.initSet {
+		cfg.initArena = cfg.maxArena
+	}
 	if cfg.maxArena < cfg.initArena {
 		return nil, fmt.Errorf("%w: maximum arena %d below initial arena %d", ErrBadOption, cfg.maxArena, cfg.initArena)
 	}

@@ -73,11 +73,25 @@ func TestBadOptions(t *testing.T) {
 		"max -1":          WithMaxArena(-1),
 		"limit -1":        WithLimit(-1),
 		"nil visitor":     WithVisitors(nil),
-		"max below start": func(c *config) error { c.initArena, c.maxArena = 4<<20, 1<<20; return nil },
+		"max below start": func(c *config) error { c.initArena, c.initSet, c.maxArena = 4<<20, true, 1<<20; return nil },
+		"huge max":        WithMaxArena(maxAlloc + 1),
+		"huge initial":    WithInitialArena(maxAlloc + 1),
 	} {
 		if p, err := New(src, o); !errors.Is(err, ErrBadOption) {
 			t.Errorf("%s: New = %v, %v; want ErrBadOption", name, p, err)
 		}
+	}
+	// A small maximum alone lowers the first arena to it.
+	p, err := New(src, WithMaxArena(64<<10))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := p.Alloc(1)
+	if a, _ := b.Arena(); err != nil || a.Size() != 64<<10 {
+		t.Errorf("first arena with WithMaxArena(64 KiB): %v, %v", a, err)
+	}
+	if err := errors.Join(b.Free(), p.Close()); err != nil {
+		t.Fatal(err)
 	}
 	if _, err := New(nil); !errors.Is(err, ErrBadOption) {
 		t.Errorf("New(nil) = %v", err)
