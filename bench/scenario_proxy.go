@@ -38,8 +38,8 @@ func init() {
 
 // Settings of the proxy scenario (-set key=value).
 const (
-	setProxySimCopy = "proxy.sim-copy-bw" // simulated copy bandwidth, bytes/s (default 8e9)
-	setProxySimNet  = "proxy.sim-net-bw"  // simulated network bandwidth, bytes/s (default 4e9)
+	setProxySimCopy = "proxy.sim-copy-bw" // simulated copy bandwidth, bytes/s (default 4e9)
+	setProxySimNet  = "proxy.sim-net-bw"  // simulated network bandwidth, bytes/s (default 2e9)
 	setProxyChunk   = "proxy.chunk"       // pipelining chunk (default 4MiB)
 	setProxyDevice  = "proxy.device"      // "auto", "cuda" or "sim"
 )
@@ -101,7 +101,7 @@ func newProxyRig(env *Env, chunk int) (*proxyRig, error) {
 		}
 		env.Log.Info("no CUDA driver: using the simulated GPU", "err", err)
 	}
-	copyBW, err := floatSetting(env, setProxySimCopy, 8e9)
+	copyBW, err := floatSetting(env, setProxySimCopy, 4e9)
 	if err != nil {
 		return nil, err
 	}
@@ -200,7 +200,7 @@ func runProxy(ctx context.Context, env *Env) error {
 		}
 		chunk = n
 	}
-	netBW, err := floatSetting(env, setProxySimNet, 4e9)
+	netBW, err := floatSetting(env, setProxySimNet, 2e9)
 	if err != nil {
 		return err
 	}

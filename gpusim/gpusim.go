@@ -345,21 +345,24 @@ func (d *Device) Close() error {
 }
 
 // pacer makes copies of one direction take n/bw each, back to back, like a
-// copy engine: a copy reserves the slot after the previous one and its
-// goroutine sleeps until the slot ends.
+// copy engine: a copy starts when the previous one ends or when it was
+// queued, whichever is later, and its goroutine sleeps until it ends. A
+// goroutine that wakes late (timer slack on a busy host) therefore does not
+// slow the engine down: the next queued copy's slot starts where the last
+// one ended, not when the goroutine woke.
 type pacer struct {
 	mu   sync.Mutex
 	bw   float64
 	next time.Time
 }
 
-func (p *pacer) reserve(n int) time.Time {
+func (p *pacer) reserve(n int, queued time.Time) time.Time {
 	if p.bw <= 0 {
 		return time.Time{}
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	start := time.Now()
+	start := queued
 	if p.next.After(start) {
 		start = p.next
 	}
@@ -369,8 +372,9 @@ func (p *pacer) reserve(n int) time.Time {
 
 // op is one item of a stream's queue: a copy, or an event to complete.
 type op struct {
-	info CopyInfo
-	ev   *event
+	info   CopyInfo
+	ev     *event
+	queued time.Time
 }
 
 // stream is a simulated stream: a queue and the goroutine that works it.
@@ -407,6 +411,7 @@ func (s *stream) push(o op) error {
 	if s.shut {
 		return fmt.Errorf("%w: stream", proxy.ErrClosed)
 	}
+	o.queued = time.Now()
 	s.q = append(s.q, o)
 	s.cond.Signal()
 	return nil
@@ -440,7 +445,7 @@ func (s *stream) run() {
 			o.ev.complete(err)
 			continue
 		}
-		err := s.d.copy(o.info)
+		err := s.d.copy(o.info, o.queued)
 		s.mu.Lock()
 		if err != nil && s.err == nil {
 			s.err = err
@@ -452,7 +457,7 @@ func (s *stream) run() {
 }
 
 // copy carries out one copy: fault hook, pacing, then the memory copy.
-func (d *Device) copy(c CopyInfo) error {
+func (d *Device) copy(c CopyInfo, queued time.Time) error {
 	if d.lost.Load() {
 		d.failed.Add(1)
 		return fmt.Errorf("%w: simulated device %s", proxy.ErrDeviceLost, d.cfg.Name)
@@ -466,7 +471,7 @@ func (d *Device) copy(c CopyInfo) error {
 			return fmt.Errorf("%w: %s of %d bytes %#x -> %#x (copy %d): %w", proxy.ErrCopyFailed, c.Dir, c.N, c.Src, c.Dst, c.Seq, err)
 		}
 	}
-	end := d.pace[c.Dir].reserve(c.N)
+	end := d.pace[c.Dir].reserve(c.N, queued)
 	copy(unsafe.Slice((*byte)(ptr(c.Dst)), c.N), unsafe.Slice((*byte)(ptr(c.Src)), c.N))
 	if !end.IsZero() {
 		if w := time.Until(end); w > 0 {
