@@ -69,7 +69,7 @@ func SameHost(localHost string, remote Endpoint) bool {
 // passed over.
 func ChooseFor(peerHost string) (Choice, error) {
 	local, err := HostID()
-	same := err == nil && localHostMatches(local, peerHost)
+	same := err == nil && peerHost != "" && peerHost == local
 	c, cerr := Choose(same)
 	if err != nil && c.Skipped != nil {
 		if _, ok := c.Skipped["onnode"]; ok {
@@ -78,5 +78,3 @@ func ChooseFor(peerHost string) (Choice, error) {
 	}
 	return c, cerr
 }
-
-func localHostMatches(local, peer string) bool { return local != "" && local == peer }

@@ -70,8 +70,13 @@ func Open(name string, cfg Config) (Device, error) {
 	return p.Open(cfg)
 }
 
-// Preference is the order in which Choose tries providers.
-var preference = []string{"ibverbs", "onnode", "tcp"}
+// preference is the order in which Choose tries providers, and
+// sameHostOnly the providers that reach only peers on this host. Neither
+// changes after init.
+var (
+	preference   = []string{"ibverbs", "onnode", "tcp"}
+	sameHostOnly = map[string]bool{"onnode": true}
+)
 
 // Choice is the provider Choose picked and why the better ones were passed over.
 type Choice struct {
@@ -82,8 +87,13 @@ type Choice struct {
 
 // Choose picks the best available provider for a peer: ibverbs when it has
 // a device, else onnode when the peer shares this host, else tcp. Nothing is
-// skipped silently: Choice.Skipped holds the reasons.
+// skipped silently: Choice.Skipped holds the reasons. ChooseFor decides
+// peerSameHost from the peer's host id.
 func Choose(peerSameHost bool) (Choice, error) {
+	return choose(preference, sameHostOnly, peerSameHost)
+}
+
+func choose(preference []string, sameHostOnly map[string]bool, peerSameHost bool) (Choice, error) {
 	c := Choice{Skipped: map[string]error{}}
 	for _, name := range preference {
 		p, err := Lookup(name)
@@ -91,7 +101,7 @@ func Choose(peerSameHost bool) (Choice, error) {
 			c.Skipped[name] = err
 			continue
 		}
-		if name == "onnode" && !peerSameHost {
+		if sameHostOnly[name] && !peerSameHost {
 			c.Skipped[name] = fmt.Errorf("%w: peer is on another host", ErrNotSupported)
 			continue
 		}
