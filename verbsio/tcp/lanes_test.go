@@ -1,0 +1,121 @@
+package tcp_test
+
+import (
+	"bytes"
+	"context"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/gdrlink/gdrlink/verbsio"
+	"github.com/gdrlink/gdrlink/verbsio/tcp"
+	"github.com/gdrlink/gdrlink/verbsio/verbstest"
+	"golang.org/x/sys/unix"
+)
+
+// TestConformanceFourLanes runs the suite with four connections per queue
+// pair on both sides, so writes of a megabyte and more are striped.
+func TestConformanceFourLanes(t *testing.T) {
+	t.Setenv("GDRLINK_TCP_LANES", "4")
+	verbstest.Run(t, verbstest.Harness{Provider: "tcp"})
+}
+
+// TestStripedWriteImm checks that a striped write with immediate completes
+// at the receiver only once every stripe landed, with the whole length, and
+// that a send posted after it finds the write's bytes in place.
+func TestStripedWriteImm(t *testing.T) {
+	opt := tcp.Options{Lanes: 3, StripeMin: 64 << 10}
+	type side struct {
+		dev *tcp.Device
+		pd  verbsio.ProtectionDomain
+		cq  verbsio.CompletionQueue
+		qp  verbsio.QueuePair
+		mem []byte
+		mr  verbsio.MemoryRegion
+	}
+	const n = 1<<20 + 3
+	open := func() *side {
+		s := &side{}
+		var err error
+		if s.dev, err = tcp.OpenDevice(verbsio.Config{}, opt); err != nil {
+			t.Fatal(err)
+		}
+		s.pd, _ = s.dev.AllocPD()
+		s.cq, _ = s.dev.CreateCQ(64)
+		if s.qp, err = s.pd.CreateQP(verbsio.QPConfig{SendCQ: s.cq, RecvCQ: s.cq}); err != nil {
+			t.Fatal(err)
+		}
+		if s.mem, err = unix.Mmap(-1, 0, n+4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS); err != nil {
+			t.Fatal(err)
+		}
+		if s.mr, err = s.pd.RegisterMemory(uintptr(unsafe.Pointer(&s.mem[0])), len(s.mem), verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			s.qp.Close()
+			s.mr.Close()
+			s.cq.Close()
+			s.pd.Close()
+			s.dev.Close()
+			unix.Munmap(s.mem)
+		})
+		return s
+	}
+	a, z := open(), open()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := z.qp.PostRecv([]verbsio.RecvWR{{WRID: 1}, {WRID: 2, SG: []verbsio.SGE{{Addr: z.mr.Addr() + n, Length: 64, LKey: z.mr.LKey()}}}}); err != nil {
+		t.Fatal(err)
+	}
+	errc := make(chan error, 1)
+	go func() { errc <- z.qp.Connect(ctx, a.qp.Endpoint()) }()
+	if err := a.qp.Connect(ctx, z.qp.Endpoint()); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-errc; err != nil {
+		t.Fatal(err)
+	}
+	for i := range a.mem[:n] {
+		a.mem[i] = byte(i*13 + i>>12)
+	}
+	copy(a.mem[n:], "after")
+	err := a.qp.PostSend([]verbsio.SendWR{
+		{WRID: 10, Op: verbsio.OpWriteImm, Imm: 99, Signaled: true, SG: []verbsio.SGE{{Addr: a.mr.Addr(), Length: n, LKey: a.mr.LKey()}}, RemoteAddr: uint64(z.mr.Addr()), RKey: z.mr.RKey()},
+		{WRID: 11, Op: verbsio.OpSend, Signaled: true, SG: []verbsio.SGE{{Addr: a.mr.Addr() + n, Length: 5, LKey: a.mr.LKey()}}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []verbsio.Completion
+	buf := make([]verbsio.Completion, 8)
+	for len(got) < 2 {
+		k, err := z.cq.Wait(ctx, buf)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, c := range buf[:k] {
+			got = append(got, c)
+			if c.WRID == 1 && !bytes.Equal(z.mem[:n], a.mem[:n]) {
+				t.Fatal("the immediate completed before every stripe landed")
+			}
+		}
+	}
+	if got[0].WRID != 1 || got[0].Op != verbsio.OpRecvImm || got[0].Imm != 99 || got[0].ByteLen != n || got[0].Status != verbsio.StatusSuccess {
+		t.Errorf("first receive completion %+v, want recv-imm 99 of %d bytes", got[0], n)
+	}
+	if got[1].WRID != 2 || got[1].Op != verbsio.OpRecv || got[1].ByteLen != 5 || string(z.mem[n:n+5]) != "after" {
+		t.Errorf("second receive completion %+v", got[1])
+	}
+	for sent := 0; sent < 2; {
+		k, err := a.cq.Wait(ctx, buf)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, c := range buf[:k] {
+			if c.Status != verbsio.StatusSuccess || c.WRID != uint64(10+sent) {
+				t.Errorf("sender completion %+v", c)
+			}
+			sent++
+		}
+	}
+}
