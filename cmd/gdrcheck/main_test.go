@@ -154,6 +154,19 @@ func TestThisNode(t *testing.T) {
 	if want := map[string]int{"ready": 0, "degraded": 1, "not-ready": 2}[r.Verdict]; want != code {
 		t.Fatalf("verdict %s with exit %d", r.Verdict, code)
 	}
+	var facts struct {
+		GPUs []json.RawMessage `json:"gpus"`
+		NICs []json.RawMessage `json:"nics"`
+	}
+	if err := json.Unmarshal([]byte(js), &facts); err != nil {
+		t.Fatal(err)
+	}
+	if os.Getenv("GDRLINK_REQUIRE_GPU") == "1" && len(facts.GPUs) == 0 {
+		t.Error("GDRLINK_REQUIRE_GPU=1 but gdrcheck found no GPU")
+	}
+	if os.Getenv("GDRLINK_REQUIRE_RDMA") == "1" && len(facts.NICs) == 0 {
+		t.Error("GDRLINK_REQUIRE_RDMA=1 but gdrcheck found no RDMA device")
+	}
 	human, _, hcode := runArgs(t)
 	if hcode != code || !strings.Contains(human, "Verdict:") || strings.Contains(human, "\x1b[") {
 		t.Fatalf("human report: exit %d, colored or without verdict:\n%s", hcode, human)

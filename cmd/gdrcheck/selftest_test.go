@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"os"
 	"strings"
 	"testing"
 )
@@ -30,6 +31,9 @@ func TestSelftest(t *testing.T) {
 			t.Errorf("%s/%s: %s: %s", r.Provider, r.Path, r.Status, r.Detail)
 		}
 		t.Logf("%-8s %-6s %-7s %6.2f GB/s %s", r.Provider, r.Path, r.Status, r.GBps, r.Detail)
+	}
+	if os.Getenv("GDRLINK_REQUIRE_RDMA") == "1" && !ok["ibverbs"] {
+		t.Error("GDRLINK_REQUIRE_RDMA=1 but the ibverbs provider did not move data")
 	}
 	if !ok["tcp"] {
 		t.Error("the tcp provider did not move data over loopback")
