@@ -53,6 +53,9 @@ func allocMemory(kind string, size int) (*memory, error) {
 	switch kind {
 	case "anon":
 		b, err := unix.Mmap(-1, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+		if err == nil {
+			unix.Madvise(b, unix.MADV_NOHUGEPAGE)
+		}
 		return &memory{b: b, fd: -1}, err
 	case "thp":
 		const huge = 2 << 20
@@ -293,7 +296,7 @@ func runHelper(in io.Reader, out io.Writer) int {
 
 // peer is the helper process seen from the test.
 type peer struct {
-	t    *testing.T
+	t    testing.TB
 	cmd  *exec.Cmd
 	in   io.WriteCloser
 	out  *bufio.Scanner
@@ -301,7 +304,7 @@ type peer struct {
 	dead bool
 }
 
-func startPeer(t *testing.T, mech Mechanism) *peer {
+func startPeer(t testing.TB, mech Mechanism) *peer {
 	t.Helper()
 	exe, err := os.Executable()
 	if err != nil {
@@ -376,7 +379,7 @@ func (p *peer) ok(format string, a ...any) {
 	}
 }
 
-func atoi(t *testing.T, s string) uint64 {
+func atoi(t testing.TB, s string) uint64 {
 	t.Helper()
 	v, err := strconv.ParseUint(s, 10, 64)
 	if err != nil {
@@ -386,7 +389,7 @@ func atoi(t *testing.T, s string) uint64 {
 }
 
 // connect connects n's queue pair with the helper's current one.
-func connect(t *testing.T, n *node, p *peer, ep []string) {
+func connect(t testing.TB, n *node, p *peer, ep []string) {
 	t.Helper()
 	remote, err := decodeEndpoint(ep[0])
 	if err != nil {
@@ -405,7 +408,7 @@ func connect(t *testing.T, n *node, p *peer, ep []string) {
 }
 
 // pair starts a helper and connects a local node to it.
-func pair(t *testing.T, mech Mechanism) (*node, *peer) {
+func pair(t testing.TB, mech Mechanism) (*node, *peer) {
 	t.Helper()
 	n, err := newNode(Options{Mechanism: mech, Spin: DefaultSpin})
 	if err != nil {
@@ -418,7 +421,7 @@ func pair(t *testing.T, mech Mechanism) (*node, *peer) {
 }
 
 // waitOne waits for one completion on cq.
-func waitOne(t *testing.T, cq verbsio.CompletionQueue, d time.Duration) verbsio.Completion {
+func waitOne(t testing.TB, cq verbsio.CompletionQueue, d time.Duration) verbsio.Completion {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), d)
 	defer cancel()

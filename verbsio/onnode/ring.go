@@ -82,6 +82,9 @@ func parseRecord(b []byte) (record, error) {
 	r.Kind, r.Flags = b[4], b[5]
 	r.Imm = binary.LittleEndian.Uint32(b[8:])
 	r.N = binary.LittleEndian.Uint32(b[12:])
+	if b[6] != 0 || b[7] != 0 {
+		return r, fmt.Errorf("%w: onnode: ring record reserved bytes %#x %#x", verbsio.ErrBadFrame, b[6], b[7])
+	}
 	if r.Size < recHeader || r.Size%16 != 0 || uint64(r.Size) > uint64(len(b)) {
 		return r, fmt.Errorf("%w: onnode: ring record size %d with %d bytes published", verbsio.ErrBadFrame, r.Size, len(b))
 	}

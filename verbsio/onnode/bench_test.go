@@ -1,0 +1,94 @@
+package onnode
+
+import (
+	"fmt"
+	"testing"
+
+	"github.com/gdrlink/gdrlink/verbsio"
+)
+
+var benchSizes = []int{4 << 10, 1 << 20, 16 << 20}
+
+func sizeName(n int) string {
+	if n >= 1<<20 {
+		return fmt.Sprintf("%dMiB", n>>20)
+	}
+	return fmt.Sprintf("%dKiB", n>>10)
+}
+
+// BenchmarkWrite measures RDMA WRITE into a region of a second process for
+// each mechanism and page size of the memory on both sides, next to a
+// single-thread memcpy between buffers of the same kind in this process.
+func BenchmarkWrite(b *testing.B) {
+	cases := []struct {
+		name string
+		mech Mechanism
+		kind string // of the target; the source is "anon" or "thp" to match
+	}{
+		{"vm-4k", MechVM, "anon"},
+		{"vm-huge", MechVM, "thp"},
+		{"vm-memfd", MechVM, "memfd"},
+		{"shm-memfd", MechSHM, "memfd"},
+	}
+	for _, c := range cases {
+		b.Run(c.name, func(b *testing.B) {
+			n, p := pair(b, c.mech)
+			srcKind := "anon"
+			if c.kind == "thp" {
+				srcKind = "thp"
+			}
+			max := benchSizes[len(benchSizes)-1]
+			src, err := n.register(srcKind, max, verbsio.AccessLocalWrite, 1)
+			if err != nil {
+				b.Fatal(err)
+			}
+			f := p.one("mr", "reg %s %d %d 0", c.kind, max, rw)
+			addr, rkey := atoi(b, f[0]), uint32(atoi(b, f[1]))
+			for _, size := range benchSizes {
+				b.Run(sizeName(size), func(b *testing.B) {
+					wr := []verbsio.SendWR{{Op: verbsio.OpWrite, RemoteAddr: addr, RKey: rkey, SG: []verbsio.SGE{{Addr: src.Addr(), Length: uint32(size), LKey: src.LKey()}}}}
+					// One write before the clock starts maps the target and
+					// faults its pages in.
+					if err := n.qp.PostSend(wr); err != nil {
+						b.Fatal(err)
+					}
+					b.SetBytes(int64(size))
+					b.ResetTimer()
+					for i := 0; i < b.N; i++ {
+						wr[0].Signaled = i == b.N-1
+						if err := n.qp.PostSend(wr); err != nil {
+							b.Fatal(err)
+						}
+					}
+					if c := waitOne(b, n.scq, 0x7fffffff); c.Status != verbsio.StatusSuccess {
+						b.Fatalf("write: %+v", c)
+					}
+				})
+			}
+		})
+	}
+	for _, kind := range []string{"anon", "thp"} {
+		b.Run("memcpy-"+map[string]string{"anon": "4k", "thp": "huge"}[kind], func(b *testing.B) {
+			max := benchSizes[len(benchSizes)-1]
+			src, err := allocMemory(kind, max)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer src.free()
+			dst, err := allocMemory(kind, max)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer dst.free()
+			copy(dst.b, src.b)
+			for _, size := range benchSizes {
+				b.Run(sizeName(size), func(b *testing.B) {
+					b.SetBytes(int64(size))
+					for i := 0; i < b.N; i++ {
+						copy(dst.b[:size], src.b[:size])
+					}
+				})
+			}
+		})
+	}
+}
