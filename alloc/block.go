@@ -11,6 +11,10 @@ import (
 // index and generation. It implements tensor.Buffer. Copies of a Block are
 // the same block; once one copy is freed, freeing another fails with
 // ErrDoubleFree. The zero Block belongs to no pool.
+//
+// The generation is 32 bits and moves by three per allocation of a chunk
+// index; a stale Block is only mistaken for a live one if its index was
+// reused about 1.4 billion times, at the same address, since it was freed.
 type Block struct {
 	pool *Pool
 	addr uintptr

@@ -285,6 +285,29 @@ func (p *Pool) NewTensor(m tensor.Meta) (*tensor.Tensor, error) {
 	return t, nil
 }
 
+// Reserve makes sure the pool has a free chunk of at least n bytes, adding
+// an arena (visited like any other) when it has none, so that the cost of
+// visiting (registering, locking) is paid now rather than by the first
+// allocation that needs it.
+func (p *Pool) Reserve(n int) error {
+	if n <= 0 || n > maxAlloc {
+		return fmt.Errorf("%w: cannot reserve %d bytes", ErrBadSize, n)
+	}
+	rounded := alignUp(n, p.cfg.align)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return fmt.Errorf("%w: pool %q: reserve of %d bytes", ErrClosed, p.cfg.name, n)
+	}
+	if p.nonEmpty != 0 {
+		top := p.bins[63-bits.LeadingZeros64(p.nonEmpty)]
+		if p.chunks[top[len(top)-1]].size >= rounded {
+			return nil
+		}
+	}
+	return p.grow(rounded)
+}
+
 // Trim releases the arenas that hold no allocated block, through the
 // visitors, and returns their memory to the source.
 func (p *Pool) Trim() error {

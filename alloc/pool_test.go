@@ -424,6 +424,9 @@ func TestUseAfterClose(t *testing.T) {
 	if err := p.Trim(); !errors.Is(err, ErrClosed) {
 		t.Errorf("Trim = %v", err)
 	}
+	if err := p.Reserve(1); !errors.Is(err, ErrClosed) {
+		t.Errorf("Reserve = %v", err)
+	}
 	m, _ := tensor.MetaFor(tensor.Float32, tensor.Shape{2})
 	if _, err := p.NewTensor(m); !errors.Is(err, ErrClosed) {
 		t.Errorf("NewTensor = %v", err)
@@ -650,4 +653,26 @@ func TestStatsString(t *testing.T) {
 		}
 	}
 	mustFree(t, b)
+}
+
+func TestReserve(t *testing.T) {
+	v := newCountingVisitor("v", nil)
+	p := newTestPool(t, newCountingSource(), WithVisitors(v), WithInitialArena(1<<20))
+	if err := p.Reserve(3 << 20); err != nil {
+		t.Fatal(err)
+	}
+	if visits, _ := v.totals(); visits != 1 || p.Stats().Reserved != 4<<20 {
+		t.Fatalf("after Reserve: %d visits, %v", visits, p.Stats())
+	}
+	if err := p.Reserve(1 << 20); err != nil {
+		t.Fatal(err)
+	}
+	b := mustAlloc(t, p, 3<<20)
+	if visits, _ := v.totals(); visits != 1 || p.Stats().Arenas != 1 {
+		t.Errorf("allocating what was reserved visited again: %d visits, %v", visits, p.Stats())
+	}
+	mustFree(t, b)
+	if err := p.Reserve(0); !errors.Is(err, ErrBadSize) {
+		t.Errorf("Reserve(0) = %v", err)
+	}
 }
