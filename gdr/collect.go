@@ -429,6 +429,14 @@ func collectGPUs(f *Facts, root *Root, snap *SnapshotFacts, sources []GPUSource)
 			g.NUMANode = d.NUMANode
 		}
 	}
+	f.Notes = append(f.Notes, CrossCheckTopology(f)...)
+}
+
+// CrossCheckTopology compares what NVML says of each GPU pair with the path
+// the PCI tree gives, and returns a note for each disagreement. NVLink
+// pairs are not compared.
+func CrossCheckTopology(f *Facts) []string {
+	var notes []string
 	for _, t := range f.GPUTopology {
 		a, b := f.GPU(t.A), f.GPU(t.B)
 		if a == nil || b == nil || t.Path == PathUnknown || t.NVLinks > 0 {
@@ -439,9 +447,10 @@ func collectGPUs(f *Facts, root *Root, snap *SnapshotFacts, sources []GPUSource)
 			continue
 		}
 		if p, _ := ClassifyPath(da.Path, db.Path, da.NUMANode, db.NUMANode, f.NUMANodes); p != t.Path {
-			f.Notes = append(f.Notes, fmt.Sprintf("NVML says GPU%d-GPU%d is %s, the PCI tree says %s", t.A, t.B, t.Path, p))
+			notes = append(notes, fmt.Sprintf("NVML says GPU%d-GPU%d is %s, the PCI tree says %s", t.A, t.B, t.Path, p))
 		}
 	}
+	return notes
 }
 
 // fillGPUs fills unknown fields of inv's GPUs from another source's.

@@ -166,3 +166,35 @@ func TestRootConfinement(t *testing.T) {
 		t.Fatalf("read after Close: %v", err)
 	}
 }
+
+func TestCrossCheckTopology(t *testing.T) {
+	f := collectFixture(t, "dgx")
+	f.GPUTopology = []GPUTopology{
+		{A: 0, B: 1, Path: PathPXB},              // agrees with the tree
+		{A: 0, B: 2, Path: PathPIX},              // does not: the tree says SYS
+		{A: 1, B: 3, Path: PathSYS, NVLinks: 18}, // NVLink: not compared
+	}
+	notes := CrossCheckTopology(f)
+	if len(notes) != 1 || notes[0] != "NVML says GPU0-GPU2 is PIX, the PCI tree says SYS" {
+		t.Fatalf("%q", notes)
+	}
+}
+
+func BenchmarkCollect(b *testing.B) {
+	r := fixtureRoot(b, "dgx")
+	for b.Loop() {
+		if _, err := Collect(context.Background(), r, CollectOptions{}); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+func BenchmarkDecideGPU(b *testing.B) {
+	f := collectFixture(b, "dgx")
+	p := DefaultPolicy()
+	for b.Loop() {
+		for _, g := range f.GPUs {
+			_ = DecideGPU(f, g.Index, p)
+		}
+	}
+}
