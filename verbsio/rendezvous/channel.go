@@ -125,7 +125,7 @@ type outItem struct {
 // control buffers from mem (which must be registered with pd). Receives are
 // posted at once where the provider allows it.
 func New(dev verbsio.Device, pd verbsio.ProtectionDomain, mem Memory, opts ...Option) (*Channel, error) {
-	o := options{ring: DefaultRing, sendSlots: DefaultSendSlots, maxStrings: DefaultMaxStringBytes, log: slog.New(discard{})}
+	o := options{ring: DefaultRing, sendSlots: DefaultSendSlots, maxStrings: DefaultMaxStringBytes, maxTensor: DefaultMaxTensorBytes, log: slog.New(discard{})}
 	for _, f := range opts {
 		if f == nil {
 			continue
@@ -432,6 +432,11 @@ func (c *Channel) failLocked(err error, ds *deliveries, st chanState) {
 	for k, e := range c.writes {
 		delete(c.writes, k)
 		c.dropSendLocked(e, err, ds)
+	}
+	for _, it := range c.outq {
+		if it.write != nil {
+			c.dropSendLocked(it.write, err, ds)
+		}
 	}
 	c.outq = nil
 	if st == stateFailed {

@@ -31,6 +31,9 @@ var (
 	ErrProtocol = errors.New("rendezvous: protocol violation")
 	// ErrMismatch: the peers' HELLOs disagree (checksum mode, provider).
 	ErrMismatch = errors.New("rendezvous: peers disagree")
+	// ErrTooLarge: a tensor larger than the channel accepts
+	// (WithMaxTensorBytes).
+	ErrTooLarge = errors.New("rendezvous: tensor too large")
 	// ErrNoPath: no way to land a result on the asked device (GPU memory the
 	// NIC cannot reach and no proxy).
 	ErrNoPath = errors.New("rendezvous: no path to device")

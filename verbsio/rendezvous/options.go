@@ -16,6 +16,8 @@ const (
 	DefaultSendSlots = 64
 	// DefaultMaxStringBytes caps the decoded size of one string tensor.
 	DefaultMaxStringBytes = 1 << 30
+	// DefaultMaxTensorBytes caps the size of one received tensor.
+	DefaultMaxTensorBytes = 64 << 30
 )
 
 // Proxy lands results on devices the NIC cannot write directly: the write
@@ -35,6 +37,7 @@ type options struct {
 	log        *slog.Logger
 	proxy      Proxy
 	maxStrings int
+	maxTensor  int64
 	// corrupt, when set, changes the bytes of a source after its checksum
 	// is taken and before it is written (fault injection for tests).
 	corrupt func(key string, step int64, b []byte)
@@ -102,6 +105,19 @@ func WithMaxStringBytes(n int) Option {
 			return fmt.Errorf("%w: string limit %d", ErrBadOption, n)
 		}
 		o.maxStrings = n
+		return nil
+	}
+}
+
+// WithMaxTensorBytes caps the byte size of a tensor this side will allocate
+// for a peer (default DefaultMaxTensorBytes): a larger META_DATA_RESPONSE
+// fails its Recv with ErrTooLarge instead of taking the memory.
+func WithMaxTensorBytes(n int64) Option {
+	return func(o *options) error {
+		if n <= 0 {
+			return fmt.Errorf("%w: tensor limit %d", ErrBadOption, n)
+		}
+		o.maxTensor = n
 		return nil
 	}
 }

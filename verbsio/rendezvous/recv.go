@@ -181,6 +181,9 @@ func (c *Channel) allocResultLocked(r *request, meta tensor.Meta) error {
 	if meta.IsDead || meta.ByteSize == 0 {
 		return nil
 	}
+	if meta.ByteSize > c.opts.maxTensor {
+		return fmt.Errorf("%w: %v exceeds the limit of %d bytes", ErrTooLarge, meta, c.opts.maxTensor)
+	}
 	buf, err := c.mem.Alloc(int(meta.ByteSize), dev)
 	if err != nil && r.path == PathDirectGPU && errors.Is(err, verbsio.ErrNotSupported) {
 		if c.opts.proxy == nil {
