@@ -21,6 +21,23 @@ import (
 func TestCUDAProxyEndToEnd(t *testing.T) {
 	dev, err := proxy.NewCUDADevice(0)
 	cudatest.SkipIfNoDriver(t, err)
+	cudaEndToEnd(t, dev)
+}
+
+// TestCUDAProxyOnStandInDriver runs the same path over the stand-in driver
+// (host memory behind the CUDA driver's ABI): it proves the plumbing from
+// proxy through alloc's pinned source and the cudahost visitor down to the
+// driver calls, not a GPU.
+func TestCUDAProxyOnStandInDriver(t *testing.T) {
+	t.Setenv("GDRLINK_LIBCUDA", cudatest.StandIn(t))
+	dev, err := proxy.NewCUDADevice(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cudaEndToEnd(t, dev)
+}
+
+func cudaEndToEnd(t *testing.T, dev *proxy.CUDADevice) {
 	defer func() {
 		if err := dev.Close(); err != nil {
 			t.Error(err)

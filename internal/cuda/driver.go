@@ -3,6 +3,7 @@ package cuda
 import (
 	"errors"
 	"fmt"
+	"os"
 	"runtime"
 	"sync"
 	"unsafe"
@@ -132,11 +133,15 @@ type Driver struct {
 	closed bool
 }
 
-// Open loads the CUDA driver from path ("" means DefaultLibrary), resolves
+// Open loads the CUDA driver from path ("" means $GDRLINK_LIBCUDA, or
+// DefaultLibrary when that is unset), resolves
 // its symbols and calls cuInit. Without the driver it returns an error
 // wrapping ErrNoDriver with the loader's message; with a driver that finds no
 // GPU, an error matching both ErrNoDriver and ErrNoDevice.
 func Open(path string) (*Driver, error) {
+	if path == "" {
+		path = os.Getenv("GDRLINK_LIBCUDA")
+	}
 	if path == "" {
 		path = DefaultLibrary
 	}

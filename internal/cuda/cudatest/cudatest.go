@@ -6,6 +6,9 @@ package cudatest
 import (
 	"errors"
 	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
 	"testing"
 
 	"github.com/gdrlink/gdrlink/internal/cuda"
@@ -51,4 +54,28 @@ func Context(t testing.TB) *cuda.Context {
 		}
 	})
 	return c
+}
+
+// StandIn builds the stand-in driver (internal/cuda/testdata/fakecuda.c: a
+// libcuda.so.1 look-alike that keeps "device memory" in host memory) and
+// returns its path, for tests of the binding's plumbing on hosts without a
+// GPU. It skips when there is no C compiler or no source tree.
+func StandIn(t testing.TB) string {
+	t.Helper()
+	_, file, _, ok := runtime.Caller(0)
+	src := filepath.Join(filepath.Dir(file), "..", "testdata", "fakecuda.c")
+	if _, err := os.Stat(src); !ok || err != nil {
+		t.Skipf("stand-in driver source not found (%s): not run from a source tree", src)
+	}
+	cc, err := exec.LookPath("cc")
+	if err != nil {
+		if cc, err = exec.LookPath("gcc"); err != nil {
+			t.Skip("no C compiler (cc, gcc) to build the stand-in driver")
+		}
+	}
+	lib := filepath.Join(t.TempDir(), "libfakecuda.so")
+	if out, err := exec.Command(cc, "-shared", "-fPIC", "-o", lib, src).CombinedOutput(); err != nil {
+		t.Fatalf("building the stand-in driver: %v\n%s", err, out)
+	}
+	return lib
 }
