@@ -243,7 +243,7 @@ func TestDMABufExport(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer m.Close()
-	b, err := c.ExportDMABuf(m.Ptr&^(2<<20-1), 2<<20)
+	b, err := c.ExportDMABuf((m.Ptr+2<<20-1)&^(2<<20-1), 2<<20)
 	if !f.DMABuf {
 		if err == nil {
 			b.Close()
