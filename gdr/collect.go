@@ -369,7 +369,11 @@ func collectGPUs(f *Facts, root *Root, snap *SnapshotFacts, sources []GPUSource)
 		for _, s := range sources {
 			got, err := s.GPUs()
 			if err != nil {
-				tried = append(tried, s.Name()+": "+strings.Replace(err.Error(), ErrNotSupported.Error()+": ", "", 1))
+				msg := strings.Replace(err.Error(), ErrNotSupported.Error()+": ", "", 1)
+				if !strings.HasPrefix(msg, s.Name()+": ") {
+					msg = s.Name() + ": " + msg
+				}
+				tried = append(tried, msg)
 				continue
 			}
 			if inv == nil {

@@ -90,7 +90,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return exitNotReady
 	}
 	defer cleanup()
-	facts, err := gdr.Collect(ctx, root, gdr.CollectOptions{GPUSources: []gdr.GPUSource{&nvml.Source{}}})
+	facts, err := gdr.Collect(ctx, root, gdr.CollectOptions{GPUSources: gpuSources()})
 	if err != nil {
 		fmt.Fprintf(stderr, "gdrcheck: %v\n", err)
 		return exitNotReady
@@ -123,4 +123,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		writeHuman(stdout, r, color)
 	}
 	return r.ExitCode
+}
+
+// gpuSources are asked in order: NVML lists the GPUs, the CUDA driver adds
+// the GPUDirect and dma-buf attributes (either alone lists them too).
+func gpuSources() []gdr.GPUSource {
+	return []gdr.GPUSource{&nvml.Source{}, cudaSource{}}
 }

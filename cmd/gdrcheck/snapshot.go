@@ -19,7 +19,6 @@ import (
 	"time"
 
 	"github.com/gdrlink/gdrlink/gdr"
-	"github.com/gdrlink/gdrlink/internal/nvml"
 )
 
 // Limits on a snapshot archive read with --root.
@@ -155,7 +154,7 @@ func snapshot(ctx context.Context, rootArg, out string) error {
 	defer cleanup()
 	c := newCapture()
 	root.SetRecorder(c)
-	facts, err := gdr.Collect(ctx, root, gdr.CollectOptions{GPUSources: []gdr.GPUSource{&nvml.Source{}}})
+	facts, err := gdr.Collect(ctx, root, gdr.CollectOptions{GPUSources: gpuSources()})
 	if err != nil {
 		return err
 	}
