@@ -39,6 +39,11 @@ func (m Mode) MarshalText() ([]byte, error) { return []byte(m.String()), nil }
 // registration of a pool's arenas to work.
 const MinMemlock = 64 << 20
 
+// MinBAR1 is the BAR1 aperture below which Decide warns that large
+// tensors cannot all be mapped for the NIC at once (consumer boards have 256
+// MiB).
+const MinBAR1 = 1 << 30
+
 // PairFacts is what Decide needs about one GPU and one NIC.
 type PairFacts struct {
 	GPU  GPUFacts
@@ -138,6 +143,14 @@ func Decide(pf PairFacts, p Policy) Decision {
 		fix("use a data-center GPU for GPUDirect RDMA (consumer boards do not support it)")
 	case g.GDRSupported == nil:
 		reason("could not tell whether %s supports GPUDirect RDMA (no CUDA device attribute)", gname)
+	}
+	if g.BAR1Total != nil && *g.BAR1Total < MinBAR1 {
+		reason("%s has a BAR1 aperture of only %s: the NIC can reach at most that much GPU memory at once", gname, humanize.IBytes(*g.BAR1Total))
+		fix("enable Resizable BAR and above-4G decoding in the BIOS (data-center GPUs expose all their memory through BAR1)")
+	}
+	if g.PersistenceMode != nil && !*g.PersistenceMode {
+		reason("persistence mode is off on %s: the driver may tear the GPU down between jobs, and registrations with it", gname)
+		fix("turn persistence mode on (nvidia-smi -pm 1, or run nvidia-persistenced)")
 	}
 	// The mechanism that maps GPU memory for the NIC.
 	switch {

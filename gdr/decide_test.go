@@ -58,6 +58,8 @@ func TestDecide(t *testing.T) {
 			p.NIC.Software, p.NIC.Driver, p.NIC.PCIAddress = true, "rxe", ""
 			p.Path = PairPath{Detail: "software"}
 		}, DefaultPolicy(), Proxy, "nvidia_peermem", []string{"software RDMA device"}},
+		{"small BAR1", func(p *PairFacts) { p.GPU.BAR1Total = u64p(256 << 20) }, DefaultPolicy(), Direct, "nvidia_peermem", []string{"BAR1 aperture of only 256 MiB", "Resizable BAR"}},
+		{"persistence off", func(p *PairFacts) { p.GPU.PersistenceMode = boolp(false) }, DefaultPolicy(), Direct, "nvidia_peermem", []string{"nvidia-smi -pm 1"}},
 		{"iommu translated", func(p *PairFacts) { p.IOMMUMode = "translated" }, DefaultPolicy(), Direct, "nvidia_peermem", []string{"iommu=pt"}},
 	}
 	for _, c := range cases {
