@@ -100,8 +100,11 @@ func (d *CUDADevice) Free(p DevicePtr) error {
 
 type cudaStream struct{ s *cuda.Stream }
 
+// Synchronize implements Stream.
 func (s cudaStream) Synchronize() error { return mapErr(s.s.Synchronize(), "stream synchronize") }
-func (s cudaStream) Close() error       { return mapErr(s.s.Close(), "stream destroy") }
+
+// Close implements Stream.
+func (s cudaStream) Close() error { return mapErr(s.s.Close(), "stream destroy") }
 
 // NewStream implements Device with a non-blocking stream.
 func (d *CUDADevice) NewStream() (Stream, error) {
@@ -140,6 +143,7 @@ func (d *CUDADevice) CopyDtoHAsync(dst uintptr, src DevicePtr, n int, s Stream) 
 
 type cudaEvent struct{ e *cuda.Event }
 
+// Query implements Event; a failed event counts as done, with its error.
 func (e cudaEvent) Query() (bool, error) {
 	done, err := e.e.Query()
 	if err != nil {
@@ -170,6 +174,7 @@ func (e cudaEvent) Wait(ctx context.Context) error {
 	}
 }
 
+// Close implements Event.
 func (e cudaEvent) Close() error { return mapErr(e.e.Close(), "event destroy") }
 
 // RecordEvent implements Device with an event without timing (the cheapest

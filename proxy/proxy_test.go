@@ -24,11 +24,16 @@ type rig struct {
 	px   *proxy.Proxy
 }
 
+// newPinnedPool is a pool of host memory registered as pinned with sim.
+func newPinnedPool(sim *gpusim.Device) (*alloc.Pool, error) {
+	return alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}), alloc.WithName("pinned-proxy"),
+		alloc.WithVisitors(sim.HostRegisterVisitor()), alloc.WithInitialArena(8<<20), alloc.WithMaxArena(512<<20))
+}
+
 func newRig(t *testing.T, cfg gpusim.Config, opts ...proxy.Option) *rig {
 	t.Helper()
 	sim := gpusim.New(cfg)
-	pool, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}), alloc.WithName("pinned-proxy"),
-		alloc.WithVisitors(sim.HostRegisterVisitor()), alloc.WithInitialArena(8<<20), alloc.WithMaxArena(512<<20))
+	pool, err := newPinnedPool(sim)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -167,6 +167,7 @@ var (
 // codeSentinel is the sentinel error of one CUresult code.
 type codeSentinel struct{ code Result }
 
+// Error names the code.
 func (s *codeSentinel) Error() string { return "cuda: " + s.code.Name() }
 
 // Code is the CUresult the sentinel stands for.
