@@ -164,8 +164,29 @@ func TestThisNode(t *testing.T) {
 	if os.Getenv("GDRLINK_REQUIRE_GPU") == "1" && len(facts.GPUs) == 0 {
 		t.Error("GDRLINK_REQUIRE_GPU=1 but gdrcheck found no GPU")
 	}
-	if os.Getenv("GDRLINK_REQUIRE_RDMA") == "1" && len(facts.NICs) == 0 {
-		t.Error("GDRLINK_REQUIRE_RDMA=1 but gdrcheck found no RDMA device")
+	if os.Getenv("GDRLINK_REQUIRE_RDMA") == "1" {
+		active := false
+		for _, n := range facts.NICs {
+			var nic struct {
+				Name  string `json:"name"`
+				Ports []struct {
+					State string `json:"state"`
+					GIDs  []struct {
+						Type string `json:"type"`
+					} `json:"gids"`
+				} `json:"ports"`
+			}
+			if err := json.Unmarshal(n, &nic); err != nil {
+				t.Fatal(err)
+			}
+			for _, p := range nic.Ports {
+				t.Logf("%s: port %s, %d GIDs", nic.Name, p.State, len(p.GIDs))
+				active = active || p.State == "ACTIVE" && len(p.GIDs) > 0
+			}
+		}
+		if !active {
+			t.Error("GDRLINK_REQUIRE_RDMA=1 but gdrcheck found no RDMA device with an active port and a GID")
+		}
 	}
 	human, _, hcode := runArgs(t)
 	if hcode != code || !strings.Contains(human, "Verdict:") || strings.Contains(human, "\x1b[") {

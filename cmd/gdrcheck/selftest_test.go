@@ -5,6 +5,10 @@ import (
 	"os"
 	"strings"
 	"testing"
+
+	// Named here too so that scripts/test-rdma.sh, which picks the packages
+	// whose tests use the ibverbs provider, runs these tests on Soft-RoCE.
+	_ "github.com/gdrlink/gdrlink/verbsio/ibverbs"
 )
 
 // TestSelftest runs the selftest on this machine with small writes: every
