@@ -95,7 +95,12 @@ type benchSide struct {
 }
 
 func openSide(b *testing.B, lanes int) *benchSide {
-	dev, err := tcp.OpenDevice(verbsio.Config{}, tcp.Options{Lanes: lanes})
+	opt, err := tcp.OptionsFromEnv() // GDRLINK_TCP_SOCKET_BUFFER, to compare
+	if err != nil {
+		b.Fatal(err)
+	}
+	opt.Lanes = lanes
+	dev, err := tcp.OpenDevice(verbsio.Config{}, opt)
 	if err != nil {
 		b.Fatal(err)
 	}
