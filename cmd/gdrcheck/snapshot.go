@@ -2,6 +2,7 @@ package main
 
 import (
 	"archive/tar"
+	"bytes"
 	"compress/gzip"
 	"context"
 	"crypto/rand"
@@ -42,8 +43,13 @@ func newCapture() *capture {
 	return &capture{salt: salt, files: map[string][]byte{}, links: map[string]string{}, dirs: map[string]bool{}}
 }
 
-// Link implements gdr.Recorder.
-func (c *capture) Link(name, target string) { c.links[name] = target }
+// Link implements gdr.Recorder. Links to shared libraries are left out
+// with the libraries.
+func (c *capture) Link(name, target string) {
+	if !strings.Contains(path.Base(name), ".so") {
+		c.links[name] = target
+	}
+}
 
 // Dir implements gdr.Recorder.
 func (c *capture) Dir(name string) { c.dirs[name] = true }
@@ -70,20 +76,37 @@ func (c *capture) File(name string, data []byte) {
 		}
 		data = []byte(strings.Join(keep, " ") + "\n")
 	case strings.HasPrefix(name, "/boot/config-"):
-		data = keepLines(data, func(l string) bool {
-			for _, k := range []string{"CONFIG_DMA", "CONFIG_PCI", "CONFIG_INFINIBAND", "CONFIG_IOMMU", "CONFIG_NUMA"} {
-				if strings.HasPrefix(strings.TrimPrefix(l, "# "), k) {
-					return true
-				}
-			}
-			return false
-		})
+		data = keepLines(data, configLine)
+	case name == "/proc/config.gz":
+		zr, err := gzip.NewReader(bytes.NewReader(data))
+		if err != nil {
+			return
+		}
+		plain, err := io.ReadAll(io.LimitReader(zr, maxArchiveFile))
+		if err != nil {
+			return
+		}
+		var buf bytes.Buffer
+		zw := gzip.NewWriter(&buf)
+		_, _ = zw.Write(keepLines(plain, configLine))
+		_ = zw.Close()
+		data = buf.Bytes()
 	case strings.HasPrefix(name, "/proc/") && base == "status":
 		data = keepLines(data, func(l string) bool {
 			return strings.HasPrefix(l, "Cpus_allowed_list:") || strings.HasPrefix(l, "Mems_allowed_list:")
 		})
 	}
 	c.files[name] = data
+}
+
+// configLine keeps the kernel config lines the checks may use.
+func configLine(l string) bool {
+	for _, k := range []string{"CONFIG_DMA", "CONFIG_PCI", "CONFIG_INFINIBAND", "CONFIG_IOMMU", "CONFIG_NUMA"} {
+		if strings.HasPrefix(strings.TrimPrefix(l, "# "), k) {
+			return true
+		}
+	}
+	return false
 }
 
 func keepLines(data []byte, keep func(string) bool) []byte {
