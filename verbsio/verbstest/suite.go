@@ -144,7 +144,7 @@ func startPeer(t testing.TB, h Harness) *peerProc {
 	t.Cleanup(p.stop)
 	var ready reply
 	if err := p.read(&ready); err != nil {
-		t.Fatalf("peer did not start: %v", err)
+		t.Fatalf("peer did not start (does TestMain call verbstest.PeerMain?): %v", err)
 	}
 	return p
 }
