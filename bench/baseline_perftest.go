@@ -1,0 +1,123 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os/exec"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// errNoPerftest: perftest's ib_write_bw is not installed.
+var errNoPerftest = errors.New("ib_write_bw (Debian package perftest) not found")
+
+// perftestIters is how many writes ib_write_bw makes for a size: enough
+// bytes for a steady figure, few enough for emulated devices (Soft-RoCE
+// moves tens of MB/s).
+func perftestIters(size int64, quick bool) int {
+	total := int64(256 << 20)
+	if quick {
+		total = 32 << 20
+	}
+	return int(max(5, min(5000, total/max(size, 1))))
+}
+
+// perftestWriteBW measures RDMA WRITE bandwidth with perftest's ib_write_bw
+// between a server and a client on one device of this host (the reference
+// the ibverbs provider is compared with), in GB/s (1e9 bytes per second).
+// It runs `ib_write_bw -d DEV -x GID -F -s SIZE -n ITERS -p PORT` as server
+// and client and parses the client's "BW average[MB/sec]" (perftest's MB are
+// MiB, so the figure is converted).
+func perftestWriteBW(ctx context.Context, dev string, gidIndex int, size int64, iters int) (float64, error) {
+	bin, err := exec.LookPath("ib_write_bw")
+	if err != nil {
+		return 0, fmt.Errorf("%w: %w", errNoPerftest, err)
+	}
+	port, err := freePort()
+	if err != nil {
+		return 0, err
+	}
+	args := []string{"-d", dev, "-F", "-s", strconv.FormatInt(size, 10), "-n", strconv.Itoa(iters), "-p", strconv.Itoa(port)}
+	if gidIndex >= 0 {
+		args = append(args, "-x", strconv.Itoa(gidIndex))
+	}
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
+	defer cancel()
+	var serverOut bytes.Buffer
+	server := exec.CommandContext(ctx, bin, args...)
+	server.Stdout, server.Stderr = &serverOut, &serverOut
+	if err := server.Start(); err != nil {
+		return 0, fmt.Errorf("starting the ib_write_bw server: %w", err)
+	}
+	defer func() {
+		server.Process.Kill()
+		server.Wait()
+	}()
+	// The client fails at once while the server is not listening yet.
+	var out []byte
+	for try := 0; ; try++ {
+		client := exec.CommandContext(ctx, bin, append(args, "127.0.0.1")...)
+		out, err = client.CombinedOutput()
+		if err == nil || try >= 50 || ctx.Err() != nil || !strings.Contains(string(out), "onnect") {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if err != nil {
+		return 0, fmt.Errorf("ib_write_bw client: %w\n%s\nserver:\n%s", err, out, serverOut.String())
+	}
+	mibs, err := parsePerftestBW(out)
+	if err != nil {
+		return 0, err
+	}
+	return mibs * (1 << 20) / 1e9, nil
+}
+
+// parsePerftestBW finds the "BW average[MB/sec]" column of ib_*_bw's
+// report and returns the figure of its first data line.
+func parsePerftestBW(out []byte) (float64, error) {
+	sc := bufio.NewScanner(bytes.NewReader(out))
+	col := -1
+	for sc.Scan() {
+		line := sc.Text()
+		if col < 0 {
+			if !strings.Contains(line, "#bytes") || !strings.Contains(line, "BW average") {
+				continue
+			}
+			// Headers are words, some with units in brackets: count the
+			// columns by their positions in the header.
+			heads := strings.Fields(strings.NewReplacer("BW peak", "BW_peak", "BW average", "BW_average").Replace(line))
+			for i, h := range heads {
+				if strings.HasPrefix(h, "BW_average") {
+					col = i
+				}
+			}
+			continue
+		}
+		f := strings.Fields(line)
+		if len(f) <= col {
+			continue
+		}
+		v, err := strconv.ParseFloat(f[col], 64)
+		if err != nil || v < 0 {
+			return 0, fmt.Errorf("ib_write_bw: bandwidth %q in %q", f[col], line)
+		}
+		return v, nil
+	}
+	return 0, fmt.Errorf("ib_write_bw printed no bandwidth report:\n%s", out)
+}
+
+// freePort returns a TCP port that was free a moment ago.
+func freePort() (int, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port, nil
+}
