@@ -80,8 +80,14 @@ const (
 	// ReqMeta: the request carries the receiver's cached meta-data, and Addr,
 	// RKey and Capacity name a result buffer allocated from it.
 	ReqMeta
-	reqAll = ReqName | ReqMeta
+	// ReqRails: the request carries the result buffer's rkeys on the
+	// channel's extra rails (RailKeys), so the sender may stripe the write.
+	ReqRails
+	reqAll = ReqName | ReqMeta | ReqRails
 )
+
+// MaxRailKeys is the most extra-rail rkeys a request carries.
+const MaxRailKeys = MaxEndpoints - 1
 
 // Flags of META_DATA_RESPONSE.
 const (
@@ -174,9 +180,9 @@ type Endpoint struct {
 
 // Message is any frame. Which fields are meaningful depends on Type:
 //
-//	TENSOR_REQUEST      Flags(ReqName|ReqMeta) Req Step NameIndex [Name] Addr RKey Capacity [Meta]
+//	TENSOR_REQUEST      Flags(ReqName|ReqMeta|ReqRails) Req Step NameIndex [Name] Addr RKey Capacity [RailKeys] [Meta]
 //	META_DATA_RESPONSE  Flags(RespFinal|RespChecksum) Req Meta [Checksum]
-//	TENSOR_RE_REQUEST   Req Addr RKey Capacity
+//	TENSOR_RE_REQUEST   Req Addr RKey Capacity RailKeys
 //	ERROR_STATUS        Req Code Text
 //	CREDIT, BYE         (header only)
 //	CHECKSUM            Req Checksum
@@ -200,6 +206,11 @@ type Message struct {
 	Addr     uint64
 	RKey     uint32
 	Capacity uint64
+
+	// RailKeys are the result buffer's rkeys on rails 1..NumRailKeys
+	// (TENSOR_REQUEST with ReqRails, TENSOR_RE_REQUEST).
+	RailKeys    [MaxRailKeys]uint32
+	NumRailKeys uint8
 
 	Meta     Meta
 	Checksum uint32
@@ -228,6 +239,9 @@ func (m *Message) Len() int {
 		if m.Flags&ReqName != 0 {
 			n += 2 + len(m.Name)
 		}
+		if m.Flags&ReqRails != 0 {
+			n += m.railsLen()
+		}
 		if m.Flags&ReqMeta != 0 {
 			n += m.Meta.len()
 		}
@@ -237,7 +251,7 @@ func (m *Message) Len() int {
 			n += 4
 		}
 	case TypeReRequest:
-		n += 4 + 8 + 4 + 8
+		n += 4 + 8 + 4 + 8 + m.railsLen()
 	case TypeError:
 		n += 4 + 2 + 2 + len(m.Text)
 	case TypeChecksum:
@@ -280,6 +294,9 @@ func (m *Message) Append(b []byte) []byte {
 		b = le.AppendUint64(b, m.Addr)
 		b = le.AppendUint32(b, m.RKey)
 		b = le.AppendUint64(b, m.Capacity)
+		if m.Flags&ReqRails != 0 {
+			b = m.appendRails(b)
+		}
 		if m.Flags&ReqMeta != 0 {
 			b = m.Meta.append(b)
 		}
@@ -295,6 +312,7 @@ func (m *Message) Append(b []byte) []byte {
 		b = le.AppendUint64(b, m.Addr)
 		b = le.AppendUint32(b, m.RKey)
 		b = le.AppendUint64(b, m.Capacity)
+		b = m.appendRails(b)
 	case TypeError:
 		b = le.AppendUint32(b, m.Req)
 		b = le.AppendUint16(b, uint16(m.Code))
@@ -318,6 +336,17 @@ func (m *Message) Append(b []byte) []byte {
 			b = appendBytes16(b, e.Host)
 			b = appendBytes16(b, e.Data)
 		}
+	}
+	return b
+}
+
+func (m *Message) railsLen() int { return 1 + 4*min(int(m.NumRailKeys), MaxRailKeys) }
+
+func (m *Message) appendRails(b []byte) []byte {
+	k := min(int(m.NumRailKeys), MaxRailKeys)
+	b = append(b, byte(k))
+	for i := 0; i < k; i++ {
+		b = binary.LittleEndian.AppendUint32(b, m.RailKeys[i])
 	}
 	return b
 }
@@ -402,6 +431,10 @@ func Decode(b []byte, m *Message) (int, error) {
 		m.Addr = r.u64()
 		m.RKey = r.u32()
 		m.Capacity = r.u64()
+		m.NumRailKeys = 0
+		if m.Flags&ReqRails != 0 {
+			r.rails(m, 1)
+		}
 		if m.Flags&ReqMeta != 0 {
 			r.meta(&m.Meta)
 		}
@@ -420,6 +453,7 @@ func Decode(b []byte, m *Message) (int, error) {
 		m.Addr = r.u64()
 		m.RKey = r.u32()
 		m.Capacity = r.u64()
+		r.rails(m, 0)
 	case TypeError:
 		m.Req = r.u32()
 		m.Code = Code(r.u16())
@@ -532,6 +566,23 @@ func (r *reader) bytes16(limit int, what string) []byte {
 	v := r.b[r.off : r.off+n : r.off+n]
 	r.off += n
 	return v
+}
+
+// rails reads a rail-key count of least..MaxRailKeys and the keys.
+func (r *reader) rails(m *Message, least int) {
+	at := r.off
+	k := int(r.u8())
+	if r.err != nil {
+		return
+	}
+	if k < least || k > MaxRailKeys {
+		r.err = fmt.Errorf("%w: %d rail keys at offset %d, want %d..%d", ErrLength, k, at, least, MaxRailKeys)
+		return
+	}
+	m.NumRailKeys = uint8(k)
+	for i := 0; i < k; i++ {
+		m.RailKeys[i] = r.u32()
+	}
 }
 
 func (r *reader) meta(w *Meta) {

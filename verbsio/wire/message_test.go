@@ -30,10 +30,12 @@ func samples(t testing.TB) []Message {
 		{Type: TypeRequest, Credits: 3, Flags: ReqName | ReqMeta, Req: 7, Step: 42, NameIndex: 1, Name: []byte("layer0/weights"), Addr: 0x7f0000001000, RKey: 0x1234, Capacity: 24, Meta: metaOf(t, tensor.Float32, 2, 3)},
 		{Type: TypeRequest, Req: 8, Step: -1, NameIndex: 9},
 		{Type: TypeRequest, Flags: ReqMeta, Req: 1 << 31, Step: 1, NameIndex: 2, Meta: metaOf(t, tensor.Int8)},
+		{Type: TypeRequest, Flags: ReqMeta | ReqRails, Req: 5, Step: 2, NameIndex: 3, Addr: 0x2000, RKey: 1, Capacity: 64, NumRailKeys: 2, RailKeys: [MaxRailKeys]uint32{7, 8}, Meta: metaOf(t, tensor.Float32, 16)},
 		{Type: TypeMetaResponse, Req: 7, Meta: metaOf(t, tensor.Complex128, 4, 0, 5)},
 		{Type: TypeMetaResponse, Flags: RespFinal, Req: 7, Meta: Meta{DType: tensor.Float32, Dead: true, Rank: 1, Dims: [tensor.MaxRank]int64{3}}},
 		{Type: TypeMetaResponse, Flags: RespChecksum, Req: 9, Checksum: 0xdeadbeef, Meta: metaOf(t, tensor.BFloat16, 1024)},
 		{Type: TypeReRequest, Credits: 1, Req: 7, Addr: 0x1000, RKey: 5, Capacity: 4096},
+		{Type: TypeReRequest, Req: 8, Addr: 0x1000, RKey: 5, Capacity: 4096, NumRailKeys: 3, RailKeys: [MaxRailKeys]uint32{1, 2, 3}},
 		{Type: TypeError, Req: 7, Code: CodeSender, Text: []byte("no such tensor")},
 		{Type: TypeError, Req: 7, Code: 999},
 		{Type: TypeCredit, Credits: 32},
@@ -128,7 +130,7 @@ func TestDecodeRejects(t *testing.T) {
 		{"length huge", func() []byte { b := good(0); le.PutUint32(b[4:], MaxFrame+1); return b }(), ErrLength},
 		{"length past input", func() []byte { b := good(0); return b[:len(b)-1] }(), ErrTruncated},
 		{"body cut", func() []byte { b := good(0); return setLen(b[:len(b)-3]) }(), ErrTruncated},
-		{"trailing in frame", func() []byte { b := append(good(6), 0); return setLen(b) }(), ErrLength},
+		{"trailing in frame", func() []byte { b := append(good(7), 0); return setLen(b) }(), ErrLength},
 		{"request flags", func() []byte { b := good(1); b[8] = 0x80; return b }(), ErrFlags},
 		{"name index 0", func() []byte { b := good(1); le.PutUint32(b[8+1+4+8:], 0); return b }(), ErrField},
 		{"empty name", func() []byte {
@@ -142,31 +144,41 @@ func TestDecodeRejects(t *testing.T) {
 			return m.Append(nil)
 		}(), ErrLength},
 		{"bad dtype", func() []byte {
-			m := samples(t)[3]
+			m := samples(t)[4]
 			m.Meta.DType = 200
 			return m.Append(nil)
 		}(), ErrMeta},
 		{"size mismatch", func() []byte {
-			m := samples(t)[3]
+			m := samples(t)[4]
 			m.Meta.ByteSize = 1
 			return m.Append(nil)
 		}(), ErrMeta},
 		{"negative dim", func() []byte {
-			m := samples(t)[3]
+			m := samples(t)[4]
 			m.Meta.Dims[0] = -1
 			return m.Append(nil)
 		}(), ErrMeta},
-		{"rank too big", func() []byte { b := good(3); b[8+1+4+2] = tensor.MaxRank + 1; return b }(), ErrMeta},
-		{"meta flags", func() []byte { b := good(3); b[8+1+4+1] = 2; return b }(), ErrFlags},
+		{"rank too big", func() []byte { b := good(4); b[8+1+4+2] = tensor.MaxRank + 1; return b }(), ErrMeta},
+		{"meta flags", func() []byte { b := good(4); b[8+1+4+1] = 2; return b }(), ErrFlags},
 		{"dead with bytes", func() []byte {
-			m := samples(t)[4]
+			m := samples(t)[5]
 			m.Meta.ByteSize = 12
 			return m.Append(nil)
 		}(), ErrMeta},
-		{"response flags", func() []byte { b := good(3); b[8] = 0x10; return b }(), ErrFlags},
-		{"hello flags", func() []byte { b := good(13); b[8] = 0x10; return b }(), ErrFlags},
+		{"response flags", func() []byte { b := good(4); b[8] = 0x10; return b }(), ErrFlags},
+		{"hello flags", func() []byte { b := good(15); b[8] = 0x10; return b }(), ErrFlags},
+		{"no rail keys with ReqRails", func() []byte {
+			m := samples(t)[3]
+			m.NumRailKeys = 0
+			return m.Append(nil)
+		}(), ErrLength},
+		{"too many rail keys", func() []byte {
+			b := good(8)
+			b[8+4+8+4+8] = MaxRailKeys + 1
+			return b
+		}(), ErrLength},
 		{"too many endpoints", func() []byte {
-			m := samples(t)[13]
+			m := samples(t)[15]
 			b := m.Append(nil)
 			off := 8 + 1 + 2 + 4 + 2 + len(m.Text) + 2 + len(m.Host)
 			b[off] = MaxEndpoints + 1
