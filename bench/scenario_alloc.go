@@ -224,15 +224,17 @@ func joinNote(a, b string) string {
 	return a + "; " + b
 }
 
-// mixedSizes is a fixed log-uniform sequence of n sizes in [lo, hi].
+// mixedSizes is a fixed sequence of n sizes in [lo, hi], log-uniform: a
+// power of two from lo up to hi picked uniformly, plus up to as much again.
 func mixedSizes(n, lo, hi int) []int {
 	rng := rand.New(rand.NewPCG(1, 2))
+	steps := 0
+	for s := lo; s*2 <= hi; s *= 2 {
+		steps++
+	}
 	out := make([]int, n)
 	for i := range out {
-		s := lo
-		for s*2 <= hi && rng.IntN(2) == 0 {
-			s *= 2
-		}
+		s := lo << rng.IntN(steps+1)
 		out[i] = min(s+rng.IntN(s), hi)
 	}
 	return out
