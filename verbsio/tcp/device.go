@@ -260,7 +260,7 @@ func (d *Device) Close() error {
 	return err
 }
 
-// newKey draws a fresh nonzero key not used by any region of the device.
+// newKey draws a fresh nonzero key never used by a region of the device.
 // Callers hold d.mu.
 func (d *Device) newKey() uint32 {
 	for {
