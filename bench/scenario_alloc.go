@@ -152,15 +152,17 @@ func runAlloc(ctx context.Context, env *Env) error {
 		return err
 	}
 
-	target := 2 * time.Millisecond
+	// Each timed run lasts about target and holds at least minIters pairs
+	// per goroutine, so slow baselines are not judged on a handful of calls.
+	target, minIters := 2*time.Millisecond, 32
 	if env.Quick {
-		target = 200 * time.Microsecond
+		target, minIters = 200*time.Microsecond, 2
 	}
 	measure := func(a allocator, sizes []int, goroutines int) (float64, error) {
 		if err := ctx.Err(); err != nil {
 			return 0, err
 		}
-		return allocPairNs(a, sizes, goroutines, env.Reps, target)
+		return allocPairNs(a, sizes, goroutines, env.Reps, target, minIters)
 	}
 	emit := func(caseName string, size int64, sizes []int, goroutines int, caseNote string) error {
 		// Subject and baselines measured back to back, so noise hits both.
@@ -245,8 +247,9 @@ func mixedSizes(n, lo, hi int) []int {
 // (for one goroutine, the time of one pair). Each goroutine keeps a ring of
 // live allocations (one for a single size, allocMixedLive for mixed sizes),
 // freeing the oldest before each allocation, and writes the first and last
-// byte of what it gets. The median of reps runs is returned.
-func allocPairNs(a allocator, sizes []int, goroutines, reps int, target time.Duration) (float64, error) {
+// byte of what it gets. Each of reps timed runs makes about target's worth
+// of pairs, at least minIters per goroutine; the median is returned.
+func allocPairNs(a allocator, sizes []int, goroutines, reps int, target time.Duration, minIters int) (float64, error) {
 	live := 1
 	if len(sizes) > 1 {
 		live = allocMixedLive
@@ -293,7 +296,7 @@ func allocPairNs(a allocator, sizes []int, goroutines, reps int, target time.Dur
 			return 0, err
 		}
 		if d >= target/4 || iters >= 1<<24 {
-			iters = max(1, int(float64(iters)*float64(target)/float64(max(d, 1))))
+			iters = max(minIters, int(float64(iters)*float64(target)/float64(max(d, 1))))
 			break
 		}
 		iters *= 4
