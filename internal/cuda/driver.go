@@ -6,6 +6,7 @@ import (
 	"os"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"unsafe"
 
 	"github.com/ebitengine/purego"
@@ -131,6 +132,7 @@ type Driver struct {
 
 	mu     sync.Mutex
 	closed bool
+	gone   atomic.Bool // set by Close: no call may reach the library after it
 }
 
 // Open loads the CUDA driver from path ("" means $GDRLINK_LIBCUDA, or
@@ -202,6 +204,7 @@ func (d *Driver) Close() error {
 		return nil
 	}
 	d.closed = true
+	d.gone.Store(true)
 	if err := purego.Dlclose(d.lib); err != nil {
 		return fmt.Errorf("cuda: dlclose %s: %v", d.path, err)
 	}
@@ -224,6 +227,9 @@ func (d *Driver) isClosed() bool {
 //
 //go:uintptrescapes
 func (d *Driver) call(s sym, detail string, args ...uintptr) error {
+	if d.gone.Load() {
+		return fmt.Errorf("%w: driver %s (calling %s)", ErrClosed, d.path, symbolNames[s].name)
+	}
 	fn := d.fns[s]
 	if fn == 0 {
 		return fmt.Errorf("%w: %s has no %s", ErrNoDriver, d.path, symbolNames[s].name)

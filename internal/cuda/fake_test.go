@@ -249,3 +249,24 @@ func TestStandInDriverNoDevice(t *testing.T) {
 		t.Fatalf("cuInit answering CUDA_ERROR_NO_DEVICE: %v, want ErrNoDriver and ErrNoDevice", err)
 	}
 }
+
+func TestClosedDriverMakesNoCalls(t *testing.T) {
+	d := fakeDriver(t)
+	dev, _ := d.Device(0)
+	c, err := dev.RetainPrimaryContext()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.MemAlloc(4096); !errors.Is(err, ErrClosed) {
+		t.Fatalf("MemAlloc after the driver closed: %v, want ErrClosed", err)
+	}
+	if _, err := d.DeviceCount(); !errors.Is(err, ErrClosed) {
+		t.Fatalf("DeviceCount after Close: %v", err)
+	}
+	if _, err := d.Device(0); !errors.Is(err, ErrClosed) {
+		t.Fatalf("Device after Close: %v", err)
+	}
+}
