@@ -18,7 +18,10 @@ import (
 // buffer. PCIe orders the read's completion after the earlier writes, so when
 // the read completes the writes have reached GPU memory.
 //
-// A Flusher serializes its flushes; one per protection domain is enough.
+// A Flusher serializes its flushes; one per protection domain is enough. A
+// failed read (a wrong key, a lost device) leaves the loopback queue pair in
+// the error state, as verbs do: every later Flush fails too, and the owner
+// makes a new Flusher.
 type Flusher struct {
 	cq    verbsio.CompletionQueue
 	qp    verbsio.QueuePair
