@@ -127,7 +127,34 @@ func TestConcurrent(t *testing.T) {
 		iters = 100
 	}
 	var wg sync.WaitGroup
-	errs := make(chan error, goroutines)
+	errs := make(chan error, goroutines+1)
+	stop := make(chan struct{})
+	var side sync.WaitGroup
+	side.Add(1)
+	go func() { // trims, checks and looks up while the others allocate
+		defer side.Done()
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if err := p.Trim(); err != nil {
+				errs <- err
+				return
+			}
+			if err := p.Check(); err != nil {
+				errs <- err
+				return
+			}
+			for _, a := range p.Arenas() {
+				if got, ok := p.ArenaOf(a.Base()); ok && got.Base() != a.Base() {
+					errs <- errors.New("ArenaOf found another arena for a base")
+					return
+				}
+			}
+		}
+	}()
 	for g := range goroutines {
 		wg.Add(1)
 		go func() {
@@ -175,14 +202,16 @@ func TestConcurrent(t *testing.T) {
 		}()
 	}
 	wg.Wait()
+	close(stop)
+	side.Wait()
 	close(errs)
 	for err := range errs {
 		t.Error(err)
 	}
 	mustCheck(t, p)
 	st := p.Stats()
-	if visits, _ := v.totals(); visits != st.Arenas {
-		t.Errorf("%d visits for %d arenas", visits, st.Arenas)
+	if visits, releases := v.totals(); visits-releases != st.Arenas || uint64(visits) != st.ArenasCreated {
+		t.Errorf("%d visits, %d releases for %d arenas (%d created)", visits, releases, st.Arenas, st.ArenasCreated)
 	}
 	if st.Blocks != 0 || st.Allocs != st.Frees {
 		t.Errorf("after all goroutines: %v", st)
