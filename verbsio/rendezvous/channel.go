@@ -57,8 +57,10 @@ type Channel struct {
 	host     string
 	caps     verbsio.Caps
 
-	cq verbsio.CompletionQueue
-	qp verbsio.QueuePair
+	cq     verbsio.CompletionQueue
+	qp     verbsio.QueuePair
+	rails  []*rail
+	active int // rails both peers have
 
 	slot     int
 	inline   int
@@ -103,6 +105,7 @@ type Channel struct {
 	sends     map[skey]*sendEntry
 	kept      map[uint32]*sendEntry
 	writes    map[uint64]*sendEntry
+	striping  map[uint64]*sendEntry // writes whose rail parts are in flight
 	nextWrite uint64
 
 	stats statsCounters
@@ -112,7 +115,7 @@ type Channel struct {
 type statsCounters struct {
 	requests, metaResponses, reRequests, finals, writesIn, writesOut atomic.Uint64
 	bytesIn, bytesOut, errors, controlOut, creditsOnly, nameDefs     atomic.Uint64
-	checksumFailures, staged                                         atomic.Uint64
+	checksumFailures, staged, striped                                atomic.Uint64
 }
 
 // outItem is a queued control frame or write, posted in order.
@@ -125,7 +128,7 @@ type outItem struct {
 // control buffers from mem (which must be registered with pd). Receives are
 // posted at once where the provider allows it.
 func New(dev verbsio.Device, pd verbsio.ProtectionDomain, mem Memory, opts ...Option) (*Channel, error) {
-	o := options{ring: DefaultRing, sendSlots: DefaultSendSlots, maxStrings: DefaultMaxStringBytes, maxTensor: DefaultMaxTensorBytes, log: slog.New(discard{})}
+	o := options{ring: DefaultRing, sendSlots: DefaultSendSlots, maxStrings: DefaultMaxStringBytes, maxTensor: DefaultMaxTensorBytes, stripeMin: DefaultStripeMin, log: slog.New(discard{})}
 	for _, f := range opts {
 		if f == nil {
 			continue
@@ -144,7 +147,7 @@ func New(dev verbsio.Device, pd verbsio.ProtectionDomain, mem Memory, opts ...Op
 		slot: wire.MaxFrame, checksum: o.checksum,
 		pollDone: make(chan struct{}), byeSent: make(chan struct{}),
 		reqs: map[uint32]*request{}, byKey: map[skey]*request{}, names: map[string]uint32{}, cache: map[string]tensor.Meta{},
-		peerNames: map[uint32]string{}, sends: map[skey]*sendEntry{}, kept: map[uint32]*sendEntry{}, writes: map[uint64]*sendEntry{},
+		peerNames: map[uint32]string{}, sends: map[skey]*sendEntry{}, kept: map[uint32]*sendEntry{}, writes: map[uint64]*sendEntry{}, striping: map[uint64]*sendEntry{},
 		nextReq: 1, nextName: 1, nextWrite: 1,
 	}
 	if c.provider == "" {
@@ -178,6 +181,9 @@ func (c *Channel) setup() error {
 	c.inline = min(c.caps.MaxInline, maxInline)
 	if c.qp, err = c.pd.CreateQP(verbsio.QPConfig{SendCQ: c.cq, RecvCQ: c.cq, MaxSendWR: c.sqMax, MaxRecvWR: recvDepth, MaxSGE: 1, MaxInline: c.inline}); err != nil {
 		return fmt.Errorf("rendezvous: queue pair: %w", err)
+	}
+	if err := c.setupRails(); err != nil {
+		return err
 	}
 	if c.recvBuf, c.recvMR, err = c.allocRegistered(o.ring * c.slot); err != nil {
 		return fmt.Errorf("rendezvous: receive buffers: %w", err)
@@ -237,6 +243,11 @@ func (c *Channel) Hello() []byte {
 	}
 	ep := c.qp.Endpoint()
 	m.Endpoints[0] = wire.Endpoint{Provider: []byte(ep.Provider), Host: []byte(ep.Host), Data: ep.Data}
+	for i, rl := range c.rails {
+		ep := rl.qp.Endpoint()
+		m.Endpoints[i+1] = wire.Endpoint{Provider: []byte(ep.Provider), Host: []byte(ep.Host), Data: ep.Data}
+		m.NumEndpoints++
+	}
 	return m.Append(nil)
 }
 
@@ -284,6 +295,14 @@ func (c *Channel) Connect(ctx context.Context, peerHello []byte) error {
 	if err := c.qp.Connect(ctx, ep); err != nil {
 		return fmt.Errorf("rendezvous: connecting to %s: %w", peer, err)
 	}
+	active := min(len(c.rails), int(m.NumEndpoints)-1)
+	for i := 0; i < active; i++ {
+		e := m.Endpoints[i+1]
+		rep := verbsio.Endpoint{Provider: string(e.Provider), Host: string(e.Host), Data: append([]byte(nil), e.Data...)}
+		if err := c.rails[i].qp.Connect(ctx, rep); err != nil {
+			return fmt.Errorf("rendezvous: connecting rail %d (%s) to %s: %w", i+1, c.rails[i].name, peer, err)
+		}
+	}
 	if !c.posted {
 		all := make([]verbsio.RecvWR, c.opts.ring)
 		for i := range all {
@@ -298,9 +317,13 @@ func (c *Channel) Connect(ctx context.Context, peerHello []byte) error {
 	if c.state == stateNew {
 		c.state = stateConnected
 	}
+	c.active = active
 	c.mu.Unlock()
 	go c.poll()
-	c.log.Debug("rendezvous: connected", "peer", peer, "provider", c.provider, "device", c.devName, "ring", c.opts.ring, "peer_ring", m.Ring, "checksum", c.opts.checksum)
+	for _, rl := range c.rails[:active] {
+		go c.pollRail(rl)
+	}
+	c.log.Debug("rendezvous: connected", "peer", peer, "provider", c.provider, "device", c.devName, "ring", c.opts.ring, "peer_ring", m.Ring, "checksum", c.opts.checksum, "rails", 1+active)
 	return nil
 }
 
@@ -324,7 +347,7 @@ func (c *Channel) Stats() Stats {
 		Requests: s.requests.Load(), MetaResponses: s.metaResponses.Load(), ReRequests: s.reRequests.Load(), Finals: s.finals.Load(),
 		WritesIn: s.writesIn.Load(), WritesOut: s.writesOut.Load(), BytesIn: s.bytesIn.Load(), BytesOut: s.bytesOut.Load(),
 		Errors: s.errors.Load(), ControlOut: s.controlOut.Load(), CreditsOnly: s.creditsOnly.Load(), NameDefs: s.nameDefs.Load(),
-		ChecksumFailures: s.checksumFailures.Load(), Staged: s.staged.Load(),
+		ChecksumFailures: s.checksumFailures.Load(), Staged: s.staged.Load(), Striped: s.striped.Load(),
 	}
 }
 
@@ -366,6 +389,9 @@ func (c *Channel) Close() error {
 		}
 		c.stop()
 		<-c.pollDone
+		for _, rl := range c.rails[:c.active] {
+			<-rl.done
+		}
 	}
 	c.stop()
 	return c.release()
@@ -378,6 +404,14 @@ func (c *Channel) release() error {
 	}
 	if c.cq != nil {
 		errs = append(errs, c.cq.Close())
+	}
+	for _, rl := range c.rails {
+		if rl.qp != nil {
+			errs = append(errs, rl.qp.Close())
+		}
+		if rl.cq != nil {
+			errs = append(errs, rl.cq.Close())
+		}
 	}
 	c.mu.Lock()
 	orphans := c.orphans
@@ -431,6 +465,10 @@ func (c *Channel) failLocked(err error, ds *deliveries, st chanState) {
 	}
 	for k, e := range c.writes {
 		delete(c.writes, k)
+		c.dropSendLocked(e, err, ds)
+	}
+	for k, e := range c.striping {
+		delete(c.striping, k)
 		c.dropSendLocked(e, err, ds)
 	}
 	for _, it := range c.outq {
@@ -671,20 +709,27 @@ func (c *Channel) postCtrlLocked(slot, n int, bye bool) bool {
 // postWriteLocked posts the write of e: chunks of at most the device's
 // largest message, the last with the request index as immediate.
 func (c *Channel) postWriteLocked(e *sendEntry) bool {
+	if e.firstChunk == 0 && c.stripeLocked(e) {
+		return true // the rest is posted when the rails' parts complete
+	}
+	n := e.n
+	if e.firstChunk > 0 {
+		n = e.firstChunk
+	}
 	maxMsg := int64(1 << 30)
 	if c.caps.MaxMessage > 0 && c.caps.MaxMessage < maxMsg {
 		maxMsg = c.caps.MaxMessage
 	}
-	chunks := int((e.n + maxMsg - 1) / maxMsg)
+	chunks := int((n + maxMsg - 1) / maxMsg)
 	if c.sqOut+chunks > c.sqMax {
 		return false
 	}
 	seq := c.nextWrite
 	c.nextWrite++
 	wrs := make([]verbsio.SendWR, 0, chunks)
-	for off := int64(0); off < e.n; off += maxMsg {
-		l := min(maxMsg, e.n-off)
-		last := off+l == e.n
+	for off := int64(0); off < n; off += maxMsg {
+		l := min(maxMsg, n-off)
+		last := off+l == n
 		wr := verbsio.SendWR{
 			WRID: wridWrite | seq<<8, Op: verbsio.OpWrite, Signaled: true,
 			SG:         []verbsio.SGE{{Addr: e.addr + uintptr(off), Length: uint32(l), LKey: e.lkey}},

@@ -45,47 +45,56 @@ func forEachProvider(t *testing.T, f func(t *testing.T, provider string)) {
 	}
 }
 
-type mrKey struct{}
+type mrKey struct{ rail int }
 
 // registration is the memory-registration visitor the tests use: each arena
 // is registered once with pd for local and remote access.
-func registration(pd verbsio.ProtectionDomain) alloc.Visitor {
+func registration(pd verbsio.ProtectionDomain, rail int) alloc.Visitor {
+	key := mrKey{rail}
 	return alloc.VisitorFuncs{
-		VisitorName: "test-mr",
+		VisitorName: fmt.Sprint("test-mr-", rail),
 		OnVisit: func(a *alloc.Arena) error {
 			mr, err := pd.RegisterMemory(a.Base(), a.Size(), verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite|verbsio.AccessRemoteRead)
 			if err != nil {
 				return err
 			}
-			a.SetHandle(mrKey{}, mr)
+			a.SetHandle(key, mr)
 			return nil
 		},
 		OnRelease: func(a *alloc.Arena) error {
-			v, ok := a.Handle(mrKey{})
+			v, ok := a.Handle(key)
 			if !ok {
 				return nil
 			}
-			a.DeleteHandle(mrKey{})
+			a.DeleteHandle(key)
 			return v.(verbsio.MemoryRegion).Close()
 		},
 	}
 }
 
-func regionOf(a *alloc.Arena) (verbsio.MemoryRegion, bool) {
-	v, ok := a.Handle(mrKey{})
-	if !ok {
-		return nil, false
+// regionIn finds an arena's region registered for rail.
+func regionIn(rail int) RegionOf {
+	return func(a *alloc.Arena) (verbsio.MemoryRegion, bool) {
+		v, ok := a.Handle(mrKey{rail})
+		if !ok {
+			return nil, false
+		}
+		return v.(verbsio.MemoryRegion), true
 	}
-	return v.(verbsio.MemoryRegion), true
 }
 
-// side is one end: device, protection domain, registered pool, channel.
+func regionOf(a *alloc.Arena) (verbsio.MemoryRegion, bool) { return regionIn(0)(a) }
+
+// side is one end: device, protection domain, registered pool, channel,
+// and the devices of its extra rails.
 type side struct {
-	dev  verbsio.Device
-	pd   verbsio.ProtectionDomain
-	pool *alloc.Pool
-	mem  Memory
-	ch   *Channel
+	dev   verbsio.Device
+	pd    verbsio.ProtectionDomain
+	pool  *alloc.Pool
+	mem   Memory
+	ch    *Channel
+	rdevs []verbsio.Device
+	rpds  []verbsio.ProtectionDomain
 }
 
 func (s *side) close() error {
@@ -96,37 +105,78 @@ func (s *side) close() error {
 	if s.pool != nil {
 		errs = append(errs, s.pool.Close())
 	}
-	if s.pd != nil {
-		errs = append(errs, s.pd.Close())
+	for _, pd := range append([]verbsio.ProtectionDomain{s.pd}, s.rpds...) {
+		if pd != nil {
+			errs = append(errs, pd.Close())
+		}
 	}
-	if s.dev != nil {
-		errs = append(errs, s.dev.Close())
+	for _, d := range append([]verbsio.Device{s.dev}, s.rdevs...) {
+		if d != nil {
+			errs = append(errs, d.Close())
+		}
 	}
 	return errors.Join(errs...)
 }
 
 // openSide opens provider's device and makes a channel; it returns an error
 // wrapping verbsio.ErrNoDevice or ErrNotSupported when the provider cannot
-// run here.
+// run here. GDRLINK_RDV_LISTEN (comma-separated "host:port") gives the
+// listen address of the device and of one extra rail per further address.
 func openSide(provider, name string, opts ...Option) (*side, error) {
+	var listen []string
+	if v := os.Getenv("GDRLINK_RDV_LISTEN"); v != "" {
+		listen = strings.Split(v, ",")
+	}
+	return openSideRails(provider, name, listen, opts...)
+}
+
+// openSideRails is openSide with listen addresses given: the first for the
+// channel's device, each further one for an extra rail's device.
+func openSideRails(provider, name string, listen []string, opts ...Option) (*side, error) {
 	cfg, err := verbsio.ConfigFromEnv()
 	if err != nil {
 		return nil, err
 	}
 	s := &side{}
-	if s.dev, err = verbsio.Open(provider, cfg); err != nil {
+	devCfg := func(i int) verbsio.Config {
+		c := cfg
+		if i < len(listen) {
+			c.ListenAddr = listen[i]
+		}
+		return c
+	}
+	if s.dev, err = verbsio.Open(provider, devCfg(0)); err != nil {
 		return nil, err
 	}
 	if s.pd, err = s.dev.AllocPD(); err != nil {
 		_ = s.close()
 		return nil, err
 	}
-	s.pool, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: -1}), alloc.WithVisitors(registration(s.pd)), alloc.WithName(name))
+	visitors := []alloc.Visitor{registration(s.pd, 0)}
+	for i := 1; i < len(listen); i++ {
+		d, err := verbsio.Open(provider, devCfg(i))
+		if err != nil {
+			_ = s.close()
+			return nil, err
+		}
+		s.rdevs = append(s.rdevs, d)
+		pd, err := d.AllocPD()
+		if err != nil {
+			_ = s.close()
+			return nil, err
+		}
+		s.rpds = append(s.rpds, pd)
+		visitors = append(visitors, registration(pd, i))
+	}
+	s.pool, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: -1}), alloc.WithVisitors(visitors...), alloc.WithName(name))
 	if err != nil {
 		_ = s.close()
 		return nil, err
 	}
 	s.mem = PoolMemory(regionOf, s.pool)
+	for i := range s.rdevs {
+		opts = append(opts, WithRails(Rail{Device: s.rdevs[i], PD: s.rpds[i], Memory: PoolMemory(regionIn(i+1), s.pool)}))
+	}
 	if s.ch, err = New(s.dev, s.pd, s.mem, append([]Option{WithName(name)}, opts...)...); err != nil {
 		_ = s.close()
 		return nil, err
@@ -137,11 +187,17 @@ func openSide(provider, name string, opts ...Option) (*side, error) {
 // pair makes two connected sides in this process.
 func pair(t *testing.T, provider string, opts ...Option) (a, b *side) {
 	t.Helper()
-	a, err := openSide(provider, "a", opts...)
+	return pairRails(t, provider, nil, nil, opts...)
+}
+
+// pairRails is pair with the listen addresses of each side's devices.
+func pairRails(t *testing.T, provider string, listenA, listenB []string, opts ...Option) (a, b *side) {
+	t.Helper()
+	a, err := openSideRails(provider, "a", listenA, opts...)
 	if err != nil {
 		skipUnavailable(t, provider, err)
 	}
-	b, err = openSide(provider, "b", opts...)
+	b, err = openSideRails(provider, "b", listenB, opts...)
 	if err != nil {
 		_ = a.close()
 		skipUnavailable(t, provider, err)

@@ -38,6 +38,8 @@ type options struct {
 	proxy      Proxy
 	maxStrings int
 	maxTensor  int64
+	rails      []Rail
+	stripeMin  int64
 	// corrupt, when set, changes the bytes of a source after its checksum
 	// is taken and before it is written (fault injection for tests).
 	corrupt func(key string, step int64, b []byte)

@@ -101,6 +101,12 @@ func (c *Channel) RecvFunc(ctx context.Context, key string, step int64, cb func(
 		m.Flags |= wire.ReqMeta
 		m.Meta.SetMeta(meta)
 		m.Addr, m.RKey, m.Capacity = c.bufTarget(r)
+		if r.buf != nil {
+			c.railKeys(&m, r.buf.Addr(), r.buf.Len())
+			if m.NumRailKeys > 0 {
+				m.Flags |= wire.ReqRails
+			}
+		}
 	}
 	r.idx = c.allocReqLocked()
 	m.Req = r.idx
@@ -346,6 +352,9 @@ func (c *Channel) onMetaLocked(m *wire.Message, ds *deliveries) {
 	}
 	rr := wire.Message{Type: wire.TypeReRequest, Req: r.idx}
 	rr.Addr, rr.RKey, rr.Capacity = c.bufTarget(r)
+	if r.buf != nil {
+		c.railKeys(&rr, r.buf.Addr(), r.buf.Len())
+	}
 	c.enqueueLocked(&rr)
 	c.stats.reRequests.Add(1)
 }

@@ -35,6 +35,10 @@ type sendEntry struct {
 	stage    tensor.Buffer
 	crc      uint32
 	crcSent  bool
+
+	railKeys    []uint32
+	railPending int
+	firstChunk  int64 // when striped: the bytes left for the channel's own queue pair
 }
 
 // Send hands t to the peer under key and step. It never waits for the
@@ -136,6 +140,7 @@ func (c *Channel) onRequestLocked(m *wire.Message, ds *deliveries) {
 		e.reqMeta = m.Meta
 	}
 	e.raddr, e.rkey, e.rcap = m.Addr, m.RKey, m.Capacity
+	e.railKeys = append(e.railKeys[:0], m.RailKeys[:m.NumRailKeys]...)
 	if e.has {
 		delete(c.sends, k)
 		c.serveLocked(e, ds)
@@ -272,6 +277,7 @@ func (c *Channel) onReRequestLocked(m *wire.Message, ds *deliveries) {
 	}
 	delete(c.kept, m.Req)
 	e.raddr, e.rkey, e.rcap = m.Addr, m.RKey, m.Capacity
+	e.railKeys = append(e.railKeys[:0], m.RailKeys[:m.NumRailKeys]...)
 	if e.raddr == 0 || e.rcap < uint64(e.n) {
 		c.sendErrorLocked(e.req, wire.CodeTooSmall, fmt.Sprintf("%q step %d needs %d bytes, buffer at %#x holds %d", e.key.name, e.key.step, e.n, e.raddr, e.rcap))
 		c.dropSendLocked(e, fmt.Errorf("%w: receiver's buffer too small", ErrRemote), ds)

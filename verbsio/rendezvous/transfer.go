@@ -104,4 +104,6 @@ type Stats struct {
 	// Staged is the number of sends whose source was not in registered memory
 	// and was copied into a registered block first.
 	Staged uint64
+	// Striped is the number of writes this side striped over its rails.
+	Striped uint64
 }

@@ -53,6 +53,14 @@ func peerMain(in io.Reader, out io.Writer) int {
 			return nil
 		})
 	}
+	if v := os.Getenv("GDRLINK_RDV_STRIPE_MIN"); v != "" {
+		n, err := strconv.ParseInt(v, 10, 64)
+		if err != nil {
+			fmt.Fprintf(out, "error GDRLINK_RDV_STRIPE_MIN: %v\n", err)
+			return 1
+		}
+		opts = append(opts, WithStripeMin(n))
+	}
 	fail := func(err error) int {
 		fmt.Fprintf(out, "error %v\n", err)
 		return 1
@@ -154,18 +162,26 @@ type peerProc struct {
 func startPeer(t *testing.T, provider string, checksum bool) *peerProc {
 	t.Helper()
 	var opts []Option
+	var env []string
 	if checksum {
 		opts = append(opts, WithChecksum(true))
+		env = append(env, "GDRLINK_RDV_CHECKSUM=1")
 	}
-	local, err := openSide(provider, "receiver", opts...)
+	return startPeerWith(t, provider, nil, env, nil, opts...)
+}
+
+// startPeerWith is startPeer with the local devices' listen addresses, the
+// peer's extra environment, and a command prefix for the peer (such as
+// "ip netns exec NS").
+func startPeerWith(t *testing.T, provider string, listen, env, wrap []string, opts ...Option) *peerProc {
+	t.Helper()
+	local, err := openSideRails(provider, "receiver", listen, opts...)
 	if err != nil {
 		skipUnavailable(t, provider, err)
 	}
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), peerEnv+"=1", "GDRLINK_RDV_PROVIDER="+provider)
-	if checksum {
-		cmd.Env = append(cmd.Env, "GDRLINK_RDV_CHECKSUM=1")
-	}
+	argv := append(append([]string{}, wrap...), os.Args[0], "-test.run=^$")
+	cmd := exec.Command(argv[0], argv[1:]...)
+	cmd.Env = append(append(os.Environ(), peerEnv+"=1", "GDRLINK_RDV_PROVIDER="+provider), env...)
 	cmd.Stderr = os.Stderr
 	in, err := cmd.StdinPipe()
 	if err != nil {
