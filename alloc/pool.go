@@ -205,7 +205,7 @@ func (p *Pool) Free(b Block) error {
 
 // FreeAddr frees the block that starts at addr. It walks the chunks of the
 // arena holding addr, so it costs time linear in that arena's chunks; Free
-// with the Block is constant time.
+// finds the chunk from the Block's index without a search.
 func (p *Pool) FreeAddr(addr uintptr) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
