@@ -256,3 +256,18 @@ func FuzzMsg(f *testing.F) {
 		}
 	})
 }
+
+func TestJobOfOne(t *testing.T) {
+	g, err := Join(context.Background(), Config{Rank: 0, Size: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	all, err := g.AllGather(context.Background(), []byte("solo"))
+	if err != nil || len(all) != 1 || string(all[0]) != "solo" {
+		t.Errorf("AllGather = %q, %v", all, err)
+	}
+	if b, err := g.Exchange(context.Background(), 0, []byte("me")); err != nil || string(b) != "me" {
+		t.Errorf("Exchange with itself = %q, %v", b, err)
+	}
+}

@@ -87,8 +87,14 @@ func (g *Group) joinRoot(ctx context.Context, cfg Config) error {
 		g.ln = cfg.Listener
 		g.wg.Add(1)
 		go g.acceptLoop()
-	} else if err := g.listen(cfg.root()); err != nil {
-		return err
+	} else {
+		addr := cfg.root()
+		if addr == "" { // a job of one: nobody dials it
+			addr = "127.0.0.1:0"
+		}
+		if err := g.listen(addr); err != nil {
+			return err
+		}
 	}
 	g.addrs = make([]string, g.size)
 	g.addrs[0] = contactOf(g.ln.Addr().String(), cfg.root())
