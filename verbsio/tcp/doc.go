@@ -76,5 +76,6 @@
 // lanes about 1.8 times one). DefaultLanes is therefore 1; more lanes
 // (GDRLINK_TCP_LANES) are for links that one TCP stream cannot fill.
 // Socket buffers are left to the kernel's automatic tuning by default:
-// fixed 4 and 16 MiB buffers (GDRLINK_TCP_SOCKET_BUFFER) measured no better.
+// fixed 4 and 16 MiB buffers (GDRLINK_TCP_SOCKET_BUFFER) made no clear
+// difference in the same measurements.
 package tcp
