@@ -1,8 +1,12 @@
 package tcp_test
 
 import (
+	"fmt"
 	"os"
+	"runtime"
+	"strings"
 	"testing"
+	"time"
 
 	_ "github.com/gdrlink/gdrlink/verbsio/tcp"
 	"github.com/gdrlink/gdrlink/verbsio/verbstest"
@@ -10,7 +14,34 @@ import (
 
 func TestMain(m *testing.M) {
 	verbstest.PeerMain()
-	os.Exit(m.Run())
+	code := m.Run()
+	if code == 0 {
+		if leaked := leakedGoroutines(); leaked != "" {
+			fmt.Fprintf(os.Stderr, "goroutines of the provider still running after the tests (a Close that does not wait, or a handle not closed):\n%s\n", leaked)
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+// leakedGoroutines returns the stacks of goroutines running provider code,
+// after giving them a moment to finish.
+func leakedGoroutines() string {
+	var found []string
+	for deadline := time.Now().Add(3 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		buf := make([]byte, 1<<20)
+		buf = buf[:runtime.Stack(buf, true)]
+		found = found[:0]
+		for _, g := range strings.Split(string(buf), "\n\n") {
+			if strings.Contains(g, "gdrlink/verbsio/tcp.(") && !strings.Contains(g, "_test.") {
+				found = append(found, g)
+			}
+		}
+		if len(found) == 0 {
+			return ""
+		}
+	}
+	return strings.Join(found, "\n\n")
 }
 
 func TestConformance(t *testing.T) {
