@@ -21,12 +21,21 @@ const (
 )
 
 // Proxy lands results on devices the NIC cannot write directly: the write
-// lands in a host tensor in registered memory, and the proxy copies it to the
-// device (the proxy package's pipelined host-to-device copy implements it).
+// lands in host memory the proxy provides (registered with the channel: the
+// proxy's pool must be one of the channel's Memory), and the proxy copies it
+// to the device. ProxyPath adapts the proxy package.
 type Proxy interface {
-	// ToDevice copies host to a new tensor on dev and calls done with it,
-	// from any goroutine, once. It owns host and releases it.
-	ToDevice(host *tensor.Tensor, dev tensor.Device, done func(*tensor.Tensor, error))
+	// Land prepares the landing of a result of meta's size for dev.
+	Land(meta tensor.Meta, dev tensor.Device) (Landing, error)
+}
+
+// Landing is where a proxied result's bytes are written. Its Buffer is the
+// host memory the NIC writes (Free abandons the landing); Landed is called
+// once, when every byte is in, and done runs once with the tensor on the
+// device or the error, from any goroutine.
+type Landing interface {
+	tensor.Buffer
+	Landed(done func(*tensor.Tensor, error))
 }
 
 type options struct {

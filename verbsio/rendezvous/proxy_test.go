@@ -1,49 +1,124 @@
 package rendezvous
 
 import (
+	"context"
 	"errors"
-	"sync/atomic"
+	"sync"
 	"testing"
+	"time"
 
+	"github.com/gdrlink/gdrlink/alloc"
+	"github.com/gdrlink/gdrlink/gpusim"
+	"github.com/gdrlink/gdrlink/proxy"
 	"github.com/gdrlink/gdrlink/tensor"
+	"github.com/gdrlink/gdrlink/verbsio"
 )
 
-// hostProxy stands in for the proxy path: it checks what it is handed and
-// gives the host tensor back as the "device" result.
-type hostProxy struct{ calls atomic.Int32 }
-
-func (p *hostProxy) ToDevice(host *tensor.Tensor, dev tensor.Device, done func(*tensor.Tensor, error)) {
-	p.calls.Add(1)
-	if host.Device() != tensor.Host || !dev.IsGPU() {
-		done(nil, errors.New("proxy handed a non-host tensor or a non-GPU target"))
-		return
-	}
-	done(host, nil)
+// simBuffer is device memory of the simulated GPU as a tensor.Buffer.
+type simBuffer struct {
+	gpu *gpusim.Device
+	p   proxy.DevicePtr
+	n   int
+	dev tensor.Device
 }
 
+func (b *simBuffer) Bytes() []byte         { return nil }
+func (b *simBuffer) Addr() uintptr         { return uintptr(b.p) }
+func (b *simBuffer) Len() int              { return b.n }
+func (b *simBuffer) Device() tensor.Device { return b.dev }
+func (b *simBuffer) Free() error           { return b.gpu.Free(b.p) }
+
+// connectChannels trades hellos and connects two channels of this process.
+func connectChannels(t *testing.T, a, b *Channel) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	var wg sync.WaitGroup
+	var ea, eb error
+	ha, hb := a.Hello(), b.Hello()
+	wg.Add(2)
+	go func() { defer wg.Done(); ea = a.Connect(ctx, hb) }()
+	go func() { defer wg.Done(); eb = b.Connect(ctx, ha) }()
+	wg.Wait()
+	if ea != nil || eb != nil {
+		t.Fatalf("connect: %v / %v", ea, eb)
+	}
+}
+
+// The receiver wants its results on a GPU that the NIC cannot write: each
+// lands in the proxy's pinned tensor and the proxy package copies it to the
+// (simulated) GPU.
 func TestGPUResultGoesThroughProxy(t *testing.T) {
-	px := &hostProxy{}
-	a, b := pair(t, "tcp", WithProxy(px))
+	a, err := openSideRails("tcp", "a", nil)
+	if err != nil {
+		skipUnavailable(t, "tcp", err)
+	}
+	t.Cleanup(func() { _ = a.close() })
+	dev, err := verbsio.Open("tcp", verbsio.DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	pd, err := dev.AllocPD()
+	if err != nil {
+		t.Fatal(err)
+	}
+	hostPool, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}), alloc.WithVisitors(registration(pd, 0)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	gpu := gpusim.New(gpusim.Config{})
+	pinned, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}),
+		alloc.WithVisitors(gpu.HostRegisterVisitor(), registration(pd, 0)), alloc.WithName("pinned"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	px, err := proxy.New(gpu, pinned, proxy.WithChunk(1<<20))
+	if err != nil {
+		t.Fatal(err)
+	}
+	gpuAlloc := func(n int, d tensor.Device) (tensor.Buffer, error) {
+		p, err := gpu.Alloc(n)
+		if err != nil {
+			return nil, err
+		}
+		return &simBuffer{gpu: gpu, p: p, n: n, dev: d}, nil
+	}
+	b, err := New(dev, pd, PoolMemory(regionOf, hostPool, pinned), WithName("b"), WithProxy(ProxyPath(px, gpuAlloc)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		for _, err := range []error{b.Close(), px.Close(), pinned.Close(), hostPool.Close(), gpu.Close(), pd.Close(), dev.Close()} {
+			if err != nil {
+				t.Error(err)
+			}
+		}
+	})
+	connectChannels(t, a.ch, b)
 	ctx := recvCtx(t)
-	for step := int64(0); step < 2; step++ {
-		src, _ := makeTensor(a.pool, "float32", tensor.Shape{64}, "act", step)
+	for step := int64(0); step < 3; step++ {
+		src, _ := makeTensor(a.pool, "float32", tensor.Shape{1000}, "act", step)
 		if err := a.ch.Send("act", step, src); err != nil {
 			t.Fatal(err)
 		}
-		got, tr, err := b.ch.Recv(ctx, "act", step, OnDevice(tensor.GPUDevice(0)))
+		got, tr, err := b.Recv(ctx, "act", step, OnDevice(tensor.GPUDevice(0)))
 		if err != nil {
 			t.Fatal(err)
 		}
-		if tr.Path != PathProxy {
-			t.Fatalf("step %d: path %s, want proxy (the pool has no GPU memory)", step, tr.Path)
+		if tr.Path != PathProxy || !got.Device().IsGPU() {
+			t.Fatalf("step %d: path %s, result on %s; want proxy onto the GPU", step, tr.Path, got.Device())
 		}
-		if err := checkTensor(got, "float32", tensor.Shape{64}, "act", step); err != nil {
+		onGPU, err := gpu.Peek(proxy.DevicePtr(got.Addr()), int(got.ByteSize()))
+		if err != nil {
 			t.Fatal(err)
+		}
+		if err := checkFill(onGPU, seedOf("act", step)); err != nil {
+			t.Fatalf("step %d on the GPU: %v", step, err)
 		}
 		_ = got.Release()
 	}
-	if px.calls.Load() != 2 {
-		t.Fatalf("proxy called %d times, want 2", px.calls.Load())
+	if n := pinned.Stats().Blocks; n != 0 {
+		t.Fatalf("%d proxy tensors still out of the pinned pool", n)
 	}
 }
 

@@ -28,6 +28,8 @@ type request struct {
 	start     time.Time
 	cb        func(*tensor.Tensor, Transfer, error)
 	stop      func() bool
+	landing   bool     // completed by a proxy Landing
+	tr        Transfer // the transfer a Landing reports
 }
 
 // RecvOption changes one Recv.
@@ -196,7 +198,14 @@ func (c *Channel) allocResultLocked(r *request, meta tensor.Meta) error {
 			return fmt.Errorf("%w: %s: %w (and no proxy)", ErrNoPath, dev, err)
 		}
 		r.path = PathProxy
-		buf, err = c.mem.Alloc(int(meta.ByteSize), tensor.Host)
+		var l Landing
+		l, err = c.opts.proxy.Land(meta, dev)
+		if err == nil {
+			buf = l
+			if d, ok := l.(interface{ Direct() bool }); ok && d.Direct() {
+				r.path = PathDirectGPU // the proxy chose GPUDirect for this GPU
+			}
+		}
 	}
 	if err != nil {
 		return err
@@ -276,18 +285,44 @@ func (c *Channel) finishLocked(r *request, t *tensor.Tensor, err error, ds *deli
 		if !tr.Meta.IsDead {
 			tr.Bytes = tr.Meta.ByteSize
 		}
+	} else if err == nil && r.landing {
+		tr.Meta, tr.Bytes = r.meta, r.meta.ByteSize
 	} else if err == nil {
 		tr.Path = PathNone
 	}
 	if err == nil {
 		c.log.Debug("rendezvous: transfer", "transfer", tr)
 	}
-	if err == nil && r.path == PathProxy && t != nil && !t.IsDead() && t.ByteSize() > 0 {
-		px, dev := c.opts.proxy, r.dev
-		ds.add(func() { px.ToDevice(t, dev, func(out *tensor.Tensor, err error) { cb(out, tr, err) }) })
+	if t == nil && err == nil && r.landing {
+		r.cb, r.tr = cb, tr // landedLocked delivers
 		return
 	}
 	ds.add(func() { cb(t, tr, err) })
+}
+
+// landedLocked hands a proxied result to its landing; the callback runs when
+// the proxy has the tensor on the device.
+func (c *Channel) landedLocked(r *request, l Landing, ds *deliveries) {
+	cb, tr := r.cb, r.tr
+	r.cb = nil
+	if cb == nil {
+		ds.add(func() {
+			l.Landed(func(t *tensor.Tensor, err error) {
+				if t != nil {
+					_ = t.Release()
+				}
+			})
+		})
+		return
+	}
+	ds.add(func() {
+		l.Landed(func(t *tensor.Tensor, err error) {
+			if t != nil {
+				tr.Meta = t.Meta()
+			}
+			cb(t, tr, err)
+		})
+	})
 }
 
 func (c *Channel) protocolLocked(ds *deliveries, format string, args ...any) {
@@ -426,6 +461,13 @@ func (c *Channel) onWriteLocked(imm uint32, ds *deliveries) {
 		_ = r.buf.Free()
 		r.buf = nil
 		c.finishLocked(r, t, err, ds)
+		return
+	}
+	if l, ok := r.buf.(Landing); ok {
+		r.buf = nil // the landing completes itself
+		r.landing = true
+		c.finishLocked(r, nil, nil, ds)
+		c.landedLocked(r, l, ds)
 		return
 	}
 	t, err := tensor.New(meta, r.buf)

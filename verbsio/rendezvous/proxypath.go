@@ -1,0 +1,108 @@
+package rendezvous
+
+import (
+	"sync"
+
+	"github.com/gdrlink/gdrlink/proxy"
+	"github.com/gdrlink/gdrlink/tensor"
+)
+
+// ProxyPath lands GPU results through p (package proxy): the NIC writes the
+// proxy's pinned tensor (or, when p's policy says Direct, the GPU memory
+// itself) and p copies it to device memory from gpuAlloc. p's pool must be
+// one of the channel's Memory pools, so its arenas are registered with the
+// channel's protection domain.
+func ProxyPath(p *proxy.Proxy, gpuAlloc func(n int, dev tensor.Device) (tensor.Buffer, error)) Proxy {
+	return &proxyPath{p: p, alloc: gpuAlloc}
+}
+
+type proxyPath struct {
+	p     *proxy.Proxy
+	alloc func(n int, dev tensor.Device) (tensor.Buffer, error)
+}
+
+func (pp *proxyPath) Land(meta tensor.Meta, dev tensor.Device) (Landing, error) {
+	n := int(meta.ByteSize)
+	dst, err := pp.alloc(n, dev)
+	if err != nil {
+		return nil, err
+	}
+	l := &landing{meta: meta, dst: dst}
+	rc, err := pp.p.Receive(proxy.DevicePtr(dst.Addr()), n, l.finished)
+	if err != nil {
+		_ = dst.Free()
+		return nil, err
+	}
+	l.rc = rc
+	return l, nil
+}
+
+// landing is one proxied result: the proxy's receiver and the device memory
+// it fills.
+type landing struct {
+	meta tensor.Meta
+	dst  tensor.Buffer
+	rc   *proxy.Receiver
+
+	mu   sync.Mutex
+	done func(*tensor.Tensor, error)
+}
+
+// Bytes is the pinned proxy tensor the NIC writes, nil when the NIC writes
+// the GPU directly.
+func (l *landing) Bytes() []byte {
+	if l.rc.Mode() == proxy.ModeDirect {
+		return nil
+	}
+	return l.rc.Block().Bytes()
+}
+
+func (l *landing) Addr() uintptr { return l.rc.Addr() }
+func (l *landing) Len() int      { return l.rc.Len() }
+
+func (l *landing) Device() tensor.Device {
+	if l.rc.Mode() == proxy.ModeDirect {
+		return l.dst.Device()
+	}
+	return tensor.Device{Kind: tensor.PinnedHost}
+}
+
+// Direct reports whether the NIC writes the GPU itself.
+func (l *landing) Direct() bool { return l.rc.Mode() == proxy.ModeDirect }
+
+// Free abandons the landing: the proxy tensor goes back, and so does the
+// device memory once the proxy is done with it.
+func (l *landing) Free() error {
+	l.rc.Abort(ErrCancelled)
+	return nil
+}
+
+func (l *landing) Landed(done func(*tensor.Tensor, error)) {
+	l.mu.Lock()
+	l.done = done
+	l.mu.Unlock()
+	if err := l.rc.ChunkArrived(0, int(l.meta.ByteSize)); err != nil {
+		l.rc.Abort(err)
+	}
+}
+
+// finished is the proxy's completion: the bytes are on the device, or the
+// receive failed.
+func (l *landing) finished(err error) {
+	l.mu.Lock()
+	done := l.done
+	l.done = nil
+	l.mu.Unlock()
+	var t *tensor.Tensor
+	if err == nil {
+		t, err = tensor.New(l.meta, l.dst)
+	}
+	if err != nil {
+		_ = l.dst.Free()
+	}
+	if done != nil {
+		done(t, err)
+	} else if t != nil {
+		_ = t.Release()
+	}
+}
