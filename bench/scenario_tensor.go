@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/gdrlink/gdrlink/alloc"
+	"github.com/gdrlink/gdrlink/alloc/visitor"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
 	"github.com/gdrlink/gdrlink/verbsio/bootstrap"
@@ -60,7 +61,7 @@ const (
 type tensorSide struct {
 	dev   verbsio.Device
 	pd    verbsio.ProtectionDomain
-	reg   *benchRegistration
+	reg   *visitor.MemoryRegistration
 	pool  *alloc.Pool
 	ch    *rendezvous.Channel
 	raw   *rawPair
@@ -111,17 +112,17 @@ func openTensorSide(ctx context.Context, provider string, cfg bootstrap.Config, 
 	if s.pd, err = s.dev.AllocPD(); err != nil {
 		return s, ph, err
 	}
-	s.reg = &benchRegistration{pd: s.pd}
+	s.reg = visitor.NewMemoryRegistration(s.pd, verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite|verbsio.AccessRemoteRead)
 	// Arenas big enough that the largest tensor, its result and the fixed
 	// buffer each fit one.
 	if s.pool, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}), alloc.WithVisitors(s.reg),
 		alloc.WithInitialArena(max(64<<20, 2*maxSize)), alloc.WithMaxArena(max(1<<30, 2*maxSize))); err != nil {
 		return s, ph, err
 	}
-	if s.ch, err = rendezvous.New(s.dev, s.pd, rendezvous.PoolMemory(s.reg.regionOf, s.pool), rendezvous.WithName(fmt.Sprint("rank-", cfg.Rank))); err != nil {
+	if s.ch, err = rendezvous.New(s.dev, s.pd, rendezvous.PoolMemory(s.reg.RegionOf, s.pool), rendezvous.WithName(fmt.Sprint("rank-", cfg.Rank))); err != nil {
 		return s, ph, err
 	}
-	if s.raw, err = newRawPair(s.dev, s.pd, s.pool, s.reg.regionOf, maxSize); err != nil {
+	if s.raw, err = newRawPair(s.dev, s.pd, s.pool, s.reg.RegionOf, maxSize); err != nil {
 		return s, ph, err
 	}
 	if s.group, err = bootstrap.Join(ctx, cfg); err != nil {
@@ -564,37 +565,4 @@ func (m *tensorMeasure) raw(copies bool, size, reps int) (time.Duration, error) 
 		}
 		return nil
 	})
-}
-
-// benchRegistration registers each arena with the protection domain once.
-type benchRegistration struct {
-	pd verbsio.ProtectionDomain
-}
-
-func (r *benchRegistration) Name() string { return "verbs-mr" }
-
-func (r *benchRegistration) Visit(a *alloc.Arena) error {
-	mr, err := r.pd.RegisterMemory(a.Base(), a.Size(), verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite|verbsio.AccessRemoteRead)
-	if err != nil {
-		return err
-	}
-	a.SetHandle(r, mr)
-	return nil
-}
-
-func (r *benchRegistration) Release(a *alloc.Arena) error {
-	v, ok := a.Handle(r)
-	if !ok {
-		return nil
-	}
-	a.DeleteHandle(r)
-	return v.(verbsio.MemoryRegion).Close()
-}
-
-func (r *benchRegistration) regionOf(a *alloc.Arena) (verbsio.MemoryRegion, bool) {
-	v, ok := a.Handle(r)
-	if !ok {
-		return nil, false
-	}
-	return v.(verbsio.MemoryRegion), true
 }

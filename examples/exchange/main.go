@@ -28,6 +28,7 @@ import (
 
 	"github.com/dustin/go-humanize"
 	"github.com/gdrlink/gdrlink/alloc"
+	"github.com/gdrlink/gdrlink/alloc/visitor"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
 	"github.com/gdrlink/gdrlink/verbsio/bootstrap"
@@ -105,7 +106,7 @@ func stream(steps int) []item {
 type session struct {
 	dev   verbsio.Device
 	pd    verbsio.ProtectionDomain
-	reg   *registration
+	reg   *visitor.MemoryRegistration
 	pool  *alloc.Pool
 	ch    *rendezvous.Channel
 	group *bootstrap.Group
@@ -143,13 +144,14 @@ func open(ctx context.Context, log *slog.Logger, provider, name string, checksum
 	if s.pd, err = s.dev.AllocPD(); err != nil {
 		return s, err
 	}
-	s.reg = newRegistration(s.pd)
+	// Every arena of the pool is registered with the NIC once, by the visitor.
+	s.reg = visitor.NewMemoryRegistration(s.pd, verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite|verbsio.AccessRemoteRead)
 	s.pool, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: -1}),
 		alloc.WithVisitors(s.reg), alloc.WithName(name), alloc.WithInitialArena(64<<20))
 	if err != nil {
 		return s, err
 	}
-	s.ch, err = rendezvous.New(s.dev, s.pd, rendezvous.PoolMemory(s.reg.regionOf, s.pool),
+	s.ch, err = rendezvous.New(s.dev, s.pd, rendezvous.PoolMemory(s.reg.RegionOf, s.pool),
 		rendezvous.WithName(name), rendezvous.WithChecksum(checksum), rendezvous.WithLogger(log))
 	if err != nil {
 		return s, err

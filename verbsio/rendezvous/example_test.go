@@ -6,16 +6,16 @@ import (
 	"time"
 
 	"github.com/gdrlink/gdrlink/alloc"
+	"github.com/gdrlink/gdrlink/alloc/visitor"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
 	"github.com/gdrlink/gdrlink/verbsio/rendezvous"
 	_ "github.com/gdrlink/gdrlink/verbsio/tcp"
 )
 
-type mrHandle struct{}
-
 // endpoint opens the tcp provider's device and a pool whose arenas are
-// registered with it once, and makes a channel.
+// registered with it once, by the memory-registration visitor, and makes a
+// channel.
 func endpoint(name string) (*rendezvous.Channel, *alloc.Pool, func()) {
 	dev, err := verbsio.Open("tcp", verbsio.DefaultConfig())
 	if err != nil {
@@ -25,32 +25,12 @@ func endpoint(name string) (*rendezvous.Channel, *alloc.Pool, func()) {
 	if err != nil {
 		panic(err)
 	}
-	register := alloc.VisitorFuncs{
-		VisitorName: "verbs-mr",
-		OnVisit: func(a *alloc.Arena) error {
-			mr, err := pd.RegisterMemory(a.Base(), a.Size(), verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite)
-			if err == nil {
-				a.SetHandle(mrHandle{}, mr)
-			}
-			return err
-		},
-		OnRelease: func(a *alloc.Arena) error {
-			v, _ := a.Handle(mrHandle{})
-			return v.(verbsio.MemoryRegion).Close()
-		},
-	}
-	pool, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: -1}), alloc.WithVisitors(register))
+	reg := visitor.NewMemoryRegistration(pd, verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite)
+	pool, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}), alloc.WithVisitors(reg))
 	if err != nil {
 		panic(err)
 	}
-	regionOf := func(a *alloc.Arena) (verbsio.MemoryRegion, bool) {
-		v, ok := a.Handle(mrHandle{})
-		if !ok {
-			return nil, false
-		}
-		return v.(verbsio.MemoryRegion), true
-	}
-	ch, err := rendezvous.New(dev, pd, rendezvous.PoolMemory(regionOf, pool), rendezvous.WithName(name))
+	ch, err := rendezvous.New(dev, pd, rendezvous.PoolMemory(reg.RegionOf, pool), rendezvous.WithName(name))
 	if err != nil {
 		panic(err)
 	}

@@ -25,7 +25,8 @@ type RegionOf func(a *alloc.Arena) (verbsio.MemoryRegion, bool)
 
 // PoolMemory is a Memory over pools whose arenas a memory-registration
 // visitor registered; regionOf finds the region the visitor attached to an
-// arena (visitor.MemoryRegionOf). One pool per device.
+// arena (the visitor's RegionOf, from alloc/visitor.NewMemoryRegistration).
+// Alloc uses the first pool of the asked device; Region searches them all.
 func PoolMemory(regionOf RegionOf, pools ...*alloc.Pool) Memory {
 	return &poolMemory{pools: pools, regionOf: regionOf}
 }
