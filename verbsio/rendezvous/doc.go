@@ -21,6 +21,13 @@
 // deadlines on Recv; and every completed transfer says which path it took in
 // a Transfer and in a debug log record.
 //
+// Results for a GPU land in GPU memory the NIC can write (PathDirectGPU),
+// or, through a Proxy (ProxyPath adapts package proxy), in a pinned host
+// tensor that the proxy copies to the device (PathProxy). Hosts with several
+// NICs pick the one nearest the memory (Closest) and may give a channel
+// extra rails (WithRails): large writes are then striped over all of them,
+// the immediate following once every rail's part has landed.
+//
 // A peer that goes away fails every pending request and send of its channel
 // with an error wrapping verbsio.ErrPeerLost that names the peer.
 package rendezvous
