@@ -40,7 +40,10 @@
 // write with immediate, the zero-length frame carrying the immediate) goes
 // out only when every stripe is acknowledged, so a completion at the target
 // means every byte before it has landed. Completions come in post order; an
-// unsignaled work request completes only when it fails. As on a verbs queue
+// unsignaled work request completes only when it fails. The target holds an
+// acknowledgement back while the next request already waits in its socket
+// and sends a burst's acknowledgements in one write (never across a wait
+// for a posted receive). As on a verbs queue
 // pair, the first failure puts the queue pair in the error state: the work
 // requests behind it complete flushed, later posts fail with ErrQPState,
 // and the connections close, so the peer's queue pair fails too.
