@@ -79,6 +79,7 @@ type Channel struct {
 
 	mu        sync.Mutex
 	state     chanState
+	started   bool // completion goroutines running
 	failErr   error
 	peer      string
 	checksum  bool
@@ -314,10 +315,14 @@ func (c *Channel) Connect(ctx context.Context, peerHello []byte) error {
 		c.posted = true
 	}
 	c.mu.Lock()
-	if c.state == stateNew {
-		c.state = stateConnected
+	if c.state != stateNew {
+		err := c.stateErrLocked()
+		c.mu.Unlock()
+		return fmt.Errorf("rendezvous: connecting to %s: %w", peer, err)
 	}
+	c.state = stateConnected
 	c.active = active
+	c.started = true
 	c.mu.Unlock()
 	go c.poll()
 	for _, rl := range c.rails[:active] {
@@ -379,6 +384,7 @@ func (c *Channel) Close() error {
 	}
 	var ds deliveries
 	c.failLocked(fmt.Errorf("%w: closed by this side", ErrClosed), &ds, stateClosed)
+	started := c.started
 	c.mu.Unlock()
 	ds.run()
 	if wasConnected {
@@ -387,13 +393,16 @@ func (c *Channel) Close() error {
 		case <-c.pollDone:
 		case <-time.After(time.Second):
 		}
-		c.stop()
+	}
+	c.stop()
+	if started {
+		// The completion goroutines use the buffers and queues released
+		// below: wait until they are gone.
 		<-c.pollDone
 		for _, rl := range c.rails[:c.active] {
 			<-rl.done
 		}
 	}
-	c.stop()
 	return c.release()
 }
 

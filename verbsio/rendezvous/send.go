@@ -46,7 +46,8 @@ type sendEntry struct {
 // if it already has). The channel owns t from now on and releases it once
 // written or dropped. t should live in registered memory (a pool of the
 // channel's Memory); other host tensors are copied into a registered block
-// first (counted in Stats.Staged and logged).
+// first (counted in Stats.Staged and logged). If Send returns an error, the
+// caller keeps t.
 func (c *Channel) Send(key string, step int64, t *tensor.Tensor) error {
 	if t == nil {
 		return fmt.Errorf("%w: nil tensor for %q step %d", ErrBadTensor, key, step)
