@@ -1,7 +1,10 @@
 package onnode
 
 import (
+	"context"
 	"fmt"
+	"slices"
+	"time"
 	"testing"
 
 	"github.com/gdrlink/gdrlink/verbsio"
@@ -89,6 +92,57 @@ func BenchmarkWrite(b *testing.B) {
 					}
 				})
 			}
+		})
+	}
+}
+
+// BenchmarkPingPong measures the round trip of a write with immediate and
+// its answer between two processes; half of it is the one-way latency.
+func BenchmarkPingPong(b *testing.B) {
+	for _, size := range []int{8, 4096} {
+		b.Run(fmt.Sprintf("%dB", size), func(b *testing.B) {
+			n, p := pair(b, MechAuto)
+			mine, err := n.register("anon", 4096, rw, 0)
+			if err != nil {
+				b.Fatal(err)
+			}
+			f := p.one("mr", "reg anon 4096 %d 0", rw)
+			addr, rkey := atoi(b, f[0]), uint32(atoi(b, f[1]))
+			recvs := make([]verbsio.RecvWR, 64)
+			if err := n.qp.PostRecv(recvs); err != nil {
+				b.Fatal(err)
+			}
+			p.mu.Lock()
+			fmt.Fprintf(p.in, "pong %d %d %d %d %d\n", rkey, mine.Addr(), mine.RKey(), size, b.N+1)
+			p.mu.Unlock()
+			wr := []verbsio.SendWR{{Op: verbsio.OpWriteImm, RemoteAddr: addr, RKey: rkey, SG: []verbsio.SGE{{Addr: mine.Addr(), Length: uint32(size), LKey: mine.LKey()}}}}
+			var c [1]verbsio.Completion
+			ping := func() {
+				if err := n.qp.PostSend(wr); err != nil {
+					b.Fatal(err)
+				}
+				if _, err := n.rcq.Wait(context.Background(), c[:]); err != nil || c[0].Status != verbsio.StatusSuccess {
+					b.Fatal(err, c[0])
+				}
+				if err := n.qp.PostRecv(recvs[:1]); err != nil {
+					b.Fatal(err)
+				}
+			}
+			ping()
+			rtts := make([]time.Duration, b.N)
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				t := time.Now()
+				ping()
+				rtts[i] = time.Since(t)
+			}
+			b.StopTimer()
+			slices.Sort(rtts)
+			b.ReportMetric(float64(rtts[len(rtts)/2].Nanoseconds())/2, "one-way-p50-ns")
+			p.mu.Lock()
+			for p.out.Scan() && p.out.Text() != "." {
+			}
+			p.mu.Unlock()
 		})
 	}
 }

@@ -23,6 +23,10 @@ type cq struct {
 	q      []verbsio.Completion
 	head   int
 	closed bool
+	// queued mirrors len(q)-head and gone mirrors closed, so an empty Poll
+	// takes no lock.
+	queued atomic.Int64
+	gone   atomic.Bool
 
 	sleepers atomic.Int32
 	notify   chan struct{}
@@ -39,6 +43,7 @@ func newCQ(d *Device, depth int) *cq {
 func (c *cq) push(cs ...verbsio.Completion) {
 	c.mu.Lock()
 	c.q = append(c.q, cs...)
+	c.queued.Store(int64(len(c.q) - c.head))
 	c.mu.Unlock()
 	if c.sleepers.Load() > 0 {
 		c.wake()
@@ -53,6 +58,9 @@ func (c *cq) wake() {
 }
 
 func (c *cq) take(out []verbsio.Completion) int {
+	if c.queued.Load() == 0 {
+		return 0
+	}
 	c.mu.Lock()
 	n := copy(out, c.q[c.head:])
 	c.head += n
@@ -62,15 +70,12 @@ func (c *cq) take(out []verbsio.Completion) int {
 		c.q = append(c.q[:0], c.q[c.head:]...)
 		c.head = 0
 	}
+	c.queued.Store(int64(len(c.q) - c.head))
 	c.mu.Unlock()
 	return n
 }
 
-func (c *cq) pending() bool {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.head < len(c.q)
-}
+func (c *cq) pending() bool { return c.queued.Load() > 0 }
 
 func (c *cq) attach(q *qp) {
 	for {
@@ -137,11 +142,7 @@ func (c *cq) Poll(out []verbsio.Completion) (int, error) {
 	return n, nil
 }
 
-func (c *cq) isClosed() bool {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.closed
-}
+func (c *cq) isClosed() bool { return c.gone.Load() }
 
 // Wait implements verbsio.CompletionQueue: it polls for Options.Spin, then
 // sleeps until a completion arrives or ctx ends.
@@ -219,6 +220,7 @@ func (c *cq) Close() error {
 		return fmt.Errorf("%w: completion queue used by %d queue pairs", verbsio.ErrBusy, c.refs)
 	}
 	c.closed = true
+	c.gone.Store(true)
 	c.dev.dropChild()
 	return nil
 }
