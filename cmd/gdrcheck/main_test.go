@@ -193,6 +193,9 @@ func TestThisNode(t *testing.T) {
 		t.Fatalf("human report: exit %d, colored or without verdict:\n%s", hcode, human)
 	}
 	t.Logf("this node: %s (exit %d): %s", r.Verdict, code, r.Summary)
+	if os.Getenv("GDRLINK_REQUIRE_RDMA") == "1" || os.Getenv("GDRLINK_REQUIRE_GPU") == "1" {
+		t.Logf("the report on this node:\n%s", human)
+	}
 }
 
 func TestFiltersAndPolicy(t *testing.T) {
