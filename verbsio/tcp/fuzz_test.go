@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"testing"
+	"time"
 
 	"github.com/gdrlink/gdrlink/verbsio"
 )
@@ -19,7 +20,7 @@ import (
 // bit of its key is set, its key becomes the region's, so the fuzzer reaches
 // the checks behind the key lookup.
 func FuzzFrame(f *testing.F) {
-	tg := newTarget(f, verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite|verbsio.AccessRemoteRead)
+	tg := newTargetRNR(f, verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite|verbsio.AccessRemoteRead, time.Millisecond)
 	f.Fuzz(func(t *testing.T, data []byte) {
 		h, err := parseHeader(data)
 		if err == nil {

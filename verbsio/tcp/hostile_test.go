@@ -30,7 +30,13 @@ const guardByte = 0xA5
 
 func newTarget(t testing.TB, access verbsio.Access) *target {
 	t.Helper()
-	dev, err := OpenDevice(verbsio.Config{}, Options{RNRTimeout: 50 * time.Millisecond})
+	return newTargetRNR(t, access, 50*time.Millisecond)
+}
+
+// newTargetRNR is newTarget with how long a send waits for a receive.
+func newTargetRNR(t testing.TB, access verbsio.Access, rnr time.Duration) *target {
+	t.Helper()
+	dev, err := OpenDevice(verbsio.Config{}, Options{RNRTimeout: rnr})
 	if err != nil {
 		t.Fatal(err)
 	}
