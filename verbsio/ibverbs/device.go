@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"syscall"
 
 	"errors"
@@ -229,7 +230,9 @@ func (d *Device) CreateCQ(depth int) (verbsio.CompletionQueue, error) {
 		d.dropChild()
 		return nil, wrap(err)
 	}
-	return &cq{d: d, q: q, qps: map[uint32]*qpRef{}, scratch: make([]ibv.WC, 64)}, nil
+	c := &cq{d: d, q: q, qps: map[uint32]*qpRef{}, scratch: make([]ibv.WC, 64)}
+	c.spin.Store(int32(d.p.o.spin))
+	return c, nil
 }
 
 type pd struct {
@@ -392,6 +395,8 @@ type cq struct {
 
 	pmu     sync.Mutex
 	scratch []ibv.WC
+	// spin is how many polls the next Wait makes before it sleeps.
+	spin atomic.Int32
 
 	cmu    sync.Mutex
 	closed bool
@@ -495,12 +500,19 @@ func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 		if n, err := c.Poll(out); n > 0 || err != nil {
 			return n, err
 		}
-		for i := 0; i < c.d.p.o.spin; i++ {
+		// Adaptive spin: a wait that had to sleep halves the next spin, one
+		// that the spin served doubles it (up to the option), so slow
+		// streams stop paying polls for nothing and fast ones keep the
+		// latency of polling.
+		spin := int(c.spin.Load())
+		for i := 0; i < spin; i++ {
 			if n, err := c.Poll(out); n > 0 || err != nil {
+				c.spin.Store(int32(min(max(2*spin, 1), c.d.p.o.spin)))
 				return n, err
 			}
 			runtime.Gosched()
 		}
+		c.spin.Store(int32(spin / 2))
 		if err := ctx.Err(); err != nil {
 			return 0, fmt.Errorf("%w: waiting for completions: %w", verbsio.ErrTimeout, err)
 		}

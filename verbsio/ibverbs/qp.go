@@ -15,8 +15,9 @@ import (
 // posted is one outstanding work request, kept so that completions (whose
 // opcode is undefined on failure) report what was posted.
 type posted struct {
-	wrid uint64
-	op   verbsio.Opcode
+	wrid     uint64
+	op       verbsio.Opcode
+	signaled bool
 }
 
 // ring is a fixed-capacity FIFO of outstanding work requests.
@@ -239,7 +240,7 @@ func (q *qp) PostSend(wrs []verbsio.SendWR) error {
 		}
 	}
 	for i := range wrs {
-		q.sends.push(posted{wrid: wrs[i].WRID, op: wrs[i].Op})
+		q.sends.push(posted{wrid: wrs[i].WRID, op: wrs[i].Op, signaled: wrs[i].Signaled})
 	}
 	n, err := q.q.PostSend(q.wrs, q.sges)
 	if err != nil {
@@ -317,7 +318,10 @@ func (q *qp) recvHeadIs(wrid uint64) bool {
 
 // complete retires the work request a completion reports and returns its
 // opcode. Sends complete in order, unsignaled ones silently with the next
-// signaled one, so entries before the matching ID are retired too.
+// signaled one, so entries before the matching one are retired too: a
+// successful completion matches the first signaled request with its ID (an
+// unsignaled request never completes successfully), a failed one the first
+// request with its ID (errors and flushes complete every request).
 func (q *qp) complete(w *ibv.WC, recv bool, st verbsio.Status) verbsio.Opcode {
 	q.mu.Lock()
 	defer q.mu.Unlock()
@@ -338,7 +342,7 @@ func (q *qp) complete(w *ibv.WC, recv bool, st verbsio.Status) verbsio.Opcode {
 			break
 		}
 		q.sends.pop()
-		if p.wrid == w.WRID {
+		if p.wrid == w.WRID && (p.signaled || st != verbsio.StatusSuccess) {
 			op = p.op
 			break
 		}
