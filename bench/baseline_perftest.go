@@ -11,6 +11,9 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/gdrlink/gdrlink/verbsio"
+	"github.com/gdrlink/gdrlink/verbsio/ibverbs"
 )
 
 // errNoPerftest: perftest's ib_write_bw is not installed.
@@ -25,6 +28,24 @@ func perftestIters(size int64, quick bool) int {
 		total = 32 << 20
 	}
 	return int(max(5, min(5000, total/max(size, 1))))
+}
+
+// perftestBaseline measures ib_write_bw on the device and GID that an
+// ibverbs device uses, for one size at a time: the baseline of the ibverbs
+// provider's write bandwidth, in GB/s. It fails with errNoPerftest when
+// perftest is not installed, and for devices of other providers.
+func perftestBaseline(dev verbsio.Device, quick bool) (func(ctx context.Context, size int64) (float64, error), error) {
+	d, ok := dev.(*ibverbs.Device)
+	if !ok {
+		return nil, fmt.Errorf("%w: ib_write_bw measures ibverbs devices, not %s", verbsio.ErrNotSupported, dev.Info().Provider)
+	}
+	if _, err := exec.LookPath("ib_write_bw"); err != nil {
+		return nil, fmt.Errorf("%w: %w", errNoPerftest, err)
+	}
+	name, gid := d.Info().Name, d.GIDIndex()
+	return func(ctx context.Context, size int64) (float64, error) {
+		return perftestWriteBW(ctx, name, gid, size, perftestIters(size, quick))
+	}, nil
 }
 
 // perftestWriteBW measures RDMA WRITE bandwidth with perftest's ib_write_bw
