@@ -88,3 +88,14 @@ func FuzzParsePerftestBW(f *testing.F) {
 		}
 	})
 }
+
+func TestPerftestBaselineNeedsIbverbs(t *testing.T) {
+	dev, err := verbsio.Open("tcp", verbsio.DefaultConfig())
+	if err != nil {
+		t.Skipf("skipping: no tcp device to hand the ib_write_bw baseline: %v", err)
+	}
+	defer dev.Close()
+	if _, err := perftestBaseline(dev, true); !errors.Is(err, verbsio.ErrNotSupported) {
+		t.Fatalf("perftestBaseline of a tcp device: %v", err)
+	}
+}

@@ -124,7 +124,8 @@ fi
   printf 'per=%q\n' "${RDMA_TEST_TIMEOUT:-300}"
   printf 'bench=%q\n' "$bench"
   printf 'bench_scenarios=%q\n' "$bench_scenarios"
-  printf 'bench_args=%q\n' "${RDMA_BENCH_ARGS:--quick}"
+  # Quick sizes, and only the provider under test where xfer has others.
+  printf 'bench_args=%q\n' "${RDMA_BENCH_ARGS:--quick -set xfer.providers=ibverbs}"
 } > "$work/env"
 
 # --- 5. The guest: an initramfs that mounts the host's root and runs guest.sh.
