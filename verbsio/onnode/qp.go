@@ -609,7 +609,9 @@ func (q *qp) failLocked(st verbsio.Status, err error) {
 	if pst == verbsio.StatusLocalLength {
 		pst = verbsio.StatusFlushed
 	}
-	q.flushPending(pst)
+	if q.flushPending(pst) && st == verbsio.StatusRetryExceeded {
+		q.lossReported.Store(true)
+	}
 	cs := q.compBuf[:0]
 	for _, r := range q.recvs {
 		cs = append(cs, verbsio.Completion{WRID: r.wrid, Status: st, Op: verbsio.OpRecv, QP: q})
@@ -743,12 +745,13 @@ func (q *qp) resolve(seq uint32, st verbsio.Status) {
 	}
 }
 
-// flushPending completes every SEND still waiting with st and releases all.
-func (q *qp) flushPending(st verbsio.Status) {
+// flushPending completes every SEND still waiting with st and releases all;
+// it reports whether any was waiting.
+func (q *qp) flushPending(st verbsio.Status) (waited bool) {
 	q.compMu.Lock()
 	for i := range q.pending {
 		if p := &q.pending[i]; p.waiting {
-			p.waiting, p.c.Status = false, st
+			p.waiting, p.c.Status, waited = false, st, true
 		}
 	}
 	out := q.releaseLocked(nil)
@@ -756,6 +759,7 @@ func (q *qp) flushPending(st verbsio.Status) {
 	if len(out) > 0 {
 		q.sendCQ.push(out...)
 	}
+	return waited
 }
 
 // handleLocked takes one record: it completes a receive or keeps an arrival.

@@ -109,6 +109,7 @@ func sgLen(sg []verbsio.SGE) uint64 {
 // sendFail moves the queue pair to the error state after a failed work
 // request and tells the peer, whose posted receives are flushed.
 func (q *qp) sendFail(st verbsio.Status, err error) {
+	q.lossReported.Store(true) // the send queue has reported its failure
 	if err == nil {
 		err = st.Err()
 	}
