@@ -73,11 +73,14 @@
 // # Lanes
 //
 // Measured with BenchmarkWrite on a loaded two-core host (loopback, both
-// devices in one process, eight writes in flight), per CPU second: one lane
-// moved 16 MiB writes at about 104% of a raw TCP stream's bytes per CPU
-// second and two or four lanes at 70-90%; striping helped 1 MiB writes (two
-// lanes about 1.8 times one). DefaultLanes is therefore 1; more lanes
-// (GDRLINK_TCP_LANES) are for links that one TCP stream cannot fill.
+// devices in one process, eight writes in flight; wall-clock rates varied
+// twofold between runs, so the CPU cost per byte is the steadier figure):
+// 16 MiB writes moved 98-104% of a raw TCP stream's bytes per CPU second
+// with one lane and 85-105% with two or four; 1 MiB writes gained from
+// striping (two lanes about 1.3 to 1.8 times one). With no lane count
+// clearly ahead for large writes, DefaultLanes is 1, the simplest (no
+// stripe round trip); more lanes (GDRLINK_TCP_LANES) are for links that one
+// TCP stream cannot fill.
 // Socket buffers are left to the kernel's automatic tuning by default:
 // fixed 4 and 16 MiB buffers (GDRLINK_TCP_SOCKET_BUFFER) made no clear
 // difference in the same measurements.
