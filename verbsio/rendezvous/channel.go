@@ -116,7 +116,7 @@ type Channel struct {
 type statsCounters struct {
 	requests, metaResponses, reRequests, finals, writesIn, writesOut atomic.Uint64
 	bytesIn, bytesOut, errors, controlOut, creditsOnly, nameDefs     atomic.Uint64
-	checksumFailures, staged, striped                                atomic.Uint64
+	checksumFailures, staged, striped, metaInPlace                   atomic.Uint64
 }
 
 // outItem is a queued control frame or write, posted in order.
@@ -349,7 +349,7 @@ func (c *Channel) Device() string { return c.devName }
 func (c *Channel) Stats() Stats {
 	s := &c.stats
 	return Stats{
-		Requests: s.requests.Load(), MetaResponses: s.metaResponses.Load(), ReRequests: s.reRequests.Load(), Finals: s.finals.Load(),
+		Requests: s.requests.Load(), MetaResponses: s.metaResponses.Load(), MetaInPlace: s.metaInPlace.Load(), ReRequests: s.reRequests.Load(), Finals: s.finals.Load(),
 		WritesIn: s.writesIn.Load(), WritesOut: s.writesOut.Load(), BytesIn: s.bytesIn.Load(), BytesOut: s.bytesOut.Load(),
 		Errors: s.errors.Load(), ControlOut: s.controlOut.Load(), CreditsOnly: s.creditsOnly.Load(), NameDefs: s.nameDefs.Load(),
 		ChecksumFailures: s.checksumFailures.Load(), Staged: s.staged.Load(), Striped: s.striped.Load(),

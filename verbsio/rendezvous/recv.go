@@ -23,13 +23,15 @@ type request struct {
 	crc       uint32
 	hasCRC    bool
 	roundTrip bool
-	cancelled bool
-	done      bool
-	start     time.Time
-	cb        func(*tensor.Tensor, Transfer, error)
-	stop      func() bool
-	landing   bool     // completed by a proxy Landing
-	tr        Transfer // the transfer a Landing reports
+	// metaChanged: the cached meta-data was stale or missing.
+	metaChanged bool
+	cancelled   bool
+	done        bool
+	start       time.Time
+	cb          func(*tensor.Tensor, Transfer, error)
+	stop        func() bool
+	landing     bool     // completed by a proxy Landing
+	tr          Transfer // the transfer a Landing reports
 }
 
 // RecvOption changes one Recv.
@@ -107,6 +109,9 @@ func (c *Channel) RecvFunc(ctx context.Context, key string, step int64, cb func(
 			c.railKeys(&m, r.buf.Addr(), r.buf.Len())
 			if m.NumRailKeys > 0 {
 				m.Flags |= wire.ReqRails
+			}
+			if _, ok := r.buf.(Landing); ok {
+				m.Flags |= wire.ReqExact // a landing is made for one meta-data
 			}
 		}
 	}
@@ -192,7 +197,13 @@ func (c *Channel) allocResultLocked(r *request, meta tensor.Meta) error {
 	if meta.ByteSize > c.opts.maxTensor {
 		return fmt.Errorf("%w: %v exceeds the limit of %d bytes", ErrTooLarge, meta, c.opts.maxTensor)
 	}
-	buf, err := c.mem.Alloc(int(meta.ByteSize), dev)
+	size := int(meta.ByteSize)
+	if meta.DType == tensor.String {
+		// Encodings change size from step to step: room for some growth
+		// lets the next one be written with no re-request.
+		size += size/4 + 64
+	}
+	buf, err := c.mem.Alloc(size, dev)
 	if err != nil && r.path == PathDirectGPU && errors.Is(err, verbsio.ErrNotSupported) {
 		if c.opts.proxy == nil {
 			return fmt.Errorf("%w: %s: %w (and no proxy)", ErrNoPath, dev, err)
@@ -279,7 +290,7 @@ func (c *Channel) finishLocked(r *request, t *tensor.Tensor, err error, ds *deli
 		return
 	}
 	tr := Transfer{Key: r.key.name, Step: r.key.step, Peer: c.peer, Path: r.path, Provider: c.provider, Device: c.devName,
-		MetaRoundTrip: r.roundTrip, Checksummed: r.hasCRC && err == nil, Took: time.Since(r.start)}
+		MetaRoundTrip: r.roundTrip, MetaChanged: r.metaChanged, Checksummed: r.hasCRC && err == nil, Took: time.Since(r.start)}
 	if t != nil {
 		tr.Meta = t.Meta()
 		if !tr.Meta.IsDead {
@@ -366,9 +377,22 @@ func (c *Channel) onMetaLocked(m *wire.Message, ds *deliveries) {
 		c.finishLocked(r, t, err, ds)
 		return
 	}
+	if m.Flags&wire.RespWriteFollows != 0 {
+		if _, landing := r.buf.(Landing); r.buf == nil || landing || int64(r.buf.Len()) < meta.ByteSize || meta.DType != r.meta.DType {
+			c.protocolLocked(ds, "%s for request %d: %v does not fit its buffer", m.Type, m.Req, meta)
+			return
+		}
+		c.stats.metaInPlace.Add(1)
+		c.cache[r.key.name] = meta
+		r.meta, r.metaChanged = meta, true
+		if m.Flags&wire.RespChecksum != 0 {
+			r.crc, r.hasCRC = m.Checksum, true
+		}
+		return
+	}
 	c.stats.metaResponses.Add(1)
 	c.cache[r.key.name] = meta
-	r.roundTrip = true
+	r.roundTrip, r.metaChanged = true, true
 	if m.Flags&wire.RespChecksum != 0 {
 		r.crc, r.hasCRC = m.Checksum, true
 	}

@@ -21,6 +21,7 @@ type sendEntry struct {
 	hasReq     bool
 	req        uint32
 	reqHasMeta bool
+	reqExact   bool
 	reqMeta    wire.Meta
 	raddr      uint64
 	rkey       uint32
@@ -137,6 +138,7 @@ func (c *Channel) onRequestLocked(m *wire.Message, ds *deliveries) {
 	}
 	e.hasReq, e.req = true, m.Req
 	e.reqHasMeta = m.Flags&wire.ReqMeta != 0
+	e.reqExact = m.Flags&wire.ReqExact != 0
 	if e.reqHasMeta {
 		e.reqMeta = m.Meta
 	}
@@ -172,6 +174,19 @@ func (c *Channel) serveLocked(e *sendEntry, ds *deliveries) {
 		return
 	}
 	if e.reqHasMeta && e.reqMeta.Equal(meta) && e.raddr != 0 && e.rcap >= uint64(meta.ByteSize) {
+		c.queueWriteLocked(e)
+		return
+	}
+	if e.reqHasMeta && !e.reqExact && e.raddr != 0 && e.rcap >= uint64(meta.ByteSize) && e.reqMeta.DType == meta.DType && !e.reqMeta.Dead {
+		// Changed, but it fits the buffer: say so and write at once.
+		m := wire.Message{Type: wire.TypeMetaResponse, Flags: wire.RespWriteFollows, Req: e.req}
+		m.Meta.SetMeta(meta)
+		if c.checksum {
+			m.Flags |= wire.RespChecksum
+			m.Checksum = e.crc
+			e.crcSent = true
+		}
+		c.enqueueLocked(&m)
 		c.queueWriteLocked(e)
 		return
 	}

@@ -57,6 +57,10 @@ type Transfer struct {
 	// MetaRoundTrip reports that the meta-data cache was stale or empty, so a
 	// META_DATA_RESPONSE and a TENSOR_RE_REQUEST were needed.
 	MetaRoundTrip bool
+	// MetaChanged reports that the cached meta-data did not describe the
+	// tensor. Without MetaRoundTrip, the tensor still fit the result buffer
+	// and was written at once (META_DATA_RESPONSE with write-follows).
+	MetaChanged bool
 	// Checksummed reports that the bytes were verified against the sender's
 	// CRC-32C.
 	Checksummed bool
@@ -70,7 +74,7 @@ func (t Transfer) LogValue() slog.Value {
 		slog.String("key", t.Key), slog.Int64("step", t.Step), slog.String("peer", t.Peer),
 		slog.String("path", t.Path.String()), slog.String("provider", t.Provider), slog.String("device", t.Device),
 		slog.String("meta", t.Meta.String()), slog.Int64("bytes", t.Bytes),
-		slog.Bool("meta_round_trip", t.MetaRoundTrip), slog.Bool("checksummed", t.Checksummed),
+		slog.Bool("meta_round_trip", t.MetaRoundTrip), slog.Bool("meta_changed", t.MetaChanged), slog.Bool("checksummed", t.Checksummed),
 		slog.Duration("took", t.Took))
 }
 
@@ -81,6 +85,9 @@ type Stats struct {
 	// MetaResponses is the number of META_DATA_RESPONSEs received that asked
 	// for a re-request (stale or empty cache).
 	MetaResponses uint64
+	// MetaInPlace is the number of META_DATA_RESPONSEs received that
+	// announced a changed tensor written into the buffer already offered.
+	MetaInPlace uint64
 	// ReRequests is the number of TENSOR_RE_REQUESTs sent.
 	ReRequests uint64
 	// Finals is the number of requests completed by a control message alone

@@ -83,7 +83,11 @@ const (
 	// ReqRails: the request carries the result buffer's rkeys on the
 	// channel's extra rails (RailKeys), so the sender may stripe the write.
 	ReqRails
-	reqAll = ReqName | ReqMeta | ReqRails
+	// ReqExact: the result buffer takes only the cached meta-data; a
+	// changed tensor needs a re-request even when it would fit
+	// (RespWriteFollows is not allowed).
+	ReqExact
+	reqAll = ReqName | ReqMeta | ReqRails | ReqExact
 )
 
 // MaxRailKeys is the most extra-rail rkeys a request carries.
@@ -96,7 +100,11 @@ const (
 	RespFinal uint8 = 1 << iota
 	// RespChecksum: Checksum holds the CRC-32C of the bytes to be written.
 	RespChecksum
-	respAll = RespFinal | RespChecksum
+	// RespWriteFollows: the tensor fits the result buffer the request named
+	// though its meta-data changed; the write follows into that buffer with
+	// no re-request.
+	RespWriteFollows
+	respAll = RespFinal | RespChecksum | RespWriteFollows
 )
 
 // Flags of HELLO.
@@ -180,8 +188,8 @@ type Endpoint struct {
 
 // Message is any frame. Which fields are meaningful depends on Type:
 //
-//	TENSOR_REQUEST      Flags(ReqName|ReqMeta|ReqRails) Req Step NameIndex [Name] Addr RKey Capacity [RailKeys] [Meta]
-//	META_DATA_RESPONSE  Flags(RespFinal|RespChecksum) Req Meta [Checksum]
+//	TENSOR_REQUEST      Flags(ReqName|ReqMeta|ReqRails|ReqExact) Req Step NameIndex [Name] Addr RKey Capacity [RailKeys] [Meta]
+//	META_DATA_RESPONSE  Flags(RespFinal|RespChecksum|RespWriteFollows) Req Meta [Checksum]
 //	TENSOR_RE_REQUEST   Req Addr RKey Capacity RailKeys
 //	ERROR_STATUS        Req Code Text
 //	CREDIT, BYE         (header only)
@@ -440,7 +448,7 @@ func Decode(b []byte, m *Message) (int, error) {
 		}
 	case TypeMetaResponse:
 		m.Flags = r.u8()
-		if r.err == nil && m.Flags&^respAll != 0 {
+		if r.err == nil && (m.Flags&^respAll != 0 || m.Flags&RespFinal != 0 && m.Flags&RespWriteFollows != 0) {
 			return 0, fmt.Errorf("%w: %#x in %s", ErrFlags, m.Flags, t)
 		}
 		m.Req = r.u32()

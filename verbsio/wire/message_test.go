@@ -28,12 +28,13 @@ func samples(t testing.TB) []Message {
 	hello.Endpoints[1] = Endpoint{Provider: []byte("tcp"), Host: []byte("boot-id"), Data: []byte{1, 2, 3}}
 	return []Message{
 		{Type: TypeRequest, Credits: 3, Flags: ReqName | ReqMeta, Req: 7, Step: 42, NameIndex: 1, Name: []byte("layer0/weights"), Addr: 0x7f0000001000, RKey: 0x1234, Capacity: 24, Meta: metaOf(t, tensor.Float32, 2, 3)},
-		{Type: TypeRequest, Req: 8, Step: -1, NameIndex: 9},
+		{Type: TypeRequest, Req: 8, Step: -1, NameIndex: 9, Flags: ReqExact},
 		{Type: TypeRequest, Flags: ReqMeta, Req: 1 << 31, Step: 1, NameIndex: 2, Meta: metaOf(t, tensor.Int8)},
 		{Type: TypeRequest, Flags: ReqMeta | ReqRails, Req: 5, Step: 2, NameIndex: 3, Addr: 0x2000, RKey: 1, Capacity: 64, NumRailKeys: 2, RailKeys: [MaxRailKeys]uint32{7, 8}, Meta: metaOf(t, tensor.Float32, 16)},
 		{Type: TypeMetaResponse, Req: 7, Meta: metaOf(t, tensor.Complex128, 4, 0, 5)},
 		{Type: TypeMetaResponse, Flags: RespFinal, Req: 7, Meta: Meta{DType: tensor.Float32, Dead: true, Rank: 1, Dims: [tensor.MaxRank]int64{3}}},
 		{Type: TypeMetaResponse, Flags: RespChecksum, Req: 9, Checksum: 0xdeadbeef, Meta: metaOf(t, tensor.BFloat16, 1024)},
+		{Type: TypeMetaResponse, Flags: RespChecksum | RespWriteFollows, Req: 10, Checksum: 1, Meta: metaOf(t, tensor.Float32, 8)},
 		{Type: TypeReRequest, Credits: 1, Req: 7, Addr: 0x1000, RKey: 5, Capacity: 4096},
 		{Type: TypeReRequest, Req: 8, Addr: 0x1000, RKey: 5, Capacity: 4096, NumRailKeys: 3, RailKeys: [MaxRailKeys]uint32{1, 2, 3}},
 		{Type: TypeError, Req: 7, Code: CodeSender, Text: []byte("no such tensor")},
@@ -130,7 +131,7 @@ func TestDecodeRejects(t *testing.T) {
 		{"length huge", func() []byte { b := good(0); le.PutUint32(b[4:], MaxFrame+1); return b }(), ErrLength},
 		{"length past input", func() []byte { b := good(0); return b[:len(b)-1] }(), ErrTruncated},
 		{"body cut", func() []byte { b := good(0); return setLen(b[:len(b)-3]) }(), ErrTruncated},
-		{"trailing in frame", func() []byte { b := append(good(7), 0); return setLen(b) }(), ErrLength},
+		{"trailing in frame", func() []byte { b := append(good(8), 0); return setLen(b) }(), ErrLength},
 		{"request flags", func() []byte { b := good(1); b[8] = 0x80; return b }(), ErrFlags},
 		{"name index 0", func() []byte { b := good(1); le.PutUint32(b[8+1+4+8:], 0); return b }(), ErrField},
 		{"empty name", func() []byte {
@@ -166,19 +167,20 @@ func TestDecodeRejects(t *testing.T) {
 			return m.Append(nil)
 		}(), ErrMeta},
 		{"response flags", func() []byte { b := good(4); b[8] = 0x10; return b }(), ErrFlags},
-		{"hello flags", func() []byte { b := good(15); b[8] = 0x10; return b }(), ErrFlags},
+		{"final and write follows", func() []byte { b := good(4); b[8] = RespFinal | RespWriteFollows; return b }(), ErrFlags},
+		{"hello flags", func() []byte { b := good(16); b[8] = 0x10; return b }(), ErrFlags},
 		{"no rail keys with ReqRails", func() []byte {
 			m := samples(t)[3]
 			m.NumRailKeys = 0
 			return m.Append(nil)
 		}(), ErrLength},
 		{"too many rail keys", func() []byte {
-			b := good(8)
+			b := good(9)
 			b[8+4+8+4+8] = MaxRailKeys + 1
 			return b
 		}(), ErrLength},
 		{"too many endpoints", func() []byte {
-			m := samples(t)[15]
+			m := samples(t)[16]
 			b := m.Append(nil)
 			off := 8 + 1 + 2 + 4 + 2 + len(m.Text) + 2 + len(m.Host)
 			b[off] = MaxEndpoints + 1
