@@ -271,3 +271,40 @@ func TestJobOfOne(t *testing.T) {
 		t.Errorf("Exchange with itself = %q, %v", b, err)
 	}
 }
+
+// TestRootLate starts a rank before its root: the rank keeps dialing until
+// the root listens.
+func TestRootLate(t *testing.T) {
+	addr := func() string {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ln.Close()
+		return ln.Addr().String()
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		g, err := Join(ctx, Config{Rank: 1, Size: 2, Root: addr})
+		if err == nil {
+			_, err = g.AllGather(ctx, []byte("late"))
+			g.Close()
+		}
+		done <- err
+	}()
+	time.Sleep(300 * time.Millisecond)
+	g, err := Join(ctx, Config{Rank: 0, Size: 2, Root: addr})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	all, err := g.AllGather(ctx, []byte("root"))
+	if err != nil || string(all[1]) != "late" {
+		t.Fatalf("AllGather = %q, %v", all, err)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+}

@@ -30,7 +30,9 @@
 // The region is read-locked while bytes move into it, so a region closed
 // under a transfer waits for it and is never written after Close returns.
 // A peer that goes away in the middle of a payload may leave part of it in
-// the region, as an interrupted RDMA write would; never outside.
+// the region, as an interrupted RDMA write would, and a striped write whose
+// last stripe fails the range check may have placed its other stripes (each
+// stripe is checked on its own); never a byte outside the region.
 //
 // # Ordering and completions
 //
