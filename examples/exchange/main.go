@@ -86,9 +86,13 @@ func stream(steps int) []item {
 	return []item{
 		{"embedding/ids", "int64", fixed(256)},
 		{"layer1/weights", "float32", fixed(512, 512)},
-		// The batch grows half way: one META_DATA_RESPONSE and one re-request.
+		// The batch grows half way (one META_DATA_RESPONSE and one
+		// re-request), then shrinks (written straight into the buffer).
 		{"layer2/activations", "bfloat16", func(step int) tensor.Shape {
-			if step >= steps/2 {
+			switch {
+			case step >= steps*3/4:
+				return tensor.Shape{96, 1024} // shrinks: fits, written at once
+			case step >= steps/2:
 				return tensor.Shape{128, 1024}
 			}
 			return tensor.Shape{64, 1024}
@@ -296,7 +300,7 @@ func runReceiver(log *slog.Logger, steps int, provider string, checksum, verbose
 			}
 			_ = r.t.Release()
 			recs = append(recs, record{r.it.key, r.tr, r.tr.Took})
-			if verbose || step == 0 || r.tr.MetaRoundTrip {
+			if verbose || step == 0 || r.tr.MetaChanged {
 				printTransfer(r.tr)
 			}
 		}
@@ -308,16 +312,19 @@ func runReceiver(log *slog.Logger, steps int, provider string, checksum, verbose
 	fmt.Println()
 	summarize(recs, items, wall)
 	st := s.ch.Stats()
-	fmt.Printf("\nprotocol: %d requests, %d meta-data responses, %d re-requests, %d final (no-write) responses, %d writes in, %d control sends (%d credit-only), %d full names then indexes\n",
-		st.Requests, st.MetaResponses, st.ReRequests, st.Finals, st.WritesIn, st.ControlOut, st.CreditsOnly, st.NameDefs)
+	fmt.Printf("\nprotocol: %d requests, %d meta-data responses (+%d written in place), %d re-requests, %d final (no-write) responses, %d writes in, %d control sends (%d credit-only), %d full names then indexes\n",
+		st.Requests, st.MetaResponses, st.MetaInPlace, st.ReRequests, st.Finals, st.WritesIn, st.ControlOut, st.CreditsOnly, st.NameDefs)
 	fmt.Printf("every tensor verified byte for byte; done in %v\n", time.Since(start).Round(time.Millisecond))
 	return nil
 }
 
 func printTransfer(tr rendezvous.Transfer) {
 	note := ""
-	if tr.MetaRoundTrip {
+	switch {
+	case tr.MetaRoundTrip:
 		note = " (meta-data round trip)"
+	case tr.MetaChanged:
+		note = " (changed, fit the offered buffer: no re-request)"
 	}
 	if tr.Checksummed {
 		note += " (crc32c ok)"
@@ -333,7 +340,8 @@ func summarize(recs []record, items []item, wall time.Duration) {
 		by[r.key] = append(by[r.key], r)
 		total += r.tr.Bytes
 	}
-	fmt.Printf("%-20s %6s %-12s %10s %12s %12s\n", "tensor", "count", "path", "bytes", "median req→done", "rate")
+	fmt.Println("(req→done: from Recv to the tensor in hand; all Recvs of a step are in flight at once)")
+	fmt.Printf("%-20s %6s %-12s %10s %16s %12s\n", "tensor", "count", "path", "bytes", "median req→done", "rate")
 	for _, it := range items {
 		rs := by[it.key]
 		if len(rs) == 0 {
@@ -350,7 +358,9 @@ func summarize(recs []record, items []item, wall time.Duration) {
 		sort.Slice(ts, func(i, j int) bool { return ts[i] < ts[j] })
 		med := ts[len(ts)/2]
 		rate := "-"
-		if per := bytes / int64(len(rs)); per > 0 && med > 0 {
+		// Small tensors wait behind the step's others: a rate means
+		// something only for the large ones.
+		if per := bytes / int64(len(rs)); per >= 1<<20 && med > 0 {
 			rate = humanize.IBytes(uint64(float64(per)/med.Seconds())) + "/s"
 		}
 		var ps []string
@@ -358,7 +368,7 @@ func summarize(recs []record, items []item, wall time.Duration) {
 			ps = append(ps, p)
 		}
 		sort.Strings(ps)
-		fmt.Printf("%-20s %6d %-12s %10s %12v %12s\n", it.key, len(rs), strings.Join(ps, ","), humanize.IBytes(uint64(bytes)), med.Round(time.Microsecond), rate)
+		fmt.Printf("%-20s %6d %-12s %10s %16v %12s\n", it.key, len(rs), strings.Join(ps, ","), humanize.IBytes(uint64(bytes)), med.Round(time.Microsecond), rate)
 	}
 	fmt.Printf("\n%d tensors, %s in %v: %s/s overall\n", len(recs), humanize.IBytes(uint64(total)), wall.Round(time.Millisecond),
 		humanize.IBytes(uint64(float64(total)/wall.Seconds())))
