@@ -153,6 +153,10 @@ func TestGIDHashing(t *testing.T) {
 	if newCapture().hashGID(ll) == h {
 		t.Fatal("two captures share a salt")
 	}
+	c.File("/sys/class/infiniband/rxe0/ports/1/gids/7", []byte("0000:0000:0000:0000:0000:0000:0000:0000\n"))
+	if len(c.files) != 0 {
+		t.Fatalf("empty GID captured: %v", c.files)
+	}
 	c.File("/proc/cmdline", []byte("BOOT_IMAGE=/vmlinuz root=UUID=1234 intel_iommu=on iommu=pt quiet\n"))
 	if got := string(c.files["/proc/cmdline"]); got != "intel_iommu=on iommu=pt\n" {
 		t.Fatalf("cmdline kept as %q", got)
