@@ -2,7 +2,9 @@ package rendezvous
 
 import (
 	"fmt"
+	"strings"
 
+	"github.com/gdrlink/gdrlink/gdr"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
@@ -32,4 +34,26 @@ func Closest(devs []verbsio.DeviceInfo, memNode int) (dev verbsio.DeviceInfo, re
 		return devs[0], fmt.Sprintf("no device on NUMA node %d; first of %d on other nodes", memNode, len(devs)), nil
 	}
 	return devs[0], fmt.Sprintf("the memory's NUMA node is unknown; first of %d devices", len(devs)), nil
+}
+
+// ForGPU picks the device for tensors of a GPU from gdr's decision for that
+// GPU (gdr.DecideGPU: GPUDirect first, then the shortest PCIe path, then the
+// GPU's NUMA node). When gdr chose no device of this provider it falls back
+// to Closest with the GPU's NUMA node, and says so.
+func ForGPU(devs []verbsio.DeviceInfo, d gdr.Decision, gpuNUMA int) (dev verbsio.DeviceInfo, reason string, err error) {
+	if d.NIC != "" && d.Mode != gdr.Unavailable {
+		for _, x := range devs {
+			if x.Name == d.NIC {
+				return x, fmt.Sprintf("gdr: %s for GPU %d over a %s path (%s)", d.Mode, d.GPU, d.PathType, strings.Join(d.Reasons, "; ")), nil
+			}
+		}
+	}
+	dev, why, err := Closest(devs, gpuNUMA)
+	if err != nil {
+		return dev, "", err
+	}
+	if d.NIC == "" || d.Mode == gdr.Unavailable {
+		return dev, fmt.Sprintf("gdr found no RDMA path for GPU %d; %s", d.GPU, why), nil
+	}
+	return dev, fmt.Sprintf("gdr chose %s for GPU %d, which this provider does not have; %s", d.NIC, d.GPU, why), nil
 }
