@@ -3,6 +3,7 @@ package verbstest
 import (
 	"bufio"
 	"context"
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -163,6 +164,13 @@ func (p *peer) do(r request) (reply, error) {
 			return rep, fmt.Errorf("no region %d", r.ID)
 		}
 		return reply{Data: g.mem}, nil
+	case "digest":
+		g := p.regions[r.ID]
+		if g == nil {
+			return rep, fmt.Errorf("no region %d", r.ID)
+		}
+		sum := sha256.Sum256(g.mem)
+		return reply{Data: sum[:]}, nil
 	case "set":
 		g := p.regions[r.ID]
 		if g == nil {

@@ -83,6 +83,7 @@ func Run(t *testing.T, h Harness) {
 	s.peer = startPeer(t, h)
 	t.Run("ConnectBootstrap", s.testConnectBootstrap)
 	t.Run("Write", s.testWrite)
+	t.Run("LargeWrite", s.testLargeWrite)
 	t.Run("WriteImm", s.testWriteImm)
 	t.Run("Inline", s.testInline)
 	t.Run("SendRecv", s.testSendRecv)

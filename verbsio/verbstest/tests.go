@@ -3,6 +3,7 @@ package verbstest
 import (
 	"bytes"
 	"context"
+	"crypto/sha256"
 	"errors"
 	"net"
 	"slices"
@@ -266,6 +267,47 @@ func (s *suite) testWrite(t *testing.T) {
 		t.Fatalf("write completion %+v", cpl)
 	}
 	checkGuarded(t, peerBytes(t, s.peer, dst), dst, want, 0xA5)
+}
+
+// testLargeWrite moves 32 MiB in one write with immediate (providers that
+// split or stripe large writes do it here) and compares digests of the
+// peer's whole mapping, guards included.
+func (s *suite) testLargeWrite(t *testing.T) {
+	caps := s.dev.Caps()
+	n := 32 << 20
+	if int64(n) > caps.MaxMessage {
+		n = int(caps.MaxMessage)
+	}
+	c := s.connect(t, s.peer, verbsio.QPConfig{})
+	const guard = 4096
+	src := s.local(t, n, verbsio.AccessLocalWrite)
+	pattern(src.mem, 12)
+	for i := 0; i < n; i += 4096 {
+		src.mem[i] = byte(i >> 12) // so shifted pages differ
+	}
+	dst := s.peerRegion(t, s.peer, n, guard, 0x6B, rw)
+	op := verbsio.OpWrite
+	if caps.WriteWithImmediate {
+		op = verbsio.OpWriteImm
+		s.peer.call(t, request{Op: "postrecv", ID: c.peerQP, WRID: 5, Count: 1})
+	}
+	if cpl := c.post(t, verbsio.SendWR{WRID: 1, Op: op, Imm: 7, SG: []verbsio.SGE{src.sge(0, n)}, RemoteAddr: dst.addr, RKey: dst.rkey}); cpl.Status != verbsio.StatusSuccess {
+		t.Fatalf("write of %d bytes: %v", n, cpl.Status)
+	}
+	if caps.WriteWithImmediate {
+		if got := c.peerPoll(t, 1); len(got) != 1 || got[0].ByteLen != uint32(n) || got[0].Imm != 7 {
+			t.Errorf("receiver completions %+v, want one of %d bytes with immediate 7", got, n)
+		}
+	}
+	want := make([]byte, 0, n+2*guard)
+	want = append(want, bytes.Repeat([]byte{0x6B}, guard)...)
+	want = append(want, src.mem...)
+	want = append(want, bytes.Repeat([]byte{0x6B}, guard)...)
+	sum := sha256.Sum256(want)
+	if got := s.peer.call(t, request{Op: "digest", ID: dst.id}).Data; !bytes.Equal(got, sum[:]) {
+		checkGuarded(t, peerBytes(t, s.peer, dst), dst, src.mem, 0x6B)
+		t.Fatal("the peer's mapping differs from what was written")
+	}
 }
 
 func (s *suite) testWriteImm(t *testing.T) {
