@@ -1,0 +1,766 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/dustin/go-humanize"
+
+	"github.com/gdrlink/gdrlink/verbsio"
+	_ "github.com/gdrlink/gdrlink/verbsio/ibverbs"
+	_ "github.com/gdrlink/gdrlink/verbsio/onnode"
+	_ "github.com/gdrlink/gdrlink/verbsio/tcp"
+)
+
+// The xfer scenario measures raw RDMA WRITE between this process and a peer
+// process of this host for each provider that has a device here: bandwidth
+// from 4 KiB to 256 MiB, and one-way latency of 8 B and 4 KiB writes with
+// immediate (half the median ping-pong round trip). Baselines measured in
+// the same run: a single-thread memcpy between buffers like the two ends of
+// the onnode transfer, one raw loopback TCP stream to the same peer process
+// for tcp, and ucx_perftest on loopback (tag_bw, tag_lat) where ucx-utils
+// is installed.
+func init() {
+	register(Scenario{
+		Name: "xfer",
+		Doc:  "RDMA WRITE between two processes per provider, 4 KiB..256 MiB GB/s and 8 B/4 KiB one-way latency, vs memcpy, raw TCP and ucx_perftest",
+		Run:  runXfer,
+		Plots: []Plot{
+			{File: "xfer-bandwidth.svg", Title: "RDMA WRITE between two processes vs memcpy / raw TCP", Unit: "GB/s", CasePrefix: "bw/"},
+			{File: "xfer-vs-ucx.svg", Title: "RDMA WRITE vs ucx_perftest tag_bw", Unit: "GB/s", CasePrefix: "ucx/"},
+			{File: "xfer-latency.svg", Title: "one-way latency, write with immediate vs ucx_perftest tag_lat", Unit: "us", CasePrefix: "lat/"},
+		},
+	})
+	// The bench binary re-executes itself as the scenario's peer.
+	if p := os.Getenv(xferPeerEnv); p != "" {
+		os.Exit(runXferPeer(p))
+	}
+}
+
+const (
+	xferPeerEnv = "GDRLINK_BENCH_XFER_PEER"
+	xferMaxEnv  = "GDRLINK_BENCH_XFER_MAX"
+
+	xferMinSize = 4 << 10
+	xferMaxSize = 256 << 20
+	xferPingMem = 64 << 10
+	// xferRecvs is how many receives each side keeps posted for immediates.
+	xferRecvs = 64
+	// xferSignalEvery: one write in so many asks for a completion.
+	xferSignalEvery = 16
+	xferWait        = 30 * time.Second
+)
+
+// xferProviders are tried in this order; one with no device here is skipped
+// with its reason in the log.
+var xferProviders = []string{"onnode", "tcp", "ibverbs"}
+
+// xferRegion names a registered region of the peer.
+type xferRegion struct {
+	Addr uint64
+	RKey uint32
+}
+
+// xferHello is the peer's first line.
+type xferHello struct {
+	Err      string
+	Endpoint verbsio.Endpoint
+	Memfd    *xferRegion // onnode only: a memfd region (peers map it)
+	THP      xferRegion
+	Ping     xferRegion
+}
+
+// xferCmd is one command to the peer; xferReply its answer.
+type xferCmd struct {
+	Op       string // connect, pong, tcpsink, exit
+	Endpoint *verbsio.Endpoint
+	Ping     xferRegion
+	Size     int
+	Count    int
+}
+
+type xferReply struct {
+	Err  string
+	Addr string
+}
+
+// xferSide is one process's device, queues and regions.
+type xferSide struct {
+	dev      verbsio.Device
+	pd       verbsio.ProtectionDomain
+	scq, rcq verbsio.CompletionQueue
+	qp       verbsio.QueuePair
+	mems     []*xferMem
+	mrs      []verbsio.MemoryRegion
+	ping     verbsio.MemoryRegion
+	signals  int // signaled sends not yet reaped
+	posted   int // since the last signaled one
+	comps    []verbsio.Completion
+}
+
+func openXferSide(provider string) (*xferSide, error) {
+	cfg, err := verbsio.ConfigFromEnv()
+	if err != nil {
+		return nil, err
+	}
+	s := &xferSide{comps: make([]verbsio.Completion, 64)}
+	if s.dev, err = verbsio.Open(provider, cfg); err != nil {
+		return nil, err
+	}
+	if s.pd, err = s.dev.AllocPD(); err == nil {
+		if s.scq, err = s.dev.CreateCQ(1024); err == nil {
+			if s.rcq, err = s.dev.CreateCQ(1024); err == nil {
+				s.qp, err = s.pd.CreateQP(verbsio.QPConfig{SendCQ: s.scq, RecvCQ: s.rcq, MaxSendWR: 256, MaxRecvWR: 256})
+			}
+		}
+	}
+	if err != nil {
+		s.Close()
+		return nil, err
+	}
+	// On one host the ping buffers are memfd arenas, as a memfd pool's
+	// tensors are: the peer maps them and the write is a plain store.
+	pingKind := memTHP
+	if provider == "onnode" {
+		pingKind = memMemfd
+	}
+	if _, s.ping, err = s.register(pingKind, xferPingMem); err != nil {
+		s.Close()
+		return nil, err
+	}
+	return s, nil
+}
+
+const xferAccess = verbsio.AccessLocalWrite | verbsio.AccessRemoteWrite | verbsio.AccessRemoteRead
+
+func (s *xferSide) register(kind xferMemKind, size int) (*xferMem, verbsio.MemoryRegion, error) {
+	m, err := newXferMem(kind, size)
+	if err != nil {
+		return nil, nil, err
+	}
+	mr, err := s.pd.RegisterMemory(m.addr(), size, xferAccess)
+	if err != nil {
+		m.Close()
+		return nil, nil, err
+	}
+	s.mems, s.mrs = append(s.mems, m), append(s.mrs, mr)
+	return m, mr, nil
+}
+
+// Close releases everything in reverse order; idempotent.
+func (s *xferSide) Close() error {
+	var errs []error
+	if s.qp != nil {
+		errs = append(errs, s.qp.Close())
+		s.qp = nil
+	}
+	for _, mr := range s.mrs {
+		errs = append(errs, mr.Close())
+	}
+	for _, m := range s.mems {
+		errs = append(errs, m.Close())
+	}
+	s.mrs, s.mems = nil, nil
+	for _, c := range []*verbsio.CompletionQueue{&s.scq, &s.rcq} {
+		if *c != nil {
+			errs = append(errs, (*c).Close())
+			*c = nil
+		}
+	}
+	if s.pd != nil {
+		errs = append(errs, s.pd.Close())
+		s.pd = nil
+	}
+	if s.dev != nil {
+		errs = append(errs, s.dev.Close())
+		s.dev = nil
+	}
+	return errors.Join(errs...)
+}
+
+func (s *xferSide) postRecvs(n int) error {
+	wrs := make([]verbsio.RecvWR, n)
+	for i := range wrs {
+		wrs[i].WRID = uint64(i)
+	}
+	return s.qp.PostRecv(wrs)
+}
+
+// post posts writes, asking for a completion every xferSignalEvery and
+// reaping them so the send queue never fills.
+func (s *xferSide) post(ctx context.Context, wrs []verbsio.SendWR) error {
+	for i := range wrs {
+		s.posted++
+		if s.posted == xferSignalEvery {
+			wrs[i].Signaled = true
+			s.posted = 0
+			s.signals++
+		}
+	}
+	if err := s.qp.PostSend(wrs); err != nil {
+		return err
+	}
+	for s.signals > 4 {
+		if err := s.reap(ctx, true); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// reap takes send completions (waiting for one when block is set).
+func (s *xferSide) reap(ctx context.Context, block bool) error {
+	var n int
+	var err error
+	if block {
+		wctx, cancel := context.WithTimeout(ctx, xferWait)
+		n, err = s.scq.Wait(wctx, s.comps)
+		cancel()
+	} else {
+		n, err = s.scq.Poll(s.comps)
+	}
+	if err != nil {
+		return fmt.Errorf("send completions: %w", err)
+	}
+	for _, c := range s.comps[:n] {
+		if c.Status != verbsio.StatusSuccess {
+			return fmt.Errorf("work request %d (%s): %w", c.WRID, c.Op, c.Status.Err())
+		}
+		s.signals--
+	}
+	return nil
+}
+
+// drain waits until every write posted so far has completed.
+func (s *xferSide) drain(ctx context.Context) error {
+	if s.posted > 0 {
+		// A zero-length signaled write completes after all before it.
+		if err := s.qp.PostSend([]verbsio.SendWR{{Op: verbsio.OpWrite, Signaled: true}}); err != nil {
+			return err
+		}
+		s.posted = 0
+		s.signals++
+	}
+	for s.signals > 0 {
+		if err := s.reap(ctx, true); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// writes moves size bytes from src to dst iters times and waits for all.
+func (s *xferSide) writes(ctx context.Context, src verbsio.MemoryRegion, dst xferRegion, size, iters int) error {
+	var batch [xferSignalEvery]verbsio.SendWR
+	for done := 0; done < iters; {
+		k := min(len(batch), iters-done)
+		for i := range k {
+			batch[i] = verbsio.SendWR{WRID: uint64(done + i), Op: verbsio.OpWrite, RemoteAddr: dst.Addr, RKey: dst.RKey,
+				SG: []verbsio.SGE{{Addr: src.Addr(), Length: uint32(size), LKey: src.LKey()}}}
+		}
+		if err := s.post(ctx, batch[:k]); err != nil {
+			return err
+		}
+		done += k
+	}
+	return s.drain(ctx)
+}
+
+// writeImm sends size bytes of the ping region with an immediate.
+func (s *xferSide) writeImm(ctx context.Context, dst xferRegion, size int) error {
+	wr := [1]verbsio.SendWR{{Op: verbsio.OpWriteImm, Imm: uint32(size), RemoteAddr: dst.Addr, RKey: dst.RKey,
+		SG: []verbsio.SGE{{Addr: s.ping.Addr(), Length: uint32(size), LKey: s.ping.LKey()}}}}
+	if err := s.post(ctx, wr[:]); err != nil {
+		return err
+	}
+	if s.signals > 0 {
+		return s.reap(ctx, false)
+	}
+	return nil
+}
+
+// waitImm waits for one receive completion and posts its receive again.
+func (s *xferSide) waitImm(ctx context.Context) error {
+	var c [1]verbsio.Completion
+	wctx, cancel := context.WithTimeout(ctx, xferWait)
+	_, err := s.rcq.Wait(wctx, c[:])
+	cancel()
+	if err != nil {
+		return fmt.Errorf("waiting for an immediate: %w", err)
+	}
+	if c[0].Status != verbsio.StatusSuccess {
+		return fmt.Errorf("receive: %w", c[0].Status.Err())
+	}
+	return s.qp.PostRecv([]verbsio.RecvWR{{WRID: c[0].WRID}})
+}
+
+// runXferPeer is the peer process: it serves commands on stdin.
+func runXferPeer(provider string) int {
+	maxSize, err := strconv.Atoi(os.Getenv(xferMaxEnv))
+	if err != nil || maxSize < xferMinSize {
+		maxSize = xferMaxSize
+	}
+	enc := json.NewEncoder(os.Stdout)
+	fail := func(err error) int {
+		enc.Encode(xferHello{Err: err.Error()})
+		return 1
+	}
+	s, err := openXferSide(provider)
+	if err != nil {
+		return fail(err)
+	}
+	defer s.Close()
+	h := xferHello{Endpoint: s.qp.Endpoint(), Ping: xferRegion{uint64(s.ping.Addr()), s.ping.RKey()}}
+	if provider == "onnode" {
+		_, mr, err := s.register(memMemfd, maxSize)
+		if err != nil {
+			return fail(err)
+		}
+		h.Memfd = &xferRegion{uint64(mr.Addr()), mr.RKey()}
+	}
+	_, mr, err := s.register(memTHP, maxSize)
+	if err != nil {
+		return fail(err)
+	}
+	h.THP = xferRegion{uint64(mr.Addr()), mr.RKey()}
+	if err := enc.Encode(h); err != nil {
+		return 1
+	}
+	ctx := context.Background()
+	var parentPing xferRegion
+	dec := json.NewDecoder(bufio.NewReader(os.Stdin))
+	for {
+		var c xferCmd
+		if err := dec.Decode(&c); err != nil {
+			return 0 // the bench process is gone or done
+		}
+		var r xferReply
+		switch c.Op {
+		case "connect":
+			parentPing = c.Ping
+			cctx, cancel := context.WithTimeout(ctx, xferWait)
+			err = s.qp.Connect(cctx, *c.Endpoint)
+			cancel()
+			if err == nil {
+				err = s.postRecvs(xferRecvs)
+			}
+		case "pong":
+			for i := 0; i < c.Count && err == nil; i++ {
+				if err = s.waitImm(ctx); err == nil {
+					err = s.writeImm(ctx, parentPing, c.Size)
+				}
+			}
+			if err == nil {
+				err = s.drain(ctx)
+			}
+		case "tcpsink":
+			var ln net.Listener
+			if ln, err = net.Listen("tcp", "127.0.0.1:0"); err == nil {
+				r.Addr = ln.Addr().String()
+				go serveTCPSink(ln, 1<<20)
+			}
+		case "exit":
+			enc.Encode(r)
+			return 0
+		default:
+			err = fmt.Errorf("unknown command %q", c.Op)
+		}
+		if err != nil {
+			r.Err = err.Error()
+			err = nil
+		}
+		if enc.Encode(r) != nil {
+			return 1
+		}
+	}
+}
+
+// xferPeer is the peer process seen from the bench process.
+type xferPeer struct {
+	cmd   *exec.Cmd
+	enc   *json.Encoder
+	dec   *json.Decoder
+	hello xferHello
+	done  chan error
+}
+
+func startXferPeer(ctx context.Context, provider string, maxSize int) (*xferPeer, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.CommandContext(ctx, self, "-test.run=^$")
+	cmd.Env = append(os.Environ(), xferPeerEnv+"="+provider, xferMaxEnv+"="+strconv.Itoa(maxSize))
+	cmd.Stderr = os.Stderr
+	cmd.WaitDelay = 5 * time.Second
+	in, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, err
+	}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	p := &xferPeer{cmd: cmd, enc: json.NewEncoder(in), dec: json.NewDecoder(bufio.NewReader(out)), done: make(chan error, 1)}
+	go func() { p.done <- cmd.Wait() }()
+	if err := p.read(&p.hello); err != nil {
+		p.Close()
+		return nil, fmt.Errorf("peer process: %w", err)
+	}
+	if p.hello.Err != "" {
+		p.Close()
+		return nil, fmt.Errorf("peer process: %s", p.hello.Err)
+	}
+	return p, nil
+}
+
+// read decodes the peer's next line, or fails when the peer stays silent
+// past xferWait... plus the time a command may take (reads have no
+// deadline on a pipe: a peer that hangs is killed by Close).
+func (p *xferPeer) read(v any) error {
+	errc := make(chan error, 1)
+	go func() { errc <- p.dec.Decode(v) }()
+	select {
+	case err := <-errc:
+		return err
+	case <-time.After(5 * time.Minute):
+		p.cmd.Process.Kill()
+		return fmt.Errorf("peer process did not answer within 5m")
+	}
+}
+
+// call sends a command and reads its reply.
+func (p *xferPeer) call(c xferCmd) (xferReply, error) {
+	var r xferReply
+	if err := p.enc.Encode(c); err != nil {
+		return r, fmt.Errorf("peer process: %w", err)
+	}
+	if err := p.read(&r); err != nil {
+		return r, fmt.Errorf("peer process (%s): %w", c.Op, err)
+	}
+	if r.Err != "" {
+		return r, fmt.Errorf("peer process (%s): %s", c.Op, r.Err)
+	}
+	return r, nil
+}
+
+// Close asks the peer to exit and kills it if it does not; idempotent.
+func (p *xferPeer) Close() error {
+	if p.cmd == nil {
+		return nil
+	}
+	p.enc.Encode(xferCmd{Op: "exit"})
+	select {
+	case <-p.done:
+	case <-time.After(10 * time.Second):
+		p.cmd.Process.Kill()
+		<-p.done
+	}
+	p.cmd = nil
+	return nil
+}
+
+// The xfer scenario's -set keys.
+const (
+	setXferProviders = "xfer.providers" // comma-separated subset of onnode,tcp,ibverbs
+	setXferUCX       = "xfer.ucx"       // "off" skips the UCX baseline
+)
+
+func runXfer(ctx context.Context, env *Env) error {
+	sizes := env.sizes(xferMinSize, xferMaxSize)
+	if env.Quick && len(sizes) > 3 {
+		sizes = []int64{sizes[0], sizes[len(sizes)/2], sizes[len(sizes)-1]}
+	}
+	ucxErr := ucxAvailable(ctx)
+	if env.Args[setXferUCX] == "off" {
+		ucxErr = fmt.Errorf("%w: -set %s=off", errNoUCX, setXferUCX)
+	}
+	if ucxErr != nil {
+		env.Log.Info("UCX baseline skipped", "reason", ucxErr)
+	}
+	providers := xferProviders
+	if v, ok := env.Args[setXferProviders]; ok {
+		providers = strings.Split(v, ",")
+	}
+	ran := 0
+	for _, name := range providers {
+		p, err := verbsio.Lookup(name)
+		if err == nil {
+			_, err = p.Devices()
+		}
+		if err != nil {
+			env.Log.Info("provider skipped", "provider", name, "reason", err)
+			continue
+		}
+		if err := xferProvider(ctx, env, name, sizes, ucxErr); err != nil {
+			return fmt.Errorf("%s: %w", name, err)
+		}
+		ran++
+	}
+	if ran == 0 {
+		return fmt.Errorf("%w: no provider could run", verbsio.ErrNoProvider)
+	}
+	return nil
+}
+
+// xferCase is one bandwidth series of a provider.
+type xferCase struct {
+	name   string
+	target xferRegion
+	note   string
+	// one of the two baselines, or neither
+	memcpy *memcpyBaseline
+	raw    *rawTCP
+	// UCX_TLS settings whose tag_bw this case is also held against
+	ucx []string
+}
+
+// xferIters is how many writes of size one timed run makes: enough bytes
+// that a run takes milliseconds.
+func xferIters(env *Env, size int64) int {
+	total := int64(256 << 20)
+	if env.Quick {
+		total = 8 << 20
+	}
+	return int(min(max(total/size, 1), 4096))
+}
+
+func xferProvider(ctx context.Context, env *Env, provider string, sizes []int64, ucxErr error) error {
+	maxSize := int(sizes[len(sizes)-1])
+	peer, err := startXferPeer(ctx, provider, maxSize)
+	if err != nil {
+		return err
+	}
+	defer peer.Close()
+	s, err := openXferSide(provider)
+	if err != nil {
+		return err
+	}
+	defer s.Close()
+	srcMem, src, err := s.register(memTHP, maxSize)
+	if err != nil {
+		return err
+	}
+	// Connect both ends at once.
+	ep := s.qp.Endpoint()
+	replied := make(chan error, 1)
+	go func() {
+		_, err := peer.call(xferCmd{Op: "connect", Endpoint: &ep, Ping: xferRegion{uint64(s.ping.Addr()), s.ping.RKey()}})
+		replied <- err
+	}()
+	cctx, cancel := context.WithTimeout(ctx, xferWait)
+	err = s.qp.Connect(cctx, peer.hello.Endpoint)
+	cancel()
+	if perr := <-replied; err == nil {
+		err = perr
+	}
+	if err != nil {
+		return fmt.Errorf("connecting to the peer process: %w", err)
+	}
+	if err := s.postRecvs(xferRecvs); err != nil {
+		return err
+	}
+
+	var cases []*xferCase
+	var ucxBW, ucxLat []string // UCX_TLS settings to run
+	var latUCX string
+	switch provider {
+	case "onnode":
+		shm := &xferCase{name: "bw/onnode-shm", target: *peer.hello.Memfd, ucx: []string{"sm", "cma,tcp"},
+			note: "target memfd (peer maps it: one memmove), source anonymous THP; baseline memcpy in one process between the same kinds"}
+		vm := &xferCase{name: "bw/onnode-vm", target: peer.hello.THP, ucx: []string{"sm", "cma,tcp"},
+			note: "target anonymous THP (process_vm_writev), source anonymous THP; baseline memcpy in one process between the same kinds"}
+		if shm.memcpy, err = newMemcpyBaseline(maxSize, memTHP, memMemfd); err != nil {
+			return err
+		}
+		defer shm.memcpy.Close()
+		if vm.memcpy, err = newMemcpyBaseline(maxSize, memTHP, memTHP); err != nil {
+			return err
+		}
+		defer vm.memcpy.Close()
+		cases = []*xferCase{shm, vm}
+		ucxBW, ucxLat, latUCX = []string{"sm", "cma,tcp"}, []string{"sm"}, "sm"
+	case "tcp":
+		c := &xferCase{name: "bw/tcp", target: peer.hello.THP, ucx: []string{"tcp"},
+			note: "loopback, target anonymous THP; baseline one raw TCP stream to the same peer process"}
+		r, err := peer.call(xferCmd{Op: "tcpsink"})
+		if err != nil {
+			return err
+		}
+		if c.raw, err = dialRawTCP(ctx, r.Addr, srcMem.b); err != nil {
+			return err
+		}
+		defer c.raw.Close()
+		cases = []*xferCase{c}
+		ucxBW, ucxLat, latUCX = []string{"tcp"}, []string{"tcp"}, "tcp"
+	default:
+		// ibverbs (and any later provider): no baseline of its own here yet;
+		// an ib_write_bw baseline (baseline_perftest.go) plugs in at this spot.
+		cases = []*xferCase{{name: "bw/" + provider, target: peer.hello.THP, note: "target anonymous THP"}}
+	}
+
+	// UCX first, so its figures are at hand for every emit.
+	ucx := map[string]map[string]ucxRow{}
+	if ucxErr == nil {
+		for _, tls := range append(append([]string(nil), ucxBW...), ucxLat...) {
+			if _, done := ucx[tls]; done {
+				continue
+			}
+			start := time.Now()
+			rows, err := runUCX(ctx, tls, ucxTests(env, tls, sizes, contains(ucxBW, tls), contains(ucxLat, tls)), 10*time.Minute)
+			env.Log.Info("UCX baseline", "tls", tls, "took", time.Since(start).Round(time.Millisecond))
+			if err != nil {
+				env.Log.Info("UCX baseline failed", "tls", tls, "err", err)
+				continue
+			}
+			ucx[tls] = rows
+		}
+	}
+
+	for _, size := range sizes {
+		iters := xferIters(env, size)
+		for _, c := range cases {
+			var d time.Duration
+			d, err = timeIt(env.Reps, func() error { return s.writes(ctx, src, c.target, int(size), iters) })
+			if err != nil {
+				return fmt.Errorf("%s at %s: %w", c.name, humanize.IBytes(uint64(size)), err)
+			}
+			gbs := rateGBs(size*int64(iters), d)
+			var base float64
+			var baseName string
+			switch {
+			case c.memcpy != nil:
+				if base, err = c.memcpy.measure(env.Reps, int(size), iters); err != nil {
+					return err
+				}
+				baseName = c.memcpy.name()
+			case c.raw != nil:
+				if base, err = c.raw.measure(ctx, env.Reps, int(size), iters); err != nil {
+					return err
+				}
+				baseName = "raw TCP stream"
+			}
+			r := newResult("xfer", c.name, size, gbs, "GB/s", base, baseName)
+			r.Note = c.note
+			env.Emit(r)
+			for _, tls := range c.ucx {
+				if u, ok := ucxMedian(ucx[tls], "bw", size, env.Reps, func(r ucxRow) float64 { return r.GBs() }); ok {
+					r := newResult("xfer", "ucx/"+c.name[len("bw/"):]+"-vs-"+tls, size, gbs, "GB/s", u, "ucx_perftest tag_bw UCX_TLS="+tls)
+					env.Emit(r)
+				}
+			}
+		}
+	}
+
+	// One-way latency: half the median round trip of a ping-pong of writes
+	// with immediate.
+	count := 2000
+	if env.Quick {
+		count = 200
+	}
+	for _, size := range []int{8, 4096} {
+		if err := peer.enc.Encode(xferCmd{Op: "pong", Size: size, Count: count * (env.Reps + 1)}); err != nil {
+			return err
+		}
+		rtts := make([]float64, 0, count*(env.Reps+1))
+		for i := 0; i < count*(env.Reps+1); i++ {
+			t := time.Now()
+			if err := s.writeImm(ctx, peer.hello.Ping, size); err != nil {
+				return fmt.Errorf("ping %d B: %w", size, err)
+			}
+			if err := s.waitImm(ctx); err != nil {
+				return fmt.Errorf("ping %d B: %w", size, err)
+			}
+			if i >= count { // the first round warms up
+				rtts = append(rtts, sinceUS(t))
+			}
+		}
+		var r xferReply
+		if err := peer.read(&r); err != nil || r.Err != "" {
+			return fmt.Errorf("peer pong: %v %s", err, r.Err)
+		}
+		if err := s.drain(ctx); err != nil {
+			return err
+		}
+		oneWay := median(rtts) / 2
+		var base float64
+		var baseName string
+		if u, ok := ucxMedian(ucx[latUCX], "lat", int64(size), env.Reps, func(r ucxRow) float64 { return r.MedianLatU }); ok {
+			base, baseName = u, "ucx_perftest tag_lat UCX_TLS="+latUCX+" (median)"
+		}
+		res := newResult("xfer", "lat/"+provider, int64(size), oneWay, "us", base, baseName)
+		res.Note = fmt.Sprintf("half the median of %d ping-pong round trips of write with immediate", len(rtts))
+		env.Emit(res)
+	}
+	return nil
+}
+
+func contains(xs []string, x string) bool {
+	for _, v := range xs {
+		if v == x {
+			return true
+		}
+	}
+	return false
+}
+
+// ucxTests is the batch for one UCX_TLS setting: tag_bw at every size and
+// tag_lat at 8 B and 4 KiB, each reps times.
+func ucxTests(env *Env, tls string, sizes []int64, bw, lat bool) []ucxTest {
+	var extra []string
+	if tls == "tcp" {
+		// UCX 1.13 over tcp collapses above 1 MiB when it busy-polls on two
+		// cores; sleeping is its fair setting here.
+		extra = []string{"-E", "sleep"}
+	}
+	var out []ucxTest
+	for r := range env.Reps {
+		if bw {
+			for _, size := range sizes {
+				iters := int(min(max((64<<20)/size, 4), 2000))
+				if env.Quick {
+					iters = int(min(max((4<<20)/size, 2), 200))
+				}
+				out = append(out, ucxTest{Label: fmt.Sprintf("bw-%d-%d", size, r), Test: "tag_bw", Size: int(size), Iters: iters, Extra: extra})
+			}
+		}
+		if lat {
+			for _, size := range []int{8, 4096} {
+				iters := 5000
+				if env.Quick {
+					iters = 1000
+				}
+				out = append(out, ucxTest{Label: fmt.Sprintf("lat-%d-%d", size, r), Test: "tag_lat", Size: size, Iters: iters})
+			}
+		}
+	}
+	return out
+}
+
+// ucxMedian is the median of f over the reps rows of one kind and size.
+func ucxMedian(rows map[string]ucxRow, kind string, size int64, reps int, f func(ucxRow) float64) (float64, bool) {
+	var xs []float64
+	for r := range reps {
+		if row, ok := rows[fmt.Sprintf("%s-%d-%d", kind, size, r)]; ok {
+			if v := f(row); v > 0 {
+				xs = append(xs, v)
+			}
+		}
+	}
+	if len(xs) == 0 {
+		return 0, false
+	}
+	return median(xs), true
+}
