@@ -16,7 +16,9 @@ import (
 
 // Group is a joined job: every rank's contact address, a control
 // connection to the root (or, at the root, to every rank) and pairwise
-// connections made on first use.
+// connections made on first use. An operation that fails (a timeout, a
+// peer gone) may leave its connection in the middle of a message: close
+// the group after an error rather than retrying on it.
 type Group struct {
 	rank, size int
 	max        int
