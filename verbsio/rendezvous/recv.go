@@ -69,6 +69,14 @@ func (c *Channel) Recv(ctx context.Context, key string, step int64, opts ...Recv
 // once with the result or the error. cb runs on the channel's completion
 // goroutine (or the one that ended ctx) and must not block.
 func (c *Channel) RecvFunc(ctx context.Context, key string, step int64, cb func(*tensor.Tensor, Transfer, error), opts ...RecvOption) {
+	if cb == nil {
+		// Nobody will take the result: give its memory back.
+		cb = func(t *tensor.Tensor, _ Transfer, _ error) {
+			if t != nil {
+				_ = t.Release()
+			}
+		}
+	}
 	tr := Transfer{Key: key, Step: step, Provider: c.provider, Device: c.devName}
 	if err := checkKey(key); err != nil {
 		cb(nil, tr, err)
