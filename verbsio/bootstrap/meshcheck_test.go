@@ -73,7 +73,9 @@ func TestMeshUnderMpirun(t *testing.T) {
 	defer cancel()
 	cmd := exec.CommandContext(ctx, mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "4",
 		"-x", "GDRLINK_ROOT="+root, prog, "-timeout", "90s")
-	cmd.Env = cleanEnv()
+	// plm=isolated: launch on this node without an ssh or rsh agent, which
+	// a container (or an install without recommends) may lack.
+	cmd.Env = append(cleanEnv(), "OMPI_MCA_plm=isolated")
 	out, err := cmd.CombinedOutput()
 	if err != nil {
 		t.Fatalf("mpirun: %v\n%s", err, out)
