@@ -86,6 +86,7 @@ func Run(t *testing.T, h Harness) {
 	t.Run("LargeWrite", s.testLargeWrite)
 	t.Run("WriteImm", s.testWriteImm)
 	t.Run("Inline", s.testInline)
+	t.Run("Gather", s.testGather)
 	t.Run("SendRecv", s.testSendRecv)
 	t.Run("RecvTooSmall", s.testRecvTooSmall)
 	t.Run("Read", s.testRead)

@@ -361,6 +361,35 @@ func (s *suite) testInline(t *testing.T) {
 	}
 }
 
+// testGather checks Caps.MaxSGE against behaviour: a write and a send
+// gathering that many pieces (at most 16) from scattered places of a region
+// arrive as one contiguous run.
+func (s *suite) testGather(t *testing.T) {
+	k := min(s.dev.Caps().MaxSGE, 16)
+	c := s.connect(t, s.peer, verbsio.QPConfig{MaxSGE: k})
+	src := s.local(t, 64<<10, verbsio.AccessLocalWrite)
+	pattern(src.mem, 13)
+	var sg []verbsio.SGE
+	var want []byte
+	for i := 0; i < k; i++ {
+		off, n := i*4000+i*i, 100+i*37 // uneven pieces, in order
+		sg = append(sg, src.sge(off, n))
+		want = append(want, src.mem[off:off+n]...)
+	}
+	dst := s.peerRegion(t, s.peer, 2*len(want), 64, 0x2D, rw|verbsio.AccessLocalWrite)
+	if cpl := c.post(t, verbsio.SendWR{WRID: 1, Op: verbsio.OpWrite, SG: sg, RemoteAddr: dst.addr, RKey: dst.rkey}); cpl.Status != verbsio.StatusSuccess {
+		t.Fatalf("write gathering %d SGEs (Caps.MaxSGE %d): %v", k, s.dev.Caps().MaxSGE, cpl.Status)
+	}
+	s.peer.call(t, request{Op: "postrecv", ID: c.peerQP, Region: dst.id, Off: len(want), Len: len(want), WRID: 3, Count: 1})
+	if cpl := c.post(t, verbsio.SendWR{WRID: 2, Op: verbsio.OpSend, SG: sg}); cpl.Status != verbsio.StatusSuccess {
+		t.Fatalf("send gathering %d SGEs: %v", k, cpl.Status)
+	}
+	if got := c.peerPoll(t, 1); len(got) != 1 || got[0].ByteLen != uint32(len(want)) || got[0].Status != verbsio.StatusSuccess {
+		t.Fatalf("receive completions %+v, want one of %d bytes", got, len(want))
+	}
+	checkGuarded(t, peerBytes(t, s.peer, dst), dst, append(slices.Clone(want), want...), 0x2D)
+}
+
 func (s *suite) testSendRecv(t *testing.T) {
 	c := s.connect(t, s.peer, verbsio.QPConfig{})
 	const slot = 256
