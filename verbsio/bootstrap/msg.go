@@ -153,6 +153,7 @@ type helloBody struct {
 	contact    string
 }
 
+// Append appends the encoded hello body to b.
 func (h helloBody) Append(b []byte) []byte {
 	b = binary.BigEndian.AppendUint32(b, uint32(h.rank))
 	b = binary.BigEndian.AppendUint32(b, uint32(h.size))

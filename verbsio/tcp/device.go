@@ -25,6 +25,7 @@ func init() { verbsio.Register(provider{}) }
 
 type provider struct{}
 
+// Name is "tcp".
 func (provider) Name() string { return Name }
 
 // Devices always lists one device, "tcp": any host with a TCP stack has it.
@@ -32,6 +33,7 @@ func (provider) Devices() ([]verbsio.DeviceInfo, error) {
 	return []verbsio.DeviceInfo{{Provider: Name, Name: Name, NUMANode: -1}}, nil
 }
 
+// Open opens the device with Options from the environment (OptionsFromEnv).
 func (provider) Open(cfg verbsio.Config) (verbsio.Device, error) {
 	opt, err := OptionsFromEnv()
 	if err != nil {

@@ -148,10 +148,19 @@ func (m *mr) contains(addr, n uint64) bool {
 	return addr >= base && addr+n >= addr && addr+n <= base+uint64(m.n)
 }
 
-func (m *mr) Addr() uintptr          { return m.addr }
-func (m *mr) Len() int               { return m.n }
-func (m *mr) LKey() uint32           { return m.lkey }
-func (m *mr) RKey() uint32           { return m.rkey }
+// Addr is the region's first byte.
+func (m *mr) Addr() uintptr { return m.addr }
+
+// Len is the region's length.
+func (m *mr) Len() int { return m.n }
+
+// LKey names the region in this side's work requests.
+func (m *mr) LKey() uint32 { return m.lkey }
+
+// RKey names the region in a peer's requests; it differs from LKey.
+func (m *mr) RKey() uint32 { return m.rkey }
+
+// Access is what the region allows.
 func (m *mr) Access() verbsio.Access { return m.access }
 
 // Close deregisters the region; it waits for a peer's transfer into or out
