@@ -311,10 +311,16 @@ func (s *suite) testLargeWrite(t *testing.T) {
 }
 
 func (s *suite) testWriteImm(t *testing.T) {
-	if !s.dev.Caps().WriteWithImmediate {
-		t.Skip("the device does not advertise write with immediate")
-	}
 	c := s.connect(t, s.peer, verbsio.QPConfig{})
+	if !s.dev.Caps().WriteWithImmediate {
+		// A device that says no must refuse the opcode.
+		src := s.local(t, 4096, verbsio.AccessLocalWrite)
+		err := c.qp.PostSend([]verbsio.SendWR{{WRID: 1, Op: verbsio.OpWriteImm, SG: []verbsio.SGE{src.sge(0, 16)}}})
+		if !errors.Is(err, verbsio.ErrNotSupported) {
+			t.Errorf("OpWriteImm with Caps.WriteWithImmediate false: %v, want ErrNotSupported", err)
+		}
+		return
+	}
 	const n = 12345
 	src := s.local(t, 16384, verbsio.AccessLocalWrite)
 	pattern(src.mem, 2)
