@@ -209,7 +209,7 @@ func (c *Channel) setup() error {
 	} else if !errors.Is(err, verbsio.ErrQPState) {
 		return fmt.Errorf("rendezvous: posting receives: %w", err)
 	}
-	c.threshold = max(1, o.ring/4)
+	c.threshold = max(2, o.ring/4)
 	return nil
 }
 
@@ -276,7 +276,7 @@ func (c *Channel) Connect(ctx context.Context, peerHello []byte) error {
 	if int(m.Slot) < wire.MaxFrame {
 		return fmt.Errorf("%w: peer %s receive buffers of %d bytes, need %d", ErrMismatch, peer, m.Slot, wire.MaxFrame)
 	}
-	if m.Ring < 2 {
+	if m.Ring < MinRing {
 		return fmt.Errorf("%w: peer %s posts %d receive buffers", ErrMismatch, peer, m.Ring)
 	}
 	e := m.Endpoints[0]

@@ -12,6 +12,11 @@ const (
 	// DefaultRing is the number of receive buffers posted per channel: the
 	// control messages and writes the peer may have in flight at once.
 	DefaultRing = 128
+	// MinRing is the smallest ring. Credits come back alone (CREDIT) once
+	// at least max(2, ring/4) are owed, so a CREDIT received never makes
+	// another by itself, and a peer short of credits always has enough
+	// owed to it to get some back.
+	MinRing = 4
 	// DefaultSendSlots is the number of control-message send buffers.
 	DefaultSendSlots = 64
 	// DefaultMaxStringBytes caps the decoded size of one string tensor.
@@ -63,11 +68,11 @@ func WithName(name string) Option {
 }
 
 // WithRing sets how many receive buffers the channel posts (default
-// DefaultRing, 2..65535): the credits the peer starts with.
+// DefaultRing, MinRing..65535): the credits the peer starts with.
 func WithRing(n int) Option {
 	return func(o *options) error {
-		if n < 2 || n > 65535 {
-			return fmt.Errorf("%w: ring of %d buffers, want 2..65535", ErrBadOption, n)
+		if n < MinRing || n > 65535 {
+			return fmt.Errorf("%w: ring of %d buffers, want %d..65535", ErrBadOption, n, MinRing)
 		}
 		o.ring = n
 		return nil
