@@ -127,7 +127,10 @@ func FuzzHostilePeer(f *testing.F) {
 	r.Meta.SetMeta(big)
 	seeds = append(seeds, r)
 	r.Meta.SetMeta(meta)
-	seeds = append(seeds, r,
+	wf := wire.Message{Type: wire.TypeMetaResponse, Flags: wire.RespWriteFollows | wire.RespChecksum, Req: 1, Checksum: 3}
+	small, _ := tensor.MetaFor(tensor.Uint8, tensor.Shape{8})
+	wf.Meta.SetMeta(small)
+	seeds = append(seeds, r, wf,
 		wire.Message{Type: wire.TypeChecksum, Req: 1, Checksum: 1},
 		wire.Message{Type: wire.TypeError, Req: 1, Code: wire.CodeSender, Text: []byte("x")},
 		wire.Message{Type: wire.TypeCancel, Req: 9},
