@@ -147,7 +147,7 @@ func Open(path string) (*Driver, error) {
 	if path == "" {
 		path = DefaultLibrary
 	}
-	lib, err := purego.Dlopen(path, purego.RTLD_NOW|purego.RTLD_LOCAL)
+	lib, err := dlopen(path)
 	if err != nil {
 		return nil, fmt.Errorf("%w: dlopen %s: %v", ErrNoDriver, path, err)
 	}
@@ -267,4 +267,17 @@ func (d *Driver) ErrorName(r Result) string {
 		return r.Name()
 	}
 	return goString(p)
+}
+
+// dlopen loads a library on one OS thread: dlerror's message is per thread,
+// so a goroutine that moved between dlopen and dlerror would read an empty
+// one. An empty message is still replaced by one that says what happened.
+func dlopen(path string) (uintptr, error) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	lib, err := purego.Dlopen(path, purego.RTLD_NOW|purego.RTLD_LOCAL)
+	if err != nil && err.Error() == "" {
+		err = errors.New("not found in the loader's search path, or not loadable")
+	}
+	return lib, err
 }
