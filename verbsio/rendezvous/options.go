@@ -43,6 +43,16 @@ type Landing interface {
 	Landed(done func(*tensor.Tensor, error))
 }
 
+// Stager stages tensors in device memory the NIC cannot read into registered
+// host memory before they are written (the sending half of the proxy path;
+// ProxyPath implements it with package proxy's Stage).
+type Stager interface {
+	// Stage copies the first n bytes of src to host memory registered with
+	// the channel and calls done once, from any goroutine, with that memory
+	// (whose Free gives it back) or the error.
+	Stage(src tensor.Buffer, n int, done func(tensor.Buffer, error))
+}
+
 type options struct {
 	name       string
 	ring       int
@@ -50,6 +60,7 @@ type options struct {
 	checksum   bool
 	log        *slog.Logger
 	proxy      Proxy
+	stager     Stager
 	maxStrings int
 	maxTensor  int64
 	rails      []Rail
@@ -109,9 +120,16 @@ func WithLogger(l *slog.Logger) Option {
 	}
 }
 
-// WithProxy sets the proxy path for GPU results the NIC cannot write.
+// WithProxy sets the proxy path for GPU results the NIC cannot write; when p
+// is also a Stager, GPU tensors the NIC cannot read are sent through it.
 func WithProxy(p Proxy) Option {
-	return func(o *options) error { o.proxy = p; return nil }
+	return func(o *options) error {
+		o.proxy = p
+		if s, ok := p.(Stager); ok {
+			o.stager = s
+		}
+		return nil
+	}
 }
 
 // WithMaxStringBytes caps the decoded size of a received string tensor.

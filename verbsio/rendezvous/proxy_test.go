@@ -140,3 +140,97 @@ func TestGPUResultWithoutPathFails(t *testing.T) {
 	}
 	_ = got.Release()
 }
+
+// A GPU tensor the NIC cannot read is staged by the proxy into a pinned
+// tensor and written from there.
+func TestGPUSourceStagedThroughProxy(t *testing.T) {
+	b, err := openSideRails("tcp", "b", nil)
+	if err != nil {
+		skipUnavailable(t, "tcp", err)
+	}
+	t.Cleanup(func() { _ = b.close() })
+	dev, err := verbsio.Open("tcp", verbsio.DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	pd, err := dev.AllocPD()
+	if err != nil {
+		t.Fatal(err)
+	}
+	gpu := gpusim.New(gpusim.Config{})
+	pinned, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}),
+		alloc.WithVisitors(gpu.HostRegisterVisitor(), registration(pd, 0)), alloc.WithName("pinned"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	px, err := proxy.New(gpu, pinned, proxy.WithChunk(1<<20))
+	if err != nil {
+		t.Fatal(err)
+	}
+	noGPU := func(int, tensor.Device) (tensor.Buffer, error) { return nil, errors.New("the sender allocates no GPU results") }
+	a, err := New(dev, pd, PoolMemory(regionOf, pinned), WithName("a"), WithProxy(ProxyPath(px, noGPU)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		for _, err := range []error{a.Close(), px.Close(), pinned.Close(), gpu.Close(), pd.Close(), dev.Close()} {
+			if err != nil {
+				t.Error(err)
+			}
+		}
+	})
+	connectChannels(t, a, b.ch)
+	ctx := recvCtx(t)
+	stream, err := gpu.NewStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stream.Close()
+	const n = 3000
+	base := pinned.Stats().Blocks // the channel's control buffers
+	for step := int64(0); step < 2; step++ {
+		// Put the pattern on the GPU through a pinned block.
+		blk, err := pinned.Alloc(n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fill(blk.Bytes(), seedOf("g", step))
+		p, err := gpu.Alloc(n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := gpu.CopyHtoDAsync(p, blk.Addr(), n, stream); err != nil {
+			t.Fatal(err)
+		}
+		if err := stream.Synchronize(); err != nil {
+			t.Fatal(err)
+		}
+		_ = blk.Free()
+		meta, _ := tensor.MetaFor(tensor.Uint8, tensor.Shape{n})
+		src, err := tensor.New(meta, &simBuffer{gpu: gpu, p: p, n: n, dev: tensor.GPUDevice(0)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := a.Send("g", step, src); err != nil {
+			t.Fatal(err)
+		}
+		got, _, err := b.ch.Recv(ctx, "g", step)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := checkTensor(got, "uint8", tensor.Shape{n}, "g", step); err != nil {
+			t.Fatalf("step %d: %v", step, err)
+		}
+		_ = got.Release()
+	}
+	if st := a.Stats(); st.Staged != 2 {
+		t.Fatalf("%d sends staged, want 2", st.Staged)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for pinned.Stats().Blocks != base && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if k := pinned.Stats().Blocks; k != base {
+		t.Fatalf("%d pinned blocks out, %d before the sends", k, base)
+	}
+}

@@ -9,8 +9,9 @@ import (
 
 // ProxyPath lands GPU results through p (package proxy): the NIC writes the
 // proxy's pinned tensor (or, when p's policy says Direct, the GPU memory
-// itself) and p copies it to device memory from gpuAlloc. p's pool must be
-// one of the channel's Memory pools, so its arenas are registered with the
+// itself) and p copies it to device memory from gpuAlloc. It also stages GPU
+// tensors to be sent into pinned tensors (Stager). p's pool must be one of
+// the channel's Memory pools, so its arenas are registered with the
 // channel's protection domain.
 func ProxyPath(p *proxy.Proxy, gpuAlloc func(n int, dev tensor.Device) (tensor.Buffer, error)) Proxy {
 	return &proxyPath{p: p, alloc: gpuAlloc}
@@ -106,3 +107,37 @@ func (l *landing) finished(err error) {
 		_ = t.Release()
 	}
 }
+
+func (pp *proxyPath) Stage(src tensor.Buffer, n int, done func(tensor.Buffer, error)) {
+	sb := &stagedBuffer{n: n, ready: make(chan struct{})}
+	st, err := pp.p.Stage(proxy.DevicePtr(src.Addr()), n, nil, func(err error) {
+		<-sb.ready
+		if err != nil {
+			_ = sb.st.Release()
+			done(nil, err)
+			return
+		}
+		done(sb, nil)
+	})
+	if err != nil {
+		close(sb.ready)
+		done(nil, err)
+		return
+	}
+	sb.st = st
+	close(sb.ready)
+}
+
+// stagedBuffer is a staged copy of a device tensor in the proxy's pinned
+// pool.
+type stagedBuffer struct {
+	st    *proxy.Staged
+	n     int
+	ready chan struct{}
+}
+
+func (b *stagedBuffer) Bytes() []byte         { return b.st.Block().Bytes() }
+func (b *stagedBuffer) Addr() uintptr         { return b.st.Addr() }
+func (b *stagedBuffer) Len() int              { return b.n }
+func (b *stagedBuffer) Device() tensor.Device { return tensor.Device{Kind: tensor.PinnedHost} }
+func (b *stagedBuffer) Free() error           { return b.st.Release() }

@@ -1,11 +1,13 @@
 package rendezvous
 
 import (
+	"errors"
 	"fmt"
 	"hash/crc32"
 	"unicode/utf8"
 
 	"github.com/gdrlink/gdrlink/tensor"
+	"github.com/gdrlink/gdrlink/verbsio"
 	"github.com/gdrlink/gdrlink/verbsio/wire"
 )
 
@@ -160,7 +162,10 @@ func (c *Channel) serveLocked(e *sendEntry, ds *deliveries) {
 		c.sendErrorLocked(e.req, wire.CodeSender, e.serr.Error())
 		return
 	}
-	if err := c.prepareLocked(e); err != nil {
+	if err := c.prepareLocked(e, ds); err != nil {
+		if err == errStaging {
+			return // served again once staged
+		}
 		c.sendErrorLocked(e.req, wire.CodeInternal, err.Error())
 		c.dropSendLocked(e, err, ds)
 		return
@@ -201,8 +206,13 @@ func (c *Channel) serveLocked(e *sendEntry, ds *deliveries) {
 	c.kept[e.req] = e
 }
 
-// prepareLocked finds (or makes) registered bytes to write from.
-func (c *Channel) prepareLocked(e *sendEntry) error {
+// errStaging says a source is being staged by the Stager.
+var errStaging = errors.New("rendezvous: staging")
+
+// prepareLocked finds (or makes) registered bytes to write from. A device
+// source the NIC cannot read goes to the Stager (after the lock, through
+// ds) and errStaging is returned.
+func (c *Channel) prepareLocked(e *sendEntry, ds *deliveries) error {
 	if e.prepared {
 		return nil
 	}
@@ -243,8 +253,13 @@ func (c *Channel) prepareLocked(e *sendEntry) error {
 		if mr, ok := c.mem.Region(buf.Addr(), n); ok {
 			e.addr, e.lkey, e.src = buf.Addr(), mr.LKey(), host
 		} else {
+			if host == nil && c.opts.stager != nil {
+				st := c.opts.stager
+				ds.add(func() { st.Stage(buf, n, func(sb tensor.Buffer, err error) { c.staged(e, n, sb, err) }) })
+				return errStaging
+			}
 			if host == nil {
-				return fmt.Errorf("%w: %q step %d: %s memory at %#x is not registered and has no host view", ErrBadTensor, e.key.name, e.key.step, buf.Device(), buf.Addr())
+				return fmt.Errorf("%w: %q step %d: %s memory at %#x is not registered and has no host view (and no proxy stages it)", ErrBadTensor, e.key.name, e.key.step, buf.Device(), buf.Addr())
 			}
 			blk, err := c.mem.Alloc(n, tensor.Host)
 			if err != nil {
@@ -355,4 +370,45 @@ func (c *Channel) dropSendLocked(e *sendEntry, err error, ds *deliveries) {
 		e.done = nil
 		ds.add(func() { done(err) })
 	}
+}
+
+// staged resumes a send whose source the Stager copied to host memory.
+func (c *Channel) staged(e *sendEntry, n int, sb tensor.Buffer, err error) {
+	var ds deliveries
+	c.mu.Lock()
+	defer func() {
+		c.mu.Unlock()
+		ds.run()
+	}()
+	if err == nil && c.state != stateConnected {
+		err = c.stateErrLocked()
+	}
+	var mr verbsio.MemoryRegion
+	if err == nil {
+		var ok bool
+		if mr, ok = c.mem.Region(sb.Addr(), n); !ok || sb.Bytes() == nil {
+			err = fmt.Errorf("%w: staged copy at %#x is not registered host memory", ErrBadTensor, sb.Addr())
+		}
+	}
+	if err != nil {
+		if sb != nil {
+			_ = sb.Free()
+		}
+		err = fmt.Errorf("rendezvous: staging %q step %d: %w", e.key.name, e.key.step, err)
+		if c.state == stateConnected {
+			c.sendErrorLocked(e.req, wire.CodeInternal, err.Error())
+			c.flushLocked()
+		}
+		c.dropSendLocked(e, err, &ds)
+		return
+	}
+	e.stage, e.addr, e.lkey, e.src, e.n = sb, sb.Addr(), mr.LKey(), sb.Bytes()[:n], int64(n)
+	if c.checksum {
+		e.crc = crc32.Checksum(e.src, castagnoli)
+	}
+	e.prepared = true
+	c.stats.staged.Add(1)
+	c.log.Debug("rendezvous: staged source", "key", e.key.name, "step", e.key.step, "bytes", n, "reason", "device memory the NIC cannot read, copied by the proxy")
+	c.serveLocked(e, &ds)
+	c.flushLocked()
 }
