@@ -167,7 +167,9 @@ func TestGPUSourceStagedThroughProxy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	noGPU := func(int, tensor.Device) (tensor.Buffer, error) { return nil, errors.New("the sender allocates no GPU results") }
+	noGPU := func(int, tensor.Device) (tensor.Buffer, error) {
+		return nil, errors.New("the sender allocates no GPU results")
+	}
 	a, err := New(dev, pd, PoolMemory(regionOf, pinned), WithName("a"), WithProxy(ProxyPath(px, noGPU)))
 	if err != nil {
 		t.Fatal(err)
