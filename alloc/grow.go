@@ -12,14 +12,30 @@ import (
 // grow adds an arena that fits rounded bytes: the next size of the doubling
 // policy, or an arena of its own for a request above the maximum arena size,
 // within the limit. When the source refuses, it tries halving down to the
-// request. Called with p.mu held.
+// request.
+//
+// It is called with p.mu held and returns with it held, but lets it go while
+// the source and the visitors work, so that allocations that fit in the
+// existing arenas go on meanwhile. One growth runs at a time: a caller that
+// finds one under way waits for it and returns nil, and then looks for a
+// chunk again, as every caller of grow does.
 func (p *Pool) grow(rounded int) error {
+	if p.growing {
+		for p.growing {
+			p.grown.Wait()
+		}
+		if p.closed {
+			return fmt.Errorf("%w: pool %q closed while growing", ErrClosed, p.cfg.name)
+		}
+		return nil
+	}
 	size := p.nextSize
 	for size < rounded && size < p.cfg.maxArena {
 		size = min(size*2, p.cfg.maxArena)
 	}
 	size = max(size, rounded)
-	if lim := p.cfg.limit; lim > 0 && int64(size) > lim-p.st.reserved {
+	room := int64(maxAlloc)
+	if lim := p.cfg.limit; lim > 0 {
 		if int64(rounded) > lim-p.st.reserved {
 			// Arenas with nothing allocated cannot hold the request (take
 			// found no chunk), but their bytes count against the limit.
@@ -27,31 +43,116 @@ func (p *Pool) grow(rounded int) error {
 				return err
 			}
 		}
-		room := lim - p.st.reserved
+		// Only this growth adds arenas, so the room can only get larger
+		// while the lock is let go.
+		room = lim - p.st.reserved
 		if int64(rounded) > room {
 			return p.exhausted(rounded, nil)
 		}
 		size = max(int(min(int64(size), room))&^(p.cfg.align-1), rounded)
 	}
+	id := p.nextID
+	p.nextID++
+	p.growing = true
+	p.mu.Unlock()
+	a, got, err := p.makeArena(id, size, rounded, room)
+	p.mu.Lock()
+	defer func() {
+		p.growing = false
+		p.grown.Broadcast()
+	}()
+	switch {
+	case errors.Is(err, errSource):
+		return p.exhausted(rounded, err)
+	case err != nil:
+		return err
+	case p.closed:
+		return fmt.Errorf("%w: pool %q closed while growing: %w", ErrClosed, p.cfg.name, p.dropArena(a))
+	}
+	if err := p.insertArena(a); err != nil {
+		return err
+	}
+	if got > p.nextSize {
+		p.nextSize = min(got, p.cfg.maxArena)
+	}
+	p.nextSize = min(p.nextSize*2, p.cfg.maxArena)
+	return nil
+}
+
+// errSource marks the failure of every try of the source in makeArena.
+var errSource = errors.New("source refused every size")
+
+// makeArena gets a region of size bytes from the source (halving down to
+// rounded while the source refuses), checks it and shows it to every
+// visitor. It returns the arena and the size asked for it. On failure nothing
+// stays registered and the region is freed. It runs without the pool's lock
+// and touches nothing of the pool but its configuration and source.
+func (p *Pool) makeArena(id, size, rounded int, room int64) (*Arena, int, error) {
 	var srcErrs []error
+	var r *Region
 	for {
-		r, err := p.src.Alloc(size)
-		if err == nil {
-			if err := p.addArena(r, size); err != nil {
-				return err
-			}
+		var err error
+		if r, err = p.src.Alloc(size); err == nil {
 			break
 		}
 		srcErrs = append(srcErrs, fmt.Errorf("%d bytes: %w", size, err))
 		if size == rounded {
-			return p.exhausted(rounded, errors.Join(srcErrs...))
+			return nil, 0, fmt.Errorf("%w: %w", errSource, errors.Join(srcErrs...))
 		}
 		size = max(alignUp(size/2, p.cfg.align), rounded)
 	}
-	if size > p.nextSize {
-		p.nextSize = min(size, p.cfg.maxArena)
+	if err := p.checkRegion(r, size); err != nil {
+		if r != nil {
+			err = errors.Join(err, p.src.Free(r))
+		}
+		return nil, 0, fmt.Errorf("%w: %w", ErrPoolExhausted, err)
 	}
-	p.nextSize = min(p.nextSize*2, p.cfg.maxArena)
+	if int64(r.Size) > room {
+		err := fmt.Errorf("%w: pool %q: source %s made a region of %d bytes for %d asked, beyond the %d bytes left under the limit",
+			ErrPoolExhausted, p.cfg.name, p.src.Name(), r.Size, size, room)
+		return nil, 0, errors.Join(err, p.src.Free(r))
+	}
+	a := &Arena{ID: id, region: r}
+	for i, v := range p.cfg.visitors {
+		if err := visit(v, a); err != nil {
+			var rollback []error
+			for j := i - 1; j >= 0; j-- {
+				if rerr := unvisit(p.cfg.visitors[j], a); rerr != nil {
+					rollback = append(rollback, fmt.Errorf("releasing visitor %q: %w", p.cfg.visitors[j].Name(), rerr))
+				}
+			}
+			if ferr := p.src.Free(r); ferr != nil {
+				rollback = append(rollback, fmt.Errorf("freeing region: %w", ferr))
+			}
+			return nil, 0, fmt.Errorf("%w: visitor %q on %s of pool %q: %w", ErrVisitor, v.Name(), a, p.cfg.name, errors.Join(append([]error{err}, rollback...)...))
+		}
+	}
+	return a, size, nil
+}
+
+// insertArena makes a visited arena one free chunk of the pool and
+// publishes it. Called with p.mu held.
+func (p *Pool) insertArena(a *Arena) error {
+	idx, ok := p.newSlot()
+	if !ok {
+		err := p.dropArena(a)
+		return fmt.Errorf("%w: pool %q: no chunk index left: %w", ErrPoolExhausted, p.cfg.name, err)
+	}
+	r := a.region
+	lo := uintptr(alignUp(int(r.Base), p.cfg.align))
+	hi := (r.Base + uintptr(r.Size)) &^ uintptr(p.cfg.align-1)
+	slot := slices.IndexFunc(p.slots, func(s arenaSlot) bool { return s.a == nil })
+	if slot < 0 {
+		slot = len(p.slots)
+		p.slots = append(p.slots, arenaSlot{})
+	}
+	p.slots[slot] = arenaSlot{a: a, first: idx, lo: lo, hi: hi}
+	p.chunks[idx] = chunk{addr: lo, size: int(hi - lo), prev: nilChunk, next: nilChunk, arena: int32(slot), gen: p.chunks[idx].gen, state: chunkFree}
+	p.binInsert(idx)
+	p.st.reserved += int64(r.Size)
+	p.st.arenas++
+	p.st.arenasMade++
+	p.publish()
 	return nil
 }
 
@@ -92,58 +193,6 @@ func (p *Pool) binSummary() string {
 		return "all empty"
 	}
 	return sb.String()
-}
-
-// addArena checks a region from the source, shows it to every visitor and
-// makes it one free chunk. On failure nothing stays registered and the region
-// is freed.
-func (p *Pool) addArena(r *Region, asked int) error {
-	if err := p.checkRegion(r, asked); err != nil {
-		if r != nil {
-			err = errors.Join(err, p.src.Free(r))
-		}
-		return fmt.Errorf("%w: %w", ErrPoolExhausted, err)
-	}
-	if lim := p.cfg.limit; lim > 0 && p.st.reserved+int64(r.Size) > lim {
-		err := p.exhausted(asked, fmt.Errorf("region of %d bytes for %d asked passes the limit", r.Size, asked))
-		return errors.Join(err, p.src.Free(r))
-	}
-	lo := uintptr(alignUp(int(r.Base), p.cfg.align))
-	hi := (r.Base + uintptr(r.Size)) &^ uintptr(p.cfg.align-1)
-	a := &Arena{ID: p.nextID, region: r}
-	p.nextID++
-	for i, v := range p.cfg.visitors {
-		if err := visit(v, a); err != nil {
-			var rollback []error
-			for j := i - 1; j >= 0; j-- {
-				if rerr := unvisit(p.cfg.visitors[j], a); rerr != nil {
-					rollback = append(rollback, fmt.Errorf("releasing visitor %q: %w", p.cfg.visitors[j].Name(), rerr))
-				}
-			}
-			if ferr := p.src.Free(r); ferr != nil {
-				rollback = append(rollback, fmt.Errorf("freeing region: %w", ferr))
-			}
-			return fmt.Errorf("%w: visitor %q on %s of pool %q: %w", ErrVisitor, v.Name(), a, p.cfg.name, errors.Join(append([]error{err}, rollback...)...))
-		}
-	}
-	idx, ok := p.newSlot()
-	if !ok {
-		err := p.dropArena(a)
-		return fmt.Errorf("%w: pool %q: no chunk index left: %w", ErrPoolExhausted, p.cfg.name, err)
-	}
-	slot := slices.IndexFunc(p.slots, func(s arenaSlot) bool { return s.a == nil })
-	if slot < 0 {
-		slot = len(p.slots)
-		p.slots = append(p.slots, arenaSlot{})
-	}
-	p.slots[slot] = arenaSlot{a: a, first: idx, lo: lo, hi: hi}
-	p.chunks[idx] = chunk{addr: lo, size: int(hi - lo), prev: nilChunk, next: nilChunk, arena: int32(slot), gen: p.chunks[idx].gen, state: chunkFree}
-	p.binInsert(idx)
-	p.st.reserved += int64(r.Size)
-	p.st.arenas++
-	p.st.arenasMade++
-	p.publish()
-	return nil
 }
 
 // checkRegion refuses a region that could corrupt the pool.

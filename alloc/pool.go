@@ -61,8 +61,10 @@ type sortedArena struct {
 }
 
 // Pool is a BFC pool over arenas from one Source. It is safe for concurrent
-// use. Visitors run with the pool's lock held: they must not call the pool,
-// except ArenaOf and Arenas, which never take the lock.
+// use. A new arena is made and visited without the pool's lock: allocations
+// that fit in the existing arenas go on meanwhile, those that need a new
+// arena wait for it. Visitors therefore must not allocate from the pool they
+// visit. Releases (Trim, Close) call the visitors with the lock held.
 type Pool struct {
 	cfg   config
 	src   Source
@@ -70,6 +72,8 @@ type Pool struct {
 	shift uint // log2(alignment)
 
 	mu       sync.Mutex
+	grown    *sync.Cond // signalled on p.mu when a growth ends
+	growing  bool       // a growth runs with p.mu let go
 	closed   bool
 	broken   error // set when an internal invariant was found broken
 	chunks   []chunk
@@ -123,6 +127,7 @@ func New(src Source, opts ...Option) (*Pool, error) {
 		shift:    uint(bits.TrailingZeros(uint(cfg.align))),
 		nextSize: cfg.initArena,
 	}
+	p.grown = sync.NewCond(&p.mu)
 	p.index.Store(&[]sortedArena{})
 	return p, nil
 }
@@ -151,17 +156,13 @@ func (p *Pool) Alloc(n int) (Block, error) {
 		return Block{}, fmt.Errorf("%w: pool %q: alloc of %d bytes", ErrClosed, p.cfg.name, n)
 	}
 	idx := p.take(rounded)
-	if idx == nilChunk {
+	for idx == nilChunk {
+		// Another goroutine may take the new arena's room first: look again.
 		if err := p.grow(rounded); err != nil {
 			p.mu.Unlock()
 			return Block{}, err
 		}
-		if idx = p.take(rounded); idx == nilChunk {
-			err := fmt.Errorf("%w: pool %q: a new arena did not fit %d bytes", ErrCorrupt, p.cfg.name, rounded)
-			p.broken = err
-			p.mu.Unlock()
-			return Block{}, err
-		}
+		idx = p.take(rounded)
 	}
 	c := &p.chunks[idx]
 	c.state = chunkUsed
@@ -299,13 +300,21 @@ func (p *Pool) Reserve(n int) error {
 	if p.closed {
 		return fmt.Errorf("%w: pool %q: reserve of %d bytes", ErrClosed, p.cfg.name, n)
 	}
-	if p.nonEmpty != 0 {
-		top := p.bins[63-bits.LeadingZeros64(p.nonEmpty)]
-		if p.chunks[top[len(top)-1]].size >= rounded {
-			return nil
+	for p.largestFree() < rounded {
+		if err := p.grow(rounded); err != nil {
+			return err
 		}
 	}
-	return p.grow(rounded)
+	return nil
+}
+
+// largestFree is the size of the largest free chunk, 0 for none.
+func (p *Pool) largestFree() int {
+	if p.nonEmpty == 0 {
+		return 0
+	}
+	top := p.bins[63-bits.LeadingZeros64(p.nonEmpty)]
+	return p.chunks[top[len(top)-1]].size
 }
 
 // Trim releases the arenas that hold no allocated block, through the
@@ -347,6 +356,9 @@ func (p *Pool) Close() error {
 	}
 	p.closed = true
 	p.closedFlag.Store(true)
+	for p.growing { // the growth drops its arena when it sees the pool closed
+		p.grown.Wait()
+	}
 	var errs []error
 	if p.st.live > 0 {
 		errs = append(errs, p.leakError())

@@ -3,8 +3,10 @@ package alloc
 import (
 	"errors"
 	"fmt"
+	"runtime"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"unsafe"
 
@@ -674,5 +676,100 @@ func TestReserve(t *testing.T) {
 	mustFree(t, b)
 	if err := p.Reserve(0); !errors.Is(err, ErrBadSize) {
 		t.Errorf("Reserve(0) = %v", err)
+	}
+}
+
+// blockingVisitor blocks in Visit of every arena after the first until
+// released, to hold a growth open.
+type blockingVisitor struct {
+	countingVisitor
+	entered chan int
+	release chan struct{}
+}
+
+func (v *blockingVisitor) Visit(a *Arena) error {
+	if a.ID > 0 {
+		v.entered <- a.ID
+		<-v.release
+	}
+	return v.countingVisitor.Visit(a)
+}
+
+func newBlockingVisitor() *blockingVisitor {
+	return &blockingVisitor{countingVisitor: *newCountingVisitor("blocking", nil), entered: make(chan int, 4), release: make(chan struct{})}
+}
+
+// TestAllocDuringSlowVisit checks that an arena being visited does not hold
+// up allocations that fit in the arenas already there.
+func TestAllocDuringSlowVisit(t *testing.T) {
+	v := newBlockingVisitor()
+	p := newTestPool(t, newCountingSource(), WithVisitors(v), WithInitialArena(1<<20), WithMaxArena(1<<20))
+	first := mustAlloc(t, p, 512<<10)
+	grown := make(chan error, 2)
+	var big []Block
+	var mu sync.Mutex
+	for range 2 {
+		go func() {
+			b, err := p.Alloc(1 << 20) // needs a new arena each
+			mu.Lock()
+			big = append(big, b)
+			mu.Unlock()
+			grown <- err
+		}()
+	}
+	<-v.entered // one growth is inside Visit, the other waits for it
+	small := mustAlloc(t, p, 256<<10)
+	if a, _ := small.Arena(); a.ID != 0 {
+		t.Errorf("small block in %v, want arena 0", a)
+	}
+	mustFree(t, small)
+	close(v.release)
+	for range 2 {
+		if err := <-grown; err != nil {
+			t.Fatal(err)
+		}
+	}
+	if st := p.Stats(); st.Arenas != 3 || st.ArenasCreated != 3 {
+		t.Errorf("after two growths: %v", st)
+	}
+	for _, b := range append(big, first) {
+		mustFree(t, b)
+	}
+}
+
+// TestCloseDuringGrowth closes a pool while an arena is being visited: Close
+// waits, the growth gives its arena back, and nothing is left.
+func TestCloseDuringGrowth(t *testing.T) {
+	v := newBlockingVisitor()
+	src := newCountingSource()
+	p, err := New(src, WithVisitors(v), WithInitialArena(1<<20), WithMaxArena(1<<20))
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := mustAlloc(t, p, 1<<20)
+	grown := make(chan error, 1)
+	go func() {
+		_, err := p.Alloc(1 << 20)
+		grown <- err
+	}()
+	<-v.entered
+	mustFree(t, first)
+	closed := make(chan error, 1)
+	go func() { closed <- p.Close() }()
+	for !p.closedFlag.Load() { // Close has begun and waits for the growth
+		runtime.Gosched()
+	}
+	close(v.release)
+	if err := <-grown; !errors.Is(err, ErrClosed) {
+		t.Errorf("Alloc across Close = %v, want ErrClosed", err)
+	}
+	if err := <-closed; err != nil {
+		t.Errorf("Close = %v", err)
+	}
+	if allocs, frees, live := src.counts(); allocs != 2 || frees != 2 || live != 0 {
+		t.Errorf("source: %d allocs, %d frees, %d live", allocs, frees, live)
+	}
+	if visits, releases := v.totals(); visits != 2 || releases != 2 {
+		t.Errorf("visitor: %d visits, %d releases", visits, releases)
 	}
 }

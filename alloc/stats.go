@@ -2,7 +2,6 @@ package alloc
 
 import (
 	"fmt"
-	"math/bits"
 
 	"github.com/dustin/go-humanize"
 )
@@ -46,10 +45,7 @@ func (p *Pool) Stats() Stats {
 		Reserved: st.reserved, Limit: p.cfg.limit, Arenas: st.arenas, Blocks: st.live,
 		Allocs: st.allocs, Frees: st.frees, ArenasCreated: st.arenasMade, ArenasReleased: st.arenasFreed,
 	}
-	if p.nonEmpty != 0 {
-		top := p.bins[63-bits.LeadingZeros64(p.nonEmpty)]
-		s.LargestFree = int64(p.chunks[top[len(top)-1]].size)
-	}
+	s.LargestFree = int64(p.largestFree())
 	if free := p.freeBytes(); free > 0 {
 		s.Fragmentation = 1 - float64(s.LargestFree)/float64(free)
 	}
