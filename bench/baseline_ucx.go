@@ -100,7 +100,9 @@ func ucxAvailable(ctx context.Context) error {
 }
 
 // runUCX runs tests in one ucx_perftest server and client pair on loopback
-// with UCX_TLS=tls, within timeout, and returns their rows by label.
+// with UCX_TLS=tls, within timeout, and returns their rows by label. When
+// the run fails or times out it returns the rows of the tests that finished
+// with the error.
 func runUCX(ctx context.Context, tls string, tests []ucxTest, timeout time.Duration) (map[string]ucxRow, error) {
 	dir, err := os.MkdirTemp("", "gdrlink-ucx-")
 	if err != nil {
@@ -155,15 +157,16 @@ func runUCX(ctx context.Context, tls string, tests []ucxTest, timeout time.Durat
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
+	// Rows of tests that finished are good even when a later one did not.
+	rows, perr := parseUCXOutput(out.Bytes())
 	if ctx.Err() != nil {
-		return nil, fmt.Errorf("ucx_perftest UCX_TLS=%s: %w after %v (server said: %s)", tls, ctx.Err(), timeout, ucxTail(srvOut.Bytes()))
+		return rows, fmt.Errorf("ucx_perftest UCX_TLS=%s: %w after %v, %d of %d tests done (server said: %s)", tls, ctx.Err(), timeout, len(rows), len(tests), ucxTail(srvOut.Bytes()))
 	}
 	if err != nil {
-		return nil, fmt.Errorf("ucx_perftest UCX_TLS=%s client: %w: %s", tls, err, ucxTail(out.Bytes()))
+		return rows, fmt.Errorf("ucx_perftest UCX_TLS=%s client: %w, %d of %d tests done: %s", tls, err, len(rows), len(tests), ucxTail(out.Bytes()))
 	}
-	rows, err := parseUCXOutput(out.Bytes())
-	if err != nil {
-		return nil, fmt.Errorf("UCX_TLS=%s: %w", tls, err)
+	if perr != nil {
+		return nil, fmt.Errorf("UCX_TLS=%s: %w", tls, perr)
 	}
 	return rows, nil
 }
