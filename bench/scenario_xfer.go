@@ -107,7 +107,7 @@ type xferSide struct {
 	// fence is a region of the peer that drain's zero-length write names
 	// (a write must name a valid key on every provider, empty or not).
 	fence xferRegion
-	comps    []verbsio.Completion
+	comps []verbsio.Completion
 }
 
 func openXferSide(provider string) (*xferSide, error) {

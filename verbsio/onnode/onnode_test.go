@@ -240,23 +240,29 @@ func loopback(t *testing.T, opts Options, override int) (a, b *node) {
 	}
 	t.Cleanup(b.close)
 	a.qp.(*qp).pidOverride = override
+	if errA := connectLocal(t, a, b); errA != nil {
+		if override == 0 {
+			t.Fatal(errA)
+		}
+		// Tests of a refused Connect read it back with LastError.
+		a.qp.(*qp).lastErr.Store(&errA)
+	}
+	return a, b
+}
+
+// connectLocal connects the queue pairs of a and b; it returns a's error and
+// fails the test on b's alone.
+func connectLocal(t *testing.T, a, b *node) error {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	errc := make(chan error, 1)
 	go func() { errc <- b.qp.Connect(ctx, a.qp.Endpoint()) }()
 	errA := a.qp.Connect(ctx, b.qp.Endpoint())
-	errB := <-errc
-	if errA != nil && override == 0 {
-		t.Fatal(errA)
-	}
-	if errB != nil && errA == nil {
+	if errB := <-errc; errB != nil && errA == nil {
 		t.Fatal(errB)
 	}
-	if errA != nil {
-		t.Cleanup(func() {})
-		a.qp.(*qp).lastErr.Store(&errA)
-	}
-	return a, b
+	return errA
 }
 
 // noSuchPID is a process id above the kernel's limit.
