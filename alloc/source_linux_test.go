@@ -129,7 +129,7 @@ func TestNUMANotes(t *testing.T) {
 		if node < 0 {
 			t.Fatal("no NUMA node allowed")
 		}
-		r := mustRegion(t, NewMmapSource(MmapOptions{NUMANode: node, Populate: true}), 1<<20)
+		r := mustRegion(t, NewMmapSource(MmapOptions{BindNUMA: true, NUMANode: node, Populate: true}), 1<<20)
 		if len(r.Notes) != 0 {
 			t.Fatalf("binding to allowed node %d noted %q", node, r.Notes)
 		}
@@ -146,7 +146,7 @@ func TestNUMANotes(t *testing.T) {
 		}
 	})
 	t.Run("missing node", func(t *testing.T) {
-		r := mustRegion(t, NewMmapSource(MmapOptions{NUMANode: 1000}), 1<<20)
+		r := mustRegion(t, NewMmapSource(MmapOptions{BindNUMA: true, NUMANode: 1000}), 1<<20)
 		got := strings.Join(r.Notes, "; ")
 		if !strings.Contains(got, "mbind MPOL_BIND to NUMA node 1000 refused") {
 			t.Errorf("notes %q do not report the refused binding", got)

@@ -28,8 +28,11 @@ type MmapOptions struct {
 	// (MADV_POPULATE_WRITE, or touching each page on kernels without it), so
 	// that the first tensor does not pay for page faults.
 	Populate bool
-	// NUMANode binds the region's pages to one NUMA node (mbind MPOL_BIND);
-	// NoNUMANode (-1) leaves the policy alone. Note that 0 is node 0.
+	// BindNUMA binds the region's pages to NUMANode (mbind MPOL_BIND). The
+	// zero value leaves the memory policy alone.
+	BindNUMA bool
+	// NUMANode is the node BindNUMA binds to; NoNUMANode (-1) leaves the
+	// policy alone even when BindNUMA is set.
 	NUMANode int
 }
 
@@ -117,7 +120,7 @@ func (s *mmapSource) Alloc(size int) (*Region, error) {
 	r.Base = base
 	r.Private = &mapping{src: s, fd: fd}
 	mem := r.HostBytes()
-	if s.opts.NUMANode >= 0 {
+	if s.opts.BindNUMA && s.opts.NUMANode >= 0 {
 		if err := bindNode(base, size, s.opts.NUMANode); err != nil {
 			r.Notes = append(r.Notes, fmt.Sprintf("mbind MPOL_BIND to NUMA node %d refused: %v", s.opts.NUMANode, err))
 		}
