@@ -12,6 +12,11 @@
 //     over the queue pair's unix socket (SCM_RIGHTS); the sender maps it and
 //     copies with a plain memmove.
 //
+// Both trust the peer process as ptrace would: process_vm_writev needs the
+// right to ptrace the receiver, and a peer holding a region's file could
+// write past the region if it bypassed this package. Only regions registered
+// with remote-write access are handed out as files.
+//
 // Options.Mechanism picks one; the default, MechAuto, uses MechSHM where the
 // region allows it and MechVM elsewhere (see bench scenario "xfer" and
 // BenchmarkWrite for the figures behind this choice).

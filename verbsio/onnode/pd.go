@@ -226,12 +226,14 @@ func (p *pd) lookupLocal(lkey uint32, addr uintptr, n uint32, need verbsio.Acces
 }
 
 // fileOf returns the descriptor of the region with key rkey if it is still
-// registered and file-backed (the answer to a peer's request).
+// registered, file-backed and remotely writable (the answer to a peer's
+// request); regions peers may only read are read with process_vm_readv, so
+// no peer holds a writable file of them.
 func (p *pd) fileOf(rkey uint32) int {
 	p.mu.RLock()
 	defer p.mu.RUnlock()
 	mr := p.slots[rkey&(tableSlots-1)].mr
-	if mr == nil || mr.key != rkey {
+	if mr == nil || mr.key != rkey || mr.access&verbsio.AccessRemoteWrite == 0 {
 		return -1
 	}
 	return mr.fd
