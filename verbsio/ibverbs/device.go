@@ -5,8 +5,8 @@ import (
 	"fmt"
 	"runtime"
 	"sync"
-	"sync/atomic"
 	"syscall"
+	"time"
 
 	"errors"
 
@@ -230,9 +230,7 @@ func (d *Device) CreateCQ(depth int) (verbsio.CompletionQueue, error) {
 		d.dropChild()
 		return nil, wrap(err)
 	}
-	c := &cq{d: d, q: q, qps: map[uint32]*qpRef{}, scratch: make([]ibv.WC, 64)}
-	c.spin.Store(int32(d.p.o.spin))
-	return c, nil
+	return &cq{d: d, q: q, qps: map[uint32]*qpRef{}, scratch: make([]ibv.WC, 64)}, nil
 }
 
 type pd struct {
@@ -395,8 +393,6 @@ type cq struct {
 
 	pmu     sync.Mutex
 	scratch []ibv.WC
-	// spin is how many polls the next Wait makes before it sleeps.
-	spin atomic.Int32
 
 	cmu    sync.Mutex
 	closed bool
@@ -500,19 +496,13 @@ func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 		if n, err := c.Poll(out); n > 0 || err != nil {
 			return n, err
 		}
-		// Adaptive spin: a wait that had to sleep halves the next spin, one
-		// that the spin served doubles it (up to the option), so slow
-		// streams stop paying polls for nothing and fast ones keep the
-		// latency of polling.
-		spin := int(c.spin.Load())
-		for i := 0; i < spin; i++ {
-			if n, err := c.Poll(out); n > 0 || err != nil {
-				c.spin.Store(int32(min(max(2*spin, 1), c.d.p.o.spin)))
-				return n, err
-			}
-			runtime.Gosched()
+		// Spin briefly before sleeping: a completion due within the spin
+		// time (a ping-pong's answer) is found without the sleep's wake-up
+		// latency. The polls back off exponentially, so a long spin still
+		// makes only a handful of cgo calls.
+		if n, err := c.spinPoll(out); n > 0 || err != nil {
+			return n, err
 		}
-		c.spin.Store(int32(spin / 2))
 		if err := ctx.Err(); err != nil {
 			return 0, fmt.Errorf("%w: waiting for completions: %w", verbsio.ErrTimeout, err)
 		}
@@ -529,6 +519,30 @@ func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 			}
 			return 0, wrap(err)
 		}
+	}
+}
+
+// spinPoll polls until a completion comes or the spin time passes, with
+// pauses of 1, 2, 4, then 8 us between polls.
+func (c *cq) spinPoll(out []verbsio.Completion) (int, error) {
+	spin := c.d.p.o.spin
+	if spin <= 0 {
+		return 0, nil
+	}
+	start := time.Now()
+	pause := time.Microsecond
+	for {
+		next := time.Since(start) + pause
+		if next > spin {
+			return 0, nil
+		}
+		for time.Since(start) < next {
+			runtime.Gosched()
+		}
+		if n, err := c.Poll(out); n > 0 || err != nil {
+			return n, err
+		}
+		pause = min(2*pause, 8*time.Microsecond)
 	}
 }
 

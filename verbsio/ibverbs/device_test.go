@@ -425,3 +425,18 @@ func TestPostBeforeConnect(t *testing.T) {
 		t.Errorf("post on a closed queue pair: %v", err)
 	}
 }
+
+func TestSpinEnv(t *testing.T) {
+	t.Setenv(SpinEnv, "fast")
+	if _, err := New().Open(verbsio.DefaultConfig()); !errors.Is(err, verbsio.ErrBadConfig) || !strings.Contains(err.Error(), SpinEnv) {
+		t.Fatalf("%s=fast: %v, want ErrBadConfig naming it", SpinEnv, err)
+	}
+	// An explicit option wins over the variable.
+	d, err := New(WithSpin(time.Millisecond), WithSysfsRoot(t.TempDir())).Open(verbsio.DefaultConfig())
+	if err == nil {
+		d.Close()
+	}
+	if errors.Is(err, verbsio.ErrBadConfig) {
+		t.Fatalf("WithSpin and a bad %s: %v", SpinEnv, err)
+	}
+}

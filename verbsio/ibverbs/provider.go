@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"strings"
+	"time"
 
 	"github.com/gdrlink/gdrlink/internal/ibv"
 	"github.com/gdrlink/gdrlink/verbsio"
@@ -23,7 +24,8 @@ type options struct {
 	rnrRetry    int
 	minRNRTimer int
 	hopLimit    int
-	spin        int
+	spin        time.Duration
+	spinSet     bool
 }
 
 // WithSysfsRoot reads sysfs under root instead of /sys (a container that
@@ -41,9 +43,18 @@ func WithMinRNRTimer(code int) Option { return func(o *options) { o.minRNRTimer 
 // WithHopLimit sets the GRH hop limit of RoCE routes (default 64).
 func WithHopLimit(n int) Option { return func(o *options) { o.hopLimit = n } }
 
-// WithSpin sets how many polls a completion queue Wait makes before it
-// sleeps on its completion channel (default 64).
-func WithSpin(n int) Option { return func(o *options) { o.spin = n } }
+// WithSpin sets how long a completion queue Wait keeps polling (with
+// pauses doubling up to 8 us) before it sleeps on its completion channel.
+// The default is GDRLINK_IBVERBS_SPIN (a Go duration) or 50 us, several
+// round trips of an RDMA NIC; emulated devices, whose round trips take
+// tens of microseconds, may want more. 0 sleeps at once.
+func WithSpin(d time.Duration) Option { return func(o *options) { o.spin, o.spinSet = d, true } }
+
+// SpinEnv names the environment variable with the default of WithSpin.
+const SpinEnv = "GDRLINK_IBVERBS_SPIN"
+
+// DefaultSpin is the default of WithSpin.
+const DefaultSpin = 50 * time.Microsecond
 
 // Provider opens libibverbs devices. The zero value is not usable: make
 // one with New. The one registered as "ibverbs" has the defaults.
@@ -51,7 +62,7 @@ type Provider struct{ o options }
 
 // New returns a provider with the given options.
 func New(opts ...Option) *Provider {
-	p := &Provider{o: options{sysRoot: "/sys", rnrRetry: 7, minRNRTimer: 12, hopLimit: 64, spin: 64}}
+	p := &Provider{o: options{sysRoot: "/sys", rnrRetry: 7, minRNRTimer: 12, hopLimit: 64, spin: DefaultSpin}}
 	for _, f := range opts {
 		f(&p.o)
 	}
@@ -129,6 +140,14 @@ func (p *Provider) OpenDevice(cfg verbsio.Config) (*Device, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
+	o := p.o
+	if v, ok := os.LookupEnv(SpinEnv); ok && !o.spinSet {
+		d, err := time.ParseDuration(v)
+		if err != nil || d < 0 {
+			return nil, fmt.Errorf("%w: %s=%q is not a duration of at least 0", verbsio.ErrBadConfig, SpinEnv, v)
+		}
+		o.spin = d
+	}
 	names, err := p.deviceNames()
 	if err != nil {
 		return nil, err
@@ -159,7 +178,7 @@ func (p *Provider) OpenDevice(cfg verbsio.Config) (*Device, error) {
 	}
 	c := ctxs[ch.Device]
 	delete(ctxs, ch.Device)
-	d, err := newDevice(p, c, ch, cfg)
+	d, err := newDevice(&Provider{o: o}, c, ch, cfg)
 	if err != nil {
 		c.Close()
 		return nil, err
