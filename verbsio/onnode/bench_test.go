@@ -103,14 +103,19 @@ func BenchmarkWrite(b *testing.B) {
 // BenchmarkPingPong measures the round trip of a write with immediate and
 // its answer between two processes; half of it is the one-way latency.
 func BenchmarkPingPong(b *testing.B) {
-	for _, size := range []int{8, 4096} {
-		b.Run(fmt.Sprintf("%dB", size), func(b *testing.B) {
+	for _, c := range []struct {
+		name string
+		size int
+		kind string // memfd: MechSHM; anon: process_vm_writev
+	}{{"shm-8B", 8, "memfd"}, {"shm-4KiB", 4096, "memfd"}, {"vm-8B", 8, "anon"}, {"vm-4KiB", 4096, "anon"}} {
+		size := c.size
+		b.Run(c.name, func(b *testing.B) {
 			n, p := pair(b, MechAuto)
-			mine, err := n.register("anon", 4096, rw, 0)
+			mine, err := n.register(c.kind, 4096, rw, 0)
 			if err != nil {
 				b.Fatal(err)
 			}
-			f := p.one("mr", "reg anon 4096 %d 0", rw)
+			f := p.one("mr", "reg %s 4096 %d 0", c.kind, rw)
 			addr, rkey := atoi(b, f[0]), uint32(atoi(b, f[1]))
 			recvs := make([]verbsio.RecvWR, 64)
 			if err := n.qp.PostRecv(recvs); err != nil {
