@@ -219,8 +219,10 @@ func (g GID) IsLinkLocal() bool { return g[0] == 0xfe && g[1]&0xc0 == 0x80 }
 // GIDEntry is one valid entry of a port's GID table.
 type GIDEntry struct {
 	Index int
-	GID   GID
-	Type  GIDType
+	// Port is the port the entry belongs to.
+	Port int
+	GID  GID
+	Type GIDType
 	// Netdev is the network interface the entry belongs to, "" if unknown.
 	Netdev string
 }

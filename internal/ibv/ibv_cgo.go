@@ -160,6 +160,13 @@ static int gdr_query_gid_ex(struct ibv_context *c, int port, int index, uint8_t 
 	return 0;
 }
 
+static ssize_t gdr_query_gid_table(struct ibv_context *c, struct ibv_gid_entry *e, size_t n) {
+	errno = 0;
+	ssize_t got = ibv_query_gid_table(c, e, n, 0);
+	if (got < 0) return -(errno ? errno : (got < -1 ? -got : EIO));
+	return got;
+}
+
 static int gdr_query_gid(struct ibv_context *c, int port, int index, uint8_t *gid) {
 	union ibv_gid g;
 	errno = 0;
@@ -462,7 +469,7 @@ func (c *Context) QueryGID(port, index int) (GIDEntry, error) {
 	if err != nil {
 		return GIDEntry{}, err
 	}
-	e := GIDEntry{Index: index, Type: GIDTypeUnknown}
+	e := GIDEntry{Index: index, Port: port, Type: GIDTypeUnknown}
 	var typ C.int
 	c.cnt.control.Add(1)
 	rc := C.gdr_query_gid_ex(ctx, C.int(port), C.int(index), (*C.uint8_t)(unsafe.Pointer(&e.GID[0])), &typ)
@@ -481,6 +488,44 @@ func (c *Context) QueryGID(port, index int) (GIDEntry, error) {
 		return e, c.errf("ibv_query_gid", errnoOf(rc), "port %d index %d", port, index)
 	}
 	return e, nil
+}
+
+// gidEntryC mirrors struct ibv_gid_entry.
+type gidEntryC struct {
+	GID     GID
+	Index   uint32
+	Port    uint32
+	Type    uint32
+	Ifindex uint32
+}
+
+// GIDTable reads every valid GID entry of every port in one call
+// (ibv_query_gid_table); max is the total size of the ports' tables. Where
+// the verb is not supported it fails with EOPNOTSUPP, and callers read
+// entries one by one with QueryGID.
+func (c *Context) GIDTable(max int) ([]GIDEntry, error) {
+	ctx, err := c.live("ibv_query_gid_table")
+	if err != nil {
+		return nil, err
+	}
+	if max <= 0 {
+		return nil, nil
+	}
+	buf := make([]gidEntryC, max)
+	c.cnt.control.Add(1)
+	n := C.gdr_query_gid_table(ctx, (*C.struct_ibv_gid_entry)(unsafe.Pointer(&buf[0])), C.size_t(max))
+	if n < 0 {
+		return nil, c.errf("ibv_query_gid_table", errnoOf(C.int(n)), "%d entries", max)
+	}
+	out := make([]GIDEntry, 0, int(n))
+	for _, e := range buf[:int(n)] {
+		t := GIDTypeUnknown
+		if e.Type <= 2 {
+			t = GIDType(e.Type)
+		}
+		out = append(out, GIDEntry{Index: int(e.Index), Port: int(e.Port), GID: e.GID, Type: t})
+	}
+	return out, nil
 }
 
 // PD is a protection domain.
@@ -994,5 +1039,7 @@ var (
 	_ [unsafe.Sizeof(WC{}) - unsafe.Sizeof(C.gdr_wc{})]struct{}
 	_ [unsafe.Sizeof(C.gdr_wc{}) - unsafe.Sizeof(WC{})]struct{}
 	_ [unsafe.Sizeof(SGE{}) - unsafe.Sizeof(C.struct_ibv_sge{})]struct{}
+	_ [unsafe.Sizeof(gidEntryC{}) - unsafe.Sizeof(C.struct_ibv_gid_entry{})]struct{}
+	_ [unsafe.Sizeof(C.struct_ibv_gid_entry{}) - unsafe.Sizeof(gidEntryC{})]struct{}
 	_ [unsafe.Sizeof(C.struct_ibv_sge{}) - unsafe.Sizeof(SGE{})]struct{}
 )

@@ -34,6 +34,9 @@ func (c *Context) QueryPort(port int) (PortAttr, error) { return PortAttr{}, Err
 // QueryGID fails: built without libibverbs.
 func (c *Context) QueryGID(port, index int) (GIDEntry, error) { return GIDEntry{}, ErrUnavailable }
 
+// GIDTable fails: built without libibverbs.
+func (c *Context) GIDTable(max int) ([]GIDEntry, error) { return nil, ErrUnavailable }
+
 // AllocPD fails: built without libibverbs.
 func (c *Context) AllocPD() (*PD, error) { return nil, ErrUnavailable }
 

@@ -140,6 +140,32 @@ func TestDeviceVerbs(t *testing.T) {
 	if pa.LinkLayer == LinkLayerEthernet && valid == 0 {
 		t.Error("RoCE port without a valid GID")
 	}
+	// The whole table in one call agrees with the entries read one by one.
+	before := c.Counters().Snapshot()
+	table, err := c.GIDTable(pa.GIDTblLen * attr.PhysPortCount)
+	if errors.Is(err, syscall.EOPNOTSUPP) {
+		t.Logf("no ibv_query_gid_table: %v", err)
+	} else if err != nil {
+		t.Fatal(err)
+	} else {
+		if got := c.Counters().Snapshot().Sub(before).Crossings(); got != 1 {
+			t.Errorf("GIDTable took %d crossings", got)
+		}
+		port1 := 0
+		for _, e := range table {
+			if e.Port != 1 {
+				continue
+			}
+			port1++
+			one, err := c.QueryGID(1, e.Index)
+			if err != nil || one.GID != e.GID || one.Type != e.Type {
+				t.Errorf("gid %d: table %s %s, one by one %s %s (%v)", e.Index, e.GID, e.Type, one.GID, one.Type, err)
+			}
+		}
+		if port1 != valid {
+			t.Errorf("table has %d entries of port 1, one by one found %d", port1, valid)
+		}
+	}
 	pd, err := c.AllocPD()
 	if err != nil {
 		t.Fatal(err)
@@ -172,7 +198,7 @@ func TestDeviceVerbs(t *testing.T) {
 		t.Errorf("cq depth %d", cq.Depth())
 	}
 	wc := make([]WC, 8)
-	before := c.Counters().Snapshot()
+	before = c.Counters().Snapshot()
 	if n, err := cq.Poll(wc); n != 0 || err != nil {
 		t.Errorf("poll of an empty queue: %d, %v", n, err)
 	}

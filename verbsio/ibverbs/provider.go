@@ -192,16 +192,39 @@ func (p *Provider) queryPorts(c *ibv.Context) ([]portFacts, error) {
 		return nil, err
 	}
 	var ports []portFacts
+	total := 0
 	for n := 1; n <= attr.PhysPortCount; n++ {
 		pa, err := c.QueryPort(n)
 		if err != nil {
 			return nil, err
 		}
-		pf := portFacts{Num: n, Attr: pa}
-		for i := 0; i < pa.GIDTblLen; i++ {
-			e, err := c.QueryGID(n, i)
-			if err != nil || e.GID.IsZero() {
-				continue // unused entry (ENODATA) or unreadable: not a candidate
+		ports = append(ports, portFacts{Num: n, Attr: pa})
+		total += pa.GIDTblLen
+	}
+	// The whole table in one call where the library has the verb, else
+	// entry by entry.
+	table, terr := c.GIDTable(total)
+	for pi := range ports {
+		pf := &ports[pi]
+		var entries []ibv.GIDEntry
+		if terr == nil {
+			for _, e := range table {
+				if e.Port == pf.Num {
+					entries = append(entries, e)
+				}
+			}
+		} else {
+			for i := 0; i < pf.Attr.GIDTblLen; i++ {
+				if e, err := c.QueryGID(pf.Num, i); err == nil {
+					entries = append(entries, e)
+				}
+			}
+		}
+		n, pa := pf.Num, pf.Attr
+		for _, e := range entries {
+			i := e.Index
+			if e.GID.IsZero() {
+				continue // unused entry: not a candidate
 			}
 			if e.Type == ibv.GIDTypeUnknown || pa.LinkLayer == ibv.LinkLayerEthernet {
 				// sysfs is the authority on RoCE types where it has them.
@@ -215,7 +238,6 @@ func (p *Provider) queryPorts(c *ibv.Context) ([]portFacts, error) {
 			e.Netdev = p.sys().gidNetdev(c.Name(), n, i)
 			pf.GIDs = append(pf.GIDs, e)
 		}
-		ports = append(ports, pf)
 	}
 	return ports, nil
 }
