@@ -85,47 +85,34 @@ func (m *xferMem) Close() error {
 }
 
 // memcpyBaseline is the single-thread copy that a same-host transfer is held
-// against: from memory like the sender's source into memory like the
+// against: from the transfer's own source buffer into memory like the
 // receiver's target, the same bytes over and over as the transfer does.
 type memcpyBaseline struct {
-	src, dst *xferMem
+	src *xferMem // borrowed
+	dst *xferMem
 }
 
-func newMemcpyBaseline(size int, src, dst xferMemKind) (*memcpyBaseline, error) {
-	s, err := newXferMem(src, size)
+func newMemcpyBaseline(src *xferMem, dst xferMemKind) (*memcpyBaseline, error) {
+	d, err := newXferMem(dst, len(src.b))
 	if err != nil {
 		return nil, err
 	}
-	d, err := newXferMem(dst, size)
-	if err != nil {
-		s.Close()
-		return nil, err
-	}
-	return &memcpyBaseline{src: s, dst: d}, nil
+	return &memcpyBaseline{src: src, dst: d}, nil
 }
 
 func (b *memcpyBaseline) name() string {
 	return fmt.Sprintf("memcpy %s→%s", b.src.kind, b.dst.kind)
 }
 
-// measure is the median bandwidth in GB/s of iters copies of size bytes.
-func (b *memcpyBaseline) measure(reps, size, iters int) (float64, error) {
-	d, err := timeIt(reps, func() error {
-		for range iters {
-			copy(b.dst.b[:size], b.src.b[:size])
-		}
-		return nil
-	})
-	if err != nil {
-		return 0, err
+// copies copies size bytes iters times.
+func (b *memcpyBaseline) copies(size, iters int) {
+	for range iters {
+		copy(b.dst.b[:size], b.src.b[:size])
 	}
-	return rateGBs(int64(size)*int64(iters), d), nil
 }
 
-// Close frees both buffers; idempotent.
-func (b *memcpyBaseline) Close() error {
-	return joinErr(b.src.Close(), b.dst.Close())
-}
+// Close frees the target buffer; idempotent.
+func (b *memcpyBaseline) Close() error { return b.dst.Close() }
 
 func joinErr(errs ...error) error {
 	for _, e := range errs {

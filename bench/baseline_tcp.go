@@ -57,32 +57,28 @@ func dialRawTCP(ctx context.Context, addr string, src []byte) (*rawTCP, error) {
 	return &rawTCP{c: c, src: src}, nil
 }
 
-// measure is the median bandwidth in GB/s of iters sends of size bytes,
-// each run ending when the peer has read them all.
-func (r *rawTCP) measure(ctx context.Context, reps, size, iters int) (float64, error) {
-	d, err := timeIt(reps, func() error {
-		if dl, ok := ctx.Deadline(); ok {
-			r.c.SetDeadline(dl)
-		} else {
-			r.c.SetDeadline(time.Now().Add(5 * time.Minute))
-		}
-		var hdr [8]byte
-		binary.LittleEndian.PutUint64(hdr[:], uint64(size)*uint64(iters))
-		if _, err := r.c.Write(hdr[:]); err != nil {
-			return err
-		}
-		for range iters {
-			if _, err := r.c.Write(r.src[:size]); err != nil {
-				return err
-			}
-		}
-		_, err := io.ReadFull(r.c, hdr[:1])
-		return err
-	})
-	if err != nil {
-		return 0, fmt.Errorf("raw TCP baseline: %w", err)
+// send sends size bytes iters times and returns when the peer has read
+// them all.
+func (r *rawTCP) send(ctx context.Context, size, iters int) error {
+	if dl, ok := ctx.Deadline(); ok {
+		r.c.SetDeadline(dl)
+	} else {
+		r.c.SetDeadline(time.Now().Add(5 * time.Minute))
 	}
-	return rateGBs(int64(size)*int64(iters), d), nil
+	var hdr [8]byte
+	binary.LittleEndian.PutUint64(hdr[:], uint64(size)*uint64(iters))
+	if _, err := r.c.Write(hdr[:]); err != nil {
+		return fmt.Errorf("raw TCP baseline: %w", err)
+	}
+	for range iters {
+		if _, err := r.c.Write(r.src[:size]); err != nil {
+			return fmt.Errorf("raw TCP baseline: %w", err)
+		}
+	}
+	if _, err := io.ReadFull(r.c, hdr[:1]); err != nil {
+		return fmt.Errorf("raw TCP baseline: %w", err)
+	}
+	return nil
 }
 
 // Close closes the connection; idempotent.

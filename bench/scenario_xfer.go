@@ -584,14 +584,14 @@ func xferProvider(ctx context.Context, env *Env, provider string, sizes []int64,
 	switch provider {
 	case "onnode":
 		shm := &xferCase{name: "bw/onnode-shm", target: *peer.hello.Memfd, ucx: []string{"sm", "cma,tcp"},
-			note: "target memfd (peer maps it: one memmove), source anonymous THP; baseline memcpy in one process between the same kinds"}
+			note: "target memfd (peer maps it: one memmove), source anonymous THP; baseline memcpy from the same source into a memfd of this process"}
 		vm := &xferCase{name: "bw/onnode-vm", target: peer.hello.THP, ucx: []string{"sm", "cma,tcp"},
-			note: "target anonymous THP (process_vm_writev), source anonymous THP; baseline memcpy in one process between the same kinds"}
-		if shm.memcpy, err = newMemcpyBaseline(maxSize, memTHP, memMemfd); err != nil {
+			note: "target anonymous THP (process_vm_writev), source anonymous THP; baseline memcpy from the same source into anonymous THP of this process"}
+		if shm.memcpy, err = newMemcpyBaseline(srcMem, memMemfd); err != nil {
 			return err
 		}
 		defer shm.memcpy.Close()
-		if vm.memcpy, err = newMemcpyBaseline(maxSize, memTHP, memTHP); err != nil {
+		if vm.memcpy, err = newMemcpyBaseline(srcMem, memTHP); err != nil {
 			return err
 		}
 		defer vm.memcpy.Close()
@@ -636,25 +636,25 @@ func xferProvider(ctx context.Context, env *Env, provider string, sizes []int64,
 	for _, size := range sizes {
 		iters := xferIters(env, size)
 		for _, c := range cases {
-			var d time.Duration
-			d, err = timeIt(env.Reps, func() error { return s.writes(ctx, src, c.target, int(size), iters) })
+			transfer := func() error { return s.writes(ctx, src, c.target, int(size), iters) }
+			var baseline func() error
+			var baseName string
+			switch {
+			case c.memcpy != nil:
+				baseline = func() error { c.memcpy.copies(int(size), iters); return nil }
+				baseName = c.memcpy.name()
+			case c.raw != nil:
+				baseline = func() error { return c.raw.send(ctx, int(size), iters) }
+				baseName = "raw TCP stream"
+			}
+			d, bd, err := timePair(env.Reps, transfer, baseline)
 			if err != nil {
 				return fmt.Errorf("%s at %s: %w", c.name, humanize.IBytes(uint64(size)), err)
 			}
 			gbs := rateGBs(size*int64(iters), d)
 			var base float64
-			var baseName string
-			switch {
-			case c.memcpy != nil:
-				if base, err = c.memcpy.measure(env.Reps, int(size), iters); err != nil {
-					return err
-				}
-				baseName = c.memcpy.name()
-			case c.raw != nil:
-				if base, err = c.raw.measure(ctx, env.Reps, int(size), iters); err != nil {
-					return err
-				}
-				baseName = "raw TCP stream"
+			if baseline != nil {
+				base = rateGBs(size*int64(iters), bd)
 			}
 			r := newResult("xfer", c.name, size, gbs, "GB/s", base, baseName)
 			r.Note = c.note
@@ -709,6 +709,38 @@ func xferProvider(ctx context.Context, env *Env, provider string, sizes []int64,
 		env.Emit(res)
 	}
 	return nil
+}
+
+// timePair times a and b (b may be nil) reps times each, alternating which
+// goes first so that both see the same machine, after one untimed run of
+// each; it returns the median time of one run of each.
+func timePair(reps int, a, b func() error) (time.Duration, time.Duration, error) {
+	reps = max(reps, 1)
+	fns := []func() error{a, b}
+	if b == nil {
+		fns = fns[:1]
+	}
+	times := make([][]time.Duration, len(fns))
+	for _, f := range fns {
+		if err := f(); err != nil {
+			return 0, 0, err
+		}
+	}
+	for r := range reps {
+		for k := range fns {
+			i := (k + r) % len(fns)
+			start := time.Now()
+			if err := fns[i](); err != nil {
+				return 0, 0, err
+			}
+			times[i] = append(times[i], time.Since(start))
+		}
+	}
+	da := medianDuration(times[0])
+	if b == nil {
+		return da, 0, nil
+	}
+	return da, medianDuration(times[1]), nil
 }
 
 func contains(xs []string, x string) bool {
