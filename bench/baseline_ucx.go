@@ -138,14 +138,22 @@ func runUCX(ctx context.Context, tls string, tests []ucxTest, timeout time.Durat
 	}
 	srvDone := make(chan error, 1)
 	go func() { srvDone <- srv.Wait() }()
-	defer func() {
+	stopped := false
+	// stopServer waits for the server (killing it after a grace period);
+	// its output may be read only after.
+	stopServer := func() {
+		if stopped {
+			return
+		}
+		stopped = true
 		select {
 		case <-srvDone:
 		case <-time.After(3 * time.Second):
 			srv.Process.Kill()
 			<-srvDone
 		}
-	}()
+	}
+	defer stopServer()
 	// The server needs a moment to listen; the client fails fast until it does.
 	var out *bytes.Buffer
 	for attempt := 0; ; attempt++ {
@@ -160,6 +168,7 @@ func runUCX(ctx context.Context, tls string, tests []ucxTest, timeout time.Durat
 	// Rows of tests that finished are good even when a later one did not.
 	rows, perr := parseUCXOutput(out.Bytes())
 	if ctx.Err() != nil {
+		stopServer()
 		return rows, fmt.Errorf("ucx_perftest UCX_TLS=%s: %w after %v, %d of %d tests done (server said: %s)", tls, ctx.Err(), timeout, len(rows), len(tests), ucxTail(srvOut.Bytes()))
 	}
 	if err != nil {
