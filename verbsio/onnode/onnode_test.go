@@ -460,3 +460,43 @@ func TestIdempotentClose(t *testing.T) {
 		t.Fatalf("PostSend after Close: %v", err)
 	}
 }
+
+// TestRingFull sends more than the notification ring holds while the peer
+// does not poll: the sender wakes the peer's progress and every SEND lands
+// and completes, in order.
+func TestRingFull(t *testing.T) {
+	n, p := pair(t, MechAuto)
+	const k, size = 40, maxFragment
+	src, err := n.register("memfd", k*size, verbsio.AccessLocalWrite, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pattern(n.mems[src.RKey()].b, 9)
+	f := p.one("mr", "reg memfd %d %d 0", k*size, verbsio.AccessLocalWrite)
+	rkey := atoi(t, f[1])
+	for i := 0; i < k; i++ {
+		p.ok("recv %d %d %d %d", 500+i, rkey, i*size, size)
+	}
+	wrs := make([]verbsio.SendWR, k)
+	for i := range wrs {
+		wrs[i] = verbsio.SendWR{WRID: uint64(i), Op: verbsio.OpSend, Signaled: true, SG: []verbsio.SGE{{Addr: src.Addr() + uintptr(i*size), Length: size, LKey: src.LKey()}}}
+	}
+	if k*recordSize(size) <= ringData {
+		t.Fatalf("%d sends of %d bytes fit the ring; the test needs more", k, size)
+	}
+	if err := n.qp.PostSend(wrs); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < k; i++ {
+		if c := waitOne(t, n.scq, 10*time.Second); c.WRID != uint64(i) || c.Status != verbsio.StatusSuccess {
+			t.Fatalf("send completion %d: %+v", i, c)
+		}
+	}
+	got := p.do("wait %d 10000", k)
+	if len(got) != k {
+		t.Fatalf("%d receive completions: %q", len(got), got)
+	}
+	if c := p.one("crc", "crc %d 0 %d", rkey, k*size); c[0] != strconv.FormatUint(uint64(crc32.ChecksumIEEE(n.mems[src.RKey()].b)), 10) {
+		t.Fatal("payloads differ")
+	}
+}
