@@ -317,6 +317,10 @@ func TestTwoProcesses(t *testing.T) {
 	case <-ctx.Done():
 		t.Fatal("peer did not exit")
 	}
+	// A receive posted before the failure must come back flushed.
+	if err := s.qps[qpMain].PostRecv([]verbsio.RecvWR{{WRID: 102, SG: []verbsio.SGE{{Addr: rmr.Addr(), Length: 64, LKey: rmr.LKey()}}}}); err != nil {
+		t.Fatal(err)
+	}
 	rs := peer.Regions["src"]
 	c, err := s.post(qpMain, verbsio.SendWR{WRID: 9, Op: verbsio.OpWrite, SG: []verbsio.SGE{{Addr: target.Addr(), Length: 4096, LKey: target.LKey()}},
 		RemoteAddr: rs[0], RKey: uint32(rs[1])})
@@ -335,6 +339,11 @@ func TestTwoProcesses(t *testing.T) {
 	}
 	if err := s.qps[qpMain].PostSend([]verbsio.SendWR{{Op: verbsio.OpWrite}}); !errors.Is(err, verbsio.ErrQPState) {
 		t.Errorf("post after the error: %v", err)
+	}
+	if got, err := waitN(s.rcq, 1, 30*time.Second); err != nil {
+		t.Errorf("the receive posted before the failure did not complete: %v", err)
+	} else if c := got[0]; c.WRID != 102 || c.Status != verbsio.StatusFlushed || c.Op != verbsio.OpRecv || c.QP != s.qps[qpMain] {
+		t.Errorf("receive after the failure: %+v, want flushed", c)
 	}
 }
 
