@@ -107,13 +107,13 @@ race=()
 [ "${RDMA_TEST_RACE:-0}" = 1 ] && race=(-race)
 mkdir -p "$work/bin" "$work/out"
 : > "$work/list"
-while read -r p pattern; do
+while read -r p pattern envs; do
   ip=$(go list -e "$p" 2>/dev/null) || ip=$p
   name=$(echo "${ip#github.com/gdrlink/gdrlink/}" | tr '/' '_')
   log "building $ip"
   go test -c "${race[@]}" -o "$work/bin/$name.test" "$p" || die "building the tests of $ip failed"
   if [ -x "$work/bin/$name.test" ]; then
-    printf '%s %s %s %s\n' "$name" "$ip" "$(go list -f '{{.Dir}}' "$p")" "${pattern:-.}" >> "$work/list"
+    printf '%s %s %s %s %s\n' "$name" "$ip" "$(go list -f '{{.Dir}}' "$p")" "${pattern:-.}" "$envs" >> "$work/list"
   else
     log "$ip has no tests"
   fi
@@ -193,11 +193,19 @@ done
 echo "test-rdma: guest: rxe0 \$(cat /sys/class/infiniband/rxe0/ports/1/state 2>&1), RoCE v2 GID index \${gidx:-none}, \$(nproc) CPUs, \$(cut -d' ' -f1 /proc/uptime)s after boot"
 export TMPDIR=/var/tmp GDRLINK_REQUIRE_RDMA=1 SOFTROCE_DEV=rxe0 SOFTROCE_GID_INDEX=\${gidx:-1} GOMAXPROCS=\$(nproc)
 rc=0
-while read -r name pkg dir pattern; do
+while read -r name pkg dir pattern envs; do
   echo "=== test-rdma: \$pkg"
   t0=\$(cut -d' ' -f1 /proc/uptime)
-  (cd "\$dir" && timeout -k 10 \$per "\$work/bin/\$name.test" -test.v -test.count=1 \
-      -test.timeout \$((per - 5))s -test.run "\${RDMA_TEST_RUN:-\$pattern}" </dev/null 2>&1) |
+  skip=() vars=()
+  for kv in \$envs; do
+    case "\$kv" in
+      skip=*) skip=(-test.skip "\${kv#skip=}"); echo "test-rdma: NOT RUN here (scripts/test-rdma.pkgs): \${kv#skip=}" ;;
+      *) vars+=("\$kv") ;;
+    esac
+  done
+  [ \${#vars[@]} = 0 ] || echo "test-rdma: with \${vars[*]}"
+  (cd "\$dir" && env "\${vars[@]}" timeout -k 10 \$per "\$work/bin/\$name.test" -test.v -test.count=1 \
+      -test.timeout \$((per - 5))s -test.run "\${RDMA_TEST_RUN:-\$pattern}" "\${skip[@]}" </dev/null 2>&1) |
     tee "\$work/out/\$name.log"
   st=\${PIPESTATUS[0]}
   t1=\$(cut -d' ' -f1 /proc/uptime)
