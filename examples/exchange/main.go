@@ -28,7 +28,6 @@ import (
 
 	"github.com/dustin/go-humanize"
 	"github.com/gdrlink/gdrlink/alloc"
-	"github.com/gdrlink/gdrlink/alloc/visitor"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
 	"github.com/gdrlink/gdrlink/verbsio/bootstrap"
@@ -106,11 +105,10 @@ func stream(steps int) []item {
 	}
 }
 
-// session is one process's device, memory and channel.
+// session is one process's endpoint (device, registered pool, channel) and
+// its bootstrap group.
 type session struct {
-	dev   verbsio.Device
-	pd    verbsio.ProtectionDomain
-	reg   *visitor.MemoryRegistration
+	ep    *rendezvous.Endpoint
 	pool  *alloc.Pool
 	ch    *rendezvous.Channel
 	group *bootstrap.Group
@@ -118,17 +116,8 @@ type session struct {
 
 func (s *session) close() error {
 	var errs []error
-	if s.ch != nil {
-		errs = append(errs, s.ch.Close())
-	}
-	if s.pool != nil {
-		errs = append(errs, s.pool.Close())
-	}
-	if s.pd != nil {
-		errs = append(errs, s.pd.Close())
-	}
-	if s.dev != nil {
-		errs = append(errs, s.dev.Close())
+	if s.ep != nil {
+		errs = append(errs, s.ep.Close())
 	}
 	if s.group != nil {
 		errs = append(errs, s.group.Close())
@@ -138,28 +127,17 @@ func (s *session) close() error {
 
 func open(ctx context.Context, log *slog.Logger, provider, name string, checksum bool, cfg bootstrap.Config, peer int) (*session, error) {
 	s := &session{}
-	vc, err := verbsio.ConfigFromEnv()
+	// Every arena of the endpoint's pool is registered with the NIC once, by
+	// its registration visitor.
+	ep, err := rendezvous.OpenEndpoint(rendezvous.EndpointConfig{
+		Provider: provider,
+		Pool:     []alloc.Option{alloc.WithName(name), alloc.WithInitialArena(64 << 20)},
+		Channel:  []rendezvous.Option{rendezvous.WithName(name), rendezvous.WithChecksum(checksum), rendezvous.WithLogger(log)},
+	})
 	if err != nil {
 		return s, err
 	}
-	if s.dev, err = verbsio.Open(provider, vc); err != nil {
-		return s, err
-	}
-	if s.pd, err = s.dev.AllocPD(); err != nil {
-		return s, err
-	}
-	// Every arena of the pool is registered with the NIC once, by the visitor.
-	s.reg = visitor.NewMemoryRegistration(s.pd, verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite|verbsio.AccessRemoteRead)
-	s.pool, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: -1}),
-		alloc.WithVisitors(s.reg), alloc.WithName(name), alloc.WithInitialArena(64<<20))
-	if err != nil {
-		return s, err
-	}
-	s.ch, err = rendezvous.New(s.dev, s.pd, rendezvous.PoolMemory(s.reg.RegionOf, s.pool),
-		rendezvous.WithName(name), rendezvous.WithChecksum(checksum), rendezvous.WithLogger(log))
-	if err != nil {
-		return s, err
-	}
+	s.ep, s.pool, s.ch = ep, ep.Pool, ep.Channel
 	if s.group, err = bootstrap.Join(ctx, cfg); err != nil {
 		return s, err
 	}
