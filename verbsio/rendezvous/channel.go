@@ -93,6 +93,12 @@ type Channel struct {
 	orphans   []tensor.Buffer
 	byeWRID   uint64
 
+	// liveness (keepalive.go)
+	arrivals uint64      // receive completions from the peer
+	kaSeen   uint64      // arrivals when the keepalive timer was armed
+	kaTimer  *time.Timer // nil until work is first pending
+	kaArmed  bool
+
 	// receiver side
 	nextReq  uint32
 	reqs     map[uint32]*request
@@ -116,7 +122,7 @@ type Channel struct {
 type statsCounters struct {
 	requests, metaResponses, reRequests, finals, writesIn, writesOut atomic.Uint64
 	bytesIn, bytesOut, errors, controlOut, creditsOnly, nameDefs     atomic.Uint64
-	checksumFailures, staged, striped, metaInPlace                   atomic.Uint64
+	checksumFailures, staged, striped, metaInPlace, keepalives       atomic.Uint64
 }
 
 // outItem is a queued control frame or write, posted in order.
@@ -129,7 +135,7 @@ type outItem struct {
 // control buffers from mem (which must be registered with pd). Receives are
 // posted at once where the provider allows it.
 func New(dev verbsio.Device, pd verbsio.ProtectionDomain, mem Memory, opts ...Option) (*Channel, error) {
-	o := options{ring: DefaultRing, sendSlots: DefaultSendSlots, maxStrings: DefaultMaxStringBytes, maxTensor: DefaultMaxTensorBytes, stripeMin: DefaultStripeMin, log: slog.New(discard{})}
+	o := options{ring: DefaultRing, sendSlots: DefaultSendSlots, maxStrings: DefaultMaxStringBytes, maxTensor: DefaultMaxTensorBytes, stripeMin: DefaultStripeMin, keepalive: DefaultKeepalive, log: slog.New(discard{})}
 	for _, f := range opts {
 		if f == nil {
 			continue
@@ -352,7 +358,7 @@ func (c *Channel) Stats() Stats {
 		Requests: s.requests.Load(), MetaResponses: s.metaResponses.Load(), MetaInPlace: s.metaInPlace.Load(), ReRequests: s.reRequests.Load(), Finals: s.finals.Load(),
 		WritesIn: s.writesIn.Load(), WritesOut: s.writesOut.Load(), BytesIn: s.bytesIn.Load(), BytesOut: s.bytesOut.Load(),
 		Errors: s.errors.Load(), ControlOut: s.controlOut.Load(), CreditsOnly: s.creditsOnly.Load(), NameDefs: s.nameDefs.Load(),
-		ChecksumFailures: s.checksumFailures.Load(), Staged: s.staged.Load(), Striped: s.striped.Load(),
+		ChecksumFailures: s.checksumFailures.Load(), Staged: s.staged.Load(), Striped: s.striped.Load(), Keepalives: s.keepalives.Load(),
 	}
 }
 
@@ -460,6 +466,7 @@ func (c *Channel) failLocked(err error, ds *deliveries, st chanState) {
 	}
 	c.state = st
 	c.failErr = err
+	c.disarmKeepaliveLocked()
 	for idx, r := range c.reqs {
 		delete(c.reqs, idx)
 		c.finishLocked(r, nil, fmt.Errorf("rendezvous: %q step %d from %s: %w", r.key.name, r.key.step, c.peer, err), ds)
@@ -526,6 +533,7 @@ func (c *Channel) poll() {
 			}
 		}
 		c.flushLocked()
+		c.armKeepaliveLocked() // the peer's requests may be pending now
 		stopped := c.state == stateFailed
 		c.mu.Unlock()
 		ds.run()
@@ -551,6 +559,7 @@ func (c *Channel) handleLocked(wc *verbsio.Completion, ds *deliveries) {
 	}
 	switch kind {
 	case wridRecv:
+		c.arrivals++
 		slot := int(id)
 		if slot >= c.opts.ring {
 			c.failLocked(fmt.Errorf("%w: receive completion for slot %d", ErrProtocol, slot), ds, stateFailed)

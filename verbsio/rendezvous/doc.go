@@ -29,5 +29,8 @@
 // the immediate following once every rail's part has landed.
 //
 // A peer that goes away fails every pending request and send of its channel
-// with an error wrapping verbsio.ErrPeerLost that names the peer.
+// with an error wrapping verbsio.ErrPeerLost that names the peer. A channel
+// with pending work sends a keepalive to a peer silent for a keepalive
+// interval (WithKeepalive), so that this holds on RDMA too, where a queue
+// pair learns of a dead peer only by sending to it.
 package rendezvous

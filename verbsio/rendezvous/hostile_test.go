@@ -39,17 +39,22 @@ var (
 	hostileErr  error
 )
 
-// hostileChannel is a connected channel over a stub queue pair, with one
-// pending Recv ("k" step 0, request 1, name index 1) and one pending Send
-// ("k" step 1), so that hostile frames reach every state.
-func hostileChannel(t testing.TB) (*Channel, func()) {
+// stubPool is the pool of the stub channels' memory, made once.
+func stubPool(t testing.TB) *alloc.Pool {
 	hostileOnce.Do(func() {
 		hostilePool, hostileErr = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}), alloc.WithLimit(64<<20))
 	})
 	if hostileErr != nil {
 		t.Fatal(hostileErr)
 	}
-	mem := PoolMemory(stubRegion, hostilePool)
+	return hostilePool
+}
+
+// hostileChannel is a connected channel over a stub queue pair, with one
+// pending Recv ("k" step 0, request 1, name index 1) and one pending Send
+// ("k" step 1), so that hostile frames reach every state.
+func hostileChannel(t testing.TB) (*Channel, func()) {
+	mem := PoolMemory(stubRegion, stubPool(t))
 	c := &Channel{
 		opts: options{ring: 8, sendSlots: 4, maxStrings: 1 << 20, maxTensor: 1 << 20, checksum: true},
 		mem:  mem, qp: &stubQP{}, slot: wire.MaxFrame, provider: "stub", devName: "stub", peer: "hostile",

@@ -3,6 +3,7 @@ package rendezvous
 import (
 	"fmt"
 	"log/slog"
+	"time"
 
 	"github.com/gdrlink/gdrlink/tensor"
 )
@@ -23,6 +24,9 @@ const (
 	DefaultMaxStringBytes = 1 << 30
 	// DefaultMaxTensorBytes caps the size of one received tensor.
 	DefaultMaxTensorBytes = 64 << 30
+	// DefaultKeepalive is how long a channel with pending work waits on a
+	// silent peer before it sends a keepalive (WithKeepalive).
+	DefaultKeepalive = time.Second
 )
 
 // Proxy lands results on devices the NIC cannot write directly: the write
@@ -65,6 +69,7 @@ type options struct {
 	maxTensor  int64
 	rails      []Rail
 	stripeMin  int64
+	keepalive  time.Duration
 	// corrupt, when set, changes the bytes of a source after its checksum
 	// is taken and before it is written (fault injection for tests).
 	corrupt func(key string, step int64, b []byte)
@@ -152,6 +157,34 @@ func WithMaxTensorBytes(n int64) Option {
 			return fmt.Errorf("%w: tensor limit %d", ErrBadOption, n)
 		}
 		o.maxTensor = n
+		return nil
+	}
+}
+
+// WithKeepalive sets the keepalive interval (default DefaultKeepalive; 0
+// turns keepalives off). While the channel has pending work (a Recv not
+// answered, a Send or a request of the peer not matched, a tensor kept for
+// a re-request, a write in flight) and nothing has arrived from the peer for
+// d, it sends a keepalive: a CREDIT frame, which the peer's NIC must
+// acknowledge. A dead peer makes that send fail as soon as the transport
+// gives up on it, and the channel fails every pending request with
+// verbsio.ErrPeerLost; without it, a queue pair that has nothing to send
+// never learns that its peer is gone. An idle channel sends nothing.
+//
+// A keepalive respects the credit scheme: it takes one of the peer's
+// receive buffers like any SEND, and returns the credits this side owes.
+// It is sent only when that leaves the reserve credit alone (two credits or
+// more), or when it returns credits (the reserve is kept for exactly that);
+// otherwise it waits for credits, and the peer, which then holds this
+// side's credits, returns them unasked. At most one goes out per interval,
+// and the peer never answers one (a CREDIT makes no CREDIT by itself), so
+// the credits they take come back with the peer's next frames.
+func WithKeepalive(d time.Duration) Option {
+	return func(o *options) error {
+		if d < 0 {
+			return fmt.Errorf("%w: keepalive interval %v", ErrBadOption, d)
+		}
+		o.keepalive = d
 		return nil
 	}
 }

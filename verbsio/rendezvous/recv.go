@@ -143,6 +143,7 @@ func (c *Channel) RecvFunc(ctx context.Context, key string, step int64, cb func(
 		r.stop = context.AfterFunc(ctx, func() { c.cancel(r, context.Cause(ctx)) })
 	}
 	c.flushLocked()
+	c.armKeepaliveLocked()
 	c.mu.Unlock()
 }
 

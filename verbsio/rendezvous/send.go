@@ -108,6 +108,7 @@ func (c *Channel) put(k skey, t *tensor.Tensor, serr error, done func(error)) er
 	} else {
 		c.sends[k] = e
 	}
+	c.armKeepaliveLocked()
 	c.mu.Unlock()
 	ds.run()
 	return nil

@@ -113,4 +113,8 @@ type Stats struct {
 	Staged uint64
 	// Striped is the number of writes this side striped over its rails.
 	Striped uint64
+	// Keepalives is the number of CREDIT frames sent as keepalives to a
+	// silent peer while work was pending (WithKeepalive). They count in
+	// ControlOut, not in CreditsOnly.
+	Keepalives uint64
 }

@@ -46,7 +46,10 @@ const (
 	TypeReRequest
 	// TypeError is ERROR_STATUS: the sender could not serve a request.
 	TypeError
-	// TypeCredit returns receive credits and says nothing else.
+	// TypeCredit returns receive credits and says nothing else. A channel
+	// also sends it as a keepalive to a peer that has been silent while work
+	// is pending: the peer's NIC must acknowledge it, so a dead peer makes
+	// the send fail. The receiver handles it as any CREDIT and never answers.
 	TypeCredit
 	// TypeChecksum carries the CRC-32C of the bytes about to be written for a
 	// request (checksum mode).
