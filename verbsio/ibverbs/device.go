@@ -25,8 +25,9 @@ type Device struct {
 	caps verbsio.Caps
 	info verbsio.DeviceInfo
 	host string
-	// dmabufWhy says why dma-buf registration is unavailable ("" if it is).
-	dmabufWhy string
+	// dmabufWhy says why dma-buf registration is unavailable ("" if it
+	// is); gpuWhy why GPU memory is not among the memory types.
+	dmabufWhy, gpuWhy string
 
 	mu       sync.Mutex
 	children int
@@ -45,9 +46,11 @@ func newDevice(p *Provider, c *ibv.Context, ch choice, cfg verbsio.Config) (*Dev
 	}
 	inline, dmabuf, why := d.probe()
 	d.dmabufWhy = why
+	kinds, gpuWhy := p.memoryTypes()
+	d.gpuWhy = gpuWhy
 	d.caps = verbsio.Caps{
 		Provider:           Name,
-		MemoryTypes:        []tensor.DeviceKind{tensor.CPU, tensor.PinnedHost},
+		MemoryTypes:        kinds,
 		DMABuf:             dmabuf,
 		WriteWithImmediate: true,
 		MaxInline:          inline,
@@ -113,6 +116,14 @@ func (d *Device) Caps() verbsio.Caps {
 	c.MemoryTypes = append([]tensor.DeviceKind(nil), c.MemoryTypes...)
 	return c
 }
+
+// GPUMemoryReason says why Caps().MemoryTypes lacks GPU memory: no GPU
+// peer-memory module loaded, or sysfs could not tell; "" when it lists it.
+func (d *Device) GPUMemoryReason() string { return d.gpuWhy }
+
+// DMABufReason says why Caps().DMABuf is false ("" when it is true): the
+// device has no dma-buf registration (Soft-RoCE), or the probe failed.
+func (d *Device) DMABufReason() string { return d.dmabufWhy }
 
 // Port is the port number in use.
 func (d *Device) Port() int { return d.ch.Port.Num }

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/gdrlink/gdrlink/internal/ibv"
+	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
@@ -91,6 +92,19 @@ func (p *Provider) Devices() ([]verbsio.DeviceInfo, error) {
 func (p *Provider) info(name string, port int) verbsio.DeviceInfo {
 	numa, pci := p.sys().location(name)
 	return verbsio.DeviceInfo{Provider: Name, Name: name, NUMANode: numa, PCIAddress: pci, Netdev: p.sys().netdev(name, port)}
+}
+
+// memoryTypes lists the memory RegisterMemory accepts: host memory always,
+// GPU memory where a GPU peer-memory module (nvidia_peermem, nv_peer_mem)
+// is loaded, for ibv_reg_mr then takes a GPU device pointer. gpuWhy says
+// why GPU memory is not listed ("" when it is): not supported, or could
+// not tell (which lists it neither).
+func (p *Provider) memoryTypes() (kinds []tensor.DeviceKind, gpuWhy string) {
+	kinds = []tensor.DeviceKind{tensor.CPU, tensor.PinnedHost}
+	if _, err := p.sys().peerMem(); err != nil {
+		return kinds, err.Error()
+	}
+	return append(kinds, tensor.GPU), ""
 }
 
 // deviceNames asks sysfs first, so a host without kernel RDMA support gets

@@ -1,7 +1,9 @@
 package ibverbs
 
 import (
+	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -9,6 +11,7 @@ import (
 	"strings"
 
 	"github.com/gdrlink/gdrlink/internal/ibv"
+	"github.com/gdrlink/gdrlink/verbsio"
 )
 
 // sysfs reads the RDMA part of a sysfs tree mounted at root ("/sys" on a
@@ -77,6 +80,35 @@ func (s sysfs) netdev(dev string, port int) string {
 		return strings.TrimSpace(string(b))
 	}
 	return ""
+}
+
+// peerMemModules are the kernel modules with which ibv_reg_mr resolves a
+// GPU device pointer: NVIDIA's nvidia_peermem (driver 470 and later) and
+// Mellanox's older nv_peer_mem, in that order.
+var peerMemModules = []string{"nvidia_peermem", "nv_peer_mem"}
+
+// peerMem says which GPU peer-memory module is loaded, from module/NAME.
+// None loaded is an error wrapping verbsio.ErrNotSupported; any other
+// error (no module directory at all: sysfs not mounted there; a directory
+// that cannot be read) means sysfs could not tell.
+func (s sysfs) peerMem() (string, error) {
+	modDir := filepath.Join(s.root, "module")
+	for _, m := range peerMemModules {
+		fi, err := os.Stat(filepath.Join(modDir, m))
+		switch {
+		case err == nil && fi.IsDir():
+			return m, nil
+		case err == nil:
+			return "", fmt.Errorf("could not tell whether %s is loaded: %s is not a directory", m, filepath.Join(modDir, m))
+		case !errors.Is(err, fs.ErrNotExist):
+			return "", fmt.Errorf("could not tell whether %s is loaded: %w", m, err)
+		}
+	}
+	if _, err := os.Stat(modDir); err != nil {
+		return "", fmt.Errorf("could not tell whether a GPU peer-memory module is loaded: %w", err)
+	}
+	return "", fmt.Errorf("%w: GPU memory registration: neither %s nor %s is loaded (%s; modprobe nvidia-peermem)",
+		verbsio.ErrNotSupported, peerMemModules[0], peerMemModules[1], modDir)
 }
 
 func (s sysfs) String() string { return fmt.Sprintf("sysfs at %s", s.root) }
