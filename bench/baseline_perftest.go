@@ -30,11 +30,19 @@ func perftestIters(size int64, quick bool) int {
 	return int(max(5, min(5000, total/max(size, 1))))
 }
 
-// perftestBaseline measures ib_write_bw on the device and GID that an
-// ibverbs device uses, for one size at a time: the baseline of the ibverbs
-// provider's write bandwidth, in GB/s. It fails with errNoPerftest when
-// perftest is not installed, and for devices of other providers.
-func perftestBaseline(dev verbsio.Device, quick bool) (func(ctx context.Context, size int64) (float64, error), error) {
+// perftestBW is the ib_write_bw baseline of one ibverbs device: it
+// measures on the device and GID that the device uses.
+type perftestBW struct {
+	dev   string
+	gid   int
+	quick bool
+}
+
+// perftestBaseline returns the ib_write_bw baseline of an ibverbs device's
+// write bandwidth. It fails with errNoPerftest when perftest is not
+// installed, and with verbsio.ErrNotSupported for devices of other
+// providers.
+func perftestBaseline(dev verbsio.Device, quick bool) (*perftestBW, error) {
 	d, ok := dev.(*ibverbs.Device)
 	if !ok {
 		return nil, fmt.Errorf("%w: ib_write_bw measures ibverbs devices, not %s", verbsio.ErrNotSupported, dev.Info().Provider)
@@ -42,10 +50,24 @@ func perftestBaseline(dev verbsio.Device, quick bool) (func(ctx context.Context,
 	if _, err := exec.LookPath("ib_write_bw"); err != nil {
 		return nil, fmt.Errorf("%w: %w", errNoPerftest, err)
 	}
-	name, gid := d.Info().Name, d.GIDIndex()
-	return func(ctx context.Context, size int64) (float64, error) {
-		return perftestWriteBW(ctx, name, gid, size, perftestIters(size, quick))
-	}, nil
+	return &perftestBW{dev: d.Info().Name, gid: d.GIDIndex(), quick: quick}, nil
+}
+
+// bw measures iters writes of size bytes (perftestIters's count for
+// iters < 1), in GB/s.
+func (p *perftestBW) bw(ctx context.Context, size int64, iters int) (float64, error) {
+	if iters < 1 {
+		iters = perftestIters(size, p.quick)
+	}
+	return perftestWriteBW(ctx, p.dev, p.gid, size, iters)
+}
+
+// String is the command line it runs, without size and count.
+func (p *perftestBW) String() string {
+	if p.gid < 0 {
+		return "ib_write_bw -d " + p.dev
+	}
+	return fmt.Sprintf("ib_write_bw -d %s -x %d", p.dev, p.gid)
 }
 
 // perftestWriteBW measures RDMA WRITE bandwidth with perftest's ib_write_bw

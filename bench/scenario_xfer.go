@@ -27,15 +27,17 @@ import (
 // immediate (half the median ping-pong round trip). Baselines measured in
 // the same run: a single-thread memcpy between buffers like the two ends of
 // the onnode transfer, one raw loopback TCP stream to the same peer process
-// for tcp, and ucx_perftest on loopback (tag_bw, tag_lat) where ucx-utils
-// is installed.
+// for tcp, perftest's ib_write_bw on the same device and GID for ibverbs
+// (where perftest is installed), and ucx_perftest on loopback (tag_bw,
+// tag_lat) where ucx-utils is installed. A provider with no device here is
+// reported as a "skipped/PROVIDER" result whose note says why.
 func init() {
 	register(Scenario{
 		Name: "xfer",
-		Doc:  "RDMA WRITE between two processes per provider, 4 KiB..256 MiB GB/s and 8 B/4 KiB one-way latency, vs memcpy, raw TCP and ucx_perftest",
+		Doc:  "RDMA WRITE between two processes per provider, 4 KiB..256 MiB GB/s and 8 B/4 KiB one-way latency, vs memcpy, raw TCP, ib_write_bw and ucx_perftest",
 		Run:  runXfer,
 		Plots: []Plot{
-			{File: "xfer-bandwidth.svg", Title: "RDMA WRITE between two processes vs memcpy / raw TCP", Unit: "GB/s", CasePrefix: "bw/"},
+			{File: "xfer-bandwidth.svg", Title: "RDMA WRITE between two processes vs memcpy / raw TCP / ib_write_bw", Unit: "GB/s", CasePrefix: "bw/"},
 			{File: "xfer-vs-ucx.svg", Title: "RDMA WRITE vs ucx_perftest tag_bw", Unit: "GB/s", CasePrefix: "ucx/"},
 			{File: "xfer-latency.svg", Title: "one-way latency, write with immediate vs ucx_perftest tag_lat", Unit: "us", CasePrefix: "lat/"},
 		},
@@ -58,6 +60,15 @@ const (
 	// xferSignalEvery: one write in so many asks for a completion.
 	xferSignalEvery = 16
 	xferWait        = 30 * time.Second
+	// xferRunTime caps a timed run on slow (emulated) devices: where the
+	// bytes of xferIters would take longer, a run makes fewer writes, and
+	// so does its baseline.
+	xferRunTime = time.Second
+	// xferMinIters is the fewest writes a run capped by xferRunTime makes.
+	xferMinIters = 32
+	// requireRDMAEnv set to 1 says this host has an RDMA device: the
+	// ibverbs provider may not be skipped.
+	requireRDMAEnv = "GDRLINK_REQUIRE_RDMA"
 )
 
 // xferProviders are tried in this order; one with no device here is skipped
@@ -506,6 +517,11 @@ func runXfer(ctx context.Context, env *Env) error {
 		}
 		if err != nil {
 			env.Log.Info("provider skipped", "provider", name, "reason", err)
+			env.Emit(Result{Scenario: "xfer", Case: "skipped/" + name, Unit: "GB/s",
+				Note: fmt.Sprintf("not measured: provider %s has no device here (%v)", name, err)})
+			if name == "ibverbs" && os.Getenv(requireRDMAEnv) == "1" {
+				return fmt.Errorf("%s=1 but the ibverbs provider has no device: %w", requireRDMAEnv, err)
+			}
 			continue
 		}
 		if err := xferProvider(ctx, env, name, sizes, ucxErr); err != nil {
@@ -527,6 +543,8 @@ type xferCase struct {
 	// one of the two baselines, or neither
 	memcpy *memcpyBaseline
 	raw    *rawTCP
+	// perftest measures ib_write_bw moving iters writes of size bytes.
+	perftest *perftestBW
 	// UCX_TLS settings whose tag_bw this case is also held against
 	ucx []string
 }
@@ -611,9 +629,19 @@ func xferProvider(ctx context.Context, env *Env, provider string, sizes []int64,
 		cases = []*xferCase{c}
 		ucxBW, ucxLat, latUCX = []string{"tcp"}, []string{"tcp"}, "tcp"
 	default:
-		// ibverbs (and any later provider): no baseline of its own here yet;
-		// an ib_write_bw baseline (baseline_perftest.go) plugs in at this spot.
-		cases = []*xferCase{{name: "bw/" + provider, target: peer.hello.THP, note: "target anonymous THP"}}
+		// ibverbs (and any later provider): ib_write_bw on the same device
+		// and GID where this is an ibverbs device and perftest is installed.
+		c := &xferCase{name: "bw/" + provider, target: peer.hello.THP, note: "target anonymous THP"}
+		if c.perftest, err = perftestBaseline(s.dev, env.Quick); err != nil {
+			c.perftest = nil
+			if provider == "ibverbs" {
+				env.Log.Info("ib_write_bw baseline skipped", "reason", err)
+				c.note += "; no ib_write_bw baseline: " + err.Error()
+			}
+		} else {
+			c.note += fmt.Sprintf("; baseline %s -F, as many writes of the same size, run alternately with the transfer", c.perftest)
+		}
+		cases = []*xferCase{c}
 	}
 
 	// UCX first, so its figures are at hand for every emit.
@@ -634,18 +662,33 @@ func xferProvider(ctx context.Context, env *Env, provider string, sizes []int64,
 	}
 
 	for _, size := range sizes {
-		iters := xferIters(env, size)
 		for _, c := range cases {
-			transfer := func() error { return s.writes(ctx, src, c.target, int(size), iters) }
-			var baseline func() error
+			iters, err := xferCalibrate(ctx, s, src, c.target, size, xferIters(env, size))
+			if err != nil {
+				return fmt.Errorf("%s at %s: %w", c.name, humanize.IBytes(uint64(size)), err)
+			}
+			transfer := wallTime(func() error { return s.writes(ctx, src, c.target, int(size), iters) })
+			var baseline func() (time.Duration, error)
 			var baseName string
 			switch {
 			case c.memcpy != nil:
-				baseline = func() error { c.memcpy.copies(int(size), iters); return nil }
+				baseline = wallTime(func() error { c.memcpy.copies(int(size), iters); return nil })
 				baseName = c.memcpy.name()
 			case c.raw != nil:
-				baseline = func() error { return c.raw.send(ctx, int(size), iters) }
+				baseline = wallTime(func() error { return c.raw.send(ctx, int(size), iters) })
 				baseName = "raw TCP stream"
+			case c.perftest != nil:
+				// ib_write_bw times itself (its process start and
+				// connection are not the device's): its rate becomes the
+				// time it would take to move the transfer's bytes.
+				baseline = func() (time.Duration, error) {
+					gbs, err := c.perftest.bw(ctx, size, iters)
+					if err != nil || !(gbs > 0) {
+						return 0, errors.Join(err, fmt.Errorf("ib_write_bw measured %v GB/s", gbs))
+					}
+					return time.Duration(float64(size*int64(iters)) / gbs), nil
+				}
+				baseName = "ib_write_bw"
 			}
 			d, bd, err := timePair(env.Reps, transfer, baseline)
 			if err != nil {
@@ -711,29 +754,59 @@ func xferProvider(ctx context.Context, env *Env, provider string, sizes []int64,
 	return nil
 }
 
-// timePair times a and b (b may be nil) reps times each, alternating which
+// xferCalibrate returns how many writes of size a timed run makes: iters,
+// or fewer where the device is so slow (an emulated one) that iters would
+// take longer than xferRunTime, judged by an untimed run of a sixteenth of
+// them; never fewer than xferMinIters.
+func xferCalibrate(ctx context.Context, s *xferSide, src verbsio.MemoryRegion, dst xferRegion, size int64, iters int) (int, error) {
+	probe := max(iters/16, 1)
+	if iters <= xferMinIters || probe < xferMinIters/2 {
+		return iters, nil
+	}
+	start := time.Now()
+	if err := s.writes(ctx, src, dst, int(size), probe); err != nil {
+		return 0, err
+	}
+	took := time.Since(start)
+	if fit := int(int64(probe) * int64(xferRunTime) / max(int64(took), 1)); fit < iters {
+		return max(fit, xferMinIters), nil
+	}
+	return iters, nil
+}
+
+// wallTime makes f a function that returns how long it took.
+func wallTime(f func() error) func() (time.Duration, error) {
+	return func() (time.Duration, error) {
+		start := time.Now()
+		err := f()
+		return time.Since(start), err
+	}
+}
+
+// timePair runs a and b (b may be nil) reps times each, alternating which
 // goes first so that both see the same machine, after one untimed run of
-// each; it returns the median time of one run of each.
-func timePair(reps int, a, b func() error) (time.Duration, time.Duration, error) {
+// each; each returns the time its run took (its wall time, or what the
+// run measured itself). It returns the median time of one run of each.
+func timePair(reps int, a, b func() (time.Duration, error)) (time.Duration, time.Duration, error) {
 	reps = max(reps, 1)
-	fns := []func() error{a, b}
+	fns := []func() (time.Duration, error){a, b}
 	if b == nil {
 		fns = fns[:1]
 	}
 	times := make([][]time.Duration, len(fns))
 	for _, f := range fns {
-		if err := f(); err != nil {
+		if _, err := f(); err != nil {
 			return 0, 0, err
 		}
 	}
 	for r := range reps {
 		for k := range fns {
 			i := (k + r) % len(fns)
-			start := time.Now()
-			if err := fns[i](); err != nil {
+			d, err := fns[i]()
+			if err != nil {
 				return 0, 0, err
 			}
-			times[i] = append(times[i], time.Since(start))
+			times[i] = append(times[i], d)
 		}
 	}
 	da := medianDuration(times[0])
