@@ -90,7 +90,23 @@ const (
 	// changed tensor needs a re-request even when it would fit
 	// (RespWriteFollows is not allowed).
 	ReqExact
-	reqAll = ReqName | ReqMeta | ReqRails | ReqExact
+	// ReqChunks: the request carries ChunkShift, and a write that answers
+	// it comes as chunks of 1<<ChunkShift bytes (the last may be shorter),
+	// each a write with immediate naming the request, in order on the
+	// channel's own queue pair (never striped over rails), so the receiver
+	// can hand each chunk on as it lands (a proxy result copied to the GPU
+	// while the rest is on the wire). Only tensors larger than one chunk
+	// are split.
+	ReqChunks
+	reqAll = ReqName | ReqMeta | ReqRails | ReqExact | ReqChunks
+)
+
+// Chunk sizes of ReqChunks and TENSOR_RE_REQUEST, as powers of two.
+const (
+	// MinChunkShift is the smallest chunk, 4 KiB.
+	MinChunkShift = 12
+	// MaxChunkShift is the largest chunk, 1 GiB.
+	MaxChunkShift = 30
 )
 
 // MaxRailKeys is the most extra-rail rkeys a request carries.
@@ -191,16 +207,20 @@ type Endpoint struct {
 
 // Message is any frame. Which fields are meaningful depends on Type:
 //
-//	TENSOR_REQUEST      Flags(ReqName|ReqMeta|ReqRails|ReqExact) Req Step NameIndex [Name] Addr RKey Capacity [RailKeys] [Meta]
+//	TENSOR_REQUEST      Flags(ReqName|ReqMeta|ReqRails|ReqExact|ReqChunks) Req Step NameIndex [Name] Addr RKey Capacity [RailKeys] [Meta] [ChunkShift]
 //	META_DATA_RESPONSE  Flags(RespFinal|RespChecksum|RespWriteFollows) Req Meta [Checksum]
-//	TENSOR_RE_REQUEST   Req Addr RKey Capacity RailKeys
+//	TENSOR_RE_REQUEST   Req Addr RKey Capacity RailKeys [ChunkShift]
 //	ERROR_STATUS        Req Code Text
 //	CREDIT, BYE         (header only)
 //	CHECKSUM            Req Checksum
 //	CANCEL              Req
 //	HELLO               Flags(HelloChecksum) Ring Slot Text(peer name) Host Endpoints
 //
-// Credits rides in every header. A Message is plain data: reuse one for
+// Credits rides in every header. ChunkShift is optional in both requests so
+// that frames without it are exactly the frames of the first release: in
+// TENSOR_REQUEST it follows ReqChunks; in TENSOR_RE_REQUEST, which has no
+// flags, it is one trailing byte, present exactly when it is not 0 (a
+// trailing 0 is refused, so every value keeps one encoding). A Message is plain data: reuse one for
 // decoding many frames; its byte slices alias the last input.
 type Message struct {
 	Type    Type
@@ -225,6 +245,11 @@ type Message struct {
 
 	Meta     Meta
 	Checksum uint32
+
+	// ChunkShift, when not 0, asks for the write in chunks of
+	// 1<<ChunkShift bytes, MinChunkShift..MaxChunkShift (TENSOR_REQUEST
+	// with ReqChunks, TENSOR_RE_REQUEST).
+	ChunkShift uint8
 
 	Code Code
 	// Text is the error message (ERROR_STATUS) or the peer's name (HELLO).
@@ -256,6 +281,9 @@ func (m *Message) Len() int {
 		if m.Flags&ReqMeta != 0 {
 			n += m.Meta.len()
 		}
+		if m.Flags&ReqChunks != 0 {
+			n++
+		}
 	case TypeMetaResponse:
 		n += 1 + 4 + m.Meta.len()
 		if m.Flags&RespChecksum != 0 {
@@ -263,6 +291,9 @@ func (m *Message) Len() int {
 		}
 	case TypeReRequest:
 		n += 4 + 8 + 4 + 8 + m.railsLen()
+		if m.ChunkShift != 0 {
+			n++
+		}
 	case TypeError:
 		n += 4 + 2 + 2 + len(m.Text)
 	case TypeChecksum:
@@ -311,6 +342,9 @@ func (m *Message) Append(b []byte) []byte {
 		if m.Flags&ReqMeta != 0 {
 			b = m.Meta.append(b)
 		}
+		if m.Flags&ReqChunks != 0 {
+			b = append(b, m.ChunkShift)
+		}
 	case TypeMetaResponse:
 		b = append(b, m.Flags)
 		b = le.AppendUint32(b, m.Req)
@@ -324,6 +358,9 @@ func (m *Message) Append(b []byte) []byte {
 		b = le.AppendUint32(b, m.RKey)
 		b = le.AppendUint64(b, m.Capacity)
 		b = m.appendRails(b)
+		if m.ChunkShift != 0 {
+			b = append(b, m.ChunkShift)
+		}
 	case TypeError:
 		b = le.AppendUint32(b, m.Req)
 		b = le.AppendUint16(b, uint16(m.Code))
@@ -449,6 +486,10 @@ func Decode(b []byte, m *Message) (int, error) {
 		if m.Flags&ReqMeta != 0 {
 			r.meta(&m.Meta)
 		}
+		m.ChunkShift = 0
+		if m.Flags&ReqChunks != 0 {
+			r.chunkShift(m)
+		}
 	case TypeMetaResponse:
 		m.Flags = r.u8()
 		if r.err == nil && (m.Flags&^respAll != 0 || m.Flags&RespFinal != 0 && m.Flags&RespWriteFollows != 0) {
@@ -465,6 +506,10 @@ func Decode(b []byte, m *Message) (int, error) {
 		m.RKey = r.u32()
 		m.Capacity = r.u64()
 		r.rails(m, 0)
+		m.ChunkShift = 0
+		if r.err == nil && r.off < len(r.b) {
+			r.chunkShift(m)
+		}
 	case TypeError:
 		m.Req = r.u32()
 		m.Code = Code(r.u16())
@@ -594,6 +639,20 @@ func (r *reader) rails(m *Message, least int) {
 	for i := 0; i < k; i++ {
 		m.RailKeys[i] = r.u32()
 	}
+}
+
+// chunkShift reads a chunk size, MinChunkShift..MaxChunkShift.
+func (r *reader) chunkShift(m *Message) {
+	at := r.off
+	v := r.u8()
+	if r.err != nil {
+		return
+	}
+	if v < MinChunkShift || v > MaxChunkShift {
+		r.err = fmt.Errorf("%w: chunk shift %d at offset %d, want %d..%d", ErrField, v, at, MinChunkShift, MaxChunkShift)
+		return
+	}
+	m.ChunkShift = v
 }
 
 func (r *reader) meta(w *Meta) {

@@ -44,6 +44,8 @@ func samples(t testing.TB) []Message {
 		{Type: TypeCancel, Req: 3},
 		{Type: TypeBye},
 		hello,
+		{Type: TypeRequest, Flags: ReqMeta | ReqExact | ReqChunks, Req: 11, Step: 3, NameIndex: 4, Addr: 0x7f0000400000, RKey: 9, Capacity: 64 << 20, Meta: metaOf(t, tensor.Float32, 16<<20), ChunkShift: 22},
+		{Type: TypeReRequest, Req: 12, Addr: 0x1000, RKey: 5, Capacity: 8 << 20, ChunkShift: 22},
 	}
 }
 
@@ -131,7 +133,12 @@ func TestDecodeRejects(t *testing.T) {
 		{"length huge", func() []byte { b := good(0); le.PutUint32(b[4:], MaxFrame+1); return b }(), ErrLength},
 		{"length past input", func() []byte { b := good(0); return b[:len(b)-1] }(), ErrTruncated},
 		{"body cut", func() []byte { b := good(0); return setLen(b[:len(b)-3]) }(), ErrTruncated},
-		{"trailing in frame", func() []byte { b := append(good(8), 0); return setLen(b) }(), ErrLength},
+		{"trailing in frame", func() []byte { b := append(good(14), 0); return setLen(b) }(), ErrLength},
+		{"re-request trailing 0", func() []byte { b := append(good(8), 0); return setLen(b) }(), ErrField},
+		{"re-request two trailing", func() []byte { b := append(good(18), 0); return setLen(b) }(), ErrLength},
+		{"re-request chunk too small", func() []byte { b := good(18); b[len(b)-1] = MinChunkShift - 1; return b }(), ErrField},
+		{"request chunk too big", func() []byte { b := good(17); b[len(b)-1] = MaxChunkShift + 1; return b }(), ErrField},
+		{"request chunk missing", func() []byte { b := good(17); return setLen(b[:len(b)-1]) }(), ErrTruncated},
 		{"request flags", func() []byte { b := good(1); b[8] = 0x80; return b }(), ErrFlags},
 		{"name index 0", func() []byte { b := good(1); le.PutUint32(b[8+1+4+8:], 0); return b }(), ErrField},
 		{"empty name", func() []byte {
@@ -197,6 +204,34 @@ func TestDecodeRejects(t *testing.T) {
 		if !errors.Is(err, verbsio.ErrBadFrame) {
 			t.Errorf("%s: %v does not match verbsio.ErrBadFrame", c.name, err)
 		}
+	}
+}
+
+// Frames without a chunk size are the frames of the first release: a
+// request or re-request with ChunkShift 0 encodes as before, and a peer
+// that never asks for chunks never sends the new bytes.
+func TestChunkShiftOptional(t *testing.T) {
+	ms := samples(t)
+	for _, i := range []int{17, 18} {
+		with := ms[i]
+		without := with
+		without.ChunkShift = 0
+		without.Flags &^= ReqChunks
+		if d := with.Len() - without.Len(); d != 1 {
+			t.Fatalf("%s: the chunk size takes %d bytes, want 1", with.Type, d)
+		}
+		var d Message
+		d.ChunkShift = 7 // must be cleared by a frame without one
+		if _, err := Decode(without.Append(nil), &d); err != nil || d.ChunkShift != 0 {
+			t.Fatalf("%s without a chunk size: %v, ChunkShift %d", with.Type, err, d.ChunkShift)
+		}
+		if _, err := Decode(with.Append(nil), &d); err != nil || d.ChunkShift != 22 {
+			t.Fatalf("%s with a chunk size: %v, ChunkShift %d", with.Type, err, d.ChunkShift)
+		}
+	}
+	// The re-request sample of the first release still decodes unchanged.
+	if b := ms[8].Append(nil); len(b) != 8+4+8+4+8+1 {
+		t.Fatalf("re-request without a chunk size is %d bytes", len(b))
 	}
 }
 
