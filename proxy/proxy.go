@@ -7,6 +7,7 @@ import (
 	"os"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/gdrlink/gdrlink/alloc"
@@ -118,6 +119,23 @@ type Proxy struct {
 	closed bool
 	open   map[*Receiver]struct{}
 	wg     sync.WaitGroup // receivers and stagings not yet completed
+
+	receives, chunks atomic.Uint64
+}
+
+// Stats counts what a proxy did.
+type Stats struct {
+	// Receives is the number of receives started.
+	Receives uint64
+	// Chunks is the number of chunks reported through ChunkArrived: a
+	// transport that pipelines reports several per receive, one that does
+	// not reports one.
+	Chunks uint64
+}
+
+// Stats returns the proxy's counters.
+func (p *Proxy) Stats() Stats {
+	return Stats{Receives: p.receives.Load(), Chunks: p.chunks.Load()}
 }
 
 // New makes a proxy for dev whose proxy tensors come from pool, which must
@@ -206,7 +224,9 @@ type Receiver struct {
 	mu      sync.Mutex
 	got     []span // arrived ranges, sorted and merged
 	arrived int
+	queued  bool  // copies were queued on the stream
 	err     error // first failure
+	aborted bool  // the transport let go of the proxy tensor
 	ending  bool  // completion scheduled
 	result  error
 }
@@ -216,8 +236,12 @@ type span struct{ off, end int }
 // Receive starts receiving n bytes for device memory at dst. done runs once,
 // from the proxy's poller goroutine or the caller's, when the bytes are on
 // the device (nil) or the receive failed; by then the proxy tensor is back in
-// the pool. In ModeProxy dst must be device memory and the pool's block
-// pinned host memory, or Receive fails with ErrWrongMemory.
+// the pool. A receive that fails before every byte has arrived (a copy that
+// cannot be queued) keeps its proxy tensor, and reports, only once the
+// transport has let go of it: every byte reported through ChunkArrived, or
+// Abort. A NIC may still be writing the rest of the tensor until then. In
+// ModeProxy dst must be device memory and the pool's block pinned host
+// memory, or Receive fails with ErrWrongMemory.
 func (p *Proxy) Receive(dst DevicePtr, n int, done func(error)) (*Receiver, error) {
 	if n <= 0 {
 		return nil, fmt.Errorf("%w: receive of %d bytes", ErrOutOfRange, n)
@@ -252,6 +276,7 @@ func (p *Proxy) Receive(dst DevicePtr, n int, done func(error)) (*Receiver, erro
 	p.mu.Lock()
 	p.open[r] = struct{}{}
 	p.mu.Unlock()
+	p.receives.Add(1)
 	return r, nil
 }
 
@@ -302,29 +327,37 @@ func (r *Receiver) Wait(ctx context.Context) error {
 // ChunkArrived tells the receiver that [off, off+n) has landed at Addr. In
 // ModeProxy the chunk's host-to-device copy is queued at once; when the last
 // byte has arrived an event is recorded and the poller completes the
-// receive. Chunks may come in any order but must not overlap.
+// receive. Chunks may come in any order but must not overlap. After a
+// failure, chunks are still taken (and not copied) and return the failure:
+// the receive ends when the last byte is in or on Abort.
 func (r *Receiver) ChunkArrived(off, n int) error {
 	if off < 0 || n <= 0 || off > r.n-n {
 		return fmt.Errorf("%w: chunk [%d, +%d) of a %d-byte tensor", ErrOutOfRange, off, n, r.n)
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.err != nil {
-		return r.err
-	}
 	if r.ending {
+		if r.err != nil {
+			return r.err
+		}
 		return fmt.Errorf("%w: chunk [%d, +%d) after the whole tensor arrived", ErrBadChunk, off, n)
 	}
 	if err := r.addSpan(off, off+n); err != nil {
 		return err
+	}
+	r.arrived += n
+	r.p.chunks.Add(1)
+	if r.err != nil {
+		r.failLocked(r.err) // ends the receive if this was the last byte
+		return r.err
 	}
 	if r.mode == ModeProxy {
 		if err := r.p.dev.CopyHtoDAsync(r.dst+DevicePtr(off), r.blk.Addr()+uintptr(off), n, r.p.stream); err != nil {
 			r.failLocked(err)
 			return err
 		}
+		r.queued = true
 	}
-	r.arrived += n
 	if r.arrived < r.n {
 		return nil
 	}
@@ -365,32 +398,38 @@ func (r *Receiver) addSpan(off, end int) error {
 	return nil
 }
 
-// Abort fails the receive with err (ErrCanceled if nil). Copies already
-// queued finish before the proxy tensor goes back to the pool. Aborting a
-// finished receive does nothing.
+// Abort fails the receive with err (ErrCanceled if nil), or with its
+// earlier failure, and tells the proxy that the transport no longer writes
+// the proxy tensor. Copies already queued finish before the proxy tensor
+// goes back to the pool. Aborting a finished receive does nothing.
 func (r *Receiver) Abort(err error) {
 	if err == nil {
 		err = ErrCanceled
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.ending || r.err != nil {
+	if r.ending {
 		return
 	}
+	r.aborted = true
 	r.failLocked(err)
 }
 
-// failLocked records the failure and completes the receive once the copies
-// already queued are done (they read the proxy tensor). A device that cannot
-// even record an event is lost: its copies stopped, and the tensor goes back
-// at once.
+// failLocked records the first failure. The receive completes once the
+// transport has let go of the proxy tensor (every byte arrived, or Abort)
+// and the copies already queued are done (they read the proxy tensor). A
+// device that cannot even record an event is lost: its copies stopped, and
+// the tensor goes back at once.
 func (r *Receiver) failLocked(err error) {
-	if r.err != nil {
+	if r.err == nil {
+		r.err = err
+	}
+	if r.ending || (r.arrived < r.n && !r.aborted) {
 		return
 	}
-	r.err = err
 	r.ending = true
-	if r.mode == ModeProxy && r.arrived > 0 {
+	err = r.err
+	if r.mode == ModeProxy && r.queued {
 		if ev, e2 := r.p.dev.RecordEvent(r.p.stream); e2 == nil {
 			r.p.poll.add(ev, func(error) { r.complete(err) })
 			return

@@ -559,3 +559,58 @@ func TestParseFlushMode(t *testing.T) {
 		t.Errorf("ParseFlushMode(2): %v", err)
 	}
 }
+
+// A receive that fails while the transport is still writing its proxy
+// tensor keeps the tensor until the transport lets go of it: the rest of
+// the bytes reported, or Abort. Otherwise a NIC write still on its way
+// could land in memory the pool has handed to someone else.
+func TestFailureMidwayKeepsProxyUntilTransportLetsGo(t *testing.T) {
+	for _, how := range []string{"rest arrives", "abort"} {
+		t.Run(how, func(t *testing.T) {
+			r := newRig(t, gpusim.Config{})
+			const n = 1 << 20
+			dst := r.alloc(t, n)
+			rc, err := r.px.Receive(dst, n, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := rc.ChunkArrived(0, n/4); err != nil {
+				t.Fatal(err)
+			}
+			r.sim.Lose()
+			if err := rc.ChunkArrived(n/4, n/4); !errors.Is(err, proxy.ErrDeviceLost) {
+				t.Fatalf("chunk after loss: %v, want ErrDeviceLost", err)
+			}
+			time.Sleep(20 * time.Millisecond)
+			select {
+			case <-rc.Done():
+				t.Fatal("the receive ended while half the tensor was still to be written")
+			default:
+			}
+			if r.inUse() < n {
+				t.Fatalf("pool has %d bytes in use: the proxy tensor went back while the transport may write it", r.inUse())
+			}
+			if how == "abort" {
+				rc.Abort(nil)
+			} else {
+				if err := rc.ChunkArrived(n/2, n/4); !errors.Is(err, proxy.ErrDeviceLost) {
+					t.Fatalf("chunk after the failure: %v", err)
+				}
+				if err := rc.ChunkArrived(3*n/4, n/4); !errors.Is(err, proxy.ErrDeviceLost) {
+					t.Fatalf("last chunk after the failure: %v", err)
+				}
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			if err := rc.Wait(ctx); !errors.Is(err, proxy.ErrDeviceLost) {
+				t.Fatalf("Wait: %v, want the first failure, ErrDeviceLost", err)
+			}
+			if k := r.inUse(); k != 0 {
+				t.Fatalf("pool has %d bytes in use after the receive ended", k)
+			}
+			if st := r.px.Stats(); st.Receives != 1 || st.Chunks < 2 {
+				t.Fatalf("stats %+v", st)
+			}
+		})
+	}
+}
