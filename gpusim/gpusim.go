@@ -90,8 +90,11 @@ type span struct {
 	size int
 }
 
+// contains reports whether [addr, addr+n) lies in s; for n == 0, whether
+// the byte at addr does (the end of a span is not in it: the kernel often
+// maps the next range right there).
 func (s span) contains(addr uintptr, n int) bool {
-	return addr >= s.base && n >= 0 && uint64(addr-s.base)+uint64(n) <= uint64(s.size)
+	return addr >= s.base && n >= 0 && uint64(addr-s.base)+uint64(max(n, 1)) <= uint64(s.size)
 }
 
 // spans is a list of disjoint ranges sorted by base.

@@ -184,3 +184,25 @@ func ExampleDevice() {
 	fmt.Println(gpu.Info().Name, gpu.Info().Simulated, string(got))
 	// Output: sim0 true hello
 }
+
+// The end of an allocation is not in it: host memory the kernel maps right
+// after device memory is host memory.
+func TestAllocationEndIsNotDeviceMemory(t *testing.T) {
+	d := gpusim.New(gpusim.Config{})
+	defer d.Close()
+	p, err := d.Alloc(4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if mt, err := d.MemoryType(uintptr(p) + 4095); err != nil || mt != proxy.MemoryDevice {
+		t.Fatalf("last byte: %v, %v", mt, err)
+	}
+	if mt, err := d.MemoryType(uintptr(p) + 4096); err != nil || mt != proxy.MemoryPageable {
+		t.Fatalf("byte after the allocation: %v, %v; want pageable", mt, err)
+	}
+	un, err := d.RegisterHost(uintptr(p)+4096, 4096)
+	if err != nil {
+		t.Fatalf("registering the host range right after device memory: %v", err)
+	}
+	un()
+}
