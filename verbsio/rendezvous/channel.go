@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"hash/crc32"
 	"log/slog"
+	"math/bits"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -123,6 +124,7 @@ type statsCounters struct {
 	requests, metaResponses, reRequests, finals, writesIn, writesOut atomic.Uint64
 	bytesIn, bytesOut, errors, controlOut, creditsOnly, nameDefs     atomic.Uint64
 	checksumFailures, staged, striped, metaInPlace, keepalives       atomic.Uint64
+	chunksIn, chunksOut                                              atomic.Uint64
 }
 
 // outItem is a queued control frame or write, posted in order.
@@ -135,7 +137,7 @@ type outItem struct {
 // control buffers from mem (which must be registered with pd). Receives are
 // posted at once where the provider allows it.
 func New(dev verbsio.Device, pd verbsio.ProtectionDomain, mem Memory, opts ...Option) (*Channel, error) {
-	o := options{ring: DefaultRing, sendSlots: DefaultSendSlots, maxStrings: DefaultMaxStringBytes, maxTensor: DefaultMaxTensorBytes, stripeMin: DefaultStripeMin, keepalive: DefaultKeepalive, log: slog.New(discard{})}
+	o := options{ring: DefaultRing, sendSlots: DefaultSendSlots, maxStrings: DefaultMaxStringBytes, maxTensor: DefaultMaxTensorBytes, stripeMin: DefaultStripeMin, keepalive: DefaultKeepalive, chunkShift: uint8(bits.TrailingZeros(DefaultProxyChunk)), log: slog.New(discard{})}
 	for _, f := range opts {
 		if f == nil {
 			continue
@@ -359,6 +361,7 @@ func (c *Channel) Stats() Stats {
 		WritesIn: s.writesIn.Load(), WritesOut: s.writesOut.Load(), BytesIn: s.bytesIn.Load(), BytesOut: s.bytesOut.Load(),
 		Errors: s.errors.Load(), ControlOut: s.controlOut.Load(), CreditsOnly: s.creditsOnly.Load(), NameDefs: s.nameDefs.Load(),
 		ChecksumFailures: s.checksumFailures.Load(), Staged: s.staged.Load(), Striped: s.striped.Load(), Keepalives: s.keepalives.Load(),
+		ChunksIn: s.chunksIn.Load(), ChunksOut: s.chunksOut.Load(),
 	}
 }
 
@@ -724,9 +727,22 @@ func (c *Channel) postCtrlLocked(slot, n int, bye bool) bool {
 	return true
 }
 
+// maxMsg is the largest write the channel posts as one work request.
+func (c *Channel) maxMsg() int64 {
+	maxMsg := int64(1 << 30)
+	if c.caps.MaxMessage > 0 && c.caps.MaxMessage < maxMsg {
+		maxMsg = c.caps.MaxMessage
+	}
+	return maxMsg
+}
+
 // postWriteLocked posts the write of e: chunks of at most the device's
-// largest message, the last with the request index as immediate.
+// largest message, the last with the request index as immediate. A write
+// the receiver asked for in chunks goes to postChunksLocked.
 func (c *Channel) postWriteLocked(e *sendEntry) bool {
+	if e.chunkShift != 0 && e.n > int64(1)<<e.chunkShift {
+		return c.postChunksLocked(e)
+	}
 	if e.firstChunk == 0 && c.stripeLocked(e) {
 		return true // the rest is posted when the rails' parts complete
 	}
@@ -734,10 +750,7 @@ func (c *Channel) postWriteLocked(e *sendEntry) bool {
 	if e.firstChunk > 0 {
 		n = e.firstChunk
 	}
-	maxMsg := int64(1 << 30)
-	if c.caps.MaxMessage > 0 && c.caps.MaxMessage < maxMsg {
-		maxMsg = c.caps.MaxMessage
-	}
+	maxMsg := c.maxMsg()
 	chunks := int((n + maxMsg - 1) / maxMsg)
 	if c.sqOut+chunks > c.sqMax {
 		return false
@@ -772,6 +785,65 @@ func (c *Channel) postWriteLocked(e *sendEntry) bool {
 	c.sqOut += chunks
 	c.credits--
 	return true
+}
+
+// postChunksLocked posts what it can of a write the receiver asked for in
+// chunks (wire.ReqChunks): each chunk ends with a write with immediate
+// naming the request, so the receiver hears of every chunk as it lands.
+// Every chunk consumes one of the receiver's posted receives, so each takes
+// a credit, one staying in reserve as for any other item; a chunk also
+// needs send-queue room for its work requests. It reports whether the whole
+// write is posted; if not, the rest stays at the head of the queue and goes
+// out as credits come back (a long tensor never overruns the receiver's
+// ring, whatever its depth). All chunks go over the channel's own queue
+// pair, whose order makes the receiver's count of chunks name their
+// offsets.
+func (c *Channel) postChunksLocked(e *sendEntry) bool {
+	chunk := int64(1) << e.chunkShift
+	maxMsg := c.maxMsg()
+	per := int((chunk + maxMsg - 1) / maxMsg)
+	if e.wseq == 0 {
+		e.wseq = c.nextWrite
+		c.nextWrite++
+		c.writes[e.wseq] = e
+	}
+	var wrs []verbsio.SendWR
+	credits, sq, chunks := c.credits, c.sqOut, 0
+	for e.posted < e.n && credits > 1 && sq+per <= c.sqMax {
+		end := min(e.posted+chunk, e.n)
+		for off := e.posted; off < end; off += maxMsg {
+			l := min(maxMsg, end-off)
+			wr := verbsio.SendWR{
+				WRID: wridWrite | e.wseq<<8, Op: verbsio.OpWrite, Signaled: true,
+				SG:         []verbsio.SGE{{Addr: e.addr + uintptr(off), Length: uint32(l), LKey: e.lkey}},
+				RemoteAddr: e.raddr + uint64(off), RKey: e.rkey,
+			}
+			if off+l == end {
+				wr.Op, wr.Imm = verbsio.OpWriteImm, e.req
+				if end == e.n {
+					wr.WRID |= 1
+				}
+			}
+			wrs = append(wrs, wr)
+			sq++
+		}
+		e.posted = end
+		credits--
+		chunks++
+	}
+	if len(wrs) > 0 {
+		if err := c.qp.PostSend(wrs); err != nil {
+			delete(c.writes, e.wseq)
+			var ds deliveries
+			c.dropSendLocked(e, err, &ds)
+			c.failLocked(c.peerLost(err), &ds, stateFailed)
+			go ds.run()
+			return false
+		}
+		c.sqOut, c.credits = sq, credits
+		c.stats.chunksOut.Add(uint64(chunks))
+	}
+	return e.posted == e.n
 }
 
 type discard struct{}

@@ -23,7 +23,14 @@
 //
 // Results for a GPU land in GPU memory the NIC can write (PathDirectGPU),
 // or, through a Proxy (ProxyPath adapts package proxy), in a pinned host
-// tensor that the proxy copies to the device (PathProxy). Hosts with several
+// tensor that the proxy copies to the device (PathProxy). A proxied result
+// larger than the proxy chunk (WithProxyChunk, 4 MiB by default) is
+// pipelined: the request carries the chunk size, the sender writes one
+// write with immediate per chunk (each taking a credit, as each consumes a
+// posted receive), and the receiver counts the chunks of each request (they
+// arrive in order on the channel's own queue pair, never striped) and hands
+// each to the proxy as it lands, so the copy to the GPU overlaps the
+// network; the last chunk completes the request. Hosts with several
 // NICs pick the one nearest the memory (Closest) and may give a channel
 // extra rails (WithRails): large writes are then striped over all of them,
 // the immediate following once every rail's part has landed.

@@ -95,6 +95,9 @@ type side struct {
 	ch    *Channel
 	rdevs []verbsio.Device
 	rpds  []verbsio.ProtectionDomain
+	// after run once the channel is closed, before the pool (a proxy and
+	// its pinned pool).
+	after []func() error
 }
 
 func (s *side) close() error {
@@ -102,6 +105,10 @@ func (s *side) close() error {
 	if s.ch != nil {
 		errs = append(errs, s.ch.Close())
 	}
+	for _, f := range s.after {
+		errs = append(errs, f())
+	}
+	s.after = nil
 	if s.pool != nil {
 		errs = append(errs, s.pool.Close())
 	}

@@ -3,9 +3,11 @@ package rendezvous
 import (
 	"fmt"
 	"log/slog"
+	"math/bits"
 	"time"
 
 	"github.com/gdrlink/gdrlink/tensor"
+	"github.com/gdrlink/gdrlink/verbsio/wire"
 )
 
 // Defaults of a channel.
@@ -27,6 +29,10 @@ const (
 	// DefaultKeepalive is how long a channel with pending work waits on a
 	// silent peer before it sends a keepalive (WithKeepalive).
 	DefaultKeepalive = time.Second
+	// DefaultProxyChunk is the chunk in which proxy results larger than it
+	// are written (WithProxyChunk): a 64 MiB tensor comes in 16 writes,
+	// each copied to the GPU as soon as it lands.
+	DefaultProxyChunk = 4 << 20
 )
 
 // Proxy lands results on devices the NIC cannot write directly: the write
@@ -45,6 +51,22 @@ type Proxy interface {
 type Landing interface {
 	tensor.Buffer
 	Landed(done func(*tensor.Tensor, error))
+}
+
+// ChunkedLanding is a Landing that takes its bytes as they land, so that
+// the copy to the device overlaps the network. For a result larger than
+// the channel's proxy chunk (WithProxyChunk) the channel asks the sender to
+// write it in chunks, each a write with immediate, and calls ChunkLanded
+// for every chunk but the last, in order, from its completion goroutine, as
+// each completes; Landed follows the last chunk and covers the bytes not
+// reported yet. ChunkLanded must not block. A landing that fails part-way
+// keeps its memory until Landed or Free (the sender may still be writing)
+// and reports the failure through Landed's done. A landing with a method
+// Direct() bool that returns true (the NIC writes the device itself) gets
+// one write, as any other result.
+type ChunkedLanding interface {
+	Landing
+	ChunkLanded(off, n int)
 }
 
 // Stager stages tensors in device memory the NIC cannot read into registered
@@ -70,6 +92,7 @@ type options struct {
 	rails      []Rail
 	stripeMin  int64
 	keepalive  time.Duration
+	chunkShift uint8 // proxy results come in chunks of 1<<chunkShift; 0: one write
 	// corrupt, when set, changes the bytes of a source after its checksum
 	// is taken and before it is written (fault injection for tests).
 	corrupt func(key string, step int64, b []byte)
@@ -157,6 +180,32 @@ func WithMaxTensorBytes(n int64) Option {
 			return fmt.Errorf("%w: tensor limit %d", ErrBadOption, n)
 		}
 		o.maxTensor = n
+		return nil
+	}
+}
+
+// WithProxyChunk sets the chunk of pipelined proxy results (default
+// DefaultProxyChunk; a power of two from 4 KiB to 1 GiB, or 0 for one write
+// per result). A result that lands in a ChunkedLanding (ProxyPath's) and is
+// larger than n is asked for in chunks of n bytes: the request carries n
+// (TENSOR_REQUEST with wire.ReqChunks, or TENSOR_RE_REQUEST's chunk size),
+// so the sender needs no setting of its own, and the sender writes each
+// chunk with an immediate naming the request. The chunks go in order over
+// the channel's own queue pair, never striped over rails (WithRails), so
+// the receiver counts them instead of reading offsets from immediates; each
+// takes one of the receiver's posted receives, so each takes a credit, and
+// a long tensor waits for credits as they come back. Direct results keep
+// one write.
+func WithProxyChunk(n int) Option {
+	return func(o *options) error {
+		if n == 0 {
+			o.chunkShift = 0
+			return nil
+		}
+		if n < 1<<wire.MinChunkShift || n > 1<<wire.MaxChunkShift || n&(n-1) != 0 {
+			return fmt.Errorf("%w: proxy chunk of %d bytes, want a power of two from %d to %d, or 0", ErrBadOption, n, 1<<wire.MinChunkShift, 1<<wire.MaxChunkShift)
+		}
+		o.chunkShift = uint8(bits.TrailingZeros(uint(n)))
 		return nil
 	}
 }

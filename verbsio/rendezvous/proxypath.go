@@ -1,6 +1,7 @@
 package rendezvous
 
 import (
+	"fmt"
 	"sync"
 
 	"github.com/gdrlink/gdrlink/proxy"
@@ -12,7 +13,9 @@ import (
 // itself) and p copies it to device memory from gpuAlloc. It also stages GPU
 // tensors to be sent into pinned tensors (Stager). p's pool must be one of
 // the channel's Memory pools, so its arenas are registered with the
-// channel's protection domain.
+// channel's protection domain. Its landings are ChunkedLandings: a result
+// larger than the channel's proxy chunk (WithProxyChunk) is copied to the
+// device chunk by chunk as the chunks land (proxy.Receiver.ChunkArrived).
 func ProxyPath(p *proxy.Proxy, gpuAlloc func(n int, dev tensor.Device) (tensor.Buffer, error)) Proxy {
 	return &proxyPath{p: p, alloc: gpuAlloc}
 }
@@ -47,7 +50,14 @@ type landing struct {
 
 	mu   sync.Mutex
 	done func(*tensor.Tensor, error)
+	told int // bytes reported through ChunkLanded
+	// ended: the receive failed and ended before Landed (the rest was
+	// reported or the landing freed); endErr is its error.
+	ended  bool
+	endErr error
 }
+
+var _ ChunkedLanding = (*landing)(nil)
 
 // Bytes is the pinned proxy tensor the NIC writes, nil when the NIC writes
 // the GPU directly.
@@ -78,12 +88,36 @@ func (l *landing) Free() error {
 	return nil
 }
 
+// ChunkLanded queues the chunk's copy to the device. A failure (the copy
+// could not be queued) is the receive's; the proxy keeps the proxy tensor
+// until Landed or Free, and Landed's done reports it.
+func (l *landing) ChunkLanded(off, n int) {
+	l.mu.Lock()
+	l.told = max(l.told, off+n)
+	l.mu.Unlock()
+	_ = l.rc.ChunkArrived(off, n)
+}
+
+// Landed reports the bytes not reported yet (all of them without chunks);
+// done runs once the tensor is on the device or with the failure.
 func (l *landing) Landed(done func(*tensor.Tensor, error)) {
 	l.mu.Lock()
+	if l.ended {
+		err := l.endErr
+		l.mu.Unlock()
+		done(nil, err)
+		return
+	}
 	l.done = done
+	told := l.told
 	l.mu.Unlock()
-	if err := l.rc.ChunkArrived(0, int(l.meta.ByteSize)); err != nil {
-		l.rc.Abort(err)
+	n := int(l.meta.ByteSize)
+	if told >= n {
+		l.rc.Abort(fmt.Errorf("%w: the whole tensor was reported before its last chunk", ErrProtocol))
+		return
+	}
+	if err := l.rc.ChunkArrived(told, n-told); err != nil {
+		l.rc.Abort(err) // ends the receive if the failure did not
 	}
 }
 
@@ -93,6 +127,9 @@ func (l *landing) finished(err error) {
 	l.mu.Lock()
 	done := l.done
 	l.done = nil
+	if done == nil && err != nil {
+		l.ended, l.endErr = true, err // Landed may still come and report it
+	}
 	l.mu.Unlock()
 	var t *tensor.Tensor
 	if err == nil {

@@ -32,6 +32,10 @@ type request struct {
 	stop        func() bool
 	landing     bool     // completed by a proxy Landing
 	tr          Transfer // the transfer a Landing reports
+	// chunk is the chunk size asked of the sender (0: one write), chunks
+	// the chunk writes arrived so far.
+	chunk  int64
+	chunks int
 }
 
 // RecvOption changes one Recv.
@@ -114,7 +118,11 @@ func (c *Channel) RecvFunc(ctx context.Context, key string, step int64, cb func(
 		m.Meta.SetMeta(meta)
 		m.Addr, m.RKey, m.Capacity = c.bufTarget(r)
 		if r.buf != nil {
-			c.railKeys(&m, r.buf.Addr(), r.buf.Len())
+			if m.ChunkShift = c.chunkShiftLocked(r); m.ChunkShift != 0 {
+				m.Flags |= wire.ReqChunks // and no rails: chunks keep to one queue pair
+			} else {
+				c.railKeys(&m, r.buf.Addr(), r.buf.Len())
+			}
 			if m.NumRailKeys > 0 {
 				m.Flags |= wire.ReqRails
 			}
@@ -184,9 +192,30 @@ func (c *Channel) bufTarget(r *request) (addr uint64, rkey uint32, capacity uint
 	return uint64(r.buf.Addr()), mr.RKey(), uint64(r.buf.Len())
 }
 
+// chunkShiftLocked decides whether r's result is asked for in chunks: a
+// ChunkedLanding (not writing the device directly) for a tensor larger than
+// the channel's proxy chunk. It sets r.chunk and returns the chunk size as
+// carried on the wire, 0 for one write.
+func (c *Channel) chunkShiftLocked(r *request) uint8 {
+	r.chunk, r.chunks = 0, 0
+	shift := c.opts.chunkShift
+	if shift == 0 || r.meta.ByteSize <= int64(1)<<shift {
+		return 0
+	}
+	if _, ok := r.buf.(ChunkedLanding); !ok {
+		return 0
+	}
+	if d, ok := r.buf.(interface{ Direct() bool }); ok && d.Direct() {
+		return 0 // nothing to overlap: the NIC writes the device itself
+	}
+	r.chunk = int64(1) << shift
+	return shift
+}
+
 // allocResultLocked sizes r's result buffer for meta, choosing the path.
 func (c *Channel) allocResultLocked(r *request, meta tensor.Meta) error {
 	r.meta = meta
+	r.chunk, r.chunks = 0, 0
 	if r.buf != nil {
 		_ = r.buf.Free()
 		r.buf = nil
@@ -300,6 +329,9 @@ func (c *Channel) finishLocked(r *request, t *tensor.Tensor, err error, ds *deli
 	}
 	tr := Transfer{Key: r.key.name, Step: r.key.step, Peer: c.peer, Path: r.path, Provider: c.provider, Device: c.devName,
 		MetaRoundTrip: r.roundTrip, MetaChanged: r.metaChanged, Checksummed: r.hasCRC && err == nil, Took: time.Since(r.start)}
+	if r.chunk > 0 && err == nil {
+		tr.Chunks = r.chunks
+	}
 	if t != nil {
 		tr.Meta = t.Meta()
 		if !tr.Meta.IsDead {
@@ -421,7 +453,9 @@ func (c *Channel) onMetaLocked(m *wire.Message, ds *deliveries) {
 	rr := wire.Message{Type: wire.TypeReRequest, Req: r.idx}
 	rr.Addr, rr.RKey, rr.Capacity = c.bufTarget(r)
 	if r.buf != nil {
-		c.railKeys(&rr, r.buf.Addr(), r.buf.Len())
+		if rr.ChunkShift = c.chunkShiftLocked(r); rr.ChunkShift == 0 {
+			c.railKeys(&rr, r.buf.Addr(), r.buf.Len())
+		}
 	}
 	c.enqueueLocked(&rr)
 	c.stats.reRequests.Add(1)
@@ -460,6 +494,23 @@ func (c *Channel) onWriteLocked(imm uint32, ds *deliveries) {
 	if r.buf == nil {
 		c.protocolLocked(ds, "write for request %d, which has no result buffer", imm)
 		return
+	}
+	if r.chunk > 0 {
+		// Chunks of one request come in order over one queue pair: the
+		// count says which chunk this is. All but the last go to the
+		// landing now (its copy to the device starts while the rest is on
+		// the wire); the last completes the request below.
+		c.stats.chunksIn.Add(1)
+		total := int((r.meta.ByteSize + r.chunk - 1) / r.chunk)
+		r.chunks++
+		if r.chunks < total {
+			if l, ok := r.buf.(ChunkedLanding); ok && !r.cancelled {
+				off := int64(r.chunks-1) * r.chunk
+				n := r.chunk
+				ds.add(func() { l.ChunkLanded(int(off), int(n)) })
+			}
+			return
+		}
 	}
 	if r.cancelled {
 		c.forgetLocked(r)

@@ -42,6 +42,13 @@ type sendEntry struct {
 	railKeys    []uint32
 	railPending int
 	firstChunk  int64 // when striped: the bytes left for the channel's own queue pair
+
+	// chunkShift: the receiver asked for the write in chunks of
+	// 1<<chunkShift bytes (0: one write); posted is how much of it is
+	// posted, wseq its write sequence once the first chunk went out.
+	chunkShift uint8
+	posted     int64
+	wseq       uint64
 }
 
 // Send hands t to the peer under key and step. It never waits for the
@@ -147,6 +154,7 @@ func (c *Channel) onRequestLocked(m *wire.Message, ds *deliveries) {
 	}
 	e.raddr, e.rkey, e.rcap = m.Addr, m.RKey, m.Capacity
 	e.railKeys = append(e.railKeys[:0], m.RailKeys[:m.NumRailKeys]...)
+	e.chunkShift = m.ChunkShift // 0 unless wire.ReqChunks
 	if e.has {
 		delete(c.sends, k)
 		c.serveLocked(e, ds)
@@ -310,6 +318,7 @@ func (c *Channel) onReRequestLocked(m *wire.Message, ds *deliveries) {
 	delete(c.kept, m.Req)
 	e.raddr, e.rkey, e.rcap = m.Addr, m.RKey, m.Capacity
 	e.railKeys = append(e.railKeys[:0], m.RailKeys[:m.NumRailKeys]...)
+	e.chunkShift = m.ChunkShift
 	if e.raddr == 0 || e.rcap < uint64(e.n) {
 		c.sendErrorLocked(e.req, wire.CodeTooSmall, fmt.Sprintf("%q step %d needs %d bytes, buffer at %#x holds %d", e.key.name, e.key.step, e.n, e.raddr, e.rcap))
 		c.dropSendLocked(e, fmt.Errorf("%w: receiver's buffer too small", ErrRemote), ds)

@@ -64,6 +64,10 @@ type Transfer struct {
 	// Checksummed reports that the bytes were verified against the sender's
 	// CRC-32C.
 	Checksummed bool
+	// Chunks is the number of writes a pipelined proxy result came in
+	// (WithProxyChunk), each handed to the proxy as it landed; 0 when the
+	// result came in one write.
+	Chunks int
 	// Took is the time from the request to the completion.
 	Took time.Duration
 }
@@ -74,7 +78,7 @@ func (t Transfer) LogValue() slog.Value {
 		slog.String("key", t.Key), slog.Int64("step", t.Step), slog.String("peer", t.Peer),
 		slog.String("path", t.Path.String()), slog.String("provider", t.Provider), slog.String("device", t.Device),
 		slog.String("meta", t.Meta.String()), slog.Int64("bytes", t.Bytes),
-		slog.Bool("meta_round_trip", t.MetaRoundTrip), slog.Bool("meta_changed", t.MetaChanged), slog.Bool("checksummed", t.Checksummed),
+		slog.Bool("meta_round_trip", t.MetaRoundTrip), slog.Bool("meta_changed", t.MetaChanged), slog.Bool("checksummed", t.Checksummed), slog.Int("chunks", t.Chunks),
 		slog.Duration("took", t.Took))
 }
 
@@ -117,4 +121,8 @@ type Stats struct {
 	// silent peer while work was pending (WithKeepalive). They count in
 	// ControlOut, not in CreditsOnly.
 	Keepalives uint64
+	// ChunksIn is the number of chunk writes with immediate received for
+	// pipelined proxy results (WithProxyChunk), the last of each included;
+	// ChunksOut the number this side posted for the peer's.
+	ChunksIn, ChunksOut uint64
 }

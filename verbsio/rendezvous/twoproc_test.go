@@ -179,6 +179,13 @@ func startPeerWith(t *testing.T, provider string, listen, env, wrap []string, op
 	if err != nil {
 		skipUnavailable(t, provider, err)
 	}
+	return startPeerOn(t, provider, local, env, wrap)
+}
+
+// startPeerOn starts a sending peer process for the receiving side local
+// (which it closes when the test ends) and connects them.
+func startPeerOn(t *testing.T, provider string, local *side, env, wrap []string) *peerProc {
+	t.Helper()
 	argv := append(append([]string{}, wrap...), os.Args[0], "-test.run=^$")
 	cmd := exec.Command(argv[0], argv[1:]...)
 	cmd.Env = append(append(os.Environ(), peerEnv+"=1", "GDRLINK_RDV_PROVIDER="+provider), env...)
