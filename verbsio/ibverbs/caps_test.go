@@ -5,6 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/gdrlink/gdrlink/tensor"
@@ -57,7 +58,7 @@ func TestPeerMemMemoryTypes(t *testing.T) {
 			if (err == nil) != tc.gpu || errors.Is(err, verbsio.ErrNotSupported) != tc.notSup {
 				t.Errorf("peerMem error %v; want ErrNotSupported %v", err, tc.notSup)
 			}
-			kinds, why := New(WithSysfsRoot(tc.root)).memoryTypes()
+			kinds, why := New(WithSysfsRoot(tc.root)).memoryTypes("mlx5_0", "0000:3b:00.0")
 			if got := slices.Contains(kinds, tensor.GPU); got != tc.gpu {
 				t.Errorf("memory types %v: GPU listed %v, want %v (%s)", kinds, got, tc.gpu, why)
 			}
@@ -68,6 +69,23 @@ func TestPeerMemMemoryTypes(t *testing.T) {
 				t.Errorf("reason %q with GPU listed %v", why, tc.gpu)
 			}
 		})
+	}
+}
+
+// TestSoftwareDeviceNoGPUMemory: a device with no PCI function (rxe, siw)
+// never lists GPU memory, even with a peer-memory module loaded.
+func TestSoftwareDeviceNoGPUMemory(t *testing.T) {
+	root := fakeSys(t, "module/nvidia_peermem")
+	kinds, why := New(WithSysfsRoot(root)).memoryTypes("rxe0", "")
+	if slices.Contains(kinds, tensor.GPU) {
+		t.Errorf("software device lists GPU memory: %v", kinds)
+	}
+	if !strings.Contains(why, "software device") || !strings.Contains(why, "rxe0") {
+		t.Errorf("reason %q does not name the software device", why)
+	}
+	kinds, why = New(WithSysfsRoot(root)).memoryTypes("mlx5_0", "0000:3b:00.0")
+	if !slices.Contains(kinds, tensor.GPU) || why != "" {
+		t.Errorf("PCI device with nvidia_peermem: %v, %q", kinds, why)
 	}
 }
 
@@ -92,10 +110,12 @@ func TestDeviceCapsPeerMem(t *testing.T) {
 			t.Fatalf("open with sysfs root %s: %v", root, err)
 		}
 		c := d.Caps()
-		if got := slices.Contains(c.MemoryTypes, tensor.GPU); got != loaded {
+		// Software devices (rxe here) never list GPU memory.
+		want := loaded && d.Info().PCIAddress != ""
+		if got := slices.Contains(c.MemoryTypes, tensor.GPU); got != want {
 			t.Errorf("nvidia_peermem loaded %v: memory types %v (%s)", loaded, c.MemoryTypes, d.GPUMemoryReason())
 		}
-		if (d.GPUMemoryReason() == "") != loaded {
+		if (d.GPUMemoryReason() == "") != want {
 			t.Errorf("nvidia_peermem loaded %v: reason %q", loaded, d.GPUMemoryReason())
 		}
 		c.MemoryTypes[0] = tensor.GPU
@@ -106,7 +126,7 @@ func TestDeviceCapsPeerMem(t *testing.T) {
 	}
 	d := openTest(t)
 	_, err := sysfs{root: "/sys"}.peerMem()
-	if got := slices.Contains(d.Caps().MemoryTypes, tensor.GPU); got != (err == nil) {
+	if got := slices.Contains(d.Caps().MemoryTypes, tensor.GPU); got != (err == nil && d.Info().PCIAddress != "") {
 		t.Errorf("memory types %v, peer-memory module: %v", d.Caps().MemoryTypes, err)
 	}
 	t.Logf("GPU memory: %q; dma-buf: %v %q", d.GPUMemoryReason(), d.Caps().DMABuf, d.DMABufReason())

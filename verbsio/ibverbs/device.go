@@ -46,7 +46,7 @@ func newDevice(p *Provider, c *ibv.Context, ch choice, cfg verbsio.Config) (*Dev
 	}
 	inline, dmabuf, why := d.probe()
 	d.dmabufWhy = why
-	kinds, gpuWhy := p.memoryTypes()
+	kinds, gpuWhy := p.memoryTypes(ch.Device, d.info.PCIAddress)
 	d.gpuWhy = gpuWhy
 	d.caps = verbsio.Caps{
 		Provider:           Name,

@@ -94,13 +94,18 @@ func (p *Provider) info(name string, port int) verbsio.DeviceInfo {
 	return verbsio.DeviceInfo{Provider: Name, Name: name, NUMANode: numa, PCIAddress: pci, Netdev: p.sys().netdev(name, port)}
 }
 
-// memoryTypes lists the memory RegisterMemory accepts: host memory always,
-// GPU memory where a GPU peer-memory module (nvidia_peermem, nv_peer_mem)
-// is loaded, for ibv_reg_mr then takes a GPU device pointer. gpuWhy says
-// why GPU memory is not listed ("" when it is): not supported, or could
+// memoryTypes lists the memory RegisterMemory accepts on device dev at PCI
+// address pci: host memory always, GPU memory where the device is a PCI
+// function and a GPU peer-memory module (nvidia_peermem, nv_peer_mem) is
+// loaded, for ibv_reg_mr then takes a GPU device pointer. Software devices
+// (rxe, siw: no PCI function) never reach GPU memory, module or not. gpuWhy
+// says why GPU memory is not listed ("" when it is): not supported, or could
 // not tell (which lists it neither).
-func (p *Provider) memoryTypes() (kinds []tensor.DeviceKind, gpuWhy string) {
+func (p *Provider) memoryTypes(dev, pci string) (kinds []tensor.DeviceKind, gpuWhy string) {
 	kinds = []tensor.DeviceKind{tensor.CPU, tensor.PinnedHost}
+	if pci == "" {
+		return kinds, fmt.Sprintf("%s: %s is a software device (no PCI function), so no NIC can reach GPU memory through it", verbsio.ErrNotSupported, dev)
+	}
 	if _, err := p.sys().peerMem(); err != nil {
 		return kinds, err.Error()
 	}
