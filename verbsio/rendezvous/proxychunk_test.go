@@ -94,6 +94,11 @@ type proxySide struct {
 }
 
 func openProxySide(provider, name string, opts ...Option) (*proxySide, error) {
+	return openProxySideOn(provider, name, gpusim.Config{}, opts...)
+}
+
+// openProxySideOn is openProxySide with the simulated GPU's configuration.
+func openProxySideOn(provider, name string, gcfg gpusim.Config, opts ...Option) (*proxySide, error) {
 	cfg, err := verbsio.ConfigFromEnv()
 	if err != nil {
 		return nil, err
@@ -110,7 +115,7 @@ func openProxySide(provider, name string, opts ...Option) (*proxySide, error) {
 	if s.pool, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}), alloc.WithVisitors(registration(s.pd, 0)), alloc.WithName(name)); err != nil {
 		return fail(err)
 	}
-	ps.gpu = gpusim.New(gpusim.Config{})
+	ps.gpu = gpusim.New(gcfg)
 	s.after = append(s.after, ps.gpu.Close)
 	if ps.pinned, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}),
 		alloc.WithVisitors(ps.gpu.HostRegisterVisitor(), registration(s.pd, 0)), alloc.WithName(name+"-pinned")); err != nil {
