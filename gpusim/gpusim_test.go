@@ -8,11 +8,26 @@ import (
 	"time"
 	"unsafe"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/gdrlink/gdrlink/gpusim"
 	"github.com/gdrlink/gdrlink/proxy"
 )
 
 func hostAddr(b []byte) uintptr { return uintptr(unsafe.Pointer(&b[0])) }
+
+// hostMem is n bytes of host memory off the Go heap, as every buffer a
+// device copies asynchronously must be: the garbage collector neither
+// moves nor frees it while a copy still reads it through a bare address.
+func hostMem(tb testing.TB, n int) []byte {
+	tb.Helper()
+	b, err := unix.Mmap(-1, 0, n, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { _ = unix.Munmap(b) })
+	return b
+}
 
 func TestCopiesRoundTrip(t *testing.T) {
 	d := gpusim.New(gpusim.Config{})
@@ -28,7 +43,7 @@ func TestCopiesRoundTrip(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	src, dst := make([]byte, 1<<20), make([]byte, 1<<20)
+	src, dst := hostMem(t, 1<<20), hostMem(t, 1<<20)
 	for i := range src {
 		src[i] = byte(i * 31)
 	}
@@ -78,7 +93,7 @@ func TestBadCopiesWriteNothing(t *testing.T) {
 	defer d.Close()
 	p, _ := d.Alloc(4096)
 	s, _ := d.NewStream()
-	h := make([]byte, 8192)
+	h := hostMem(t, 8192)
 	if err := d.CopyHtoDAsync(p+1, hostAddr(h), 4096, s); !errors.Is(err, proxy.ErrOutOfRange) {
 		t.Fatalf("copy past the allocation: %v", err)
 	}
@@ -108,7 +123,7 @@ func TestPacing(t *testing.T) {
 	defer d.Close()
 	p, _ := d.Alloc(4 << 20)
 	s, _ := d.NewStream()
-	h := make([]byte, 4<<20)
+	h := hostMem(t, 4<<20)
 	start := time.Now()
 	for off := 0; off < len(h); off += 1 << 20 {
 		if err := d.CopyHtoDAsync(p+proxy.DevicePtr(off), hostAddr(h)+uintptr(off), 1<<20, s); err != nil {
@@ -128,7 +143,7 @@ func TestFaultsAndLoss(t *testing.T) {
 	defer d.Close()
 	p, _ := d.Alloc(4096)
 	s, _ := d.NewStream()
-	h := make([]byte, 4096)
+	h := hostMem(t, 4096)
 	d.FailCopies(func(c gpusim.CopyInfo) error {
 		if c.Seq == 0 {
 			return fmt.Errorf("injected")
@@ -176,8 +191,11 @@ func ExampleDevice() {
 	defer gpu.Close()
 	dev, _ := gpu.Alloc(5)
 	s, _ := gpu.NewStream()
-	src := []byte("hello")
-	_ = gpu.CopyHtoDAsync(dev, uintptr(unsafe.Pointer(&src[0])), len(src), s)
+	// Host memory a device reads asynchronously lives off the Go heap.
+	src, _ := unix.Mmap(-1, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	defer unix.Munmap(src)
+	copy(src, "hello")
+	_ = gpu.CopyHtoDAsync(dev, uintptr(unsafe.Pointer(&src[0])), 5, s)
 	ev, _ := gpu.RecordEvent(s)
 	_ = ev.Wait(context.Background())
 	got, _ := gpu.Peek(dev, 5)
