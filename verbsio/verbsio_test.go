@@ -138,10 +138,18 @@ func (f fakeProvider) Open(Config) (Device, error) {
 	return nil, fmt.Errorf("%w: fake", ErrNotSupported)
 }
 
+// registerOnce registers p unless a provider of its name is already there
+// (from an earlier run of the test in this process, with -count).
+func registerOnce(p Provider) {
+	if _, err := Lookup(p.Name()); err != nil {
+		Register(p)
+	}
+}
+
 func TestChoose(t *testing.T) {
-	Register(fakeProvider{name: "fake-rdma", noDev: fmt.Errorf("%w: no RDMA device in /sys/class/infiniband", ErrNoDevice)})
-	Register(fakeProvider{name: "fake-node"})
-	Register(fakeProvider{name: "fake-net"})
+	registerOnce(fakeProvider{name: "fake-rdma", noDev: fmt.Errorf("%w: no RDMA device in /sys/class/infiniband", ErrNoDevice)})
+	registerOnce(fakeProvider{name: "fake-node"})
+	registerOnce(fakeProvider{name: "fake-net"})
 	pref := []string{"fake-rdma", "fake-node", "fake-net"}
 	local := map[string]bool{"fake-node": true}
 	c, err := choose(pref, local, true)
