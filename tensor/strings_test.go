@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"errors"
+	"runtime"
 	"strings"
 	"testing"
 )
@@ -115,17 +116,24 @@ func TestDecodeStringsErrors(t *testing.T) {
 }
 
 func TestDecodeStringsDoesNotTrustCount(t *testing.T) {
-	// A header claiming 2^40 elements in 12 bytes must fail without the
-	// decoder allocating for them.
-	in := binary.AppendUvarint([]byte{StringsVersion}, 1<<40)
-	in = append(in, make([]byte, 6)...)
-	allocs := testing.AllocsPerRun(10, func() {
-		if _, err := DecodeStrings(in, -1, 0); !errors.Is(err, ErrOversized) {
-			t.Fatalf("err = %v", err)
+	// A header claiming many elements in a few bytes must fail without the
+	// decoder allocating for them: 2^24 claimed strings would be 256 MiB of
+	// string headers if it trusted the count, 2^40 would not fit at all.
+	for _, claim := range []uint64{1 << 24, 1 << 40} {
+		in := binary.AppendUvarint([]byte{StringsVersion}, claim)
+		in = append(in, make([]byte, 6)...)
+		var before, after runtime.MemStats
+		runtime.ReadMemStats(&before)
+		const runs = 10
+		for range runs {
+			if _, err := DecodeStrings(in, -1, 0); !errors.Is(err, ErrOversized) {
+				t.Fatalf("claim %d: err = %v", claim, err)
+			}
 		}
-	})
-	if allocs > 4 {
-		t.Fatalf("rejecting a bogus count took %v allocations", allocs)
+		runtime.ReadMemStats(&after)
+		if perRun := (after.TotalAlloc - before.TotalAlloc) / runs; perRun > 64<<10 {
+			t.Fatalf("rejecting a claim of %d strings allocated %d bytes a run", claim, perRun)
+		}
 	}
 }
 
