@@ -4,8 +4,9 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
-	"strings"
 	"testing"
+
+	"github.com/gdrlink/gdrlink/internal/leakcheck"
 )
 
 // helperEnv names the helper a re-executed test binary runs instead of the
@@ -30,29 +31,7 @@ func TestMain(m *testing.M) {
 		}
 		os.Exit(0)
 	}
-	before, err := openMemfds()
-	code := m.Run()
-	if after, err2 := openMemfds(); code == 0 && err == nil && err2 == nil && after > before {
-		fmt.Fprintf(os.Stderr, "leak: %d memfd descriptors open after the tests, %d before\n", after, before)
-		code = 1
-	}
-	os.Exit(code)
-}
-
-// openMemfds counts this process's descriptors that name a memfd (the
-// regions of memfd sources and their exported duplicates).
-func openMemfds() (int, error) {
-	ents, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		return 0, err
-	}
-	n := 0
-	for _, e := range ents {
-		if link, err := os.Readlink("/proc/self/fd/" + e.Name()); err == nil && strings.HasPrefix(link, "/memfd:") {
-			n++
-		}
-	}
-	return n, nil
+	os.Exit(leakcheck.RunMain(m))
 }
 
 // helperCmd re-executes the test binary as helper name.
