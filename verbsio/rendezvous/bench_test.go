@@ -25,39 +25,7 @@ func BenchmarkRecv(b *testing.B) {
 					b.Skipf("provider %s unavailable here: %v", provider, err)
 				}
 				defer c.close()
-				ctx := context.Background()
-				errc := make(chan error, 1)
-				go func() { errc <- a.ch.Connect(ctx, c.ch.Hello()) }()
-				if err := c.ch.Connect(ctx, a.ch.Hello()); err != nil {
-					b.Fatal(err)
-				}
-				if err := <-errc; err != nil {
-					b.Fatal(err)
-				}
-				meta, _ := tensor.MetaFor(tensor.Uint8, tensor.Shape{size})
-				src, err := a.pool.NewTensor(meta)
-				if err != nil {
-					b.Fatal(err)
-				}
-				defer src.Release()
-				step := int64(0)
-				recv := func() {
-					if err := a.ch.SendFunc("x", step, src, func(error) {}); err != nil {
-						b.Fatal(err)
-					}
-					got, _, err := c.ch.Recv(ctx, "x", step)
-					if err != nil {
-						b.Fatal(err)
-					}
-					_ = got.Release()
-					step++
-				}
-				recv() // the meta-data round trip
-				b.SetBytes(size)
-				b.ResetTimer()
-				for i := 0; i < b.N; i++ {
-					recv()
-				}
+				benchRecvLoop(b, a, c, size, nil)
 			})
 		}
 	}
@@ -84,40 +52,7 @@ func BenchmarkRecvRails(b *testing.B) {
 				b.Skipf("tcp unavailable: %v", err)
 			}
 			defer c.close()
-			ctx := context.Background()
-			errc := make(chan error, 1)
-			go func() { errc <- a.ch.Connect(ctx, c.ch.Hello()) }()
-			if err := c.ch.Connect(ctx, a.ch.Hello()); err != nil {
-				b.Fatal(err)
-			}
-			if err := <-errc; err != nil {
-				b.Fatal(err)
-			}
-			meta, _ := tensor.MetaFor(tensor.Uint8, tensor.Shape{size})
-			src, err := a.pool.NewTensor(meta)
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer src.Release()
-			step := int64(0)
-			recv := func() {
-				if err := a.ch.SendFunc("x", step, src, func(error) {}); err != nil {
-					b.Fatal(err)
-				}
-				got, _, err := c.ch.Recv(ctx, "x", step)
-				if err != nil {
-					b.Fatal(err)
-				}
-				_ = got.Release()
-				step++
-			}
-			recv()
-			b.SetBytes(size)
-			b.ResetTimer()
-			for i := 0; i < b.N; i++ {
-				recv()
-			}
-			b.StopTimer()
+			benchRecvLoop(b, a, c, size, nil)
 			if rails > 1 && a.ch.Stats().Striped == 0 {
 				b.Fatal("nothing was striped")
 			}
@@ -150,42 +85,58 @@ func BenchmarkRecvProxy(b *testing.B) {
 				b.Skipf("tcp unavailable: %v", err)
 			}
 			defer c.close()
-			ctx := context.Background()
-			errc := make(chan error, 1)
-			go func() { errc <- a.ch.Connect(ctx, c.ch.Hello()) }()
-			if err := c.ch.Connect(ctx, a.ch.Hello()); err != nil {
-				b.Fatal(err)
-			}
-			if err := <-errc; err != nil {
-				b.Fatal(err)
-			}
-			meta, _ := tensor.MetaFor(tensor.Uint8, tensor.Shape{size})
-			src, err := a.pool.NewTensor(meta)
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer src.Release()
-			step := int64(0)
-			recv := func() {
-				if err := a.ch.SendFunc("x", step, src, func(error) {}); err != nil {
-					b.Fatal(err)
-				}
-				got, tr, err := c.ch.Recv(ctx, "x", step, OnDevice(tensor.GPUDevice(0)))
-				if err != nil {
-					b.Fatal(err)
-				}
+			benchRecvLoop(b, a, c.side, size, func(tr Transfer) error {
 				if tr.Path != PathProxy || (chunk > 0) != (tr.Chunks > 1) {
-					b.Fatalf("path %s in %d chunks", tr.Path, tr.Chunks)
+					return fmt.Errorf("path %s in %d chunks", tr.Path, tr.Chunks)
 				}
-				_ = got.Release()
-				step++
-			}
-			recv()
-			b.SetBytes(size)
-			b.ResetTimer()
-			for i := 0; i < b.N; i++ {
-				recv()
-			}
+				return nil
+			}, OnDevice(tensor.GPUDevice(0)))
 		})
 	}
+}
+
+// benchRecvLoop connects a and c, then times b.N steady-state transfers of
+// a size-byte tensor from a to c (the first, untimed, makes the meta-data
+// round trip). check, when not nil, vets every transfer.
+func benchRecvLoop(b *testing.B, a, c *side, size int64, check func(Transfer) error, opts ...RecvOption) {
+	b.Helper()
+	ctx := context.Background()
+	errc := make(chan error, 1)
+	go func() { errc <- a.ch.Connect(ctx, c.ch.Hello()) }()
+	if err := c.ch.Connect(ctx, a.ch.Hello()); err != nil {
+		b.Fatal(err)
+	}
+	if err := <-errc; err != nil {
+		b.Fatal(err)
+	}
+	meta, _ := tensor.MetaFor(tensor.Uint8, tensor.Shape{size})
+	src, err := a.pool.NewTensor(meta)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer src.Release()
+	step := int64(0)
+	recv := func() {
+		if err := a.ch.SendFunc("x", step, src, func(error) {}); err != nil {
+			b.Fatal(err)
+		}
+		got, tr, err := c.ch.Recv(ctx, "x", step, opts...)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if check != nil {
+			if err := check(tr); err != nil {
+				b.Fatal(err)
+			}
+		}
+		_ = got.Release()
+		step++
+	}
+	recv()
+	b.SetBytes(size)
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		recv()
+	}
+	b.StopTimer()
 }
