@@ -15,17 +15,17 @@ import (
 
 	"github.com/gdrlink/gdrlink/alloc"
 	"github.com/gdrlink/gdrlink/alloc/visitor"
+	"github.com/gdrlink/gdrlink/internal/bootstrap"
+	"github.com/gdrlink/gdrlink/rendezvous"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
-	"github.com/gdrlink/gdrlink/verbsio/bootstrap"
 	_ "github.com/gdrlink/gdrlink/verbsio/ibverbs"
 	_ "github.com/gdrlink/gdrlink/verbsio/onnode"
-	"github.com/gdrlink/gdrlink/verbsio/rendezvous"
 	_ "github.com/gdrlink/gdrlink/verbsio/tcp"
 )
 
 // The tensor scenario measures the zero-copy tensor protocol
-// (verbsio/rendezvous) between two processes of this host on each available
+// (rendezvous) between two processes of this host on each available
 // provider: tensors per second for small tensors, GB/s for large ones, and
 // the latency of one small tensor against the provider's raw write latency.
 // Its baselines are measured in the same run against the same peer process:

@@ -29,6 +29,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 export PATH=$PATH:/usr/local/go/bin
+# The ibverbs provider is built in only with this tag (it needs the headers).
+export GOFLAGS="${GOFLAGS:+$GOFLAGS }-tags=gdrlink_ibverbs"
 log() { echo "test-rdma: $*" >&2; }
 die() { log "$*"; exit 1; }
 

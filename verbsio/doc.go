@@ -14,5 +14,5 @@
 // its Endpoint.Host) takes ibverbs when it has a device, else onnode when
 // the peer shares this host (same kernel boot id, see HostID), else tcp,
 // and says why each better provider was passed over. Peers find each other
-// and trade endpoints through verbsio/bootstrap.
+// and trade endpoints through internal/bootstrap.
 package verbsio

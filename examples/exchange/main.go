@@ -28,12 +28,12 @@ import (
 
 	"github.com/dustin/go-humanize"
 	"github.com/gdrlink/gdrlink/alloc"
+	"github.com/gdrlink/gdrlink/internal/bootstrap"
+	"github.com/gdrlink/gdrlink/rendezvous"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
-	"github.com/gdrlink/gdrlink/verbsio/bootstrap"
 	_ "github.com/gdrlink/gdrlink/verbsio/ibverbs"
 	_ "github.com/gdrlink/gdrlink/verbsio/onnode"
-	"github.com/gdrlink/gdrlink/verbsio/rendezvous"
 	_ "github.com/gdrlink/gdrlink/verbsio/tcp"
 )
 

@@ -10,9 +10,12 @@
 // in one cgo call. Every cgo call is counted per device context (Counters),
 // so callers can report crossings per transfer.
 //
-// Built without cgo, or with the build tag gdrlink_noibverbs, the package
-// keeps its API and every entry point returns an error wrapping
-// ErrUnavailable.
+// The cgo half is built only with the build tag gdrlink_ibverbs (and cgo),
+// because it needs rdma-core's headers (Debian's libibverbs-dev): a plain
+// `go build ./...` must work on any machine. The Makefile and
+// scripts/test-rdma.sh set the tag when the headers are there. Without it
+// the package keeps its API and every entry point returns an error wrapping
+// ErrUnavailable, whose message says how to build it in.
 //
 // Errors of failed verbs are *Error values: they name the verb and the
 // device, and match their errno with errors.Is (unix.EOPNOTSUPP,
@@ -28,9 +31,9 @@ import (
 	"syscall"
 )
 
-// ErrUnavailable: the package was built without libibverbs (no cgo, or the
-// gdrlink_noibverbs build tag).
-var ErrUnavailable = errors.New("ibv: built without libibverbs")
+// ErrUnavailable: the package was built without libibverbs (no cgo, or no
+// gdrlink_ibverbs build tag).
+var ErrUnavailable = errors.New("ibv: built without libibverbs (needs cgo, Debian's libibverbs-dev and -tags gdrlink_ibverbs; make sets the tag when the headers are installed)")
 
 // Error is a failed verb.
 type Error struct {

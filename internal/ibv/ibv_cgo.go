@@ -1,4 +1,4 @@
-//go:build cgo && !gdrlink_noibverbs
+//go:build cgo && gdrlink_ibverbs
 
 package ibv
 

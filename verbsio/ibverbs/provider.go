@@ -116,7 +116,7 @@ func (p *Provider) memoryTypes(dev, pci string) (kinds []tensor.DeviceKind, gpuW
 // a clear reason and libibverbs is not even loaded, then libibverbs.
 func (p *Provider) deviceNames() ([]string, error) {
 	if !ibv.Available {
-		return nil, fmt.Errorf("%w: ibverbs provider built without libibverbs (cgo disabled or the gdrlink_noibverbs tag)", verbsio.ErrNoDevice)
+		return nil, fmt.Errorf("%w: ibverbs provider built without libibverbs: build with cgo, Debian's libibverbs-dev and -tags gdrlink_ibverbs (make adds the tag when the headers are installed)", verbsio.ErrNoDevice)
 	}
 	s := p.sys()
 	sysNames, err := s.devices()

@@ -13,8 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/bootstrap"
 	"github.com/gdrlink/gdrlink/verbsio"
-	"github.com/gdrlink/gdrlink/verbsio/bootstrap"
 	"github.com/gdrlink/gdrlink/verbsio/verbstest"
 )
 

@@ -11,8 +11,8 @@ import (
 	"os"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/bootstrap"
 	"github.com/gdrlink/gdrlink/verbsio"
-	"github.com/gdrlink/gdrlink/verbsio/bootstrap"
 	"golang.org/x/sys/unix"
 )
 

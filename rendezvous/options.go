@@ -6,8 +6,8 @@ import (
 	"math/bits"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/wire"
 	"github.com/gdrlink/gdrlink/tensor"
-	"github.com/gdrlink/gdrlink/verbsio/wire"
 )
 
 // Defaults of a channel.

@@ -1,5 +1,5 @@
 // Package wire is the binary encoding of the control messages of gdrlink's
-// zero-copy tensor protocol (verbsio/rendezvous): TENSOR_REQUEST,
+// zero-copy tensor protocol (rendezvous): TENSOR_REQUEST,
 // META_DATA_RESPONSE, TENSOR_RE_REQUEST, ERROR_STATUS, and the messages that
 // go beyond TensorFlow's verbs transport (CREDIT, CHECKSUM, CANCEL, BYE), plus
 // the HELLO that two peers trade through the bootstrap before their queue

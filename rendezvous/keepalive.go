@@ -3,7 +3,7 @@ package rendezvous
 import (
 	"time"
 
-	"github.com/gdrlink/gdrlink/verbsio/wire"
+	"github.com/gdrlink/gdrlink/internal/wire"
 )
 
 // Liveness. A reliable-connected queue pair learns that its peer is gone only

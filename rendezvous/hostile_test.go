@@ -8,9 +8,9 @@ import (
 	"testing"
 
 	"github.com/gdrlink/gdrlink/alloc"
+	"github.com/gdrlink/gdrlink/internal/wire"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
-	"github.com/gdrlink/gdrlink/verbsio/wire"
 )
 
 // stubQP accepts every post and does nothing: the hostile-peer tests drive

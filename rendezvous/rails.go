@@ -3,8 +3,8 @@ package rendezvous
 import (
 	"fmt"
 
+	"github.com/gdrlink/gdrlink/internal/wire"
 	"github.com/gdrlink/gdrlink/verbsio"
-	"github.com/gdrlink/gdrlink/verbsio/wire"
 )
 
 // Rail is an extra device of a channel: large writes are striped over the

@@ -7,8 +7,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/bootstrap"
 	"github.com/gdrlink/gdrlink/verbsio"
-	"github.com/gdrlink/gdrlink/verbsio/bootstrap"
 	_ "github.com/gdrlink/gdrlink/verbsio/tcp"
 )
 

@@ -11,9 +11,9 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/wire"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
-	"github.com/gdrlink/gdrlink/verbsio/wire"
 )
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
@@ -244,7 +244,7 @@ func (c *Channel) recvWR(i int) verbsio.RecvWR {
 }
 
 // Hello is what the peer needs to connect to this channel, to be carried to
-// it by a bootstrap (verbsio/bootstrap) and passed to its Connect.
+// it by a bootstrap (internal/bootstrap) and passed to its Connect.
 func (c *Channel) Hello() []byte {
 	m := wire.Message{Type: wire.TypeHello, Ring: uint16(c.opts.ring), Slot: uint32(c.slot), Text: []byte(c.opts.name), Host: []byte(c.host), NumEndpoints: 1}
 	if c.opts.checksum {

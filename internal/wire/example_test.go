@@ -3,8 +3,8 @@ package wire_test
 import (
 	"fmt"
 
+	"github.com/gdrlink/gdrlink/internal/wire"
 	"github.com/gdrlink/gdrlink/tensor"
-	"github.com/gdrlink/gdrlink/verbsio/wire"
 )
 
 // A receiver asks for a tensor it has seen before: the name travels as its

@@ -5,7 +5,7 @@ import (
 	"fmt"
 )
 
-// Exchanger trades one message with a peer of a job: verbsio/bootstrap's
+// Exchanger trades one message with a peer of a job: internal/bootstrap's
 // Group implements it.
 type Exchanger interface {
 	Exchange(ctx context.Context, peer int, data []byte) ([]byte, error)

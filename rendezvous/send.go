@@ -6,9 +6,9 @@ import (
 	"hash/crc32"
 	"unicode/utf8"
 
+	"github.com/gdrlink/gdrlink/internal/wire"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
-	"github.com/gdrlink/gdrlink/verbsio/wire"
 )
 
 // sendEntry is the sender's side of one key and step: a Send, a request, or

@@ -7,9 +7,9 @@ import (
 
 	"github.com/gdrlink/gdrlink/alloc"
 	"github.com/gdrlink/gdrlink/alloc/visitor"
+	"github.com/gdrlink/gdrlink/rendezvous"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
-	"github.com/gdrlink/gdrlink/verbsio/rendezvous"
 	_ "github.com/gdrlink/gdrlink/verbsio/tcp"
 )
 
@@ -46,7 +46,7 @@ func Example() {
 	receiver, _, closeReceiver := endpoint("worker-1")
 	defer closeReceiver()
 
-	// A bootstrap (verbsio/bootstrap) carries the hellos between processes.
+	// A bootstrap (internal/bootstrap) carries the hellos between processes.
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	hs, hr := sender.Hello(), receiver.Hello()

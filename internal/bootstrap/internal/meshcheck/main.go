@@ -15,8 +15,8 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/gdrlink/gdrlink/internal/bootstrap"
 	"github.com/gdrlink/gdrlink/verbsio"
-	"github.com/gdrlink/gdrlink/verbsio/bootstrap"
 	_ "github.com/gdrlink/gdrlink/verbsio/tcp"
 	"golang.org/x/sys/unix"
 )

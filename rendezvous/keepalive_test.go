@@ -8,9 +8,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/wire"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
-	"github.com/gdrlink/gdrlink/verbsio/wire"
 )
 
 // sentFrame is one frame a probeQP saw posted.

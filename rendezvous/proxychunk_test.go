@@ -9,10 +9,10 @@ import (
 
 	"github.com/gdrlink/gdrlink/alloc"
 	"github.com/gdrlink/gdrlink/gpusim"
+	"github.com/gdrlink/gdrlink/internal/wire"
 	"github.com/gdrlink/gdrlink/proxy"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
-	"github.com/gdrlink/gdrlink/verbsio/wire"
 )
 
 // landingWatch wraps a Proxy to see what the channel tells its landings:

@@ -9,9 +9,9 @@ import (
 
 	"github.com/gdrlink/gdrlink/alloc"
 	"github.com/gdrlink/gdrlink/alloc/visitor"
+	"github.com/gdrlink/gdrlink/rendezvous"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
-	"github.com/gdrlink/gdrlink/verbsio/rendezvous"
 	_ "github.com/gdrlink/gdrlink/verbsio/tcp"
 )
 
@@ -133,7 +133,7 @@ func ExampleOpenEndpoint() {
 	defer receiver.Close()
 
 	// Two endpoints in one process stand for two processes; between
-	// processes, verbsio/bootstrap trades the hellos (Channel.ConnectVia).
+	// processes, internal/bootstrap trades the hellos (Channel.ConnectVia).
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if err := connectEndpoints(ctx, sender, receiver); err != nil {

@@ -7,9 +7,9 @@ import (
 	"hash/crc32"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/wire"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
-	"github.com/gdrlink/gdrlink/verbsio/wire"
 )
 
 // request is the receiver's side of one Recv.
