@@ -1,6 +1,10 @@
 package alloc
 
-import "errors"
+import (
+	"errors"
+
+	"github.com/gdrlink/gdrlink/internal/closed"
+)
 
 // Errors of this package. Each is wrapped with the detail that caused it (the
 // size, the address, the pool's state); match them with errors.Is.
@@ -16,8 +20,10 @@ var (
 	// byte limit, or that the source could not back with a new arena. The
 	// message carries the request, the pool's usage and a bin summary.
 	ErrPoolExhausted = errors.New("alloc: pool exhausted")
-	// ErrClosed: a pool or source used after Close.
-	ErrClosed = errors.New("alloc: pool closed")
+	// ErrClosed: a pool or source used after Close. It is the one closed error of every layer
+	// (the same value as gdrlink.ErrClosed and verbsio.ErrClosed), so
+	// errors.Is matches it whichever layer noticed.
+	ErrClosed = closed.Err
 	// ErrLeaked: blocks still allocated when the pool was closed; the message
 	// counts them and their bytes.
 	ErrLeaked = errors.New("alloc: blocks leaked")

@@ -1,6 +1,10 @@
 package gdr
 
-import "errors"
+import (
+	"errors"
+
+	"github.com/gdrlink/gdrlink/internal/closed"
+)
 
 // Errors of this package, one per condition. Each is wrapped with the file,
 // device or value concerned; match them with errors.Is.
@@ -20,6 +24,8 @@ var (
 	// ErrOutsideRoot: a path or symbolic link that leads outside the root
 	// being read.
 	ErrOutsideRoot = errors.New("gdr: path outside root")
-	// ErrClosed: use of a closed Root.
-	ErrClosed = errors.New("gdr: root closed")
+	// ErrClosed: use of a closed Root. It is the one closed error of every layer
+	// (the same value as gdrlink.ErrClosed and verbsio.ErrClosed), so
+	// errors.Is matches it whichever layer noticed.
+	ErrClosed = closed.Err
 )

@@ -1,6 +1,10 @@
 package proxy
 
-import "errors"
+import (
+	"errors"
+
+	"github.com/gdrlink/gdrlink/internal/closed"
+)
 
 // Errors of this package and of Device implementations, one per condition;
 // match them with errors.Is.
@@ -20,8 +24,10 @@ var (
 	ErrBadChunk = errors.New("proxy: bad chunk")
 	// ErrDeviceMemory: device memory could not be allocated.
 	ErrDeviceMemory = errors.New("proxy: device out of memory")
-	// ErrClosed: use of a closed proxy, device, stream or event.
-	ErrClosed = errors.New("proxy: closed")
+	// ErrClosed: use of a closed proxy, device, stream or event. It is the one closed error of every layer
+	// (the same value as gdrlink.ErrClosed and verbsio.ErrClosed), so
+	// errors.Is matches it whichever layer noticed.
+	ErrClosed = closed.Err
 	// ErrCanceled: a receive abandoned by its caller (Receiver.Abort, a
 	// canceled context) before it completed.
 	ErrCanceled = errors.New("proxy: canceled")

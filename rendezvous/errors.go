@@ -1,13 +1,19 @@
 package rendezvous
 
-import "errors"
+import (
+	"errors"
+
+	"github.com/gdrlink/gdrlink/internal/closed"
+)
 
 // Errors of the rendezvous, one per condition; they are wrapped with the
 // peer, key and step concerned. A lost peer is reported with
 // verbsio.ErrPeerLost.
 var (
-	// ErrClosed: the channel was closed, by this side or (BYE) by the peer.
-	ErrClosed = errors.New("rendezvous: channel closed")
+	// ErrClosed: the channel was closed, by this side or (BYE) by the peer. It is the one closed error of every layer
+	// (the same value as gdrlink.ErrClosed and verbsio.ErrClosed), so
+	// errors.Is matches it whichever layer noticed.
+	ErrClosed = closed.Err
 	// ErrNotConnected: Send or Recv before Connect.
 	ErrNotConnected = errors.New("rendezvous: channel not connected")
 	// ErrDuplicate: a second Send, or a second pending Recv, for one key and

@@ -1,6 +1,10 @@
 package verbsio
 
-import "errors"
+import (
+	"errors"
+
+	"github.com/gdrlink/gdrlink/internal/closed"
+)
 
 // Errors of the verbs layer, one per condition. Providers wrap them with the
 // device, key or address concerned; match them with errors.Is.
@@ -41,8 +45,10 @@ var (
 	ErrBadFrame = errors.New("verbsio: malformed frame")
 	// ErrBusy: closing a resource that still has live children.
 	ErrBusy = errors.New("verbsio: resource busy")
-	// ErrClosed: use of a closed resource.
-	ErrClosed = errors.New("verbsio: closed")
+	// ErrClosed: use of a closed resource. It is the one closed error of every layer
+	// (the same value as gdrlink.ErrClosed and verbsio.ErrClosed), so
+	// errors.Is matches it whichever layer noticed.
+	ErrClosed = closed.Err
 	// ErrTimeout: a peer or operation that did not answer in time.
 	ErrTimeout = errors.New("verbsio: timeout")
 	// ErrBadAddress: memory to register or to post that is empty, wraps

@@ -11,6 +11,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/ctxerr"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
@@ -439,7 +440,7 @@ func (g *Group) openPair(ctx context.Context, peer int, p *pair) error {
 	var d net.Dialer
 	c, err := d.DialContext(ctx, "tcp", g.addrs[peer])
 	if err != nil {
-		return fmt.Errorf("%w: bootstrap rank %d: dialing rank %d at %s: %w", ctxSentinel(ctx), g.rank, peer, g.addrs[peer], err)
+		return fmt.Errorf("%w: bootstrap rank %d: dialing rank %d at %s: %w", ctxerr.Sentinel(ctx, verbsio.ErrPeerLost), g.rank, peer, g.addrs[peer], err)
 	}
 	hm := appendMsg(nil, tPeerHello, helloBody{rank: g.rank, size: g.size}.Append(nil))
 	if err := g.io(ctx, c, func(c net.Conn) error { _, err := c.Write(hm); return err }); err != nil {
@@ -455,13 +456,6 @@ func (g *Group) openPair(ctx context.Context, peer int, p *pair) error {
 	p.c = c
 	close(p.ready)
 	return nil
-}
-
-func ctxSentinel(ctx context.Context) error {
-	if ctx.Err() != nil {
-		return verbsio.ErrTimeout
-	}
-	return verbsio.ErrPeerLost
 }
 
 // Close closes the listener and every connection. Idempotent.

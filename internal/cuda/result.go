@@ -3,6 +3,8 @@ package cuda
 import (
 	"errors"
 	"fmt"
+
+	"github.com/gdrlink/gdrlink/internal/closed"
 )
 
 // Result is a CUresult code of the driver API.
@@ -130,8 +132,10 @@ var (
 	// ErrNoDriver: libcuda.so.1 could not be loaded, or it lacks a symbol
 	// this package needs. The wrapping message carries the loader's words.
 	ErrNoDriver = errors.New("cuda: no CUDA driver")
-	// ErrClosed: use of a closed handle.
-	ErrClosed = errors.New("cuda: closed")
+	// ErrClosed: use of a closed handle. It is the one closed error of every layer
+	// (the same value as gdrlink.ErrClosed and verbsio.ErrClosed), so
+	// errors.Is matches it whichever layer noticed.
+	ErrClosed = closed.Err
 	// ErrBusy: closing a context whose allocations, streams or events live.
 	ErrBusy = errors.New("cuda: context busy")
 	// ErrBadArgument: an argument refused before calling the driver (a zero

@@ -18,6 +18,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/gdrlink/gdrlink/internal/offheap"
 	"github.com/gdrlink/gdrlink/verbsio"
 	"github.com/gdrlink/gdrlink/verbsio/verbstest"
 )
@@ -63,7 +64,7 @@ func allocMemory(kind string, size int) (*memory, error) {
 		if err != nil {
 			return nil, err
 		}
-		off := int((huge - addrOf(raw)%huge) % huge)
+		off := int((huge - offheap.Addr(raw)%huge) % huge)
 		if off > 0 {
 			unix.Munmap(raw[:off])
 		}
@@ -127,7 +128,7 @@ func (n *node) register(kind string, size int, access verbsio.Access, fill byte)
 	for i := range m.b {
 		m.b[i] = fill
 	}
-	mr, err := n.pd.RegisterMemory(addrOf(m.b), size, access)
+	mr, err := n.pd.RegisterMemory(offheap.Addr(m.b), size, access)
 	if err != nil {
 		m.free()
 		return nil, err

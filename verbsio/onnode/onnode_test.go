@@ -13,6 +13,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/gdrlink/gdrlink/internal/offheap"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
@@ -425,15 +426,15 @@ func TestFileDetection(t *testing.T) {
 	}
 	fdr := n.pd.(FDRegistrar)
 	m := n.mems[mf.RKey()]
-	mr, err := fdr.RegisterMemoryFD(addrOf(m.b[4096:]), 4096, rw, m.fd, 4096)
+	mr, err := fdr.RegisterMemoryFD(offheap.Addr(m.b[4096:]), 4096, rw, m.fd, 4096)
 	if err != nil {
 		t.Fatal(err)
 	}
 	mr.Close()
-	if _, err := fdr.RegisterMemoryFD(addrOf(m.b), 4096, rw, m.fd, 8192); !errors.Is(err, ErrNotShared) {
+	if _, err := fdr.RegisterMemoryFD(offheap.Addr(m.b), 4096, rw, m.fd, 8192); !errors.Is(err, ErrNotShared) {
 		t.Fatalf("wrong offset: %v", err)
 	}
-	if _, err := fdr.RegisterMemoryFD(addrOf(n.mems[an.RKey()].b), 4096, rw, m.fd, 0); !errors.Is(err, ErrNotShared) {
+	if _, err := fdr.RegisterMemoryFD(offheap.Addr(n.mems[an.RKey()].b), 4096, rw, m.fd, 0); !errors.Is(err, ErrNotShared) {
 		t.Fatalf("anonymous memory: %v", err)
 	}
 }

@@ -14,6 +14,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/gdrlink/gdrlink/internal/offheap"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
@@ -325,7 +326,7 @@ func (q *qp) handshake(ctx context.Context, conn *net.UnixConn, peer string) (he
 		conn.SetDeadline(dl)
 		defer conn.SetDeadline(time.Time{})
 	}
-	mine := hello{PID: uint32(os.Getpid()), Probe: uint64(addrOf(q.inMem[offProbe:])), RingSize: ringData, Name: q.name, PeerName: peer}
+	mine := hello{PID: uint32(os.Getpid()), Probe: uint64(offheap.Addr(q.inMem[offProbe:])), RingSize: ringData, Name: q.name, PeerName: peer}
 	oob := unix.UnixRights(q.inFD, q.efd, q.pd.tableFD)
 	if _, _, err := conn.WriteMsgUnix(mine.Append(nil), oob, nil); err != nil {
 		return hello{}, nil, fmt.Errorf("%w: onnode hello to @%s: %w", verbsio.ErrPeerLost, peer, err)
@@ -855,7 +856,7 @@ func (q *qp) deliver(r postedRecv, data []byte, seq uint32) (c verbsio.Completio
 		if len(rest) == 0 {
 			break
 		}
-		n := copy(bytesAt(s.Addr, int(s.Length)), rest)
+		n := copy(offheap.Bytes(s.Addr, int(s.Length)), rest)
 		rest = rest[n:]
 	}
 	return c

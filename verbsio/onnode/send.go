@@ -9,6 +9,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/gdrlink/gdrlink/internal/offheap"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
@@ -135,7 +136,7 @@ func (q *qp) exec(w *verbsio.SendWR) (verbsio.Status, error) {
 	segs := arr[:0]
 	if w.Inline {
 		for _, s := range w.SG {
-			segs = append(segs, bytesAt(s.Addr, int(s.Length)))
+			segs = append(segs, offheap.Bytes(s.Addr, int(s.Length)))
 		}
 	} else {
 		need := verbsio.Access(0)
@@ -148,7 +149,7 @@ func (q *qp) exec(w *verbsio.SendWR) (verbsio.Status, error) {
 			if _, st := q.pd.lookupLocal(s.LKey, s.Addr, s.Length, need); st != verbsio.StatusSuccess {
 				return st, fmt.Errorf("%w: lkey %#x at %#x+%d", verbsio.ErrLocalProtection, s.LKey, s.Addr, s.Length)
 			}
-			segs = append(segs, bytesAt(s.Addr, int(s.Length)))
+			segs = append(segs, offheap.Bytes(s.Addr, int(s.Length)))
 		}
 	}
 	n := int(total)

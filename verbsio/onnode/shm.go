@@ -37,18 +37,6 @@ func u32(mem []byte, off int) *uint32 { return (*uint32)(unsafe.Pointer(&mem[off
 func load64(mem []byte, off int) uint64     { return atomic.LoadUint64(u64(mem, off)) }
 func store64(mem []byte, off int, v uint64) { atomic.StoreUint64(u64(mem, off), v) }
 
-// bytesAt views n bytes at addr, memory that is off the Go heap and mapped.
-func bytesAt(addr uintptr, n int) []byte {
-	if n == 0 {
-		return nil
-	}
-	p := *(*unsafe.Pointer)(unsafe.Pointer(&addr))
-	return unsafe.Slice((*byte)(p), n)
-}
-
-// addrOf is the address of b's first byte.
-func addrOf(b []byte) uintptr { return uintptr(unsafe.Pointer(unsafe.SliceData(b))) }
-
 // findFD returns a new close-on-exec descriptor of this process's open file
 // with the given device and inode, or -1.
 func findFD(dev uint64, ino uint64) int {

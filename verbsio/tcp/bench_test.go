@@ -9,9 +9,10 @@ import (
 	"time"
 	"unsafe"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/gdrlink/gdrlink/verbsio"
 	"github.com/gdrlink/gdrlink/verbsio/tcp"
-	"golang.org/x/sys/unix"
 )
 
 var benchSizes = []int{4 << 10, 1 << 20, 16 << 20}

@@ -13,9 +13,10 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
-	"golang.org/x/sys/unix"
 )
 
 // Name is the provider's registered name.

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/offheap"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
@@ -33,7 +34,7 @@ func FuzzFrame(f *testing.F) {
 		stream := bytes.Clone(data)
 		if len(stream) >= headerLen && binary.BigEndian.Uint64(stream[16:]) != 0 {
 			off := binary.BigEndian.Uint64(stream[16:]) % uint64(len(tg.mem))
-			binary.BigEndian.PutUint64(stream[16:], uint64(addrOfBytes(tg.mem))+off)
+			binary.BigEndian.PutUint64(stream[16:], uint64(offheap.Addr(tg.mem))+off)
 			if stream[27]&1 == 1 {
 				binary.BigEndian.PutUint32(stream[24:], tg.mr.RKey())
 			}

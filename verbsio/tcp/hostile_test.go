@@ -10,8 +10,9 @@ import (
 	"time"
 	"unsafe"
 
-	"github.com/gdrlink/gdrlink/verbsio"
 	"golang.org/x/sys/unix"
+
+	"github.com/gdrlink/gdrlink/verbsio"
 )
 
 // target is a queue pair with one registered page between two guard pages,

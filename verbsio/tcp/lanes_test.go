@@ -7,10 +7,11 @@ import (
 	"time"
 	"unsafe"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/gdrlink/gdrlink/verbsio"
 	"github.com/gdrlink/gdrlink/verbsio/tcp"
 	"github.com/gdrlink/gdrlink/verbsio/verbstest"
-	"golang.org/x/sys/unix"
 )
 
 // TestConformanceFourLanes runs the suite with four connections per queue

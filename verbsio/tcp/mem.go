@@ -4,21 +4,10 @@ import (
 	"fmt"
 	"unsafe"
 
-	"github.com/gdrlink/gdrlink/verbsio"
 	"golang.org/x/sys/unix"
-)
 
-// bytesAt returns the n bytes at addr. addr is off the Go heap (registered
-// memory, or an inline source the caller vouches for), so its address is
-// stable; reading the uintptr through a pointer keeps vet's unsafe.Pointer
-// check meaningful elsewhere.
-func bytesAt(addr uintptr, n int) []byte {
-	if n == 0 {
-		return nil
-	}
-	p := *(*unsafe.Pointer)(unsafe.Pointer(&addr))
-	return unsafe.Slice((*byte)(p), n)
-}
+	"github.com/gdrlink/gdrlink/verbsio"
+)
 
 // checkMapped asks the kernel whether every page of [addr, addr+n) is
 // mapped (mincore fails with ENOMEM otherwise), as ibv_reg_mr would find
@@ -70,6 +59,3 @@ func totalLen(bufs [][]byte) int {
 	}
 	return n
 }
-
-// addrOfBytes is the address of b's first byte (b off the Go heap).
-func addrOfBytes(b []byte) uintptr { return uintptr(unsafe.Pointer(&b[0])) }

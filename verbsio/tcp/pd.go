@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"sync"
 
+	"github.com/gdrlink/gdrlink/internal/offheap"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
@@ -95,7 +96,7 @@ func (p *pd) local(s verbsio.SGE, need verbsio.Access) ([]byte, error) {
 	if m.access&need != need {
 		return nil, fmt.Errorf("%w: region lkey %#x has access %v, need %v", verbsio.ErrLocalProtection, s.LKey, m.access, need)
 	}
-	return bytesAt(s.Addr, int(s.Length)), nil
+	return offheap.Bytes(s.Addr, int(s.Length)), nil
 }
 
 // remote resolves a peer's request: on success the region is returned
@@ -119,7 +120,7 @@ func (p *pd) remote(rkey uint32, addr uint64, n uint32, need verbsio.Access) (*m
 		m.use.RUnlock()
 		return nil, nil, fmt.Errorf("%w: rkey %#x deregistered", verbsio.ErrRemoteAccess, rkey)
 	}
-	return m, bytesAt(uintptr(addr), int(n)), nil
+	return m, offheap.Bytes(uintptr(addr), int(n)), nil
 }
 
 func (d *Device) dropKeys(m *mr) {

@@ -11,8 +11,11 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/gdrlink/gdrlink/verbsio"
 	"golang.org/x/sys/unix"
+
+	"github.com/gdrlink/gdrlink/internal/ctxerr"
+	"github.com/gdrlink/gdrlink/internal/offheap"
+	"github.com/gdrlink/gdrlink/verbsio"
 )
 
 // qp is a reliable-connected queue pair over one or more TCP connections
@@ -230,7 +233,7 @@ func (q *qp) Connect(ctx context.Context, remote verbsio.Endpoint) error {
 	for i := 0; i < q.lanes; i++ {
 		c, err := q.dev.dial(ctx, ep.addr, hello{lane: uint8(i), lanes: uint8(q.lanes), dstQP: ep.qp, dstNonce: ep.nonce, srcQP: q.id, srcNonce: q.nonce})
 		if err != nil {
-			return abort(fmt.Errorf("%w: tcp: connecting lane %d to %s: %w", ctxSentinel(ctx, verbsio.ErrPeerLost), i, ep.addr, err))
+			return abort(fmt.Errorf("%w: tcp: connecting lane %d to %s: %w", ctxerr.Sentinel(ctx, verbsio.ErrPeerLost), i, ep.addr, err))
 		}
 		lanes = append(lanes, &outLane{c: c})
 	}
@@ -263,13 +266,6 @@ func (q *qp) Connect(ctx context.Context, remote verbsio.Endpoint) error {
 	q.wg.Add(1)
 	go q.sequencer()
 	return nil
-}
-
-func ctxSentinel(ctx context.Context, otherwise error) error {
-	if ctx.Err() != nil {
-		return verbsio.ErrTimeout
-	}
-	return otherwise
 }
 
 // checkInReadyLocked closes inReady once every lane of the remote arrived.
@@ -365,7 +361,7 @@ func (q *qp) prepare(wr *verbsio.SendWR) (*swr, error) {
 		}
 		b := make([]byte, 0, w.n)
 		for _, s := range wr.SG {
-			b = append(b, bytesAt(s.Addr, int(s.Length))...)
+			b = append(b, offheap.Bytes(s.Addr, int(s.Length))...)
 		}
 		w.bufs = [][]byte{b}
 		return w, nil

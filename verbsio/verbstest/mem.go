@@ -2,13 +2,9 @@ package verbstest
 
 import (
 	"testing"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
-
-// addrOf is the address of b's first byte; b is off the Go heap (mmap).
-func addrOf(b []byte) uintptr { return uintptr(unsafe.Pointer(&b[0])) }
 
 // mmap maps n bytes of anonymous memory off the Go heap, unmapped at cleanup.
 func mmap(t testing.TB, n int) []byte {

@@ -11,9 +11,11 @@ import (
 	"os"
 	"time"
 
-	"github.com/gdrlink/gdrlink/internal/bootstrap"
-	"github.com/gdrlink/gdrlink/verbsio"
 	"golang.org/x/sys/unix"
+
+	"github.com/gdrlink/gdrlink/internal/bootstrap"
+	"github.com/gdrlink/gdrlink/internal/offheap"
+	"github.com/gdrlink/gdrlink/verbsio"
 )
 
 // PeerEnv is the environment variable that turns a re-executed test binary
@@ -150,7 +152,7 @@ func (p *peer) do(r request) (reply, error) {
 		for i := range mem {
 			mem[i] = r.Fill
 		}
-		mr, err := p.pd.RegisterMemory(addrOf(mem[r.Guard:]), r.Size, r.Access)
+		mr, err := p.pd.RegisterMemory(offheap.Addr(mem[r.Guard:]), r.Size, r.Access)
 		if err != nil {
 			unix.Munmap(mem)
 			return rep, err

@@ -21,6 +21,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/offheap"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
@@ -237,7 +238,7 @@ type localRegion struct {
 func (s *suite) local(t testing.TB, size int, access verbsio.Access) localRegion {
 	t.Helper()
 	mem := mmap(t, size)
-	mr, err := s.pd.RegisterMemory(addrOf(mem), size, access)
+	mr, err := s.pd.RegisterMemory(offheap.Addr(mem), size, access)
 	if err != nil {
 		t.Fatalf("RegisterMemory(%d bytes, %v): %v", size, access, err)
 	}

@@ -10,10 +10,12 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/gdrlink/gdrlink/internal/bootstrap"
+	"github.com/gdrlink/gdrlink/internal/offheap"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
-	"golang.org/x/sys/unix"
 )
 
 const (
@@ -60,12 +62,12 @@ func (s *suite) testRegister(t *testing.T) {
 	seen := map[uint32]verbsio.Access{}
 	for i, acc := range []verbsio.Access{verbsio.AccessLocalWrite, rw, verbsio.AccessRemoteRead, verbsio.AccessLocalWrite | verbsio.AccessRemoteRead, all} {
 		off, n := i*4096, 65536
-		mr, err := s.pd.RegisterMemory(addrOf(mem[off:]), n, acc)
+		mr, err := s.pd.RegisterMemory(offheap.Addr(mem[off:]), n, acc)
 		if err != nil {
 			t.Fatalf("RegisterMemory(%v): %v", acc, err)
 		}
-		if mr.Addr() != addrOf(mem[off:]) || mr.Len() != n || mr.Access() != acc {
-			t.Errorf("region = [%#x+%d %v], want [%#x+%d %v]", mr.Addr(), mr.Len(), mr.Access(), addrOf(mem[off:]), n, acc)
+		if mr.Addr() != offheap.Addr(mem[off:]) || mr.Len() != n || mr.Access() != acc {
+			t.Errorf("region = [%#x+%d %v], want [%#x+%d %v]", mr.Addr(), mr.Len(), mr.Access(), offheap.Addr(mem[off:]), n, acc)
 		}
 		if prev, dup := seen[mr.RKey()]; dup {
 			t.Errorf("rkey %#x of a %v region repeats that of a live %v region", mr.RKey(), acc, prev)
@@ -80,15 +82,15 @@ func (s *suite) testRegister(t *testing.T) {
 			}
 		}()
 	}
-	if mr, err := s.pd.RegisterMemory(addrOf(mem), 0, rw); err == nil {
+	if mr, err := s.pd.RegisterMemory(offheap.Addr(mem), 0, rw); err == nil {
 		mr.Close()
 		t.Error("registering 0 bytes succeeded")
 	}
 	hole := mmap(t, 3*4096)
-	if _, _, errno := unix.Syscall(unix.SYS_MUNMAP, addrOf(hole[4096:]), 4096, 0); errno != 0 {
+	if _, _, errno := unix.Syscall(unix.SYS_MUNMAP, offheap.Addr(hole[4096:]), 4096, 0); errno != 0 {
 		t.Fatal(errno)
 	}
-	if mr, err := s.pd.RegisterMemory(addrOf(hole), len(hole), rw); err == nil {
+	if mr, err := s.pd.RegisterMemory(offheap.Addr(hole), len(hole), rw); err == nil {
 		mr.Close()
 		t.Error("registering a range with an unmapped page succeeded")
 	}
@@ -107,7 +109,7 @@ func (s *suite) testCloseBusy(t *testing.T) {
 		t.Errorf("closing a device with a live protection domain: %v, want ErrBusy", err)
 	}
 	mem := mmap(t, 65536)
-	mr, err := pd.RegisterMemory(addrOf(mem), len(mem), rw)
+	mr, err := pd.RegisterMemory(offheap.Addr(mem), len(mem), rw)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -356,7 +358,7 @@ func (s *suite) testInline(t *testing.T) {
 	src := mmap(t, max+1)
 	pattern(src, 3)
 	dst := s.peerRegion(t, s.peer, max, 64, 0x11, rw)
-	wr := verbsio.SendWR{WRID: 5, Op: verbsio.OpWrite, Inline: true, SG: []verbsio.SGE{{Addr: addrOf(src), Length: uint32(max)}}, RemoteAddr: dst.addr, RKey: dst.rkey}
+	wr := verbsio.SendWR{WRID: 5, Op: verbsio.OpWrite, Inline: true, SG: []verbsio.SGE{{Addr: offheap.Addr(src), Length: uint32(max)}}, RemoteAddr: dst.addr, RKey: dst.rkey}
 	if cpl := c.post(t, wr); cpl.Status != verbsio.StatusSuccess {
 		t.Fatalf("inline write of Caps.MaxInline=%d bytes: %v", max, cpl.Status)
 	}

@@ -15,10 +15,11 @@ import (
 	"time"
 	"unsafe"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/gdrlink/gdrlink/internal/bootstrap"
 	"github.com/gdrlink/gdrlink/verbsio"
 	_ "github.com/gdrlink/gdrlink/verbsio/tcp"
-	"golang.org/x/sys/unix"
 )
 
 func main() {
