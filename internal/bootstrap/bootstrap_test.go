@@ -43,6 +43,9 @@ func TestFromEnv(t *testing.T) {
 		{"NoMasterPort", map[string]string{"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "x"}, Config{}, "MASTER_PORT"},
 		{"BadMasterPort", map[string]string{"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "x", "MASTER_PORT": "http"}, Config{}, "MASTER_PORT"},
 		{"BadRoot", map[string]string{"RANK": "0", "WORLD_SIZE": "2", "GDRLINK_ROOT": "nohostport"}, Config{}, "GDRLINK_ROOT"},
+		{"EmptyFallsThrough", map[string]string{"GDRLINK_RANK": "", "GDRLINK_SIZE": "", "RANK": " ", "WORLD_SIZE": "", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "GDRLINK_ROOT": "h:1"},
+			Config{Rank: 1, Size: 2, Root: "h:1"}, ""},
+		{"HalfEmpty", map[string]string{"RANK": "1", "WORLD_SIZE": ""}, Config{}, "WORLD_SIZE"},
 		{"PeersCount", map[string]string{"GDRLINK_RANK": "0", "GDRLINK_SIZE": "3", "GDRLINK_PEERS": "h0:1,h1:2"}, Config{}, "GDRLINK_PEERS"},
 	}
 	for _, tc := range cases {
@@ -64,8 +67,9 @@ func TestFromEnv(t *testing.T) {
 	}
 }
 
-// joinAll joins n ranks in this process, rank 0 on an ephemeral port.
-func joinAll(t *testing.T, n int) []*Group {
+// joinAllWith joins n ranks in this process, rank 0 on an ephemeral port,
+// each with the handler onCall(rank) answering its Calls.
+func joinAllWith(t *testing.T, n int, onCall func(rank int) Handler) []*Group {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -80,7 +84,7 @@ func joinAll(t *testing.T, n int) []*Group {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			cfg := Config{Rank: r, Size: n, Root: ln.Addr().String()}
+			cfg := Config{Rank: r, Size: n, Root: ln.Addr().String(), OnCall: onCall(r)}
 			if r == 0 {
 				cfg.Listener = ln
 			}
@@ -96,10 +100,104 @@ func joinAll(t *testing.T, n int) []*Group {
 	t.Cleanup(func() {
 		for _, g := range gs {
 			g.Close()
-			g.Close()
+			g.Close() // idempotent
 		}
 	})
 	return gs
+}
+
+// TestCall: any rank calls any other, concurrently and in both directions
+// at once; a handler's error comes back as ErrRefused with its reason; a
+// rank without a handler refuses; a call to itself is a bad config.
+func TestCall(t *testing.T) {
+	const n = 4
+	gs := joinAllWith(t, n, func(rank int) Handler {
+		if rank == n-1 {
+			return nil
+		}
+		return func(ctx context.Context, from int, req []byte) ([]byte, error) {
+			if string(req) == "fail" {
+				return nil, fmt.Errorf("rank %d does not like %q", rank, req)
+			}
+			return []byte(fmt.Sprintf("%d answers %d: %s", rank, from, req)), nil
+		}
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	var wg sync.WaitGroup
+	errs := make(chan error, n*n)
+	for from := 0; from < n; from++ {
+		for to := 0; to < n-1; to++ {
+			if from == to {
+				continue
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				got, err := gs[from].Call(ctx, to, []byte("hi"))
+				if want := fmt.Sprintf("%d answers %d: hi", to, from); err != nil || string(got) != want {
+					errs <- fmt.Errorf("call %d->%d: %q, %v; want %q", from, to, got, err, want)
+				}
+			}()
+		}
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	if _, err := gs[1].Call(ctx, 0, []byte("fail")); !errors.Is(err, ErrRefused) || !strings.Contains(err.Error(), "does not like") {
+		t.Errorf("a handler's error: %v, want ErrRefused quoting it", err)
+	}
+	if _, err := gs[0].Call(ctx, n-1, []byte("hi")); !errors.Is(err, ErrRefused) || !strings.Contains(err.Error(), "answers no calls") {
+		t.Errorf("a rank without a handler: %v, want ErrRefused", err)
+	}
+	if _, err := gs[0].Call(ctx, 0, nil); !errors.Is(err, verbsio.ErrBadConfig) {
+		t.Errorf("a call to itself: %v, want ErrBadConfig", err)
+	}
+}
+
+// TestLateHelloRefused: a process that says hello to the root after the
+// job joined (a second claimant of a rank) is told why and disconnected
+// at once, not parked until the group closes.
+func TestLateHelloRefused(t *testing.T) {
+	gs := joinAll(t, 2)
+	for _, rank := range []int{1, 0} {
+		c, err := net.Dial("tcp", gs[0].RootAddr())
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.SetDeadline(time.Now().Add(5 * time.Second))
+		if _, err := c.Write(appendMsg(nil, tHello, helloBody{rank: rank, size: 2, contact: "127.0.0.1:1"}.Append(nil))); err != nil {
+			t.Fatal(err)
+		}
+		m, err := readMsg(c, 4096)
+		if err != nil || m.typ != tRefused || !strings.Contains(string(m.body), "already joined") {
+			t.Fatalf("late hello for rank %d: %+v, %v; want a refusal saying the job already joined", rank, m, err)
+		}
+		if _, err := readMsg(c, 4096); err == nil {
+			t.Fatalf("the connection stayed open after the refusal")
+		}
+		c.Close()
+	}
+	// The job itself goes on.
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var wg sync.WaitGroup
+	for _, g := range gs {
+		wg.Add(1)
+		go func() { defer wg.Done(); _ = g.Barrier(ctx) }()
+	}
+	wg.Wait()
+	if ctx.Err() != nil {
+		t.Fatal("barrier after the refusals timed out")
+	}
+}
+
+// joinAll joins n ranks in this process, rank 0 on an ephemeral port.
+func joinAll(t *testing.T, n int) []*Group {
+	t.Helper()
+	return joinAllWith(t, n, func(int) Handler { return nil })
 }
 
 func TestGroup(t *testing.T) {

@@ -15,11 +15,13 @@
 package bootstrap
 
 import (
+	"context"
 	"fmt"
 	"net"
 	"os"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/gdrlink/gdrlink/verbsio"
 )
@@ -43,7 +45,20 @@ type Config struct {
 	Listener net.Listener
 	// MaxMessage bounds every message received, in bytes (0: 16 MiB).
 	MaxMessage int
+	// OnCall, when set, answers the Calls of other ranks (see Group.Call).
+	// It is part of the Config so that no Call can arrive before it is in
+	// place: another rank may Call as soon as its own Join returns.
+	OnCall Handler
 }
+
+// Handler answers a Call from rank from: what it returns goes back as the
+// reply, an error as a refusal that the caller's error quotes. ctx ends
+// when the group closes or after CallTimeout. Handlers run concurrently,
+// one goroutine per Call, and must not block on a Call back to from.
+type Handler func(ctx context.Context, from int, req []byte) ([]byte, error)
+
+// CallTimeout bounds how long a Handler may take to answer.
+const CallTimeout = 30 * time.Second
 
 // DefaultMaxMessage is the default of Config.MaxMessage.
 const DefaultMaxMessage = 16 << 20
@@ -82,7 +97,7 @@ func (c Config) root() string {
 }
 
 // FromEnv builds a Config from the environment. The rank and size come from
-// the first of these that is set, most specific first:
+// the first of these that is set and not empty, most specific first:
 //
 //  1. GDRLINK_RANK and GDRLINK_SIZE (set by hand, overriding any launcher);
 //  2. torchrun: RANK and WORLD_SIZE;
@@ -110,8 +125,12 @@ func fromLookup(lookup func(string) (string, bool)) (Config, error) {
 	}
 	found := false
 	for _, s := range sources {
+		// A variable that is set but empty counts as unset, so that a
+		// launcher's leftover RANK= falls through to the next launcher.
 		rv, rok := lookup(s[0])
+		rok = rok && strings.TrimSpace(rv) != ""
 		sv, sok := lookup(s[1])
+		sok = sok && strings.TrimSpace(sv) != ""
 		if !rok && !sok {
 			continue
 		}

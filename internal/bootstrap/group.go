@@ -30,8 +30,13 @@ type Group struct {
 	root     net.Conn   // ranks > 0: the connection to the root
 	ranks    []net.Conn // rank 0: the connection of every rank
 
+	onCall Handler
+	ctx    context.Context // ends at Close; bounds the Handlers
+	cancel context.CancelFunc
+
 	mu      sync.Mutex
 	closed  bool
+	joined  bool // rank 0: every rank joined, the join queue is shut
 	pairs   map[int]*pair
 	joinCh  chan joinReq
 	pending map[net.Conn]struct{}
@@ -57,7 +62,8 @@ func Join(ctx context.Context, cfg Config) (*Group, error) {
 		return nil, err
 	}
 	g := &Group{rank: cfg.Rank, size: cfg.Size, max: cfg.MaxMessage, pairs: map[int]*pair{},
-		joinCh: make(chan joinReq, cfg.Size), pending: map[net.Conn]struct{}{}}
+		joinCh: make(chan joinReq, cfg.Size), pending: map[net.Conn]struct{}{}, onCall: cfg.OnCall}
+	g.ctx, g.cancel = context.WithCancel(context.Background())
 	if g.max == 0 {
 		g.max = DefaultMaxMessage
 	}
@@ -113,8 +119,7 @@ func (g *Group) joinRoot(ctx context.Context, cfg Config) error {
 				why = fmt.Sprintf("rank %d already joined", j.h.rank)
 			}
 			if why != "" {
-				j.c.Write(appendMsg(nil, tRefused, []byte(why)))
-				j.c.Close()
+				refuse(j.c, why)
 				continue
 			}
 			g.ranks[j.h.rank] = j.c
@@ -128,6 +133,19 @@ func (g *Group) joinRoot(ctx context.Context, cfg Config) error {
 				}
 			}
 			return fmt.Errorf("%w: bootstrap root %s: rank(s) %s of %d never joined: %w", verbsio.ErrTimeout, g.addrs[0], strings.Join(missing, ", "), g.size, ctx.Err())
+		}
+	}
+	g.mu.Lock()
+	g.joined = true
+	g.mu.Unlock()
+	// Hellos that queued after the last rank joined (a second process
+	// claiming a rank) are turned away now, not parked until Close.
+	for drained := false; !drained; {
+		select {
+		case j := <-g.joinCh:
+			refuse(j.c, fmt.Sprintf("rank %d: the job of %d ranks has already joined", j.h.rank, g.size))
+		default:
+			drained = true
 		}
 	}
 	list := make([][]byte, g.size)
@@ -203,7 +221,7 @@ func (g *Group) joinRank(ctx context.Context, cfg Config) error {
 	switch m.typ {
 	case tAddrs:
 	case tRefused:
-		return fmt.Errorf("%w: bootstrap rank %d: root %s refused: %s", verbsio.ErrBadConfig, g.rank, root, m.body)
+		return fmt.Errorf("%w: %w: bootstrap rank %d: root %s refused: %s", verbsio.ErrBadConfig, ErrRefused, g.rank, root, m.body)
 	default:
 		return fmt.Errorf("%w: bootstrap: message type %d from the root, want the address list", verbsio.ErrBadFrame, m.typ)
 	}
@@ -278,9 +296,13 @@ func (g *Group) greet(c net.Conn) {
 		}
 	}()
 	c.SetDeadline(time.Now().Add(30 * time.Second))
-	m, err := readMsg(c, 4096)
+	m, err := readMsg(c, min(g.max, maxGreeting))
 	c.SetDeadline(time.Time{})
 	if err != nil {
+		return
+	}
+	if m.typ == tCall {
+		g.answer(c, m.body)
 		return
 	}
 	h, err := parseHello(m.body)
@@ -289,10 +311,23 @@ func (g *Group) greet(c net.Conn) {
 	}
 	switch {
 	case m.typ == tHello && g.rank == 0:
-		select {
-		case g.joinCh <- joinReq{c: c, h: h}:
-			keep = true
-		default:
+		// Checked and queued under g.mu, which joinRoot takes to mark the
+		// job joined before it drains the queue: no hello is parked.
+		g.mu.Lock()
+		joined := g.joined
+		if !joined {
+			select {
+			case g.joinCh <- joinReq{c: c, h: h}:
+				keep = true
+			default:
+			}
+		}
+		g.mu.Unlock()
+		switch {
+		case joined:
+			refuse(c, fmt.Sprintf("rank %d: the job of %d ranks has already joined", h.rank, g.size))
+		case !keep:
+			refuse(c, fmt.Sprintf("rank %d: too many hellos for a job of %d ranks", h.rank, g.size))
 		}
 	case m.typ == tPeerHello && h.rank < g.rank:
 		p := g.pair(h.rank)
@@ -305,6 +340,89 @@ func (g *Group) greet(c net.Conn) {
 		g.mu.Unlock()
 	}
 }
+
+// maxGreeting bounds the first message of an accepted connection (a hello
+// or a Call), before the peer is known to be a rank of the job.
+const maxGreeting = 64 << 10
+
+// refuse tells the other end of c why it is turned away, within a second,
+// and closes c.
+func refuse(c net.Conn, why string) {
+	c.SetWriteDeadline(time.Now().Add(time.Second))
+	c.Write(appendMsg(nil, tRefused, []byte(why)))
+	c.Close()
+}
+
+// answer runs the Handler for a Call and writes its reply or refusal.
+func (g *Group) answer(c net.Conn, body []byte) {
+	cb, err := parseCall(body)
+	if err != nil {
+		refuse(c, err.Error())
+		return
+	}
+	if cb.size != g.size || cb.rank == g.rank {
+		refuse(c, fmt.Sprintf("call from rank %d of %d: this is rank %d of %d", cb.rank, cb.size, g.rank, g.size))
+		return
+	}
+	if g.onCall == nil {
+		refuse(c, fmt.Sprintf("rank %d answers no calls", g.rank))
+		return
+	}
+	ctx, cancel := context.WithTimeout(g.ctx, CallTimeout)
+	defer cancel()
+	reply, err := g.onCall(ctx, cb.rank, cb.req)
+	if err == nil && len(reply) > g.max {
+		err = fmt.Errorf("%w: reply of %d bytes over the message limit %d", verbsio.ErrBadConfig, len(reply), g.max)
+	}
+	if err != nil {
+		refuse(c, err.Error())
+		return
+	}
+	c.SetWriteDeadline(time.Now().Add(CallTimeout))
+	c.Write(appendMsg(nil, tReply, reply))
+}
+
+// Call sends req to peer's Handler (Config.OnCall) over a connection of its
+// own and returns the reply. Unlike Exchange it needs nothing of the peer
+// but its Handler, so either side may start it at any time after Join. A
+// refusal wraps ErrRefused with the peer's reason.
+func (g *Group) Call(ctx context.Context, peer int, req []byte) ([]byte, error) {
+	if peer < 0 || peer >= g.size || peer == g.rank {
+		return nil, fmt.Errorf("%w: call to rank %d from rank %d of %d", verbsio.ErrBadConfig, peer, g.rank, g.size)
+	}
+	if len(req)+64 > maxGreeting {
+		return nil, fmt.Errorf("%w: call of %d bytes over the limit %d", verbsio.ErrBadConfig, len(req), maxGreeting-64)
+	}
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "tcp", g.addrs[peer])
+	if err != nil {
+		return nil, fmt.Errorf("%w: bootstrap rank %d: calling rank %d at %s: %w", ctxerr.Sentinel(ctx, verbsio.ErrPeerLost), g.rank, peer, g.addrs[peer], err)
+	}
+	defer c.Close()
+	var m msg
+	err = g.io(ctx, c, func(c net.Conn) error {
+		if _, err := c.Write(appendMsg(nil, tCall, callBody{rank: g.rank, size: g.size, req: req}.Append(nil))); err != nil {
+			return err
+		}
+		var err error
+		m, err = readMsg(c, g.max)
+		return err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("bootstrap rank %d: call to rank %d at %s: %w", g.rank, peer, g.addrs[peer], err)
+	}
+	switch m.typ {
+	case tReply:
+		return m.body, nil
+	case tRefused:
+		return nil, fmt.Errorf("%w: rank %d at %s: %s", ErrRefused, peer, g.addrs[peer], m.body)
+	}
+	return nil, fmt.Errorf("%w: message type %d from rank %d, want a reply", verbsio.ErrBadFrame, m.typ, peer)
+}
+
+// ErrRefused: a peer or the root turned a Call or a hello away; the
+// message quotes its reason.
+var ErrRefused = errors.New("bootstrap: refused")
 
 func (g *Group) pair(peer int) *pair {
 	g.mu.Lock()
@@ -466,6 +584,7 @@ func (g *Group) Close() error {
 		return nil
 	}
 	g.closed = true
+	g.cancel()
 	for c := range g.pending {
 		c.Close()
 	}

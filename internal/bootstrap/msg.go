@@ -25,7 +25,9 @@ const (
 	tPeerHello = 5 // dialing rank -> peer: rank, size
 	tExchange  = 6 // rank <-> peer: one Exchange payload
 	tRefused   = 7 // root or peer -> rank: why it is turned away
-	tMax       = tRefused
+	tCall      = 8 // rank -> peer: rank, size, one Call request
+	tReply     = 9 // peer -> rank: the answer to a Call
+	tMax       = tReply
 )
 
 type msg struct {
@@ -170,6 +172,31 @@ func parseHello(b []byte) (helloBody, error) {
 		return h, fmt.Errorf("%w: hello of rank %d of %d", verbsio.ErrBadFrame, h.rank, h.size)
 	}
 	return h, nil
+}
+
+// callBody is a Call: who calls and what it asks.
+type callBody struct {
+	rank, size int
+	req        []byte
+}
+
+// Append appends the encoded call body to b.
+func (c callBody) Append(b []byte) []byte {
+	b = binary.BigEndian.AppendUint32(b, uint32(c.rank))
+	b = binary.BigEndian.AppendUint32(b, uint32(c.size))
+	return appendBytes(b, c.req)
+}
+
+func parseCall(b []byte) (callBody, error) {
+	d := dec{b: b}
+	c := callBody{rank: int(d.u32()), size: int(d.u32()), req: d.bytes()}
+	if err := d.end(); err != nil {
+		return c, err
+	}
+	if c.size < 1 || c.size > 1<<20 || c.rank >= c.size {
+		return c, fmt.Errorf("%w: call from rank %d of %d", verbsio.ErrBadFrame, c.rank, c.size)
+	}
+	return c, nil
 }
 
 // appendList encodes a list of byte strings.
