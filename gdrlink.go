@@ -1,0 +1,421 @@
+package gdrlink
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"reflect"
+	"slices"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/gdrlink/gdrlink/alloc"
+	"github.com/gdrlink/gdrlink/alloc/visitor"
+	"github.com/gdrlink/gdrlink/internal/bootstrap"
+	"github.com/gdrlink/gdrlink/internal/closed"
+	"github.com/gdrlink/gdrlink/internal/hostcard"
+	"github.com/gdrlink/gdrlink/rendezvous"
+	"github.com/gdrlink/gdrlink/tensor"
+	"github.com/gdrlink/gdrlink/verbsio"
+
+	// The built-in providers register themselves with verbsio.
+	_ "github.com/gdrlink/gdrlink/verbsio/ibverbs"
+	_ "github.com/gdrlink/gdrlink/verbsio/onnode"
+	_ "github.com/gdrlink/gdrlink/verbsio/tcp"
+)
+
+// ErrClosed is returned for use of a closed Group. It is the one closed
+// error of every layer: errors.Is(err, ErrClosed) holds whether the group,
+// its pool, a channel or a device noticed.
+var ErrClosed = closed.Err
+
+// Transfer is what one Recv did: the path the bytes took (direct,
+// direct-gpu, proxy, serialized, none), the provider and device that
+// carried them, the meta-data round trips and the time taken.
+type Transfer = rendezvous.Transfer
+
+// builtin are the providers Join considers, best first.
+var builtin = []string{"onnode", "ibverbs", "tcp"}
+
+// Group is this process's place in a job: its rank, the registered tensor
+// pool, and a connection to each peer it has exchanged with (made on first
+// use). It is safe for concurrent use.
+type Group struct {
+	cfg   config
+	log   *slog.Logger
+	boot  *bootstrap.Group
+	cards []hostcard.Card
+	me    hostcard.Card
+	// unusable says why each built-in provider cannot be used here.
+	unusable map[string]error
+
+	// Fixed after Join: the devices opened and the pool registered with
+	// each of them.
+	devs map[string]*device
+	pool *alloc.Pool
+
+	ready   chan struct{} // closed when Join has finished setting up
+	ctx     context.Context
+	cancel  context.CancelFunc
+	joinDur time.Duration
+
+	mu     sync.Mutex
+	closed bool
+	peers  map[int]*peer
+	wg     sync.WaitGroup
+}
+
+// device is one provider's open device, protection domain and the pool's
+// registration with it.
+type device struct {
+	name string
+	dev  verbsio.Device
+	pd   verbsio.ProtectionDomain
+	reg  *visitor.MemoryRegistration
+}
+
+// Join joins the job this process belongs to: it reads the launcher's
+// environment (or the options), meets every rank through the bootstrap,
+// learns where each runs, opens the providers the job can use and a tensor
+// pool registered with each of them once. No peer connection is made yet:
+// the first Send or Recv between two ranks makes theirs, with the best
+// provider both have. Join waits for every rank until ctx ends.
+func Join(ctx context.Context, opts ...Option) (*Group, error) {
+	start := time.Now()
+	cfg, err := fromEnv(os.LookupEnv)
+	if err != nil {
+		return nil, fmt.Errorf("gdrlink: %w", err)
+	}
+	for _, o := range opts {
+		if o == nil {
+			continue
+		}
+		if err := o(&cfg); err != nil {
+			return nil, fmt.Errorf("gdrlink: %w", err)
+		}
+	}
+	if cfg.log == nil {
+		cfg.log = slog.New(slog.DiscardHandler)
+	}
+	bc, err := bootstrapConfig(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("gdrlink: %w", err)
+	}
+	g := &Group{cfg: cfg, log: cfg.log, devs: map[string]*device{}, peers: map[int]*peer{}, unusable: map[string]error{}, ready: make(chan struct{})}
+	g.ctx, g.cancel = context.WithCancel(context.Background())
+	bc.OnCall = g.onCall
+	var usable []string
+	for _, name := range builtin {
+		p, err := verbsio.Lookup(name)
+		if err == nil {
+			_, err = p.Devices()
+		}
+		if err != nil {
+			g.unusable[name] = err
+			continue
+		}
+		usable = append(usable, name)
+	}
+	if cfg.provider != "" && !slices.Contains(usable, cfg.provider) {
+		return nil, fmt.Errorf("gdrlink: %w: provider %s chosen but not usable here: %w", verbsio.ErrBadConfig, cfg.provider, g.unusable[cfg.provider])
+	}
+	g.me = hostcard.Local("/", usable)
+	if g.boot, err = bootstrap.Join(ctx, bc); err != nil {
+		g.cancel()
+		return nil, fmt.Errorf("gdrlink: joining the job: %w", err)
+	}
+	if err := g.setup(ctx); err != nil {
+		return nil, errors.Join(fmt.Errorf("gdrlink: rank %d: %w", g.boot.Rank(), err), g.Close())
+	}
+	g.joinDur = time.Since(start)
+	close(g.ready)
+	g.log.Info("gdrlink: joined", "rank", g.Rank(), "size", g.Size(), "providers", g.providerNames(), "took", g.joinDur)
+	return g, nil
+}
+
+func bootstrapConfig(cfg config) (bootstrap.Config, error) {
+	bc, err := bootstrap.FromEnv()
+	if cfg.haveRank {
+		bc.Rank, bc.Size, err = cfg.rank, cfg.size, nil
+	}
+	if err != nil {
+		return bc, err
+	}
+	if cfg.root != "" {
+		bc.Root = cfg.root
+	}
+	if cfg.rootListener != nil && bc.Rank == 0 {
+		bc.Listener = cfg.rootListener
+		if bc.Root == "" {
+			bc.Root = cfg.rootListener.Addr().String()
+		}
+	}
+	return bc, bc.Validate()
+}
+
+// setup trades host cards, opens the devices of every provider some peer
+// may use, and makes the pool registered with each of them.
+func (g *Group) setup(ctx context.Context) error {
+	all, err := g.boot.AllGather(ctx, g.me.Append(nil))
+	if err != nil {
+		return fmt.Errorf("trading host cards: %w", err)
+	}
+	g.cards = make([]hostcard.Card, len(all))
+	need := map[string]bool{}
+	for r, b := range all {
+		if g.cards[r], err = hostcard.Decode(b); err != nil {
+			return fmt.Errorf("host card of rank %d: %w", r, err)
+		}
+		if r == g.Rank() {
+			continue
+		}
+		cands, _ := hostcard.Candidates(g.me, g.cards[r], g.cfg.provider)
+		for _, c := range cands {
+			need[c] = true
+		}
+	}
+	vc := verbsio.Config{}
+	if g.cfg.verbs != nil {
+		vc = *g.cfg.verbs
+	} else if vc, err = verbsio.ConfigFromEnv(); err != nil {
+		return err
+	}
+	if vc.ListenAddr == "" {
+		// Listen where the bootstrap reaches this rank, so peers on
+		// other hosts (or namespaces) can reach the tcp provider too.
+		if h, _, err := net.SplitHostPort(g.boot.Addrs()[g.Rank()]); err == nil {
+			vc.ListenAddr = net.JoinHostPort(h, "0")
+		}
+	}
+	var visitors []alloc.Visitor
+	for _, name := range builtin {
+		if !need[name] {
+			continue
+		}
+		d := &device{name: name}
+		if d.dev, err = verbsio.Open(name, vc); err != nil {
+			return fmt.Errorf("opening %s: %w", name, err)
+		}
+		g.devs[name] = d
+		if d.pd, err = d.dev.AllocPD(); err != nil {
+			return fmt.Errorf("%s protection domain: %w", name, err)
+		}
+		d.reg = visitor.NewMemoryRegistration(d.pd, verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite|verbsio.AccessRemoteRead)
+		visitors = append(visitors, d.reg)
+	}
+	// The on-node provider writes file-backed arenas through a shared
+	// mapping (one copy, the fastest); other providers want huge pages.
+	var src alloc.Source
+	if need["onnode"] {
+		src = alloc.NewMemfdSource(fmt.Sprintf("gdrlink-rank%d", g.Rank()), alloc.MmapOptions{})
+	} else {
+		src = alloc.NewMmapSource(alloc.MmapOptions{HugePages: true})
+	}
+	popts := []alloc.Option{alloc.WithVisitors(visitors...), alloc.WithName(fmt.Sprintf("gdrlink rank %d", g.Rank()))}
+	if g.cfg.poolLimit > 0 {
+		popts = append(popts, alloc.WithLimit(g.cfg.poolLimit))
+	}
+	if g.pool, err = alloc.New(src, popts...); err != nil {
+		return fmt.Errorf("tensor pool: %w", err)
+	}
+	return nil
+}
+
+func (g *Group) providerNames() []string {
+	out := make([]string, 0, len(g.devs))
+	for n := range g.devs {
+		out = append(out, n)
+	}
+	sort.Strings(out)
+	return out
+}
+
+// Rank is this process's rank, 0..Size()-1.
+func (g *Group) Rank() int { return g.boot.Rank() }
+
+// Size is the number of ranks in the job.
+func (g *Group) Size() int { return g.boot.Size() }
+
+// NewTensor allocates a tensor of dtype and shape from the registered pool,
+// in host memory: every byte of it can be written to a peer without a copy
+// or a registration. Its contents are not zeroed. Give it to Send, or
+// Release it.
+func (g *Group) NewTensor(dtype tensor.DType, shape ...int64) (*tensor.Tensor, error) {
+	return g.NewTensorOn(tensor.Host, dtype, shape...)
+}
+
+// NewTensorOn is NewTensor on a device. Host memory (tensor.Host) is what
+// this version registers; pinned host and GPU memory give an error
+// wrapping verbsio.ErrNotSupported.
+func (g *Group) NewTensorOn(dev tensor.Device, dtype tensor.DType, shape ...int64) (*tensor.Tensor, error) {
+	if err := g.usable(); err != nil {
+		return nil, err
+	}
+	if dev != tensor.Host {
+		return nil, fmt.Errorf("gdrlink: %w: tensors on %s: the front door allocates host tensors only", verbsio.ErrNotSupported, dev)
+	}
+	m, err := tensor.MetaFor(dtype, tensor.Shape(shape))
+	if err != nil {
+		return nil, fmt.Errorf("gdrlink: %w", err)
+	}
+	t, err := g.pool.NewTensor(m)
+	if err != nil {
+		return nil, fmt.Errorf("gdrlink: %w", err)
+	}
+	return t, nil
+}
+
+func (g *Group) usable() error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.closed {
+		return fmt.Errorf("gdrlink: group of rank %d: %w", g.boot.Rank(), ErrClosed)
+	}
+	return nil
+}
+
+// Send offers t to peer under key and step; the peer's Recv of the same
+// key and step receives it. Send never waits on the network: the first
+// exchange with a peer connects in the background. t belongs to the group
+// from then on and is released once written (or once the connection
+// fails); do not change it. A second Send of one key and step to one peer
+// before the first is received is an error.
+func (g *Group) Send(peer int, key string, step int64, t *tensor.Tensor) error {
+	p, err := g.peer(peer)
+	if err != nil {
+		return err
+	}
+	if t == nil {
+		return fmt.Errorf("gdrlink: %w: nil tensor for %q step %d", verbsio.ErrBadConfig, key, step)
+	}
+	return p.send(key, step, t)
+}
+
+// Recv receives the tensor a peer sends under key and step, written by the
+// peer straight into a tensor of this group's pool. The first exchange
+// with a peer connects first. Release the tensor when done with it.
+// Transfer says how it came. ctx bounds the wait.
+func (g *Group) Recv(ctx context.Context, peer int, key string, step int64) (*tensor.Tensor, Transfer, error) {
+	p, err := g.peer(peer)
+	if err != nil {
+		return nil, Transfer{}, err
+	}
+	ch, err := p.wait(ctx)
+	if err != nil {
+		return nil, Transfer{}, err
+	}
+	return ch.Recv(ctx, key, step)
+}
+
+// Barrier returns once every rank of the job has called it, or when ctx
+// ends. A rank that sent tensors calls it before Close, so that it does
+// not close while its peers still receive.
+func (g *Group) Barrier(ctx context.Context) error {
+	if err := g.usable(); err != nil {
+		return err
+	}
+	if err := g.boot.Barrier(ctx); err != nil {
+		return fmt.Errorf("gdrlink: rank %d: barrier: %w", g.Rank(), err)
+	}
+	return nil
+}
+
+// Stats is what a group did and holds.
+type Stats struct {
+	// Rank and Size are the group's.
+	Rank, Size int
+	// Join is how long Join took.
+	Join time.Duration
+	// Connections counts the peers connected, by provider. Connections are
+	// made on first use, so only pairs that exchanged appear.
+	Connections map[string]int
+	// Unusable says why each built-in provider could not be used here
+	// (ibverbs without an RDMA device, for example).
+	Unusable map[string]string
+	// Protocol sums the protocol counters of every connection.
+	Protocol rendezvous.Stats
+	// Pool is the registered tensor pool's.
+	Pool alloc.Stats
+}
+
+// Stats reports the group's connections, protocol counters and pool.
+func (g *Group) Stats() Stats {
+	s := Stats{Rank: g.Rank(), Size: g.Size(), Join: g.joinDur, Connections: map[string]int{}, Unusable: map[string]string{}}
+	for n, err := range g.unusable {
+		s.Unusable[n] = err.Error()
+	}
+	g.mu.Lock()
+	peers := make([]*peer, 0, len(g.peers))
+	for _, p := range g.peers {
+		peers = append(peers, p)
+	}
+	g.mu.Unlock()
+	for _, p := range peers {
+		ch, prov := p.connected()
+		if ch == nil {
+			continue
+		}
+		s.Connections[prov]++
+		addStats(&s.Protocol, ch.Stats())
+	}
+	if g.pool != nil {
+		s.Pool = g.pool.Stats()
+	}
+	return s
+}
+
+// addStats adds every counter of b into a.
+func addStats(a *rendezvous.Stats, b rendezvous.Stats) {
+	av, bv := reflect.ValueOf(a).Elem(), reflect.ValueOf(b)
+	for i := range av.NumField() {
+		if f := av.Field(i); f.CanSet() && f.Kind() >= reflect.Int && f.Kind() <= reflect.Uint64 {
+			if f.CanUint() {
+				f.SetUint(f.Uint() + bv.Field(i).Uint())
+			} else {
+				f.SetInt(f.Int() + bv.Field(i).Int())
+			}
+		}
+	}
+}
+
+// Close closes every connection (telling each peer), the pool, the
+// devices and the bootstrap, and joins their errors. Tensors from the
+// group must be released first; Close reports those still held. It is
+// idempotent.
+func (g *Group) Close() error {
+	g.mu.Lock()
+	if g.closed {
+		g.mu.Unlock()
+		return nil
+	}
+	g.closed = true
+	peers := g.peers
+	g.mu.Unlock()
+	g.cancel()
+	var errs []error
+	for _, p := range peers {
+		errs = append(errs, p.close())
+	}
+	g.wg.Wait()
+	if g.boot != nil {
+		errs = append(errs, g.boot.Close())
+	}
+	if g.pool != nil {
+		errs = append(errs, g.pool.Close())
+	}
+	for _, name := range builtin {
+		d := g.devs[name]
+		if d == nil {
+			continue
+		}
+		if d.pd != nil {
+			errs = append(errs, d.pd.Close())
+		}
+		errs = append(errs, d.dev.Close())
+	}
+	return errors.Join(errs...)
+}

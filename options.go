@@ -1,0 +1,180 @@
+package gdrlink
+
+import (
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/dustin/go-humanize"
+
+	"github.com/gdrlink/gdrlink/verbsio"
+)
+
+// Option configures Join. Every option has an environment variable too;
+// an option given in Go wins over the variable.
+type Option func(*config) error
+
+// config is what Join works from: the environment first, then the options.
+type config struct {
+	rank, size     int
+	haveRank       bool
+	root           string
+	rootListener   net.Listener
+	provider       string
+	poolLimit      int64
+	checksum       bool
+	connectTimeout time.Duration
+	log            *slog.Logger
+	verbs          *verbsio.Config
+}
+
+// WithRank sets this process's rank and the job's size
+// (GDRLINK_RANK and GDRLINK_SIZE; without either, Join reads what torchrun,
+// mpirun or srun set: RANK/WORLD_SIZE, OMPI_COMM_WORLD_RANK/_SIZE,
+// SLURM_PROCID/SLURM_NTASKS).
+func WithRank(rank, size int) Option {
+	return func(c *config) error {
+		if size < 1 || rank < 0 || rank >= size {
+			return fmt.Errorf("%w: rank %d of %d", verbsio.ErrBadConfig, rank, size)
+		}
+		c.rank, c.size, c.haveRank = rank, size, true
+		return nil
+	}
+}
+
+// WithRoot sets where rank 0 listens and the others dial ("host:port";
+// GDRLINK_ROOT, else MASTER_ADDR and MASTER_PORT as torchrun sets them).
+func WithRoot(addr string) Option {
+	return func(c *config) error {
+		if _, _, err := net.SplitHostPort(addr); err != nil {
+			return fmt.Errorf("%w: root address %q: %w", verbsio.ErrBadConfig, addr, err)
+		}
+		c.root = addr
+		return nil
+	}
+}
+
+// WithRootListener gives rank 0 a listener to use as the root address, so
+// a program that starts its own peers can learn the port first. It has no
+// variable: a listener is a Go value.
+func WithRootListener(ln net.Listener) Option {
+	return func(c *config) error {
+		if ln == nil {
+			return fmt.Errorf("%w: nil root listener", verbsio.ErrBadConfig)
+		}
+		c.rootListener = ln
+		return nil
+	}
+}
+
+// WithProvider makes every connection use the named provider (ibverbs,
+// onnode or tcp; GDRLINK_PROVIDER). By default each peer gets the best one
+// both sides have: onnode with a peer on this node (same kernel, network
+// and PID namespace), else ibverbs, else tcp.
+func WithProvider(name string) Option {
+	return func(c *config) error {
+		if _, err := verbsio.Lookup(name); err != nil {
+			return fmt.Errorf("%w: provider %q: %w", verbsio.ErrBadConfig, name, err)
+		}
+		c.provider = name
+		return nil
+	}
+}
+
+// WithPoolLimit caps the bytes the tensor pool may reserve (GDRLINK_POOL_LIMIT,
+// bytes or a size such as "8GiB"; default 0, no cap). Tensors and received
+// results that do not fit fail with alloc.ErrPoolExhausted.
+func WithPoolLimit(bytes int64) Option {
+	return func(c *config) error {
+		if bytes < 0 {
+			return fmt.Errorf("%w: pool limit %d", verbsio.ErrBadConfig, bytes)
+		}
+		c.poolLimit = bytes
+		return nil
+	}
+}
+
+// WithChecksum turns the protocol's checksum mode on for every connection
+// (GDRLINK_CHECKSUM=1): each tensor's CRC-32C travels with it and is checked
+// on arrival. Every rank of the job must agree.
+func WithChecksum(on bool) Option {
+	return func(c *config) error { c.checksum = on; return nil }
+}
+
+// WithConnectTimeout bounds making one connection, every provider tried
+// included, when the caller's context has no deadline
+// (GDRLINK_CONNECT_TIMEOUT, a Go duration; default 30s).
+func WithConnectTimeout(d time.Duration) Option {
+	return func(c *config) error {
+		if d <= 0 {
+			return fmt.Errorf("%w: connect timeout %v", verbsio.ErrBadConfig, d)
+		}
+		c.connectTimeout = d
+		return nil
+	}
+}
+
+// WithLogger sets the structured logger (GDRLINK_LOG=debug, info, warn or
+// error logs text to standard error at that level; default: nothing).
+// Connections are logged at info, transfers at debug.
+func WithLogger(l *slog.Logger) Option {
+	return func(c *config) error {
+		if l == nil {
+			return fmt.Errorf("%w: nil logger", verbsio.ErrBadConfig)
+		}
+		c.log = l
+		return nil
+	}
+}
+
+// WithVerbsConfig configures the verbs devices (the RDMA_* variables of
+// TensorFlow's verbs transport, GDRLINK_LISTEN_ADDR and the rest that
+// verbsio.ConfigFromEnv reads).
+func WithVerbsConfig(vc verbsio.Config) Option {
+	return func(c *config) error { c.verbs = &vc; return nil }
+}
+
+// fromEnv reads the variables behind the options. Rank, size and root are
+// left to the bootstrap's reading of the launchers unless given.
+func fromEnv(lookup func(string) (string, bool)) (config, error) {
+	c := config{connectTimeout: verbsio.DefaultConnectTimeout}
+	get := func(k string) string { v, _ := lookup(k); return strings.TrimSpace(v) }
+	if v := get("GDRLINK_PROVIDER"); v != "" {
+		if err := WithProvider(v)(&c); err != nil {
+			return c, fmt.Errorf("GDRLINK_PROVIDER=%q: %w", v, err)
+		}
+	}
+	if v := get("GDRLINK_POOL_LIMIT"); v != "" {
+		n, err := humanize.ParseBytes(v)
+		if err != nil || n > 1<<62 {
+			return c, fmt.Errorf("%w: GDRLINK_POOL_LIMIT=%q is not a byte size", verbsio.ErrBadConfig, v)
+		}
+		c.poolLimit = int64(n)
+	}
+	if v := get("GDRLINK_CHECKSUM"); v != "" {
+		on, err := strconv.ParseBool(v)
+		if err != nil {
+			return c, fmt.Errorf("%w: GDRLINK_CHECKSUM=%q, want 0 or 1", verbsio.ErrBadConfig, v)
+		}
+		c.checksum = on
+	}
+	if v := get("GDRLINK_CONNECT_TIMEOUT"); v != "" {
+		d, err := time.ParseDuration(v)
+		if err != nil || d <= 0 {
+			return c, fmt.Errorf("%w: GDRLINK_CONNECT_TIMEOUT=%q is not a positive duration", verbsio.ErrBadConfig, v)
+		}
+		c.connectTimeout = d
+	}
+	if v := get("GDRLINK_LOG"); v != "" {
+		var lvl slog.Level
+		if err := lvl.UnmarshalText([]byte(v)); err != nil {
+			return c, fmt.Errorf("%w: GDRLINK_LOG=%q, want debug, info, warn or error", verbsio.ErrBadConfig, v)
+		}
+		c.log = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: lvl}))
+	}
+	return c, nil
+}

@@ -1,0 +1,373 @@
+package gdrlink
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+
+	"github.com/gdrlink/gdrlink/internal/hostcard"
+	"github.com/gdrlink/gdrlink/rendezvous"
+	"github.com/gdrlink/gdrlink/tensor"
+	"github.com/gdrlink/gdrlink/verbsio"
+)
+
+// peer is this rank's connection to one other rank, made on first use.
+//
+// Only the lower rank of a pair makes the connection: for each provider
+// both may use, best first, it opens a channel and Calls the higher rank
+// with the provider and its hello (connectMsg); the higher rank opens a
+// channel on that provider, answers with its hello and connects; a failure
+// makes the lower rank try the next provider, and when none is left it
+// says so (giveUpMsg). The higher rank, when it is the first to need the
+// connection, asks the lower one to start (kickMsg). One side drives, so
+// two ranks starting at once never race.
+type peer struct {
+	g     *Group
+	rank  int
+	lower bool // this rank is the lower of the pair: it connects
+	cands []string
+	why   string // why the candidates are what they are
+
+	mu       sync.Mutex
+	started  bool // lower: connecting; higher: kicked
+	ch       *rendezvous.Channel
+	provider string
+	gen      int // higher: the attempt the current channel belongs to
+	done     chan struct{}
+	err      error // the final error, once done closed without a channel
+	queue    []queuedSend
+	closed   bool
+}
+
+// queuedSend is a Send made before the connection was up.
+type queuedSend struct {
+	key  string
+	step int64
+	t    *tensor.Tensor
+}
+
+// peer returns the state of rank r, made on first use.
+func (g *Group) peer(r int) (*peer, error) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.closed {
+		return nil, fmt.Errorf("gdrlink: group of rank %d: %w", g.boot.Rank(), ErrClosed)
+	}
+	if r < 0 || r >= g.boot.Size() || r == g.boot.Rank() {
+		return nil, fmt.Errorf("gdrlink: %w: peer rank %d (this is rank %d of %d)", verbsio.ErrBadConfig, r, g.boot.Rank(), g.boot.Size())
+	}
+	p := g.peers[r]
+	if p == nil {
+		cands, why := hostcard.Candidates(g.me, g.cards[r], g.cfg.provider)
+		p = &peer{g: g, rank: r, lower: g.boot.Rank() < r, cands: cands, why: why, done: make(chan struct{})}
+		g.peers[r] = p
+	}
+	return p, nil
+}
+
+// start begins connecting if nobody has: the lower rank connects, the
+// higher one asks it to. It runs in the background.
+func (p *peer) start() {
+	p.mu.Lock()
+	if p.started || p.closed || p.isDone() {
+		p.mu.Unlock()
+		return
+	}
+	p.started = true
+	p.mu.Unlock()
+	g := p.g
+	g.mu.Lock()
+	if g.closed {
+		g.mu.Unlock()
+		return
+	}
+	g.wg.Add(1)
+	g.mu.Unlock()
+	go func() {
+		defer g.wg.Done()
+		ctx, cancel := context.WithTimeout(g.ctx, g.cfg.connectTimeout)
+		defer cancel()
+		if p.lower {
+			p.connect(ctx)
+			return
+		}
+		if _, err := g.boot.Call(ctx, p.rank, connMsg{kind: kickMsg}.Append(nil)); err != nil {
+			p.fail(fmt.Errorf("gdrlink: rank %d asking rank %d to connect: %w", g.Rank(), p.rank, err))
+		}
+	}()
+}
+
+func (p *peer) isDone() bool {
+	select {
+	case <-p.done:
+		return true
+	default:
+		return false
+	}
+}
+
+// connect is the lower rank's side: each candidate provider in turn.
+func (p *peer) connect(ctx context.Context) {
+	g := p.g
+	if len(p.cands) == 0 {
+		err := fmt.Errorf("gdrlink: %w: rank %d to rank %d: %s", verbsio.ErrNoProvider, g.Rank(), p.rank, p.why)
+		g.boot.Call(ctx, p.rank, connMsg{kind: giveUpMsg, payload: []byte(err.Error())}.Append(nil))
+		p.fail(err)
+		return
+	}
+	var errs []error
+	for _, prov := range p.cands {
+		ch, err := g.newChannel(prov, p.rank)
+		if err == nil {
+			var reply []byte
+			reply, err = g.boot.Call(ctx, p.rank, connMsg{kind: connectMsg, provider: prov, payload: ch.Hello()}.Append(nil))
+			if err == nil {
+				err = ch.Connect(ctx, reply)
+			}
+			if err == nil {
+				p.markConnected(ch, prov)
+				return
+			}
+			ch.Close()
+		}
+		g.log.Warn("gdrlink: provider failed, trying the next", "rank", g.Rank(), "peer", p.rank, "provider", prov, "err", err)
+		errs = append(errs, fmt.Errorf("%s: %w", prov, err))
+		if ctx.Err() != nil {
+			break
+		}
+	}
+	err := fmt.Errorf("gdrlink: rank %d could not connect to rank %d: %w", g.Rank(), p.rank, errors.Join(errs...))
+	g.boot.Call(ctx, p.rank, connMsg{kind: giveUpMsg, payload: []byte(err.Error())}.Append(nil))
+	p.fail(err)
+}
+
+// newChannel opens a protocol channel to rank on provider's device.
+func (g *Group) newChannel(provider string, rank int) (*rendezvous.Channel, error) {
+	d := g.devs[provider]
+	if d == nil {
+		return nil, fmt.Errorf("%w: provider %s is not open on rank %d", verbsio.ErrNotSupported, provider, g.Rank())
+	}
+	opts := []rendezvous.Option{
+		rendezvous.WithName(fmt.Sprintf("rank %d", g.Rank())),
+		rendezvous.WithLogger(g.log),
+		rendezvous.WithChecksum(g.cfg.checksum),
+	}
+	return rendezvous.New(d.dev, d.pd, rendezvous.PoolMemory(d.reg.RegionOf, g.pool), opts...)
+}
+
+// onCall answers the connection messages of other ranks.
+func (g *Group) onCall(ctx context.Context, from int, req []byte) ([]byte, error) {
+	select {
+	case <-g.ready:
+	case <-ctx.Done():
+		return nil, fmt.Errorf("rank %d is still joining: %w", g.Rank(), ctx.Err())
+	}
+	m, err := decodeConnMsg(req)
+	if err != nil {
+		return nil, err
+	}
+	p, err := g.peer(from)
+	if err != nil {
+		return nil, err
+	}
+	switch m.kind {
+	case kickMsg:
+		if !p.lower {
+			return nil, fmt.Errorf("%w: rank %d asked rank %d to connect, but the lower rank connects", verbsio.ErrBadFrame, from, g.Rank())
+		}
+		p.start()
+		return nil, nil
+	case giveUpMsg:
+		p.fail(fmt.Errorf("gdrlink: rank %d gave up connecting to rank %d: %s", from, g.Rank(), m.payload))
+		return nil, nil
+	}
+	if p.lower {
+		return nil, fmt.Errorf("%w: rank %d tried to connect to rank %d, but the lower rank connects", verbsio.ErrBadFrame, from, g.Rank())
+	}
+	return p.accept(m.provider, m.payload)
+}
+
+// accept is the higher rank's side of one attempt: a channel on the
+// provider the lower rank chose, connected in the background.
+func (p *peer) accept(provider string, hello []byte) ([]byte, error) {
+	g := p.g
+	if !slices.Contains(p.cands, provider) {
+		return nil, fmt.Errorf("%w: rank %d does not use provider %s with rank %d (%v)", verbsio.ErrNotSupported, g.Rank(), provider, p.rank, p.cands)
+	}
+	ch, err := g.newChannel(provider, p.rank)
+	if err != nil {
+		return nil, err
+	}
+	p.mu.Lock()
+	if p.closed || p.isDone() {
+		p.mu.Unlock()
+		ch.Close()
+		return nil, fmt.Errorf("%w: rank %d already has its connection to rank %d", verbsio.ErrBadConfig, g.Rank(), p.rank)
+	}
+	old := p.ch
+	p.gen++
+	gen := p.gen
+	p.ch, p.provider, p.started = ch, provider, true
+	p.mu.Unlock()
+	if old != nil {
+		old.Close() // an earlier attempt the lower rank gave up on
+	}
+	g.mu.Lock()
+	if g.closed {
+		g.mu.Unlock()
+		return nil, fmt.Errorf("gdrlink: %w", ErrClosed)
+	}
+	g.wg.Add(1)
+	g.mu.Unlock()
+	go func() {
+		defer g.wg.Done()
+		ctx, cancel := context.WithTimeout(g.ctx, g.cfg.connectTimeout)
+		defer cancel()
+		err := ch.Connect(ctx, hello)
+		p.mu.Lock()
+		current := p.gen == gen && p.ch == ch
+		p.mu.Unlock()
+		if !current {
+			return // replaced: the replacer closed ch
+		}
+		if err != nil {
+			g.log.Warn("gdrlink: connection attempt failed", "rank", g.Rank(), "peer", p.rank, "provider", provider, "err", err)
+			return // the lower rank tries the next provider or gives up
+		}
+		p.markConnected(ch, provider)
+	}()
+	return ch.Hello(), nil
+}
+
+// markConnected publishes a connected channel and hands it the queued Sends.
+func (p *peer) markConnected(ch *rendezvous.Channel, provider string) {
+	p.mu.Lock()
+	if p.closed || p.isDone() {
+		p.mu.Unlock()
+		ch.Close()
+		return
+	}
+	p.ch, p.provider = ch, provider
+	q := p.queue
+	p.queue = nil
+	for _, s := range q {
+		if err := ch.Send(s.key, s.step, s.t); err != nil {
+			p.g.log.Warn("gdrlink: queued send dropped", "rank", p.g.Rank(), "peer", p.rank, "key", s.key, "step", s.step, "err", err)
+			_ = s.t.Release()
+		}
+	}
+	close(p.done)
+	p.mu.Unlock()
+	p.g.log.Info("gdrlink: connected", "rank", p.g.Rank(), "peer", p.rank, "provider", provider, "device", ch.Device())
+}
+
+// fail ends the connection attempts with err: waiting Recvs get it, and
+// the queued Sends are released.
+func (p *peer) fail(err error) {
+	p.mu.Lock()
+	if p.isDone() {
+		p.mu.Unlock()
+		return
+	}
+	p.err = err
+	ch := p.ch
+	p.ch = nil
+	q := p.queue
+	p.queue = nil
+	close(p.done)
+	p.mu.Unlock()
+	if ch != nil {
+		ch.Close()
+	}
+	for _, s := range q {
+		_ = s.t.Release()
+	}
+	p.g.log.Warn("gdrlink: no connection", "rank", p.g.Rank(), "peer", p.rank, "err", err)
+}
+
+// send hands t to the connection, or queues it until the connection is up.
+func (p *peer) send(key string, step int64, t *tensor.Tensor) error {
+	p.mu.Lock()
+	switch {
+	case p.closed:
+		p.mu.Unlock()
+		return fmt.Errorf("gdrlink: Send to rank %d: %w", p.rank, ErrClosed)
+	case p.isDone() && p.ch == nil:
+		err := p.err
+		p.mu.Unlock()
+		return err
+	case p.isDone():
+		ch := p.ch
+		p.mu.Unlock()
+		return ch.Send(key, step, t)
+	}
+	for _, s := range p.queue {
+		if s.key == key && s.step == step {
+			p.mu.Unlock()
+			return fmt.Errorf("gdrlink: %w: Send of %q step %d to rank %d twice", rendezvous.ErrDuplicate, key, step, p.rank)
+		}
+	}
+	p.queue = append(p.queue, queuedSend{key, step, t})
+	p.mu.Unlock()
+	p.start()
+	return nil
+}
+
+// wait starts the connection if needed and waits until it is up.
+func (p *peer) wait(ctx context.Context) (*rendezvous.Channel, error) {
+	p.start()
+	select {
+	case <-p.done:
+	case <-ctx.Done():
+		return nil, fmt.Errorf("gdrlink: %w: rank %d waiting for its connection to rank %d: %w", verbsio.ErrTimeout, p.g.Rank(), p.rank, ctx.Err())
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return nil, fmt.Errorf("gdrlink: Recv from rank %d: %w", p.rank, ErrClosed)
+	}
+	if p.ch == nil {
+		return nil, p.err
+	}
+	return p.ch, nil
+}
+
+// connected returns the channel and provider once connected.
+func (p *peer) connected() (*rendezvous.Channel, string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if !p.isDone() || p.ch == nil {
+		return nil, ""
+	}
+	return p.ch, p.provider
+}
+
+// close closes the connection or the attempt and releases queued Sends.
+func (p *peer) close() error {
+	p.mu.Lock()
+	if p.closed {
+		p.mu.Unlock()
+		return nil
+	}
+	p.closed = true
+	ch := p.ch
+	q := p.queue
+	p.queue = nil
+	if !p.isDone() {
+		p.err = fmt.Errorf("gdrlink: connection to rank %d: %w", p.rank, ErrClosed)
+		close(p.done)
+	}
+	p.mu.Unlock()
+	for _, s := range q {
+		_ = s.t.Release()
+	}
+	if ch == nil {
+		return nil
+	}
+	if err := ch.Close(); err != nil && !errors.Is(err, ErrClosed) {
+		return err
+	}
+	return nil
+}
