@@ -1,0 +1,414 @@
+package gdrlink
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/gdrlink/gdrlink/tensor"
+	"github.com/gdrlink/gdrlink/verbsio"
+)
+
+// The tests start real processes: this test binary again, with
+// GDRLINK_TEST_JOB naming what the child does. Each child uses the front
+// door alone, configured by the environment as a launcher would.
+func TestMain(m *testing.M) {
+	if job := os.Getenv("GDRLINK_TEST_JOB"); job != "" {
+		if err := runChild(job); err != nil {
+			fmt.Fprintf(os.Stderr, "rank %s: %v\n", os.Getenv("GDRLINK_RANK"), err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+// childReport is what each child prints as one JSON line on stdout.
+type childReport struct {
+	Rank        int            `json:"rank"`
+	JoinMS      float64        `json:"join_ms"`
+	Connections map[string]int `json:"connections"`
+	Paths       []string       `json:"paths"`
+	Received    int            `json:"received"`
+	Unusable    map[string]string
+}
+
+func runChild(job string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	var opts []Option
+	if fd := os.Getenv("GDRLINK_TEST_ROOT_FD"); fd != "" {
+		n, _ := strconv.Atoi(fd)
+		ln, err := net.FileListener(os.NewFile(uintptr(n), "root"))
+		if err != nil {
+			return err
+		}
+		opts = append(opts, WithRootListener(ln))
+	}
+	g, err := Join(ctx, opts...)
+	if err != nil {
+		return err
+	}
+	defer g.Close()
+	rep := childReport{Rank: g.Rank()}
+	switch job {
+	case "pair":
+		err = pairJob(ctx, g, &rep)
+	case "ring":
+		err = ringJob(ctx, g, &rep)
+	default:
+		err = fmt.Errorf("unknown job %q", job)
+	}
+	if err != nil {
+		return err
+	}
+	if err := g.Barrier(ctx); err != nil {
+		return err
+	}
+	s := g.Stats()
+	rep.JoinMS = float64(s.Join.Microseconds()) / 1000
+	rep.Connections = s.Connections
+	rep.Unusable = s.Unusable
+	return json.NewEncoder(os.Stdout).Encode(rep)
+}
+
+// fill writes a pattern that depends on the sender, key and step.
+func fill(b []byte, seed int) {
+	for i := range b {
+		b[i] = byte(seed*131 + i*7 + i>>9)
+	}
+}
+
+// pairJob: rank 0 sends tensors of several kinds and sizes, rank 1
+// receives and checks every byte.
+func pairJob(ctx context.Context, g *Group, rep *childReport) error {
+	type item struct {
+		key   string
+		dt    tensor.DType
+		shape []int64
+	}
+	items := []item{{"small", tensor.Float32, []int64{2, 3}}, {"ids", tensor.Int64, []int64{1000}}, {"weights", tensor.BFloat16, []int64{1024, 1024}}, {"big", tensor.Float32, []int64{4 << 20}}, {"empty", tensor.Float32, []int64{0, 5}}}
+	for step := int64(0); step < 3; step++ {
+		for i, it := range items {
+			seed := int(step)*10 + i
+			if g.Rank() == 0 {
+				t, err := g.NewTensor(it.dt, it.shape...)
+				if err != nil {
+					return err
+				}
+				b, err := t.Bytes()
+				if err != nil {
+					return err
+				}
+				fill(b, seed)
+				if err := g.Send(1, it.key, step, t); err != nil {
+					return err
+				}
+				continue
+			}
+			t, tr, err := g.Recv(ctx, 0, it.key, step)
+			if err != nil {
+				return fmt.Errorf("Recv %s step %d: %w", it.key, step, err)
+			}
+			b, err := t.Bytes()
+			if err != nil {
+				return err
+			}
+			want := make([]byte, len(b))
+			fill(want, seed)
+			if !bytes.Equal(b, want) || !slices.Equal(t.Shape(), tensor.Shape(it.shape)) || t.DType() != it.dt {
+				return fmt.Errorf("%s step %d: %v %v, %d bytes differ from what rank 0 sent", it.key, step, t.DType(), t.Shape(), len(b))
+			}
+			rep.Paths = append(rep.Paths, tr.Provider+"/"+tr.Path.String())
+			rep.Received++
+			if err := t.Release(); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// ringJob: every rank exchanges with its two neighbours, both ways.
+func ringJob(ctx context.Context, g *Group, rep *childReport) error {
+	n, r := g.Size(), g.Rank()
+	next, prev := (r+1)%n, (r+n-1)%n
+	for step := int64(0); step < 2; step++ {
+		for _, to := range []int{next, prev} {
+			t, err := g.NewTensor(tensor.Uint8, 64<<10)
+			if err != nil {
+				return err
+			}
+			b, _ := t.Bytes()
+			fill(b, r*1000+to+int(step))
+			if err := g.Send(to, "halo", step, t); err != nil {
+				return err
+			}
+		}
+		for _, from := range []int{prev, next} {
+			t, _, err := g.Recv(ctx, from, "halo", step)
+			if err != nil {
+				return fmt.Errorf("Recv from rank %d step %d: %w", from, step, err)
+			}
+			b, _ := t.Bytes()
+			want := make([]byte, len(b))
+			fill(want, from*1000+r+int(step))
+			if !bytes.Equal(b, want) {
+				return fmt.Errorf("halo from rank %d step %d: bytes differ", from, step)
+			}
+			rep.Received++
+			t.Release()
+		}
+	}
+	return nil
+}
+
+// job is a set of child processes of one job.
+type job struct {
+	t     *testing.T
+	cmds  []*exec.Cmd
+	outs  []*bytes.Buffer
+	errs  []*bytes.Buffer
+	start time.Time
+}
+
+// startJob starts size children running what; wrap(rank) may prefix a
+// child's command (ip netns exec ...) and env(rank) adds variables.
+func startJob(t *testing.T, what string, size int, rootIP string, wrap func(int) []string, env func(int) []string) *job {
+	t.Helper()
+	ln, err := net.Listen("tcp", net.JoinHostPort(rootIP, "0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	lf, err := ln.(*net.TCPListener).File()
+	if err != nil {
+		t.Fatal(err)
+	}
+	root := ln.Addr().String()
+	ln.Close()
+	t.Cleanup(func() { lf.Close() })
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	j := &job{t: t, start: time.Now()}
+	for r := range size {
+		args := append(wrap(r), self, "-test.run=^$")
+		cmd := exec.Command(args[0], args[1:]...)
+		cmd.Env = append(os.Environ(), "GDRLINK_TEST_JOB="+what, "GDRLINK_RANK="+strconv.Itoa(r), "GDRLINK_SIZE="+strconv.Itoa(size), "GDRLINK_ROOT="+root)
+		cmd.Env = append(cmd.Env, env(r)...)
+		if r == 0 {
+			cmd.ExtraFiles = []*os.File{lf}
+			cmd.Env = append(cmd.Env, "GDRLINK_TEST_ROOT_FD=3")
+		}
+		var out, errb bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &out, &errb
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		j.cmds, j.outs, j.errs = append(j.cmds, cmd), append(j.outs, &out), append(j.errs, &errb)
+	}
+	t.Cleanup(func() {
+		for _, c := range j.cmds {
+			if c.ProcessState == nil {
+				c.Process.Kill()
+				c.Wait()
+			}
+		}
+	})
+	return j
+}
+
+// wait waits for every child and returns their reports, by rank.
+func (j *job) wait(limit time.Duration) []childReport {
+	j.t.Helper()
+	done := make(chan struct{})
+	go func() {
+		for _, c := range j.cmds {
+			c.Wait()
+		}
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-time.After(limit):
+		for _, c := range j.cmds {
+			c.Process.Kill()
+		}
+		<-done
+		j.t.Fatalf("the job did not end within %v", limit)
+	}
+	reps := make([]childReport, len(j.cmds))
+	for r, c := range j.cmds {
+		if !c.ProcessState.Success() {
+			j.t.Fatalf("rank %d: %v: %s", r, c.ProcessState, j.errs[r].String())
+		}
+		sc := bufio.NewScanner(j.outs[r])
+		var line []byte
+		for sc.Scan() {
+			line = sc.Bytes()
+		}
+		if err := json.Unmarshal(line, &reps[r]); err != nil {
+			j.t.Fatalf("rank %d printed %q: %v", r, j.outs[r].String(), err)
+		}
+	}
+	return reps
+}
+
+// TestTwoProcesses runs the pair job between two processes on each
+// provider, chosen automatically (onnode: both on this node) and by
+// GDRLINK_PROVIDER. A provider without a device here skips with the
+// reason, or fails where GDRLINK_REQUIRE_RDMA=1 says it must be there.
+func TestTwoProcesses(t *testing.T) {
+	for _, tc := range []struct{ name, provider, want string }{
+		{"auto", "", "onnode"}, {"tcp", "tcp", "tcp"}, {"onnode", "onnode", "onnode"}, {"ibverbs", "ibverbs", "ibverbs"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if tc.provider != "" {
+				p, err := verbsio.Lookup(tc.provider)
+				if err == nil {
+					_, err = p.Devices()
+				}
+				if err != nil {
+					if tc.provider == "ibverbs" && os.Getenv("GDRLINK_REQUIRE_RDMA") == "1" {
+						t.Fatalf("GDRLINK_REQUIRE_RDMA=1 but ibverbs is not usable: %v", err)
+					}
+					t.Skipf("provider %s not usable here: %v", tc.provider, err)
+				}
+			}
+			j := startJob(t, "pair", 2, "127.0.0.1", func(int) []string { return nil }, func(int) []string {
+				return []string{"GDRLINK_PROVIDER=" + tc.provider}
+			})
+			reps := j.wait(2 * time.Minute)
+			if reps[1].Received != 15 {
+				t.Fatalf("rank 1 received %d tensors, want 15", reps[1].Received)
+			}
+			for r, rep := range reps {
+				if len(rep.Connections) != 1 || rep.Connections[tc.want] != 1 {
+					t.Errorf("rank %d connections %v, want one over %s", r, rep.Connections, tc.want)
+				}
+			}
+			for _, p := range reps[1].Paths {
+				if !strings.HasPrefix(p, tc.want+"/") || !(strings.HasSuffix(p, "/direct") || strings.HasSuffix(p, "/none")) {
+					t.Errorf("a transfer went %s, want %s/direct (or none for the empty tensor)", p, tc.want)
+				}
+			}
+			t.Logf("%s: join %.1f ms and %.1f ms; %v", tc.name, reps[0].JoinMS, reps[1].JoinMS, reps[1].Paths[:5])
+		})
+	}
+}
+
+// TestErrors checks the front door's refusals without a peer process: a
+// job of one rank has nobody to send to, and a closed group says so.
+func TestErrors(t *testing.T) {
+	ctx := context.Background()
+	g, err := Join(ctx, WithRank(0, 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	tn, err := g.NewTensor(tensor.Float32, 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := g.Send(0, "k", 0, tn); !errors.Is(err, verbsio.ErrBadConfig) {
+		t.Errorf("Send to itself: %v, want ErrBadConfig", err)
+	}
+	if _, _, err := g.Recv(ctx, 3, "k", 0); !errors.Is(err, verbsio.ErrBadConfig) {
+		t.Errorf("Recv from rank 3 of 1: %v, want ErrBadConfig", err)
+	}
+	if _, err := g.NewTensorOn(tensor.GPUDevice(0), tensor.Float32, 4); !errors.Is(err, verbsio.ErrNotSupported) {
+		t.Errorf("GPU tensor: %v, want ErrNotSupported", err)
+	}
+	if _, err := g.NewTensor(tensor.Float32, -1); err == nil {
+		t.Errorf("negative shape accepted")
+	}
+	if err := tn.Release(); err != nil {
+		t.Fatal(err)
+	}
+	if err := g.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := g.Close(); err != nil {
+		t.Errorf("second Close: %v", err)
+	}
+	if _, err := g.NewTensor(tensor.Float32, 4); !errors.Is(err, ErrClosed) {
+		t.Errorf("NewTensor after Close: %v, want ErrClosed", err)
+	}
+	if err := g.Barrier(ctx); !errors.Is(err, ErrClosed) {
+		t.Errorf("Barrier after Close: %v, want ErrClosed", err)
+	}
+}
+
+func TestEnvironment(t *testing.T) {
+	env := func(kv ...string) func(string) (string, bool) {
+		m := map[string]string{}
+		for i := 0; i < len(kv); i += 2 {
+			m[kv[i]] = kv[i+1]
+		}
+		return func(k string) (string, bool) { v, ok := m[k]; return v, ok }
+	}
+	c, err := fromEnv(env("GDRLINK_PROVIDER", "tcp", "GDRLINK_POOL_LIMIT", "8GiB", "GDRLINK_CHECKSUM", "1", "GDRLINK_CONNECT_TIMEOUT", "5s", "GDRLINK_LOG", "debug"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.provider != "tcp" || c.poolLimit != 8<<30 || !c.checksum || c.connectTimeout != 5*time.Second || c.log == nil {
+		t.Errorf("config %+v", c)
+	}
+	for _, bad := range [][]string{
+		{"GDRLINK_PROVIDER", "carrier-pigeon"}, {"GDRLINK_POOL_LIMIT", "lots"}, {"GDRLINK_CHECKSUM", "maybe"},
+		{"GDRLINK_CONNECT_TIMEOUT", "-1s"}, {"GDRLINK_LOG", "loud"},
+	} {
+		if _, err := fromEnv(env(bad...)); !errors.Is(err, verbsio.ErrBadConfig) || !strings.Contains(err.Error(), bad[0]) {
+			t.Errorf("%s=%s: %v, want ErrBadConfig naming it", bad[0], bad[1], err)
+		}
+	}
+	// A Go option wins over the variable.
+	c, _ = fromEnv(env("GDRLINK_PROVIDER", "onnode"))
+	if err := WithProvider("tcp")(&c); err != nil || c.provider != "tcp" {
+		t.Errorf("WithProvider after GDRLINK_PROVIDER: %q, %v", c.provider, err)
+	}
+}
+
+func TestConnMsg(t *testing.T) {
+	for _, m := range []connMsg{{kind: kickMsg}, {kind: connectMsg, provider: "tcp", payload: []byte("hello")}, {kind: giveUpMsg, payload: []byte("no")}} {
+		got, err := decodeConnMsg(m.Append(nil))
+		if err != nil || got.kind != m.kind || got.provider != m.provider || !bytes.Equal(got.payload, m.payload) {
+			t.Errorf("round trip of %+v: %+v, %v", m, got, err)
+		}
+		enc := m.Append(nil)
+		for i := range len(enc) {
+			if _, err := decodeConnMsg(enc[:i]); !errors.Is(err, verbsio.ErrBadFrame) {
+				t.Errorf("%+v truncated to %d bytes: %v, want ErrBadFrame", m, i, err)
+			}
+		}
+	}
+}
+
+func FuzzConnMsg(f *testing.F) {
+	f.Add(connMsg{kind: connectMsg, provider: "onnode", payload: []byte{1, 2, 3}}.Append(nil))
+	f.Add(connMsg{kind: kickMsg}.Append(nil))
+	f.Add([]byte{1, 2, 0xff, 0xff})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		m, err := decodeConnMsg(b)
+		if err != nil {
+			if !errors.Is(err, verbsio.ErrBadFrame) {
+				t.Fatalf("%v does not wrap ErrBadFrame", err)
+			}
+			return
+		}
+		if !bytes.Equal(m.Append(nil), b) {
+			t.Fatalf("re-encoding differs")
+		}
+	})
+}

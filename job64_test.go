@@ -1,0 +1,98 @@
+package gdrlink
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestJob64 runs a job of 64 processes on this host, the upper half in a
+// network namespace of its own joined to this one by a veth pair (two
+// hosts, as far as the network stack can tell). Every rank exchanges with
+// its two neighbours on a ring. Pairs within a half share a node and use
+// onnode; the two pairs that cross the halves (31-32 and 63-0) cannot reach
+// each other's abstract sockets and use tcp over the veth. Connections are
+// made on first use, so each rank has exactly two: 64 in the whole job,
+// not the 2016 of a full mesh. Join times and connection counts are
+// printed (go test -v -run TestJob64 .).
+func TestJob64(t *testing.T) {
+	if testing.Short() {
+		t.Skip("64 processes: not in -short")
+	}
+	if os.Geteuid() != 0 {
+		t.Skip("creating a network namespace and a veth pair needs root")
+	}
+	ip, err := exec.LookPath("ip")
+	if err != nil {
+		t.Skip("the ip command (Debian's iproute2) is not installed")
+	}
+	const size = 64
+	id := os.Getpid() % 60000
+	ns := fmt.Sprintf("gdrl-job-%d", id)
+	host, peer := fmt.Sprintf("gdrj%d", id), fmt.Sprintf("gdrk%d", id)
+	run := func(args ...string) {
+		t.Helper()
+		if out, err := exec.Command(ip, args...).CombinedOutput(); err != nil {
+			t.Fatalf("ip %s: %v: %s", strings.Join(args, " "), err, out)
+		}
+	}
+	t.Cleanup(func() {
+		_ = exec.Command(ip, "link", "del", host).Run()
+		_ = exec.Command(ip, "netns", "del", ns).Run()
+	})
+	if out, err := exec.Command(ip, "netns", "add", ns).CombinedOutput(); err != nil {
+		t.Skipf("cannot create a network namespace here: %v: %s", err, out)
+	}
+	// A /30 of 10.253.0.0/16 picked by the process id.
+	slot := id % 16384
+	prefix, last := fmt.Sprintf("10.253.%d.", slot/64), slot%64*4
+	hostIP, peerIP := fmt.Sprintf("%s%d", prefix, last+1), fmt.Sprintf("%s%d", prefix, last+2)
+	run("-n", ns, "link", "set", "lo", "up")
+	run("link", "add", host, "type", "veth", "peer", "name", peer)
+	run("link", "set", peer, "netns", ns)
+	run("addr", "add", hostIP+"/30", "dev", host)
+	run("link", "set", host, "up")
+	run("-n", ns, "addr", "add", peerIP+"/30", "dev", peer)
+	run("-n", ns, "link", "set", peer, "up")
+
+	upper := func(r int) bool { return r >= size/2 }
+	start := time.Now()
+	j := startJob(t, "ring", size, hostIP, func(r int) []string {
+		if upper(r) {
+			return []string{ip, "netns", "exec", ns}
+		}
+		return nil
+	}, func(int) []string { return []string{"GDRLINK_CONNECT_TIMEOUT=60s"} })
+	reps := j.wait(4 * time.Minute)
+	took := time.Since(start)
+
+	total := map[string]int{}
+	var joins []float64
+	for r, rep := range reps {
+		if rep.Rank != r || rep.Received != 4 {
+			t.Errorf("rank %d: report of rank %d, %d tensors received, want 4", r, rep.Rank, rep.Received)
+		}
+		want := map[string]int{"onnode": 2}
+		if crossing := upper(r) != upper((r+1)%size) || upper(r) != upper((r+size-1)%size); crossing {
+			want = map[string]int{"onnode": 1, "tcp": 1}
+		}
+		if fmt.Sprint(rep.Connections) != fmt.Sprint(want) {
+			t.Errorf("rank %d connections %v, want %v", r, rep.Connections, want)
+		}
+		for p, n := range rep.Connections {
+			total[p] += n
+		}
+		joins = append(joins, rep.JoinMS)
+	}
+	slices.Sort(joins)
+	// Each connection is counted at both of its ends.
+	t.Logf("64 ranks, half in network namespace %s: Join median %.0f ms, slowest %.0f ms; connections opened: %d onnode, %d tcp (%d pairs of the 2016 a full mesh would open); whole job %v",
+		ns, joins[len(joins)/2], joins[len(joins)-1], total["onnode"]/2, total["tcp"]/2, (total["onnode"]+total["tcp"])/2, took.Round(time.Millisecond))
+	if total["onnode"]/2 != 62 || total["tcp"]/2 != 2 {
+		t.Errorf("connections %v (counted at both ends), want 62 onnode and 2 tcp pairs", total)
+	}
+}
