@@ -1,8 +1,11 @@
 // Command exchange is gdrlink's main job on the embedded default: two
 // processes on this host (the program re-executes itself as the peer)
-// exchange a stream of tensors of several dtypes and shapes through the best
-// available verbs provider, and it prints what moved, how fast, and which
-// path each tensor took. It needs no RDMA NIC and no GPU.
+// exchange a stream of tensors of several dtypes and shapes through the
+// front door, which picks the best provider for the pair, and it prints
+// what moved, how fast, and which path each tensor took. It needs no RDMA
+// NIC and no GPU. Under a launcher (mpirun -np 2, srun, torchrun, or
+// GDRLINK_RANK/GDRLINK_SIZE/GDRLINK_ROOT set by hand) it starts no peer:
+// rank 0 receives and rank 1 sends.
 //
 // Usage:
 //
@@ -13,61 +16,121 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
-	"log/slog"
 	"net"
 	"os"
 	"os/exec"
 	"sort"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/dustin/go-humanize"
-	"github.com/gdrlink/gdrlink/alloc"
+
+	"github.com/gdrlink/gdrlink"
 	"github.com/gdrlink/gdrlink/internal/bootstrap"
-	"github.com/gdrlink/gdrlink/rendezvous"
 	"github.com/gdrlink/gdrlink/tensor"
-	"github.com/gdrlink/gdrlink/verbsio"
-	_ "github.com/gdrlink/gdrlink/verbsio/ibverbs"
-	_ "github.com/gdrlink/gdrlink/verbsio/onnode"
-	_ "github.com/gdrlink/gdrlink/verbsio/tcp"
 )
 
-// Environment of the re-executed peer.
-const (
-	envRole     = "GDRLINK_EXCHANGE_ROLE"
-	envRoot     = "GDRLINK_EXCHANGE_ROOT"
-	envProvider = "GDRLINK_EXCHANGE_PROVIDER"
-	envSteps    = "GDRLINK_EXCHANGE_STEPS"
-	envChecksum = "GDRLINK_EXCHANGE_CHECKSUM"
-)
+// envSteps passes -steps to the re-executed peer; the rest travels in the
+// front door's own variables (GDRLINK_RANK, GDRLINK_PROVIDER, ...).
+const envSteps = "GDRLINK_EXCHANGE_STEPS"
 
 func main() {
 	steps := flag.Int("steps", 10, "steps of the stream")
-	provider := flag.String("provider", "", "verbs provider (default: the best available, verbsio.Choose)")
-	checksum := flag.Bool("checksum", false, "checksum mode: verify a CRC-32C of every tensor")
+	provider := flag.String("provider", "", "verbs provider for the pair (default: the best both have; GDRLINK_PROVIDER)")
+	checksum := flag.Bool("checksum", false, "checksum mode: verify a CRC-32C of every tensor (GDRLINK_CHECKSUM)")
 	verbose := flag.Bool("v", false, "print every transfer")
 	flag.Parse()
-
-	level := slog.LevelInfo
-	if strings.EqualFold(os.Getenv("GDRLINK_LOG"), "debug") {
-		level = slog.LevelDebug
+	if v := os.Getenv(envSteps); v != "" {
+		if n, err := strconv.Atoi(v); err == nil {
+			*steps = n
+		}
 	}
-	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
-
-	var err error
-	if os.Getenv(envRole) == "sender" {
-		err = runSender(log)
-	} else {
-		err = runReceiver(log, *steps, *provider, *checksum, *verbose)
-	}
-	if err != nil {
+	if err := run(*steps, *provider, *checksum, *verbose); err != nil {
 		fmt.Fprintln(os.Stderr, "exchange:", err)
 		os.Exit(1)
+	}
+}
+
+// run is one rank's part. Without a launcher's environment it is rank 0 of
+// a job of two and starts rank 1 itself.
+func run(steps int, provider string, checksum, verbose bool) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Second)
+	defer cancel()
+	var opts []gdrlink.Option // the environment (GDRLINK_*) configures the rest
+	if checksum {
+		opts = append(opts, gdrlink.WithChecksum(true))
+	}
+	if provider != "" {
+		opts = append(opts, gdrlink.WithProvider(provider))
+	}
+	if _, err := bootstrap.FromEnv(); err != nil {
+		// No launcher: be rank 0 and start the peer.
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return err
+		}
+		peer, err := startPeer(ln.Addr().String(), steps, provider, checksum)
+		if err != nil {
+			ln.Close()
+			return err
+		}
+		defer peer.wait()
+		opts = append(opts, gdrlink.WithRank(0, 2), gdrlink.WithRootListener(ln))
+	}
+	g, err := gdrlink.Join(ctx, opts...)
+	if err != nil {
+		return err
+	}
+	defer g.Close()
+	if g.Size() != 2 {
+		return fmt.Errorf("a job of %d ranks: the exchange is for two", g.Size())
+	}
+	if g.Rank() == 1 {
+		err = runSender(ctx, g, steps)
+	} else {
+		err = runReceiver(ctx, g, steps, verbose)
+	}
+	if err != nil {
+		return err
+	}
+	return g.Barrier(ctx) // stay until the other side has everything
+}
+
+type peerProc struct {
+	cmd  *exec.Cmd
+	done chan error
+}
+
+// startPeer re-executes this program as rank 1.
+func startPeer(root string, steps int, provider string, checksum bool) (*peerProc, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command(self)
+	cmd.Env = append(os.Environ(), "GDRLINK_RANK=1", "GDRLINK_SIZE=2", "GDRLINK_ROOT="+root,
+		envSteps+"="+strconv.Itoa(steps), "GDRLINK_CHECKSUM="+strconv.FormatBool(checksum))
+	if provider != "" {
+		cmd.Env = append(cmd.Env, "GDRLINK_PROVIDER="+provider)
+	}
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	p := &peerProc{cmd: cmd, done: make(chan error, 1)}
+	go func() { p.done <- cmd.Wait() }()
+	return p, nil
+}
+
+func (p *peerProc) wait() {
+	select {
+	case <-p.done:
+	case <-time.After(5 * time.Second):
+		_ = p.cmd.Process.Kill()
+		<-p.done
 	}
 }
 
@@ -105,153 +168,36 @@ func stream(steps int) []item {
 	}
 }
 
-// session is one process's endpoint (device, registered pool, channel) and
-// its bootstrap group.
-type session struct {
-	ep    *rendezvous.Endpoint
-	pool  *alloc.Pool
-	ch    *rendezvous.Channel
-	group *bootstrap.Group
-}
-
-func (s *session) close() error {
-	var errs []error
-	if s.ep != nil {
-		errs = append(errs, s.ep.Close())
-	}
-	if s.group != nil {
-		errs = append(errs, s.group.Close())
-	}
-	return errors.Join(errs...)
-}
-
-func open(ctx context.Context, log *slog.Logger, provider, name string, checksum bool, cfg bootstrap.Config, peer int) (*session, error) {
-	s := &session{}
-	// Every arena of the endpoint's pool is registered with the NIC once, by
-	// its registration visitor.
-	ep, err := rendezvous.OpenEndpoint(rendezvous.EndpointConfig{
-		Provider: provider,
-		Pool:     []alloc.Option{alloc.WithName(name), alloc.WithInitialArena(64 << 20)},
-		Channel:  []rendezvous.Option{rendezvous.WithName(name), rendezvous.WithChecksum(checksum), rendezvous.WithLogger(log)},
-	})
-	if err != nil {
-		return s, err
-	}
-	s.ep, s.pool, s.ch = ep, ep.Pool, ep.Channel
-	if s.group, err = bootstrap.Join(ctx, cfg); err != nil {
-		return s, err
-	}
-	return s, s.ch.ConnectVia(ctx, s.group, peer)
-}
-
-func runSender(log *slog.Logger) error {
-	steps, err := strconv.Atoi(os.Getenv(envSteps))
-	if err != nil {
-		return fmt.Errorf("%s: %w", envSteps, err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Second)
-	defer cancel()
-	s, err := open(ctx, log, os.Getenv(envProvider), "sender", os.Getenv(envChecksum) == "1",
-		bootstrap.Config{Rank: 1, Size: 2, Root: os.Getenv(envRoot)}, 0)
-	defer s.close()
-	if err != nil {
-		return err
-	}
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	var firstErr error
+// runSender offers every tensor of every step; Send never waits on the
+// network, and the group releases each tensor once it is written.
+func runSender(ctx context.Context, g *gdrlink.Group, steps int) error {
 	for step := 0; step < steps; step++ {
 		for _, it := range stream(steps) {
-			t, err := makeTensor(s.pool, it.kind, it.shape(step), it.key, int64(step))
+			t, err := makeTensor(g.NewTensor, it.kind, it.shape(step), it.key, int64(step))
 			if err != nil {
 				return err
 			}
-			wg.Add(1)
-			err = s.ch.SendFunc(it.key, int64(step), t, func(err error) {
-				_ = t.Release()
-				if err != nil {
-					mu.Lock()
-					firstErr = cmpErr(firstErr, err)
-					mu.Unlock()
-				}
-				wg.Done()
-			})
-			if err != nil {
+			if err := g.Send(0, it.key, int64(step), t); err != nil {
 				return err
 			}
 		}
 	}
-	wg.Wait()
-	if firstErr != nil {
-		return firstErr
-	}
-	// Stay until the receiver has everything.
-	return s.group.Barrier(ctx)
-}
-
-func cmpErr(a, b error) error {
-	if a != nil {
-		return a
-	}
-	return b
+	return nil
 }
 
 type record struct {
 	key  string
-	tr   rendezvous.Transfer
+	tr   gdrlink.Transfer
 	took time.Duration
 }
 
-func runReceiver(log *slog.Logger, steps int, provider string, checksum, verbose bool) error {
+func runReceiver(ctx context.Context, g *gdrlink.Group, steps int, verbose bool) error {
 	start := time.Now()
-	if provider == "" {
-		c, err := verbsio.Choose(true)
-		for _, n := range []string{"ibverbs", "onnode", "tcp"} {
-			if e := c.Skipped[n]; e != nil {
-				fmt.Printf("provider %-8s skipped: %v\n", n, e)
-			}
+	for _, n := range []string{"ibverbs", "onnode", "tcp"} {
+		if why := g.Stats().Unusable[n]; why != "" {
+			fmt.Printf("provider %-8s not usable here: %s\n", n, why)
 		}
-		if err != nil {
-			return err
-		}
-		provider = c.Provider
 	}
-	fmt.Printf("provider %-8s chosen\n", provider)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return err
-	}
-	self, err := os.Executable()
-	if err != nil {
-		return err
-	}
-	cmd := exec.Command(self)
-	cmd.Env = append(os.Environ(), envRole+"=sender", envRoot+"="+ln.Addr().String(), envProvider+"="+provider,
-		envSteps+"="+strconv.Itoa(steps), envChecksum+"="+map[bool]string{true: "1", false: "0"}[checksum])
-	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
-	if err := cmd.Start(); err != nil {
-		return err
-	}
-	peerDone := make(chan error, 1)
-	go func() { peerDone <- cmd.Wait() }()
-	defer func() {
-		select {
-		case <-peerDone:
-		case <-time.After(5 * time.Second):
-			_ = cmd.Process.Kill()
-			<-peerDone
-		}
-	}()
-
-	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Second)
-	defer cancel()
-	s, err := open(ctx, log, provider, "receiver", checksum, bootstrap.Config{Rank: 0, Size: 2, Listener: ln}, 1)
-	defer s.close()
-	if err != nil {
-		return err
-	}
-	fmt.Printf("peer     %-8s connected (pid %d) over %s/%s, checksum mode %v\n\n", s.ch.Peer(), cmd.Process.Pid, s.ch.Provider(), s.ch.Device(), checksum)
-
 	items := stream(steps)
 	var recs []record
 	t0 := time.Now()
@@ -261,42 +207,59 @@ func runReceiver(log *slog.Logger, steps int, provider string, checksum, verbose
 		type res struct {
 			it  item
 			t   *tensor.Tensor
-			tr  rendezvous.Transfer
+			tr  gdrlink.Transfer
 			err error
 		}
 		out := make(chan res, len(items))
 		for _, it := range items {
-			s.ch.RecvFunc(ctx, it.key, int64(step), func(t *tensor.Tensor, tr rendezvous.Transfer, err error) { out <- res{it, t, tr, err} })
+			go func() {
+				t, tr, err := g.Recv(ctx, 1, it.key, int64(step))
+				out <- res{it, t, tr, err}
+			}()
 		}
+		var firstErr error
 		for range items {
 			r := <-out
 			if r.err != nil {
-				return fmt.Errorf("step %d: %w", step, r.err)
+				firstErr = cmpErr(firstErr, fmt.Errorf("step %d: %w", step, r.err))
+				continue
 			}
 			if err := checkTensor(r.t, r.it.kind, r.it.shape(step), r.it.key, int64(step)); err != nil {
-				return fmt.Errorf("%s step %d arrived wrong: %w", r.it.key, step, err)
+				firstErr = cmpErr(firstErr, fmt.Errorf("%s step %d arrived wrong: %w", r.it.key, step, err))
 			}
 			_ = r.t.Release()
 			recs = append(recs, record{r.it.key, r.tr, r.tr.Took})
+			if step == 0 && len(recs) == 1 {
+				fmt.Printf("peer     rank 1 connected over %s/%s\n\n", r.tr.Provider, r.tr.Device)
+			}
 			if verbose || step == 0 || r.tr.MetaChanged {
 				printTransfer(r.tr)
 			}
 		}
+		if firstErr != nil {
+			return firstErr
+		}
 	}
 	wall := time.Since(t0)
-	if err := s.group.Barrier(ctx); err != nil {
-		return err
-	}
 	fmt.Println()
 	summarize(recs, items, wall)
-	st := s.ch.Stats()
+	st := g.Stats()
+	pr := st.Protocol
 	fmt.Printf("\nprotocol: %d requests, %d meta-data responses (+%d written in place), %d re-requests, %d final (no-write) responses, %d writes in, %d control sends (%d credit-only), %d full names then indexes\n",
-		st.Requests, st.MetaResponses, st.MetaInPlace, st.ReRequests, st.Finals, st.WritesIn, st.ControlOut, st.CreditsOnly, st.NameDefs)
+		pr.Requests, pr.MetaResponses, pr.MetaInPlace, pr.ReRequests, pr.Finals, pr.WritesIn, pr.ControlOut, pr.CreditsOnly, pr.NameDefs)
+	fmt.Printf("connections: %v; Join took %v\n", st.Connections, st.Join.Round(time.Millisecond))
 	fmt.Printf("every tensor verified byte for byte; done in %v\n", time.Since(start).Round(time.Millisecond))
 	return nil
 }
 
-func printTransfer(tr rendezvous.Transfer) {
+func cmpErr(a, b error) error {
+	if a != nil {
+		return a
+	}
+	return b
+}
+
+func printTransfer(tr gdrlink.Transfer) {
 	note := ""
 	switch {
 	case tr.MetaRoundTrip:

@@ -1,18 +1,18 @@
 package main
 
 import (
-	"io"
-	"log/slog"
 	"os"
+	"strconv"
 	"testing"
 )
 
 func TestMain(m *testing.M) {
 	// The test binary stands in for the program when it re-executes itself
-	// as the sending peer.
-	if os.Getenv(envRole) == "sender" {
-		if err := runSender(slog.New(slog.NewTextHandler(io.Discard, nil))); err != nil {
-			os.Stderr.WriteString("exchange sender: " + err.Error() + "\n")
+	// as rank 1.
+	if os.Getenv("GDRLINK_RANK") == "1" {
+		steps, _ := strconv.Atoi(os.Getenv(envSteps))
+		if err := run(steps, "", false, false); err != nil {
+			os.Stderr.WriteString("exchange rank 1: " + err.Error() + "\n")
 			os.Exit(1)
 		}
 		os.Exit(0)
@@ -21,13 +21,12 @@ func TestMain(m *testing.M) {
 }
 
 // The program's job, short: two processes, every tensor of the stream
-// checked byte for byte, with and without checksum mode, on each provider
-// this host has.
+// checked byte for byte, with and without checksum mode, on the provider
+// the front door picks (onnode here) and on tcp.
 func TestExchange(t *testing.T) {
-	log := slog.New(slog.NewTextHandler(io.Discard, nil))
 	for _, provider := range []string{"", "tcp"} {
 		for _, checksum := range []bool{false, true} {
-			if err := runReceiver(log, 4, provider, checksum, false); err != nil {
+			if err := run(4, provider, checksum, false); err != nil {
 				t.Fatalf("provider %q checksum %v: %v", provider, checksum, err)
 			}
 		}

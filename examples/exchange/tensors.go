@@ -6,7 +6,6 @@ import (
 	"hash/fnv"
 	"strings"
 
-	"github.com/gdrlink/gdrlink/alloc"
 	"github.com/gdrlink/gdrlink/tensor"
 )
 
@@ -30,7 +29,7 @@ func stringsOf(n int64, key string, step int64) []string {
 	return vals
 }
 
-func makeTensor(pool *alloc.Pool, kind string, shape tensor.Shape, key string, step int64) (*tensor.Tensor, error) {
+func makeTensor(newTensor func(tensor.DType, ...int64) (*tensor.Tensor, error), kind string, shape tensor.Shape, key string, step int64) (*tensor.Tensor, error) {
 	if d, ok := strings.CutPrefix(kind, "dead:"); ok {
 		dt, err := tensor.ParseDType(d)
 		if err != nil {
@@ -49,11 +48,7 @@ func makeTensor(pool *alloc.Pool, kind string, shape tensor.Shape, key string, s
 		}
 		return tensor.NewStrings(shape, stringsOf(n, key, step))
 	}
-	meta, err := tensor.MetaFor(dt, shape)
-	if err != nil {
-		return nil, err
-	}
-	t, err := pool.NewTensor(meta)
+	t, err := newTensor(dt, shape...)
 	if err != nil {
 		return nil, err
 	}
