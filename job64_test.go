@@ -28,7 +28,7 @@ func TestJob64(t *testing.T) {
 	}
 	ip, err := exec.LookPath("ip")
 	if err != nil {
-		t.Skip("the ip command (Debian's iproute2) is not installed")
+		t.Skip("the ip command is not installed (Debian package iproute2)")
 	}
 	const size = 64
 	id := os.Getpid() % 60000

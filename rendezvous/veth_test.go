@@ -21,7 +21,7 @@ func TestTwoProcessRailsOverVeth(t *testing.T) {
 	}
 	ip, err := exec.LookPath("ip")
 	if err != nil {
-		t.Skip("the ip command (iproute2) is not installed")
+		t.Skip("the ip command is not installed (Debian package iproute2)")
 	}
 	id := os.Getpid() % 60000
 	ns := fmt.Sprintf("gdrl-rdv-%d", id)

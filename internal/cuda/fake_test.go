@@ -21,7 +21,7 @@ func fakeDriver(t *testing.T) *Driver {
 	cc, err := exec.LookPath("cc")
 	if err != nil {
 		if cc, err = exec.LookPath("gcc"); err != nil {
-			t.Skip("no C compiler (cc, gcc) to build the stand-in driver")
+			t.Skip("no C compiler (cc, gcc; Debian package gcc) to build the stand-in driver")
 		}
 	}
 	lib := filepath.Join(t.TempDir(), "libfakecuda.so")
