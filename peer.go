@@ -228,13 +228,19 @@ func (p *peer) accept(provider string, hello []byte) ([]byte, error) {
 		err := ch.Connect(ctx, hello)
 		p.mu.Lock()
 		current := p.gen == gen && p.ch == ch
+		if current && err != nil {
+			p.ch = nil
+		}
 		p.mu.Unlock()
 		if !current {
 			return // replaced: the replacer closed ch
 		}
 		if err != nil {
+			// Closing tells the lower rank at once, so it moves on to the
+			// next provider (or gives up) instead of waiting out its timeout.
+			ch.Close()
 			g.log.Warn("gdrlink: connection attempt failed", "rank", g.Rank(), "peer", p.rank, "provider", provider, "err", err)
-			return // the lower rank tries the next provider or gives up
+			return
 		}
 		p.markConnected(ch, provider)
 	}()

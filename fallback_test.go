@@ -1,0 +1,153 @@
+package gdrlink
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/gdrlink/gdrlink/tensor"
+	"github.com/gdrlink/gdrlink/verbsio"
+)
+
+// brokenPD makes queue pairs whose Connect fails: a provider that is
+// usable on paper but cannot connect this pair.
+type brokenPD struct{ verbsio.ProtectionDomain }
+
+func (b brokenPD) CreateQP(cfg verbsio.QPConfig) (verbsio.QueuePair, error) {
+	qp, err := b.ProtectionDomain.CreateQP(cfg)
+	return brokenQP{qp}, err
+}
+
+type brokenQP struct{ verbsio.QueuePair }
+
+func (brokenQP) Connect(context.Context, verbsio.Endpoint) error {
+	return fmt.Errorf("%w: connection refused for the test", verbsio.ErrPeerLost)
+}
+
+// joinPair joins two ranks in this process.
+func joinPair(t *testing.T, opts ...Option) [2]*Group {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	var gs [2]*Group
+	var errs [2]error
+	var wg sync.WaitGroup
+	for r := range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			o := append([]Option{WithRank(r, 2), WithRoot(ln.Addr().String())}, opts...)
+			if r == 0 {
+				o = append(o, WithRootListener(ln))
+			}
+			gs[r], errs[r] = Join(ctx, o...)
+		}()
+	}
+	wg.Wait()
+	for r, err := range errs {
+		if err != nil {
+			t.Fatalf("rank %d: %v", r, err)
+		}
+	}
+	return gs
+}
+
+// TestFallback: when the best provider of a pair cannot connect (on
+// either side), the pair connects over the next one, and the transfer
+// works and says which.
+func TestFallback(t *testing.T) {
+	for _, broken := range []int{0, 1} {
+		t.Run(fmt.Sprintf("broken-at-rank-%d", broken), func(t *testing.T) {
+			gs := joinPair(t, WithConnectTimeout(20*time.Second))
+			d := gs[broken].devs["onnode"]
+			if d == nil {
+				t.Fatalf("onnode not opened: devices %v", gs[broken].providerNames())
+			}
+			d.pd = brokenPD{d.pd}
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			src, err := gs[0].NewTensor(tensor.Int32, 1000)
+			if err != nil {
+				t.Fatal(err)
+			}
+			v, _ := src.Int32s()
+			for i := range v {
+				v[i] = int32(i * 3)
+			}
+			start := time.Now()
+			if err := gs[0].Send(1, "x", 0, src); err != nil {
+				t.Fatal(err)
+			}
+			got, tr, err := gs[1].Recv(ctx, 0, "x", 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			w, _ := got.Int32s()
+			for i := range w {
+				if w[i] != int32(i*3) {
+					t.Fatalf("element %d = %d", i, w[i])
+				}
+			}
+			got.Release()
+			if tr.Provider != "tcp" {
+				t.Errorf("transfer over %s, want tcp after onnode failed", tr.Provider)
+			}
+			if took := time.Since(start); took > 10*time.Second {
+				t.Errorf("falling back took %v: a failed attempt waited out a timeout", took)
+			}
+			for r, g := range gs {
+				if s := g.Stats(); s.Connections["tcp"] != 1 || len(s.Connections) != 1 {
+					t.Errorf("rank %d connections %v, want one over tcp", r, s.Connections)
+				}
+			}
+			for r, g := range gs {
+				if err := g.Close(); err != nil {
+					t.Errorf("rank %d Close: %v", r, err)
+				}
+			}
+		})
+	}
+}
+
+// TestGiveUp: when no provider can connect a pair, both ranks get the
+// error (the higher one from the lower one's give-up), queued Sends are
+// released, and the group still closes cleanly.
+func TestGiveUp(t *testing.T) {
+	gs := joinPair(t, WithProvider("onnode"), WithConnectTimeout(20*time.Second))
+	gs[0].devs["onnode"].pd = brokenPD{gs[0].devs["onnode"].pd}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	src, err := gs[1].NewTensor(tensor.Float32, 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := gs[1].Send(0, "y", 0, src); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := gs[0].Recv(ctx, 1, "y", 0); !errors.Is(err, verbsio.ErrPeerLost) {
+		t.Errorf("rank 0 Recv: %v, want the connect error (ErrPeerLost)", err)
+	}
+	if _, _, err := gs[1].Recv(ctx, 0, "z", 0); err == nil {
+		t.Errorf("rank 1 Recv succeeded with no connection")
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for gs[1].Stats().Pool.Blocks != 0 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if n := gs[1].Stats().Pool.Blocks; n != 0 {
+		t.Errorf("rank 1 holds %d pool blocks after the give-up: the queued Send was not released", n)
+	}
+	for r, g := range gs {
+		if err := g.Close(); err != nil {
+			t.Errorf("rank %d Close: %v", r, err)
+		}
+	}
+}
