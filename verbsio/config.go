@@ -37,6 +37,8 @@ type Config struct {
 	TrafficClass int
 	// ListenAddr is where providers that need one listen ("host:port"; TCP
 	// provider; GDRLINK_LISTEN_ADDR). "" means an ephemeral loopback port.
+	// Once the device is open, Device.Info().Address says where peers
+	// reach it.
 	ListenAddr string
 	// ConnectTimeout bounds Connect when the caller's context has no deadline
 	// (GDRLINK_CONNECT_TIMEOUT, a Go duration; default 30s).

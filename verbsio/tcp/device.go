@@ -189,12 +189,10 @@ func advertised(a *net.TCPAddr) string {
 	return net.JoinHostPort("127.0.0.1", strconv.Itoa(a.Port))
 }
 
-// Addr is the "host:port" that peers dial.
-func (d *Device) Addr() string { return d.addr }
-
-// Info describes the device.
+// Info describes the device; its Address is the "host:port" that peers
+// dial.
 func (d *Device) Info() verbsio.DeviceInfo {
-	return verbsio.DeviceInfo{Provider: Name, Name: Name, NUMANode: -1}
+	return verbsio.DeviceInfo{Provider: Name, Name: Name, NUMANode: -1, Address: d.addr}
 }
 
 // Caps is what the device can do.
