@@ -10,6 +10,7 @@ import (
 
 	"errors"
 
+	"github.com/gdrlink/gdrlink/internal/hostid"
 	"github.com/gdrlink/gdrlink/internal/ibv"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
@@ -39,7 +40,7 @@ func newDevice(p *Provider, c *ibv.Context, ch choice, cfg verbsio.Config) (*Dev
 	if err != nil {
 		return nil, wrap(err)
 	}
-	host, _ := verbsio.HostID()
+	host, _ := hostid.Get()
 	d := &Device{p: p, c: c, ch: ch, cfg: cfg, attr: attr, host: host, info: p.info(ch.Device, ch.Port.Num)}
 	if cfg.QueueDepth > attr.MaxQPWR {
 		return nil, fmt.Errorf("%w: RDMA_QP_QUEUE_DEPTH=%d exceeds %s's limit of %d work requests", verbsio.ErrBadConfig, cfg.QueueDepth, ch.Device, attr.MaxQPWR)

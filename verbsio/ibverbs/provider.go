@@ -155,8 +155,8 @@ func (p *Provider) Open(cfg verbsio.Config) (verbsio.Device, error) {
 
 // OpenDevice is Open returning the concrete device.
 func (p *Provider) OpenDevice(cfg verbsio.Config) (*Device, error) {
-	cfg = cfg.WithDefaults()
-	if err := cfg.Validate(); err != nil {
+	cfg, err := cfg.Resolve()
+	if err != nil {
 		return nil, err
 	}
 	o := p.o

@@ -149,8 +149,8 @@ func bootID() (string, error) {
 // Open opens the provider's device with explicit options; verbsio.Open("onnode",
 // cfg) does the same with OptionsFromEnv.
 func Open(cfg verbsio.Config, o Options) (verbsio.Device, error) {
-	cfg = cfg.WithDefaults()
-	if err := cfg.Validate(); err != nil {
+	cfg, err := cfg.Resolve()
+	if err != nil {
 		return nil, err
 	}
 	if cfg.Device != "" && cfg.Device != DeviceName {

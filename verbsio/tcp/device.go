@@ -15,6 +15,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/gdrlink/gdrlink/internal/hostid"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
@@ -136,8 +137,8 @@ type Device struct {
 // ephemeral loopback port when empty). cfg.Device is ignored: the provider
 // has one device.
 func OpenDevice(cfg verbsio.Config, opt Options) (*Device, error) {
-	cfg = cfg.WithDefaults()
-	if err := cfg.Validate(); err != nil {
+	cfg, err := cfg.Resolve()
+	if err != nil {
 		return nil, err
 	}
 	opt = opt.withDefaults()
@@ -156,7 +157,7 @@ func OpenDevice(cfg verbsio.Config, opt Options) (*Device, error) {
 	if adv == "" {
 		adv = advertised(ln.Addr().(*net.TCPAddr))
 	}
-	host, _ := verbsio.HostID()
+	host, _ := hostid.Get()
 	// The ack timeout of ibverbs (4.096 us * 2^Timeout, RetryCount+1 tries)
 	// becomes TCP_USER_TIMEOUT, with a floor so a loaded host is not taken
 	// for a dead one.
