@@ -18,7 +18,7 @@ import (
 // target is a queue pair with one registered page between two guard pages,
 // for tests that play a hostile peer with raw frames.
 type target struct {
-	dev  *Device
+	dev  *device
 	pd   verbsio.ProtectionDomain
 	cq   verbsio.CompletionQueue
 	qp   *qp
@@ -37,7 +37,7 @@ func newTarget(t testing.TB, access verbsio.Access) *target {
 // newTargetRNR is newTarget with how long a send waits for a receive.
 func newTargetRNR(t testing.TB, access verbsio.Access, rnr time.Duration) *target {
 	t.Helper()
-	dev, err := OpenDevice(verbsio.Config{}, Options{RNRTimeout: rnr})
+	dev, err := openDevice(verbsio.Config{}, Options{RNRTimeout: rnr})
 	if err != nil {
 		t.Fatal(err)
 	}
