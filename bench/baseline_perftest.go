@@ -12,8 +12,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/ibvdiag"
 	"github.com/gdrlink/gdrlink/verbsio"
-	"github.com/gdrlink/gdrlink/verbsio/ibverbs"
 )
 
 // errNoPerftest: perftest's ib_write_bw is not installed.
@@ -43,7 +43,7 @@ type perftestBW struct {
 // installed, and with verbsio.ErrNotSupported for devices of other
 // providers.
 func perftestBaseline(dev verbsio.Device, quick bool) (*perftestBW, error) {
-	d, ok := dev.(*ibverbs.Device)
+	d, ok := ibvdiag.Of(dev)
 	if !ok {
 		return nil, fmt.Errorf("%w: ib_write_bw measures ibverbs devices, not %s", verbsio.ErrNotSupported, dev.Info().Provider)
 	}

@@ -8,6 +8,7 @@ import (
 
 	"github.com/gdrlink/gdrlink/alloc"
 	"github.com/gdrlink/gdrlink/alloc/visitor"
+	"github.com/gdrlink/gdrlink/internal/ibvdiag"
 	"github.com/gdrlink/gdrlink/verbsio"
 	"github.com/gdrlink/gdrlink/verbsio/ibverbs"
 )
@@ -201,7 +202,7 @@ func regCrossings(ctx context.Context, env *Env, dev verbsio.Device, pd verbsio.
 			wrs[i] = verbsio.SendWR{WRID: uint64(i), Op: verbsio.OpWrite, SG: []verbsio.SGE{sge},
 				RemoteAddr: uint64(dst.Addr()) + uint64(i*size), RKey: rkey, Signaled: i == regChain-1}
 		}
-		before, _ := ibverbs.StatsOf(dev)
+		before, _ := ibvdiag.StatsOf(dev)
 		reps := max(env.Reps, 1)
 		out := make([]verbsio.Completion, 4)
 		for range reps {
@@ -218,7 +219,7 @@ func regCrossings(ctx context.Context, env *Env, dev verbsio.Device, pd verbsio.
 				return fmt.Errorf("chain completion %+v", out[:n])
 			}
 		}
-		after, _ := ibverbs.StatsOf(dev)
+		after, _ := ibvdiag.StatsOf(dev)
 		writes := float64(reps * regChain)
 		r := newResult("reg", fmt.Sprintf("cgo-crossings-per-write-chain%d", regChain), int64(size),
 			float64(after.Crossings-before.Crossings)/writes, "crossings/write", 0, "")

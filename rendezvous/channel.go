@@ -11,6 +11,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/hostid"
 	"github.com/gdrlink/gdrlink/internal/wire"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
@@ -149,7 +150,7 @@ func New(dev verbsio.Device, pd verbsio.ProtectionDomain, mem Memory, opts ...Op
 	if dev == nil || pd == nil || mem == nil {
 		return nil, fmt.Errorf("%w: device, protection domain and memory are required", ErrBadOption)
 	}
-	host, _ := verbsio.HostID()
+	host, _ := hostid.Get()
 	c := &Channel{
 		opts: o, log: o.log, dev: dev, pd: pd, mem: mem,
 		provider: dev.Info().Provider, devName: dev.Info().Name, host: host, caps: dev.Caps(),

@@ -37,6 +37,8 @@ type Config struct {
 	TrafficClass int
 	// ListenAddr is where providers that need one listen ("host:port"; TCP
 	// provider; GDRLINK_LISTEN_ADDR). "" means an ephemeral loopback port.
+	// Once the device is open, Device.Info().Address says where peers
+	// reach it.
 	ListenAddr string
 	// ConnectTimeout bounds Connect when the caller's context has no deadline
 	// (GDRLINK_CONNECT_TIMEOUT, a Go duration; default 30s).
@@ -45,19 +47,30 @@ type Config struct {
 
 // Defaults of Config.
 const (
-	DefaultQueueDepth     = 1024
-	DefaultTimeout        = 14
-	DefaultRetryCount     = 7
-	DefaultConnectTimeout = 30 * time.Second
+	defaultQueueDepth     = 1024
+	defaultTimeout        = 14
+	defaultRetryCount     = 7
+	defaultConnectTimeout = 30 * time.Second
 )
 
 // DefaultConfig returns the configuration with every default filled in.
 func DefaultConfig() Config {
-	return Config{GIDIndex: -1, QueueDepth: DefaultQueueDepth, Timeout: DefaultTimeout, RetryCount: DefaultRetryCount, ConnectTimeout: DefaultConnectTimeout}
+	return Config{GIDIndex: -1, QueueDepth: defaultQueueDepth, Timeout: defaultTimeout, RetryCount: defaultRetryCount, ConnectTimeout: defaultConnectTimeout}
 }
 
-// WithDefaults returns c with zero fields replaced by their defaults.
-func (c Config) WithDefaults() Config {
+// Resolve returns c with its zero QueueDepth, Timeout, RetryCount and
+// ConnectTimeout replaced by their defaults, and checks the ranges: queue
+// depth 1..65536, timeout 0..31, retry count 0..7, SL 0..15, MTU one of
+// 0/256/512/1024/2048/4096, traffic class 0..255. A value out of range is
+// an error wrapping ErrBadConfig that names its variable. Providers call it
+// first thing in Open.
+func (c Config) Resolve() (Config, error) {
+	c = c.withDefaults()
+	return c, c.validate()
+}
+
+// withDefaults returns c with zero fields replaced by their defaults.
+func (c Config) withDefaults() Config {
 	d := DefaultConfig()
 	if c.QueueDepth == 0 {
 		c.QueueDepth = d.QueueDepth
@@ -74,9 +87,8 @@ func (c Config) WithDefaults() Config {
 	return c
 }
 
-// Validate checks ranges: queue depth 1..65536, timeout 0..31, retry count
-// 0..7, SL 0..15, MTU one of 0/256/512/1024/2048/4096, traffic class 0..255.
-func (c Config) Validate() error {
+// validate checks the ranges Resolve documents.
+func (c Config) validate() error {
 	bad := func(name string, v any, want string) error {
 		return fmt.Errorf("%w: %s=%v, want %s", ErrBadConfig, name, v, want)
 	}
@@ -144,5 +156,5 @@ func configFromLookup(lookup func(string) (string, bool)) (Config, error) {
 		}
 		*f.dst = n
 	}
-	return c, c.Validate()
+	return c, c.validate()
 }

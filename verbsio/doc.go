@@ -10,9 +10,9 @@
 // tell them apart: the conformance suite in verbsio/verbstest runs against
 // every provider.
 //
-// Choosing a provider: Choose (or ChooseFor, given the peer's host id from
-// its Endpoint.Host) takes ibverbs when it has a device, else onnode when
-// the peer shares this host (same kernel boot id, see HostID), else tcp,
-// and says why each better provider was passed over. Peers find each other
-// and trade endpoints through internal/bootstrap.
+// Choosing a provider: Choose takes ibverbs when it has a device, else
+// onnode when the peer shares this host (the same kernel boot id in
+// Endpoint.Host), else tcp, and says why each better provider was passed
+// over. Peers find each other and trade endpoints through
+// internal/bootstrap.
 package verbsio

@@ -2,9 +2,7 @@ package verbsio_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"testing"
 	"unsafe"
 
 	"github.com/gdrlink/gdrlink/verbsio"
@@ -75,26 +73,4 @@ func Example() {
 	// write-imm success 0
 	// recv-imm success 42
 	// hello, zero copies
-}
-
-// ChooseFor with this machine's own host id: the peer shares the host.
-// Only tcp is linked into this test binary, so it is chosen, and the
-// reasons the better providers were passed over are kept.
-func TestChooseForLinkedProviders(t *testing.T) {
-	host, err := verbsio.HostID()
-	if err != nil {
-		t.Skipf("no boot id here: %v", err)
-	}
-	c, err := verbsio.ChooseFor(host)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if c.Provider != "tcp" {
-		t.Errorf("chose %q, want tcp (the only provider linked)", c.Provider)
-	}
-	for _, name := range []string{"ibverbs", "onnode"} {
-		if !errors.Is(c.Skipped[name], verbsio.ErrNoProvider) {
-			t.Errorf("Skipped[%s] = %v, want ErrNoProvider (not linked)", name, c.Skipped[name])
-		}
-	}
 }

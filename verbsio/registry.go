@@ -87,8 +87,9 @@ type Choice struct {
 
 // Choose picks the best available provider for a peer: ibverbs when it has
 // a device, else onnode when the peer shares this host, else tcp. Nothing is
-// skipped silently: Choice.Skipped holds the reasons. ChooseFor decides
-// peerSameHost from the peer's host id.
+// skipped silently: Choice.Skipped holds the reasons. A peer shares this
+// host when the Host of its Endpoint equals the Host of an endpoint made
+// here (both set: providers fill it with the kernel's boot id).
 func Choose(peerSameHost bool) (Choice, error) {
 	return choose(preference, sameHostOnly, peerSameHost)
 }

@@ -276,6 +276,10 @@ type DeviceInfo struct {
 	PCIAddress string
 	// Netdev is the network interface behind the device's first port, if any.
 	Netdev string
+	// Address is where peers reach this device ("host:port" for tcp), ""
+	// for providers that have none. Provider.Devices lists devices that are
+	// not open yet, so it leaves Address empty; Device.Info fills it.
+	Address string
 }
 
 // Device is an open device of a provider.

@@ -27,7 +27,7 @@ func TestConfigFromEnv(t *testing.T) {
 	if err != nil || d != DefaultConfig() {
 		t.Errorf("empty environment: %+v, %v; want the defaults", d, err)
 	}
-	if DefaultConfig().Validate() != nil || (Config{}).WithDefaults().QueueDepth != DefaultQueueDepth {
+	if DefaultConfig().validate() != nil || (Config{}).withDefaults().QueueDepth != defaultQueueDepth {
 		t.Error("defaults do not validate or fill")
 	}
 }
@@ -98,29 +98,6 @@ func TestStatusErr(t *testing.T) {
 	}
 }
 
-func TestHostID(t *testing.T) {
-	id, err := HostIDAt("testdata/proc-a")
-	if err != nil || id != "3f1c2a8e-52b1-4c39-9c7e-0f6d2b1a9e44" {
-		t.Errorf("HostIDAt(fixture) = %q, %v", id, err)
-	}
-	if _, err := HostIDAt("testdata/proc-bad"); !errors.Is(err, ErrBadConfig) {
-		t.Errorf("malformed boot id: %v, want ErrBadConfig", err)
-	}
-	if _, err := HostIDAt("testdata/none"); !errors.Is(err, ErrNotSupported) {
-		t.Errorf("missing boot id: %v, want ErrNotSupported", err)
-	}
-	if !SameHost(id, Endpoint{Host: id}) || SameHost(id, Endpoint{Host: "other"}) || SameHost("", Endpoint{}) {
-		t.Error("SameHost")
-	}
-	if live, err := HostID(); err == nil {
-		if _, err := ParseBootID(live); err != nil {
-			t.Errorf("this machine's boot id %q: %v", live, err)
-		}
-	} else if !errors.Is(err, ErrNotSupported) {
-		t.Errorf("HostID: %v", err)
-	}
-}
-
 // fakeProvider is a provider with or without devices, for Choose.
 type fakeProvider struct {
 	name  string
@@ -175,4 +152,16 @@ func TestChoose(t *testing.T) {
 		}()
 		Register(fakeProvider{name: "fake-net"})
 	}()
+}
+
+func TestResolve(t *testing.T) {
+	c, err := Config{Device: "x", ListenAddr: "127.0.0.1:0"}.Resolve()
+	want := Config{Device: "x", ListenAddr: "127.0.0.1:0", QueueDepth: defaultQueueDepth, Timeout: defaultTimeout,
+		RetryCount: defaultRetryCount, ConnectTimeout: defaultConnectTimeout}
+	if err != nil || c != want {
+		t.Errorf("Resolve of a zero config: %+v, %v; want %+v", c, err, want)
+	}
+	if _, err := (Config{SL: 16}).Resolve(); !errors.Is(err, ErrBadConfig) || !strings.Contains(err.Error(), "RDMA_QP_SL") {
+		t.Errorf("Resolve with SL 16: %v, want ErrBadConfig naming RDMA_QP_SL", err)
+	}
 }

@@ -58,7 +58,7 @@ func TestPeerMemMemoryTypes(t *testing.T) {
 			if (err == nil) != tc.gpu || errors.Is(err, verbsio.ErrNotSupported) != tc.notSup {
 				t.Errorf("peerMem error %v; want ErrNotSupported %v", err, tc.notSup)
 			}
-			kinds, why := New(WithSysfsRoot(tc.root)).memoryTypes("mlx5_0", "0000:3b:00.0")
+			kinds, why := newProvider(WithSysfsRoot(tc.root)).memoryTypes("mlx5_0", "0000:3b:00.0")
 			if got := slices.Contains(kinds, tensor.GPU); got != tc.gpu {
 				t.Errorf("memory types %v: GPU listed %v, want %v (%s)", kinds, got, tc.gpu, why)
 			}
@@ -76,14 +76,14 @@ func TestPeerMemMemoryTypes(t *testing.T) {
 // never lists GPU memory, even with a peer-memory module loaded.
 func TestSoftwareDeviceNoGPUMemory(t *testing.T) {
 	root := fakeSys(t, "module/nvidia_peermem")
-	kinds, why := New(WithSysfsRoot(root)).memoryTypes("rxe0", "")
+	kinds, why := newProvider(WithSysfsRoot(root)).memoryTypes("rxe0", "")
 	if slices.Contains(kinds, tensor.GPU) {
 		t.Errorf("software device lists GPU memory: %v", kinds)
 	}
 	if !strings.Contains(why, "software device") || !strings.Contains(why, "rxe0") {
 		t.Errorf("reason %q does not name the software device", why)
 	}
-	kinds, why = New(WithSysfsRoot(root)).memoryTypes("mlx5_0", "0000:3b:00.0")
+	kinds, why = newProvider(WithSysfsRoot(root)).memoryTypes("mlx5_0", "0000:3b:00.0")
 	if !slices.Contains(kinds, tensor.GPU) || why != "" {
 		t.Errorf("PCI device with nvidia_peermem: %v, %q", kinds, why)
 	}
@@ -105,7 +105,7 @@ func TestDeviceCapsPeerMem(t *testing.T) {
 		if err := os.Symlink("/sys/class", filepath.Join(root, "class")); err != nil {
 			t.Fatal(err)
 		}
-		d, err := New(WithSysfsRoot(root)).OpenDevice(cfg)
+		d, err := newProvider(WithSysfsRoot(root)).openDevice(cfg)
 		if err != nil {
 			t.Fatalf("open with sysfs root %s: %v", root, err)
 		}

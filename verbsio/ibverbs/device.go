@@ -10,14 +10,16 @@ import (
 
 	"errors"
 
+	"github.com/gdrlink/gdrlink/internal/hostid"
 	"github.com/gdrlink/gdrlink/internal/ibv"
+	"github.com/gdrlink/gdrlink/internal/ibvdiag"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
 // Device is an open RDMA device, one port and one GID of it.
-type Device struct {
-	p    *Provider
+type device struct {
+	p    *provider
 	c    *ibv.Context
 	ch   choice
 	cfg  verbsio.Config
@@ -34,13 +36,13 @@ type Device struct {
 	closed   bool
 }
 
-func newDevice(p *Provider, c *ibv.Context, ch choice, cfg verbsio.Config) (*Device, error) {
+func newDevice(p *provider, c *ibv.Context, ch choice, cfg verbsio.Config) (*device, error) {
 	attr, err := c.QueryDevice()
 	if err != nil {
 		return nil, wrap(err)
 	}
-	host, _ := verbsio.HostID()
-	d := &Device{p: p, c: c, ch: ch, cfg: cfg, attr: attr, host: host, info: p.info(ch.Device, ch.Port.Num)}
+	host, _ := hostid.Get()
+	d := &device{p: p, c: c, ch: ch, cfg: cfg, attr: attr, host: host, info: p.info(ch.Device, ch.Port.Num)}
 	if cfg.QueueDepth > attr.MaxQPWR {
 		return nil, fmt.Errorf("%w: RDMA_QP_QUEUE_DEPTH=%d exceeds %s's limit of %d work requests", verbsio.ErrBadConfig, cfg.QueueDepth, ch.Device, attr.MaxQPWR)
 	}
@@ -64,7 +66,7 @@ func newDevice(p *Provider, c *ibv.Context, ch choice, cfg verbsio.Config) (*Dev
 // probe learns what the device grants: the largest inline payload a queue
 // pair gets, and whether ibv_reg_dmabuf_mr exists (asked with fd -1: a
 // device without it answers EOPNOTSUPP before looking at the fd).
-func (d *Device) probe() (inline int, dmabuf bool, why string) {
+func (d *device) probe() (inline int, dmabuf bool, why string) {
 	pd, err := d.c.AllocPD()
 	if err != nil {
 		return 0, false, "probe failed: " + err.Error()
@@ -100,7 +102,7 @@ const rxeVendorID = 0xffffff
 // specification makes 7 a count of seven retries (only the RNR retry count
 // uses 7 for "forever"), but Soft-RoCE takes a retry count of 7 as
 // unlimited, so a dead peer would never be reported: there it becomes 6.
-func (d *Device) retryCount() int {
+func (d *device) retryCount() int {
 	if d.cfg.RetryCount == 7 && d.attr.VendorID == rxeVendorID {
 		return 6
 	}
@@ -108,10 +110,10 @@ func (d *Device) retryCount() int {
 }
 
 // Info implements verbsio.Device.
-func (d *Device) Info() verbsio.DeviceInfo { return d.info }
+func (d *device) Info() verbsio.DeviceInfo { return d.info }
 
 // Caps implements verbsio.Device.
-func (d *Device) Caps() verbsio.Caps {
+func (d *device) Caps() verbsio.Caps {
 	c := d.caps
 	c.MemoryTypes = append([]tensor.DeviceKind(nil), c.MemoryTypes...)
 	return c
@@ -119,66 +121,45 @@ func (d *Device) Caps() verbsio.Caps {
 
 // GPUMemoryReason says why Caps().MemoryTypes lacks GPU memory: no GPU
 // peer-memory module loaded, or sysfs could not tell; "" when it lists it.
-func (d *Device) GPUMemoryReason() string { return d.gpuWhy }
+// It implements ibvdiag.Device.
+func (d *device) GPUMemoryReason() string { return d.gpuWhy }
 
 // DMABufReason says why Caps().DMABuf is false ("" when it is true): the
-// device has no dma-buf registration (Soft-RoCE), or the probe failed.
-func (d *Device) DMABufReason() string { return d.dmabufWhy }
-
-// Port is the port number in use.
-func (d *Device) Port() int { return d.ch.Port.Num }
+// device has no dma-buf registration (Soft-RoCE), or the probe failed. It
+// implements ibvdiag.Device.
+func (d *device) DMABufReason() string { return d.dmabufWhy }
 
 // GIDIndex is the GID table index in use (-1 on InfiniBand routes by LID).
-func (d *Device) GIDIndex() int {
+// It implements ibvdiag.Device.
+func (d *device) GIDIndex() int {
 	if !d.ch.Global {
 		return -1
 	}
 	return d.ch.GID.Index
 }
 
-// GID is the GID in use and its type.
-func (d *Device) GID() (string, string) { return d.ch.GID.GID.String(), d.ch.GID.Type.String() }
+// gid is the GID in use and its type.
+func (d *device) gid() (string, string) { return d.ch.GID.GID.String(), d.ch.GID.Type.String() }
 
-// MTU is the path MTU this side asks for, in bytes.
-func (d *Device) MTU() int { return d.ch.MTU }
-
-// Config is the configuration the device was opened with, defaults filled.
-func (d *Device) Config() verbsio.Config { return d.cfg }
+// mtu is the path MTU this side asks for, in bytes.
+func (d *device) mtu() int { return d.ch.MTU }
 
 // String describes the device for people.
-func (d *Device) String() string {
+func (d *device) String() string {
 	return fmt.Sprintf("ibverbs %s port %d gid[%d] %s (%s) mtu %d", d.ch.Device, d.ch.Port.Num, d.ch.GID.Index, d.ch.GID.GID, d.ch.GID.Type, d.ch.MTU)
 }
 
-// Stats are a device's cgo crossings and work counts.
-type Stats struct {
-	// Crossings is the number of cgo calls into libibverbs.
-	Crossings uint64
-	// PostSend, PostRecv, Poll and Notify are crossings by kind (chains
-	// posted, batches polled, notification calls); Control is the rest.
-	PostSend, PostRecv, Poll, Notify, Control uint64
-	// SendWRs, RecvWRs and Completions are work requests posted and
-	// completions polled.
-	SendWRs, RecvWRs, Completions uint64
-}
-
-// Stats reads the device's counters.
-func (d *Device) Stats() Stats {
+// Stats reads the device's cgo crossing counters. It implements
+// ibvdiag.Device.
+func (d *device) Stats() ibvdiag.Stats {
 	s := d.c.Counters().Snapshot()
-	return Stats{Crossings: s.Crossings(), PostSend: s.PostSend, PostRecv: s.PostRecv, Poll: s.Poll, Notify: s.Notify,
+	return ibvdiag.Stats{Crossings: s.Crossings(), PostSend: s.PostSend, PostRecv: s.PostRecv, Poll: s.Poll, Notify: s.Notify,
 		Control: s.Control, SendWRs: s.SendWRs, RecvWRs: s.RecvWRs, Completions: s.Completions}
 }
 
-// StatsOf returns the counters of a device of this provider.
-func StatsOf(dev verbsio.Device) (Stats, bool) {
-	d, ok := dev.(*Device)
-	if !ok {
-		return Stats{}, false
-	}
-	return d.Stats(), true
-}
+var _ ibvdiag.Device = (*device)(nil)
 
-func (d *Device) addChild() error {
+func (d *device) addChild() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.closed {
@@ -188,7 +169,7 @@ func (d *Device) addChild() error {
 	return nil
 }
 
-func (d *Device) dropChild() {
+func (d *device) dropChild() {
 	d.mu.Lock()
 	d.children--
 	d.mu.Unlock()
@@ -196,7 +177,7 @@ func (d *Device) dropChild() {
 
 // Close implements verbsio.Device. Idempotent; ErrBusy while protection
 // domains or completion queues live.
-func (d *Device) Close() error {
+func (d *device) Close() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.closed {
@@ -213,7 +194,7 @@ func (d *Device) Close() error {
 }
 
 // AllocPD implements verbsio.Device.
-func (d *Device) AllocPD() (verbsio.ProtectionDomain, error) {
+func (d *device) AllocPD() (verbsio.ProtectionDomain, error) {
 	if err := d.addChild(); err != nil {
 		return nil, err
 	}
@@ -226,7 +207,7 @@ func (d *Device) AllocPD() (verbsio.ProtectionDomain, error) {
 }
 
 // CreateCQ implements verbsio.Device.
-func (d *Device) CreateCQ(depth int) (verbsio.CompletionQueue, error) {
+func (d *device) CreateCQ(depth int) (verbsio.CompletionQueue, error) {
 	if depth < 1 {
 		return nil, fmt.Errorf("%w: completion queue depth %d", verbsio.ErrBadConfig, depth)
 	}
@@ -245,7 +226,7 @@ func (d *Device) CreateCQ(depth int) (verbsio.CompletionQueue, error) {
 }
 
 type pd struct {
-	d  *Device
+	d  *device
 	pd *ibv.PD
 
 	mu       sync.Mutex
@@ -396,7 +377,7 @@ type qpRef struct {
 }
 
 type cq struct {
-	d *Device
+	d *device
 	q *ibv.CQ
 
 	qmu sync.RWMutex

@@ -87,7 +87,7 @@ func TestOpenConfigErrors(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			c := cfg
 			tc.mod(&c)
-			dev, err := New().OpenDevice(c)
+			dev, err := newProvider().openDevice(c)
 			if err == nil {
 				defer dev.Close()
 			}
@@ -120,10 +120,10 @@ func TestDeviceFacts(t *testing.T) {
 	if c.Provider != Name || !c.WriteWithImmediate || c.MaxSGE < 1 || c.MaxQPDepth < 1 || c.MaxMessage < 1 {
 		t.Errorf("caps %+v", c)
 	}
-	gid, typ := d.GID()
+	gid, typ := d.gid()
 	t.Logf("%s: gid %s %s, caps %+v", d, gid, typ, c)
-	if d.MTU() < 256 {
-		t.Errorf("MTU %d", d.MTU())
+	if d.mtu() < 256 {
+		t.Errorf("MTU %d", d.mtu())
 	}
 	if err := d.Close(); err != nil {
 		t.Fatal(err)
@@ -236,7 +236,7 @@ type loopPair struct {
 	qp [2]verbsio.QueuePair
 }
 
-func newLoopPair(t *testing.T, d *Device, qc verbsio.QPConfig) *loopPair {
+func newLoopPair(t *testing.T, d *device, qc verbsio.QPConfig) *loopPair {
 	t.Helper()
 	l := &loopPair{}
 	var err error
@@ -427,9 +427,9 @@ func TestPostBeforeConnect(t *testing.T) {
 }
 
 func TestSpinEnv(t *testing.T) {
-	t.Setenv(SpinEnv, "fast")
-	if _, err := New().Open(verbsio.DefaultConfig()); !errors.Is(err, verbsio.ErrBadConfig) || !strings.Contains(err.Error(), SpinEnv) {
-		t.Fatalf("%s=fast: %v, want ErrBadConfig naming it", SpinEnv, err)
+	t.Setenv(spinEnv, "fast")
+	if _, err := New().Open(verbsio.DefaultConfig()); !errors.Is(err, verbsio.ErrBadConfig) || !strings.Contains(err.Error(), spinEnv) {
+		t.Fatalf("%s=fast: %v, want ErrBadConfig naming it", spinEnv, err)
 	}
 	// An explicit option wins over the variable.
 	d, err := New(WithSpin(time.Millisecond), WithSysfsRoot(t.TempDir())).Open(verbsio.DefaultConfig())
@@ -437,6 +437,6 @@ func TestSpinEnv(t *testing.T) {
 		d.Close()
 	}
 	if errors.Is(err, verbsio.ErrBadConfig) {
-		t.Fatalf("WithSpin and a bad %s: %v", SpinEnv, err)
+		t.Fatalf("WithSpin and a bad %s: %v", spinEnv, err)
 	}
 }

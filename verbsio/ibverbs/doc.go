@@ -21,5 +21,5 @@
 //
 // The package is pure Go; all cgo lives in internal/ibv. Work request chains
 // and completion batches cross into C once per chain and once per batch;
-// Stats reports the crossings.
+// the module's benchmarks count the crossings through internal/ibvdiag.
 package ibverbs

@@ -42,10 +42,10 @@ func testConfig(t testing.TB) verbsio.Config {
 }
 
 // openTest opens the test device and closes it at cleanup.
-func openTest(t testing.TB) *Device {
+func openTest(t testing.TB) *device {
 	t.Helper()
 	cfg := testConfig(t)
-	d, err := New().OpenDevice(cfg)
+	d, err := newProvider().openDevice(cfg)
 	if err != nil {
 		t.Fatalf("open %+v: %v", cfg, err)
 	}

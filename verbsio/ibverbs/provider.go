@@ -15,9 +15,9 @@ import (
 // Name is the provider's registered name.
 const Name = "ibverbs"
 
-func init() { verbsio.Register(New()) }
+func init() { verbsio.Register(newProvider()) }
 
-// Option tunes a Provider beyond verbsio.Config.
+// Option tunes a provider made with New beyond verbsio.Config.
 type Option func(*options)
 
 type options struct {
@@ -51,19 +51,23 @@ func WithHopLimit(n int) Option { return func(o *options) { o.hopLimit = n } }
 // tens of microseconds, may want more. 0 sleeps at once.
 func WithSpin(d time.Duration) Option { return func(o *options) { o.spin, o.spinSet = d, true } }
 
-// SpinEnv names the environment variable with the default of WithSpin.
-const SpinEnv = "GDRLINK_IBVERBS_SPIN"
+// spinEnv names the environment variable with the default of WithSpin.
+const spinEnv = "GDRLINK_IBVERBS_SPIN"
 
-// DefaultSpin is the default of WithSpin.
-const DefaultSpin = 50 * time.Microsecond
+// defaultSpin is the default of WithSpin.
+const defaultSpin = 50 * time.Microsecond
 
-// Provider opens libibverbs devices. The zero value is not usable: make
-// one with New. The one registered as "ibverbs" has the defaults.
-type Provider struct{ o options }
+// provider opens libibverbs devices. The one registered as "ibverbs" has
+// the defaults.
+type provider struct{ o options }
 
-// New returns a provider with the given options.
-func New(opts ...Option) *Provider {
-	p := &Provider{o: options{sysRoot: "/sys", rnrRetry: 7, minRNRTimer: 12, hopLimit: 64, spin: DefaultSpin}}
+// New returns an ibverbs provider with the given options, to open devices
+// with (its Open takes the verbsio.Config) where the defaults of the one
+// registered as "ibverbs" do not fit.
+func New(opts ...Option) verbsio.Provider { return newProvider(opts...) }
+
+func newProvider(opts ...Option) *provider {
+	p := &provider{o: options{sysRoot: "/sys", rnrRetry: 7, minRNRTimer: 12, hopLimit: 64, spin: defaultSpin}}
 	for _, f := range opts {
 		f(&p.o)
 	}
@@ -71,13 +75,13 @@ func New(opts ...Option) *Provider {
 }
 
 // Name implements verbsio.Provider.
-func (p *Provider) Name() string { return Name }
+func (p *provider) Name() string { return Name }
 
-func (p *Provider) sys() sysfs { return sysfs{root: p.o.sysRoot} }
+func (p *provider) sys() sysfs { return sysfs{root: p.o.sysRoot} }
 
 // Devices lists the RDMA devices of this host. With none it returns an
 // error wrapping verbsio.ErrNoDevice that says what is missing.
-func (p *Provider) Devices() ([]verbsio.DeviceInfo, error) {
+func (p *provider) Devices() ([]verbsio.DeviceInfo, error) {
 	names, err := p.deviceNames()
 	if err != nil {
 		return nil, err
@@ -89,7 +93,7 @@ func (p *Provider) Devices() ([]verbsio.DeviceInfo, error) {
 	return out, nil
 }
 
-func (p *Provider) info(name string, port int) verbsio.DeviceInfo {
+func (p *provider) info(name string, port int) verbsio.DeviceInfo {
 	numa, pci := p.sys().location(name)
 	return verbsio.DeviceInfo{Provider: Name, Name: name, NUMANode: numa, PCIAddress: pci, Netdev: p.sys().netdev(name, port)}
 }
@@ -101,7 +105,7 @@ func (p *Provider) info(name string, port int) verbsio.DeviceInfo {
 // (rxe, siw: no PCI function) never reach GPU memory, module or not. gpuWhy
 // says why GPU memory is not listed ("" when it is): not supported, or could
 // not tell (which lists it neither).
-func (p *Provider) memoryTypes(dev, pci string) (kinds []tensor.DeviceKind, gpuWhy string) {
+func (p *provider) memoryTypes(dev, pci string) (kinds []tensor.DeviceKind, gpuWhy string) {
 	kinds = []tensor.DeviceKind{tensor.CPU, tensor.PinnedHost}
 	if pci == "" {
 		return kinds, fmt.Sprintf("%s: %s is a software device (no PCI function), so no NIC can reach GPU memory through it", verbsio.ErrNotSupported, dev)
@@ -114,7 +118,7 @@ func (p *Provider) memoryTypes(dev, pci string) (kinds []tensor.DeviceKind, gpuW
 
 // deviceNames asks sysfs first, so a host without kernel RDMA support gets
 // a clear reason and libibverbs is not even loaded, then libibverbs.
-func (p *Provider) deviceNames() ([]string, error) {
+func (p *provider) deviceNames() ([]string, error) {
 	if !ibv.Available {
 		return nil, fmt.Errorf("%w: ibverbs provider built without libibverbs: build with cgo, Debian's libibverbs-dev and -tags gdrlink_ibverbs (make adds the tag when the headers are installed)", verbsio.ErrNoDevice)
 	}
@@ -145,25 +149,25 @@ func (p *Provider) deviceNames() ([]string, error) {
 
 // Open implements verbsio.Provider: it opens the device, port and GID that
 // cfg names, or the best ones.
-func (p *Provider) Open(cfg verbsio.Config) (verbsio.Device, error) {
-	d, err := p.OpenDevice(cfg)
+func (p *provider) Open(cfg verbsio.Config) (verbsio.Device, error) {
+	d, err := p.openDevice(cfg)
 	if err != nil {
 		return nil, err
 	}
 	return d, nil
 }
 
-// OpenDevice is Open returning the concrete device.
-func (p *Provider) OpenDevice(cfg verbsio.Config) (*Device, error) {
-	cfg = cfg.WithDefaults()
-	if err := cfg.Validate(); err != nil {
+// openDevice is Open returning the concrete device.
+func (p *provider) openDevice(cfg verbsio.Config) (*device, error) {
+	cfg, err := cfg.Resolve()
+	if err != nil {
 		return nil, err
 	}
 	o := p.o
-	if v, ok := os.LookupEnv(SpinEnv); ok && !o.spinSet {
+	if v, ok := os.LookupEnv(spinEnv); ok && !o.spinSet {
 		d, err := time.ParseDuration(v)
 		if err != nil || d < 0 {
-			return nil, fmt.Errorf("%w: %s=%q is not a duration of at least 0", verbsio.ErrBadConfig, SpinEnv, v)
+			return nil, fmt.Errorf("%w: %s=%q is not a duration of at least 0", verbsio.ErrBadConfig, spinEnv, v)
 		}
 		o.spin = d
 	}
@@ -197,7 +201,7 @@ func (p *Provider) OpenDevice(cfg verbsio.Config) (*Device, error) {
 	}
 	c := ctxs[ch.Device]
 	delete(ctxs, ch.Device)
-	d, err := newDevice(&Provider{o: o}, c, ch, cfg)
+	d, err := newDevice(&provider{o: o}, c, ch, cfg)
 	if err != nil {
 		c.Close()
 		return nil, err
@@ -205,7 +209,7 @@ func (p *Provider) OpenDevice(cfg verbsio.Config) (*Device, error) {
 	return d, nil
 }
 
-func (p *Provider) queryPorts(c *ibv.Context) ([]portFacts, error) {
+func (p *provider) queryPorts(c *ibv.Context) ([]portFacts, error) {
 	attr, err := c.QueryDevice()
 	if err != nil {
 		return nil, err

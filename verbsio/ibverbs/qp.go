@@ -50,7 +50,7 @@ func (r *ring) pop() {
 }
 
 type qp struct {
-	d        *Device
+	d        *device
 	pd       *pd
 	q        *ibv.QP
 	scq, rcq *cq

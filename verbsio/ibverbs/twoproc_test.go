@@ -59,7 +59,7 @@ const (
 // side is one process's half of the test: a device, a domain, a queue per
 // direction and qpCount queue pairs.
 type side struct {
-	d      *Device
+	d      *device
 	pd     verbsio.ProtectionDomain
 	scq    verbsio.CompletionQueue
 	rcq    verbsio.CompletionQueue
@@ -70,7 +70,7 @@ type side struct {
 func newSide(cfg verbsio.Config) (*side, error) {
 	s := &side{}
 	var err error
-	if s.d, err = New().OpenDevice(cfg); err != nil {
+	if s.d, err = newProvider().openDevice(cfg); err != nil {
 		return nil, err
 	}
 	s.cancel = append(s.cancel, s.d.Close)

@@ -16,7 +16,7 @@ import (
 // pairs attached to it: Poll itself, or a queue pair's progress goroutine
 // when Wait sleeps.
 type cq struct {
-	dev   *Device
+	dev   *device
 	depth int
 
 	mu     sync.Mutex
@@ -34,7 +34,7 @@ type cq struct {
 	refs     int                   // queue pairs using the queue (under mu)
 }
 
-func newCQ(d *Device, depth int) *cq {
+func newCQ(d *device, depth int) *cq {
 	c := &cq{dev: d, depth: depth, notify: make(chan struct{}, 1)}
 	c.qps.Store(&[]*qp{})
 	return c

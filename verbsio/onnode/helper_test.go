@@ -94,7 +94,7 @@ type node struct {
 }
 
 func newNode(opts Options) (*node, error) {
-	d, err := Open(verbsio.Config{}, opts)
+	d, err := OpenDevice(verbsio.Config{}, opts)
 	if err != nil {
 		return nil, err
 	}
@@ -180,8 +180,8 @@ func fmtCompletion(c verbsio.Completion) string {
 // runHelper is the peer process: it answers each command line with lines
 // ending in "." (or "err ..." then ".").
 func runHelper(in io.Reader, out io.Writer) int {
-	opts := Options{Spin: DefaultSpin}
-	if m, err := ParseMechanism(os.Getenv("GDRLINK_ONNODE_MECH")); err == nil {
+	opts := Options{Spin: defaultSpin}
+	if m, err := parseMechanism(os.Getenv("GDRLINK_ONNODE_MECH")); err == nil {
 		opts.Mechanism = m
 	}
 	n, err := newNode(opts)
@@ -428,7 +428,7 @@ func connect(t testing.TB, n *node, p *peer, ep []string) {
 // pair starts a helper and connects a local node to it.
 func pair(t testing.TB, mech Mechanism) (*node, *peer) {
 	t.Helper()
-	n, err := newNode(Options{Mechanism: mech, Spin: DefaultSpin})
+	n, err := newNode(Options{Mechanism: mech, Spin: defaultSpin})
 	if err != nil {
 		t.Fatal(err)
 	}

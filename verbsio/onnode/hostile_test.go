@@ -34,8 +34,8 @@ func TestHostileRing(t *testing.T) {
 			if c.WRID != 3 || c.Status != verbsio.StatusRemoteOperation {
 				t.Fatalf("receive after a bad record: %+v", c)
 			}
-			if err := LastError(b.qp); !errors.Is(err, verbsio.ErrBadFrame) {
-				t.Fatalf("LastError %v, want ErrBadFrame", err)
+			if err := lastError(b.qp); !errors.Is(err, verbsio.ErrBadFrame) {
+				t.Fatalf("lastError %v, want ErrBadFrame", err)
 			}
 		})
 	}

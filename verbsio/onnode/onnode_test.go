@@ -167,8 +167,8 @@ func TestHostileWrites(t *testing.T) {
 				}
 				if got := write(c.addr, c.rkey, c.length); got.Status != verbsio.StatusRemoteAccess {
 					t.Errorf("%s: %+v, want remote access error", c.name, got)
-				} else if !errors.Is(got.Status.Err(), verbsio.ErrRemoteAccess) || !errors.Is(LastError(n.qp), verbsio.ErrRemoteAccess) {
-					t.Errorf("%s: error %v", c.name, LastError(n.qp))
+				} else if !errors.Is(got.Status.Err(), verbsio.ErrRemoteAccess) || !errors.Is(lastError(n.qp), verbsio.ErrRemoteAccess) {
+					t.Errorf("%s: error %v", c.name, lastError(n.qp))
 				}
 				if n.qp.State() != verbsio.QPError {
 					t.Errorf("%s: state %s after a remote access error", c.name, n.qp.State())
@@ -220,8 +220,8 @@ func TestPeerDies(t *testing.T) {
 	if c := waitOne(t, n.scq, 5*time.Second); c.Status == verbsio.StatusSuccess {
 		t.Fatalf("write after peer loss: %+v", c)
 	}
-	if err := LastError(n.qp); !errors.Is(err, verbsio.ErrPeerLost) {
-		t.Fatalf("LastError after peer loss: %v", err)
+	if err := lastError(n.qp); !errors.Is(err, verbsio.ErrPeerLost) {
+		t.Fatalf("lastError after peer loss: %v", err)
 	}
 	if err := n.qp.PostSend([]verbsio.SendWR{{WRID: 2, Op: verbsio.OpWrite}}); !errors.Is(err, verbsio.ErrQPState) || !errors.Is(err, verbsio.ErrPeerLost) {
 		t.Fatalf("second PostSend after peer loss: %v", err)
@@ -245,7 +245,7 @@ func loopback(t *testing.T, opts Options, override int) (a, b *node) {
 		if override == 0 {
 			t.Fatal(errA)
 		}
-		// Tests of a refused Connect read it back with LastError.
+		// Tests of a refused Connect read it back with lastError.
 		a.qp.(*qp).lastErr.Store(&errA)
 	}
 	return a, b
@@ -289,7 +289,7 @@ func TestCrossMemoryRefused(t *testing.T) {
 	pid := noSuchPID(t)
 	t.Run("vm", func(t *testing.T) {
 		a, _ := loopback(t, Options{Mechanism: MechVM}, pid)
-		err := LastError(a.qp)
+		err := lastError(a.qp)
 		if !errors.Is(err, ErrCrossMemory) || !errors.Is(err, unix.ESRCH) {
 			t.Fatalf("Connect: %v, want ErrCrossMemory and ESRCH", err)
 		}
@@ -314,8 +314,8 @@ func TestCrossMemoryRefused(t *testing.T) {
 		if c.Status != verbsio.StatusRemoteOperation {
 			t.Fatalf("completion %+v", c)
 		}
-		if err := LastError(a.qp); !errors.Is(err, ErrCrossMemory) || !errors.Is(err, unix.ESRCH) {
-			t.Fatalf("LastError %v", err)
+		if err := lastError(a.qp); !errors.Is(err, ErrCrossMemory) || !errors.Is(err, unix.ESRCH) {
+			t.Fatalf("lastError %v", err)
 		}
 		if b.mems[dst.RKey()].b[0] != 0 {
 			t.Fatal("target written")
@@ -360,7 +360,7 @@ func TestDeregisterWaitsForWrites(t *testing.T) {
 // TestWaitIdleBurnsNoCPU: a Wait with nothing to wait for sleeps after its
 // spin.
 func TestWaitIdleBurnsNoCPU(t *testing.T) {
-	a, _ := loopback(t, Options{Spin: DefaultSpin}, 0)
+	a, _ := loopback(t, Options{Spin: defaultSpin}, 0)
 	var before, after unix.Rusage
 	unix.Getrusage(unix.RUSAGE_SELF, &before)
 	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
@@ -392,7 +392,7 @@ func TestCaps(t *testing.T) {
 		t.Fatalf("MaxSGE above the caps: %v", err)
 	}
 	infos, err := provider{}.Devices()
-	if err != nil || len(infos) != 1 || infos[0].Name != DeviceName {
+	if err != nil || len(infos) != 1 || infos[0].Name != deviceName {
 		t.Fatalf("Devices: %v %v", infos, err)
 	}
 	if err := n.pd.Close(); !errors.Is(err, verbsio.ErrBusy) {
@@ -410,7 +410,7 @@ func TestCaps(t *testing.T) {
 }
 
 // TestFileDetection: memfd memory registers as file-backed, anonymous memory
-// does not, and RegisterMemoryFD rejects a descriptor that does not map it.
+// does not, and registerMemoryFD rejects a descriptor that does not map it.
 func TestFileDetection(t *testing.T) {
 	n, _ := loopback(t, Options{}, 0)
 	mf, err := n.register("memfd", 1<<20, rw, 0)
@@ -424,17 +424,17 @@ func TestFileDetection(t *testing.T) {
 	if !mf.(*memoryRegion).FileBacked() || an.(*memoryRegion).FileBacked() {
 		t.Fatalf("file-backed: memfd %v anon %v", mf.(*memoryRegion).FileBacked(), an.(*memoryRegion).FileBacked())
 	}
-	fdr := n.pd.(FDRegistrar)
+	fdr := n.pd.(*pd)
 	m := n.mems[mf.RKey()]
-	mr, err := fdr.RegisterMemoryFD(offheap.Addr(m.b[4096:]), 4096, rw, m.fd, 4096)
+	mr, err := fdr.registerMemoryFD(offheap.Addr(m.b[4096:]), 4096, rw, m.fd, 4096)
 	if err != nil {
 		t.Fatal(err)
 	}
 	mr.Close()
-	if _, err := fdr.RegisterMemoryFD(offheap.Addr(m.b), 4096, rw, m.fd, 8192); !errors.Is(err, ErrNotShared) {
+	if _, err := fdr.registerMemoryFD(offheap.Addr(m.b), 4096, rw, m.fd, 8192); !errors.Is(err, errNotShared) {
 		t.Fatalf("wrong offset: %v", err)
 	}
-	if _, err := fdr.RegisterMemoryFD(offheap.Addr(n.mems[an.RKey()].b), 4096, rw, m.fd, 0); !errors.Is(err, ErrNotShared) {
+	if _, err := fdr.registerMemoryFD(offheap.Addr(n.mems[an.RKey()].b), 4096, rw, m.fd, 0); !errors.Is(err, errNotShared) {
 		t.Fatalf("anonymous memory: %v", err)
 	}
 }

@@ -87,7 +87,7 @@ type slot struct {
 
 // pd is a protection domain: its regions and its published table.
 type pd struct {
-	dev *Device
+	dev *device
 
 	mu      sync.RWMutex // guards slots; held for reading during local copies
 	slots   [tableSlots]slot
@@ -97,7 +97,7 @@ type pd struct {
 	closed  bool
 }
 
-func newPD(d *Device) (*pd, error) {
+func newPD(d *device) (*pd, error) {
 	fd, mem, err := newMemfd("gdrlink-onnode-mrtable", tableFile)
 	if err != nil {
 		return nil, fmt.Errorf("%w: onnode: %w", verbsio.ErrNotSupported, err)
@@ -112,27 +112,19 @@ func (p *pd) RegisterMemory(addr uintptr, length int, access verbsio.Access) (ve
 	return p.register(addr, length, access, -1, 0, true)
 }
 
-// RegisterMemoryFD registers memory that is a MAP_SHARED mapping of fd at
-// offset (an alloc memfd region: Region.FD). The descriptor is duplicated;
-// the caller keeps its own.
-func (p *pd) RegisterMemoryFD(addr uintptr, length int, access verbsio.Access, fd int, offset int64) (verbsio.MemoryRegion, error) {
+// registerMemoryFD registers memory that is a MAP_SHARED mapping of fd at
+// offset (an alloc memfd region: Region.FD), where RegisterMemory finds the
+// file by itself in /proc/self/maps. The descriptor is duplicated; the
+// caller keeps its own.
+func (p *pd) registerMemoryFD(addr uintptr, length int, access verbsio.Access, fd int, offset int64) (verbsio.MemoryRegion, error) {
 	if fd < 0 || offset < 0 {
 		return nil, fmt.Errorf("%w: onnode: file descriptor %d offset %d", verbsio.ErrBadConfig, fd, offset)
 	}
 	return p.register(addr, length, access, fd, offset, false)
 }
 
-// FDRegistrar is implemented by the provider's protection domains: it
-// registers memory that is a shared mapping of a file, so that peers can map
-// it. A memory-region visitor uses it when an arena has a file descriptor.
-type FDRegistrar interface {
-	RegisterMemoryFD(addr uintptr, length int, access verbsio.Access, fd int, offset int64) (verbsio.MemoryRegion, error)
-}
-
-var _ FDRegistrar = (*pd)(nil)
-
 func (p *pd) register(addr uintptr, length int, access verbsio.Access, fd int, offset int64, detect bool) (verbsio.MemoryRegion, error) {
-	if length <= 0 || length > MaxMessage*2 {
+	if length <= 0 || length > maxMessage*2 {
 		return nil, fmt.Errorf("%w: onnode: region length %d", verbsio.ErrLocalLength, length)
 	}
 	if access&^validAccess != 0 {
@@ -154,7 +146,7 @@ func (p *pd) register(addr uintptr, length int, access verbsio.Access, fd int, o
 		}
 		m := ms[0]
 		if len(ms) != 1 || !m.Shared() || m.Inode != st.Ino || m.Offset+(uint64(addr)-m.Start) != uint64(offset) {
-			return nil, fmt.Errorf("%w: %#x+%d and fd %d offset %d", ErrNotShared, addr, length, fd, offset)
+			return nil, fmt.Errorf("%w: %#x+%d and fd %d offset %d", errNotShared, addr, length, fd, offset)
 		}
 		if fileFD, err = unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0); err != nil {
 			return nil, fmt.Errorf("%w: onnode: dup fd %d: %w", verbsio.ErrNotSupported, fd, err)

@@ -14,19 +14,19 @@ import (
 // Name is the provider's registered name.
 const Name = "onnode"
 
-// DeviceName is the name of the provider's one device.
-const DeviceName = "onnode0"
+// deviceName is the name of the provider's one device.
+const deviceName = "onnode0"
 
 // Limits advertised in Caps.
 const (
-	// MaxSGE is the most scatter/gather entries per work request.
-	MaxSGE = 16
-	// MaxInline is the largest inline payload.
-	MaxInline = 64 << 10
-	// MaxQPDepth is the deepest queue a queue pair may ask for.
-	MaxQPDepth = 65536
-	// MaxMessage is the largest single write, read or send.
-	MaxMessage = 1 << 31
+	// maxSGE is the most scatter/gather entries per work request.
+	maxSGE = 16
+	// maxInline is the largest inline payload.
+	maxInline = 64 << 10
+	// maxQPDepth is the deepest queue a queue pair may ask for.
+	maxQPDepth = 65536
+	// maxMessage is the largest single write, read or send.
+	maxMessage = 1 << 31
 )
 
 func init() { verbsio.Register(provider{}) }
@@ -46,7 +46,7 @@ const (
 	MechSHM
 )
 
-// String names the mechanism as ParseMechanism reads it.
+// String names the mechanism as GDRLINK_ONNODE_MECH spells it.
 func (m Mechanism) String() string {
 	switch m {
 	case MechAuto:
@@ -59,8 +59,8 @@ func (m Mechanism) String() string {
 	return fmt.Sprintf("Mechanism(%d)", uint8(m))
 }
 
-// ParseMechanism reads "auto", "vm" or "shm".
-func ParseMechanism(s string) (Mechanism, error) {
+// parseMechanism reads "auto", "vm" or "shm".
+func parseMechanism(s string) (Mechanism, error) {
 	switch strings.ToLower(s) {
 	case "", "auto":
 		return MechAuto, nil
@@ -77,23 +77,23 @@ type Options struct {
 	// Mechanism is how writes cross into the peer (GDRLINK_ONNODE_MECH).
 	Mechanism Mechanism
 	// Spin is how long CompletionQueue.Wait polls before it sleeps
-	// (GDRLINK_ONNODE_SPIN, a Go duration; default DefaultSpin).
+	// (GDRLINK_ONNODE_SPIN, a Go duration; default 50us).
 	Spin time.Duration
 	// DeregTimeout bounds how long closing a memory region waits for writes
-	// of peers in flight (default DefaultDeregTimeout).
+	// of peers in flight (default 5s).
 	DeregTimeout time.Duration
 }
 
 // Defaults of Options.
 const (
-	DefaultSpin         = 50 * time.Microsecond
-	DefaultDeregTimeout = 5 * time.Second
+	defaultSpin         = 50 * time.Microsecond
+	defaultDeregTimeout = 5 * time.Second
 )
 
 // OptionsFromEnv reads GDRLINK_ONNODE_MECH and GDRLINK_ONNODE_SPIN.
 func OptionsFromEnv() (Options, error) {
-	o := Options{Spin: DefaultSpin, DeregTimeout: DefaultDeregTimeout}
-	m, err := ParseMechanism(os.Getenv("GDRLINK_ONNODE_MECH"))
+	o := Options{Spin: defaultSpin, DeregTimeout: defaultDeregTimeout}
+	m, err := parseMechanism(os.Getenv("GDRLINK_ONNODE_MECH"))
 	if err != nil {
 		return o, err
 	}
@@ -124,11 +124,11 @@ func (provider) Open(cfg verbsio.Config) (verbsio.Device, error) {
 	if err != nil {
 		return nil, err
 	}
-	return Open(cfg, o)
+	return OpenDevice(cfg, o)
 }
 
 func deviceInfo() verbsio.DeviceInfo {
-	return verbsio.DeviceInfo{Provider: Name, Name: DeviceName, NUMANode: -1}
+	return verbsio.DeviceInfo{Provider: Name, Name: deviceName, NUMANode: -1}
 }
 
 // bootPath is where the host's identity is read.
@@ -146,15 +146,15 @@ func bootID() (string, error) {
 	return id, nil
 }
 
-// Open opens the provider's device with explicit options; verbsio.Open("onnode",
-// cfg) does the same with OptionsFromEnv.
-func Open(cfg verbsio.Config, o Options) (verbsio.Device, error) {
-	cfg = cfg.WithDefaults()
-	if err := cfg.Validate(); err != nil {
+// OpenDevice opens the provider's device with explicit options;
+// verbsio.Open("onnode", cfg) does the same with OptionsFromEnv.
+func OpenDevice(cfg verbsio.Config, o Options) (verbsio.Device, error) {
+	cfg, err := cfg.Resolve()
+	if err != nil {
 		return nil, err
 	}
-	if cfg.Device != "" && cfg.Device != DeviceName {
-		return nil, fmt.Errorf("%w: onnode has no device %q (it has %s)", verbsio.ErrBadConfig, cfg.Device, DeviceName)
+	if cfg.Device != "" && cfg.Device != deviceName {
+		return nil, fmt.Errorf("%w: onnode has no device %q (it has %s)", verbsio.ErrBadConfig, cfg.Device, deviceName)
 	}
 	if o.Mechanism > MechSHM {
 		return nil, fmt.Errorf("%w: %s", verbsio.ErrBadConfig, o.Mechanism)
@@ -163,18 +163,17 @@ func Open(cfg verbsio.Config, o Options) (verbsio.Device, error) {
 		o.Spin = 0
 	}
 	if o.DeregTimeout <= 0 {
-		o.DeregTimeout = DefaultDeregTimeout
+		o.DeregTimeout = defaultDeregTimeout
 	}
 	host, err := bootID()
 	if err != nil {
 		return nil, fmt.Errorf("%w: onnode: %w", verbsio.ErrNoDevice, err)
 	}
-	return &Device{cfg: cfg, opts: o, host: host}, nil
+	return &device{cfg: cfg, opts: o, host: host}, nil
 }
 
-// Device is the provider's device. Besides verbsio.Device it tells which
-// options it runs with.
-type Device struct {
+// device is the provider's device.
+type device struct {
 	cfg  verbsio.Config
 	opts Options
 	host string
@@ -184,45 +183,42 @@ type Device struct {
 	closed   bool
 }
 
-// Options returns the options the device was opened with.
-func (d *Device) Options() Options { return d.opts }
-
 // Info implements verbsio.Device.
-func (d *Device) Info() verbsio.DeviceInfo { return deviceInfo() }
+func (d *device) Info() verbsio.DeviceInfo { return deviceInfo() }
 
 // Caps implements verbsio.Device.
-func (d *Device) Caps() verbsio.Caps {
+func (d *device) Caps() verbsio.Caps {
 	return verbsio.Caps{
 		Provider:           Name,
 		MemoryTypes:        []tensor.DeviceKind{tensor.CPU, tensor.PinnedHost},
 		DMABuf:             false,
 		WriteWithImmediate: true,
-		MaxInline:          MaxInline,
-		MaxSGE:             MaxSGE,
-		MaxQPDepth:         MaxQPDepth,
-		MaxMessage:         MaxMessage,
+		MaxInline:          maxInline,
+		MaxSGE:             maxSGE,
+		MaxQPDepth:         maxQPDepth,
+		MaxMessage:         maxMessage,
 		SameHostOnly:       true,
 	}
 }
 
-func (d *Device) addChild() error {
+func (d *device) addChild() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.closed {
-		return fmt.Errorf("%w: device %s", verbsio.ErrClosed, DeviceName)
+		return fmt.Errorf("%w: device %s", verbsio.ErrClosed, deviceName)
 	}
 	d.children++
 	return nil
 }
 
-func (d *Device) dropChild() {
+func (d *device) dropChild() {
 	d.mu.Lock()
 	d.children--
 	d.mu.Unlock()
 }
 
 // AllocPD implements verbsio.Device.
-func (d *Device) AllocPD() (verbsio.ProtectionDomain, error) {
+func (d *device) AllocPD() (verbsio.ProtectionDomain, error) {
 	if err := d.addChild(); err != nil {
 		return nil, err
 	}
@@ -235,7 +231,7 @@ func (d *Device) AllocPD() (verbsio.ProtectionDomain, error) {
 }
 
 // CreateCQ implements verbsio.Device.
-func (d *Device) CreateCQ(depth int) (verbsio.CompletionQueue, error) {
+func (d *device) CreateCQ(depth int) (verbsio.CompletionQueue, error) {
 	if depth < 1 || depth > 1<<22 {
 		return nil, fmt.Errorf("%w: completion queue depth %d, want 1..%d", verbsio.ErrBadConfig, depth, 1<<22)
 	}
@@ -246,14 +242,14 @@ func (d *Device) CreateCQ(depth int) (verbsio.CompletionQueue, error) {
 }
 
 // Close implements verbsio.Device: ErrBusy while domains or queues live.
-func (d *Device) Close() error {
+func (d *device) Close() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.closed {
 		return nil
 	}
 	if d.children > 0 {
-		return fmt.Errorf("%w: device %s has %d live protection domains or completion queues", verbsio.ErrBusy, DeviceName, d.children)
+		return fmt.Errorf("%w: device %s has %d live protection domains or completion queues", verbsio.ErrBusy, deviceName, d.children)
 	}
 	d.closed = true
 	return nil

@@ -139,12 +139,12 @@ func newQP(p *pd, cfg verbsio.QPConfig) (*qp, error) {
 		q.maxSGE = 1
 	}
 	switch {
-	case q.maxSend < 1 || q.maxSend > MaxQPDepth || q.maxRecv < 1 || q.maxRecv > MaxQPDepth:
-		return nil, fmt.Errorf("%w: onnode queue depths %d/%d, want 1..%d", verbsio.ErrBadConfig, q.maxSend, q.maxRecv, MaxQPDepth)
-	case q.maxSGE < 1 || q.maxSGE > MaxSGE:
-		return nil, fmt.Errorf("%w: onnode MaxSGE %d, want 1..%d", verbsio.ErrBadConfig, q.maxSGE, MaxSGE)
-	case q.maxInline < 0 || q.maxInline > MaxInline:
-		return nil, fmt.Errorf("%w: onnode MaxInline %d, want 0..%d", verbsio.ErrBadConfig, q.maxInline, MaxInline)
+	case q.maxSend < 1 || q.maxSend > maxQPDepth || q.maxRecv < 1 || q.maxRecv > maxQPDepth:
+		return nil, fmt.Errorf("%w: onnode queue depths %d/%d, want 1..%d", verbsio.ErrBadConfig, q.maxSend, q.maxRecv, maxQPDepth)
+	case q.maxSGE < 1 || q.maxSGE > maxSGE:
+		return nil, fmt.Errorf("%w: onnode MaxSGE %d, want 1..%d", verbsio.ErrBadConfig, q.maxSGE, maxSGE)
+	case q.maxInline < 0 || q.maxInline > maxInline:
+		return nil, fmt.Errorf("%w: onnode MaxInline %d, want 0..%d", verbsio.ErrBadConfig, q.maxInline, maxInline)
 	}
 	if err := p.addQP(); err != nil {
 		return nil, err
@@ -226,10 +226,10 @@ func (q *qp) Endpoint() verbsio.Endpoint {
 // State implements verbsio.QueuePair.
 func (q *qp) State() verbsio.QPState { return verbsio.QPState(q.state.Load()) }
 
-// LastError returns the error that moved a queue pair of this provider to the
+// lastError returns the error that moved a queue pair of this provider to the
 // error state (it wraps the verbsio sentinel and, for refused cross-process
 // copies, ErrCrossMemory and the errno), or nil.
-func LastError(qpair verbsio.QueuePair) error {
+func lastError(qpair verbsio.QueuePair) error {
 	q, ok := qpair.(*qp)
 	if !ok {
 		return nil
@@ -455,7 +455,7 @@ func (q *qp) detachPeer() {
 // vmCopy moves n bytes between local (in order) and the peer's addr with
 // process_vm_writev (write) or process_vm_readv.
 func (q *qp) vmCopy(write bool, local [][]byte, addr uint64, n int) error {
-	var arr [MaxSGE + 1]unix.Iovec
+	var arr [maxSGE + 1]unix.Iovec
 	done := 0
 	for done < n {
 		iov, skip := arr[:0], done

@@ -60,7 +60,7 @@ func (q *qp) PostSend(wrs []verbsio.SendWR) error {
 			q.enqueue(ps)
 			return nil
 		}
-		if err := LastError(q); err != nil {
+		if err := lastError(q); err != nil {
 			return fmt.Errorf("%w: queue pair in error state: %w", verbsio.ErrQPState, err)
 		}
 		return fmt.Errorf("%w: queue pair in error state", verbsio.ErrQPState)
@@ -125,14 +125,14 @@ func (q *qp) sendFail(st verbsio.Status, err error) {
 // exec carries out one work request. The caller holds sendMu.
 func (q *qp) exec(w *verbsio.SendWR) (verbsio.Status, error) {
 	total := sgLen(w.SG)
-	if total > MaxMessage {
-		return verbsio.StatusLocalLength, fmt.Errorf("%w: %d bytes, at most %d", verbsio.ErrLocalLength, total, MaxMessage)
+	if total > maxMessage {
+		return verbsio.StatusLocalLength, fmt.Errorf("%w: %d bytes, at most %d", verbsio.ErrLocalLength, total, maxMessage)
 	}
 	if q.lost.Load() {
 		q.lossReported.Store(true)
-		return verbsio.StatusRetryExceeded, LastError(q)
+		return verbsio.StatusRetryExceeded, lastError(q)
 	}
-	var arr [MaxSGE][]byte
+	var arr [maxSGE][]byte
 	segs := arr[:0]
 	if w.Inline {
 		for _, s := range w.SG {
@@ -242,7 +242,7 @@ func (q *qp) produce(kind, flags uint8, imm, n uint32, segs [][]byte, from int, 
 			return verbsio.StatusRetryExceeded, fmt.Errorf("%w: %w: onnode peer ring full for %s", verbsio.ErrPeerLost, verbsio.ErrTimeout, ringFullTimeout)
 		}
 		if q.lost.Load() {
-			return verbsio.StatusRetryExceeded, LastError(q)
+			return verbsio.StatusRetryExceeded, lastError(q)
 		}
 		select {
 		case <-q.done:

@@ -3,6 +3,7 @@ package tcp_test
 import (
 	"context"
 	"errors"
+	"net"
 	"strings"
 	"testing"
 	"time"
@@ -96,5 +97,33 @@ func TestOptionsFromEnv(t *testing.T) {
 	t.Setenv("GDRLINK_TCP_SOCKET_BUFFER", "4194304")
 	if o, err := tcp.OptionsFromEnv(); err != nil || o.Lanes != 3 || o.SocketBuffer != 4<<20 {
 		t.Errorf("got %+v, %v", o, err)
+	}
+}
+
+// TestInfoAddress checks that an open device says where peers reach it,
+// through verbsio.DeviceInfo alone, and that the registered provider's
+// device list (of devices not yet open) leaves the address empty.
+func TestInfoAddress(t *testing.T) {
+	dev, err := verbsio.Open("tcp", verbsio.Config{ListenAddr: "127.0.0.1:0"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dev.Close()
+	addr := dev.Info().Address
+	if !strings.HasPrefix(addr, "127.0.0.1:") || addr == "127.0.0.1:0" {
+		t.Errorf("Info().Address = %q, want the listener's 127.0.0.1 port", addr)
+	}
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatalf("dialing Info().Address: %v", err)
+	}
+	c.Close()
+	p, err := verbsio.Lookup("tcp")
+	if err != nil {
+		t.Fatal(err)
+	}
+	infos, err := p.Devices()
+	if err != nil || len(infos) != 1 || infos[0].Address != "" {
+		t.Errorf("Devices() = %+v, %v; want one device without an address", infos, err)
 	}
 }

@@ -16,7 +16,7 @@ const spinPolls = 64
 // cq is a completion queue: a growing FIFO and a channel that wakes a
 // sleeping Wait.
 type cq struct {
-	dev *Device
+	dev *device
 
 	mu     sync.Mutex
 	q      []verbsio.Completion
@@ -27,7 +27,7 @@ type cq struct {
 	done   chan struct{}
 }
 
-func newCQ(d *Device, depth int) *cq {
+func newCQ(d *device, depth int) *cq {
 	return &cq{dev: d, q: make([]verbsio.Completion, 0, min(depth, 4096)), notify: make(chan struct{}, 1), done: make(chan struct{})}
 }
 

@@ -15,6 +15,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/gdrlink/gdrlink/internal/hostid"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
@@ -47,10 +48,9 @@ func (provider) Open(cfg verbsio.Config) (verbsio.Device, error) {
 type Options struct {
 	// Lanes is how many TCP connections each queue pair opens to its peer
 	// (GDRLINK_TCP_LANES, 1..16). Writes of at least StripeMin bytes are
-	// striped across them. 0 means DefaultLanes.
+	// striped across them. 0 means 1.
 	Lanes int
-	// StripeMin is the smallest write that is striped; 0 means
-	// DefaultStripeMin.
+	// StripeMin is the smallest write that is striped; 0 means 1 MiB.
 	StripeMin int
 	// SocketBuffer sets SO_SNDBUF and SO_RCVBUF of every connection
 	// (GDRLINK_TCP_SOCKET_BUFFER, bytes); 0 leaves the kernel's automatic
@@ -58,7 +58,7 @@ type Options struct {
 	SocketBuffer int
 	// RNRTimeout is how long a send or write with immediate waits at the
 	// receiver for a posted receive before it fails the sender with
-	// StatusRemoteOperation; 0 means DefaultRNRTimeout.
+	// StatusRemoteOperation; 0 means 5s.
 	RNRTimeout time.Duration
 	// AdvertiseAddr is the "host:port" put in endpoints
 	// (GDRLINK_ADVERTISE_ADDR); "" means the listener's address, with an
@@ -66,11 +66,11 @@ type Options struct {
 	AdvertiseAddr string
 }
 
-// Defaults of Options.
+// Defaults of Options, and the largest inline payload.
 const (
-	DefaultLanes      = 1
-	DefaultStripeMin  = 1 << 20
-	DefaultRNRTimeout = 5 * time.Second
+	defaultLanes      = 1
+	defaultStripeMin  = 1 << 20
+	defaultRNRTimeout = 5 * time.Second
 	maxInline         = 4096
 )
 
@@ -99,21 +99,21 @@ func OptionsFromEnv() (Options, error) {
 
 func (o Options) withDefaults() Options {
 	if o.Lanes == 0 {
-		o.Lanes = DefaultLanes
+		o.Lanes = defaultLanes
 	}
 	if o.StripeMin == 0 {
-		o.StripeMin = DefaultStripeMin
+		o.StripeMin = defaultStripeMin
 	}
 	if o.RNRTimeout == 0 {
-		o.RNRTimeout = DefaultRNRTimeout
+		o.RNRTimeout = defaultRNRTimeout
 	}
 	return o
 }
 
-// Device is an open tcp device: a listener that peers' queue pairs dial,
+// device is an open tcp device: a listener that peers' queue pairs dial,
 // and the tables of its protection domains, completion queues and queue
 // pairs. It implements verbsio.Device.
-type Device struct {
+type device struct {
 	cfg    verbsio.Config
 	opt    Options
 	ln     net.Listener
@@ -132,12 +132,22 @@ type Device struct {
 	wg     sync.WaitGroup
 }
 
-// OpenDevice opens a tcp device: it listens on cfg.ListenAddr (an
-// ephemeral loopback port when empty). cfg.Device is ignored: the provider
-// has one device.
-func OpenDevice(cfg verbsio.Config, opt Options) (*Device, error) {
-	cfg = cfg.WithDefaults()
-	if err := cfg.Validate(); err != nil {
+// OpenDevice opens a tcp device with explicit options; verbsio.Open("tcp",
+// cfg) does the same with OptionsFromEnv. The device listens on cfg.ListenAddr
+// (an ephemeral loopback port when empty), and its Info().Address says
+// where peers reach it. cfg.Device is ignored: the provider has one device.
+func OpenDevice(cfg verbsio.Config, opt Options) (verbsio.Device, error) {
+	d, err := openDevice(cfg, opt)
+	if err != nil {
+		return nil, err
+	}
+	return d, nil
+}
+
+// openDevice is OpenDevice returning the concrete device.
+func openDevice(cfg verbsio.Config, opt Options) (*device, error) {
+	cfg, err := cfg.Resolve()
+	if err != nil {
 		return nil, err
 	}
 	opt = opt.withDefaults()
@@ -156,13 +166,13 @@ func OpenDevice(cfg verbsio.Config, opt Options) (*Device, error) {
 	if adv == "" {
 		adv = advertised(ln.Addr().(*net.TCPAddr))
 	}
-	host, _ := verbsio.HostID()
+	host, _ := hostid.Get()
 	// The ack timeout of ibverbs (4.096 us * 2^Timeout, RetryCount+1 tries)
 	// becomes TCP_USER_TIMEOUT, with a floor so a loaded host is not taken
 	// for a dead one.
 	to := time.Duration(4096<<uint(cfg.Timeout)) * time.Nanosecond * time.Duration(cfg.RetryCount+1)
 	to = max(to, 10*time.Second)
-	d := &Device{cfg: cfg, opt: opt, ln: ln, addr: adv, host: host, userTO: to,
+	d := &device{cfg: cfg, opt: opt, ln: ln, addr: adv, host: host, userTO: to,
 		pds: map[*pd]struct{}{}, cqs: map[*cq]struct{}{}, qps: map[uint32]*qp{},
 		nextQP: rand.Uint32N(1 << 20), keys: map[uint32]struct{}{}, conns: map[net.Conn]struct{}{}}
 	d.wg.Add(1)
@@ -189,16 +199,14 @@ func advertised(a *net.TCPAddr) string {
 	return net.JoinHostPort("127.0.0.1", strconv.Itoa(a.Port))
 }
 
-// Addr is the "host:port" that peers dial.
-func (d *Device) Addr() string { return d.addr }
-
-// Info describes the device.
-func (d *Device) Info() verbsio.DeviceInfo {
-	return verbsio.DeviceInfo{Provider: Name, Name: Name, NUMANode: -1}
+// Info describes the device; its Address is the "host:port" that peers
+// dial.
+func (d *device) Info() verbsio.DeviceInfo {
+	return verbsio.DeviceInfo{Provider: Name, Name: Name, NUMANode: -1, Address: d.addr}
 }
 
 // Caps is what the device can do.
-func (d *Device) Caps() verbsio.Caps {
+func (d *device) Caps() verbsio.Caps {
 	return verbsio.Caps{
 		Provider:           Name,
 		MemoryTypes:        []tensor.DeviceKind{tensor.CPU, tensor.PinnedHost},
@@ -213,7 +221,7 @@ func (d *Device) Caps() verbsio.Caps {
 }
 
 // AllocPD makes a protection domain.
-func (d *Device) AllocPD() (verbsio.ProtectionDomain, error) {
+func (d *device) AllocPD() (verbsio.ProtectionDomain, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.closed {
@@ -226,7 +234,7 @@ func (d *Device) AllocPD() (verbsio.ProtectionDomain, error) {
 
 // CreateCQ makes a completion queue. depth is a hint: the queue grows as
 // needed, so it never overruns.
-func (d *Device) CreateCQ(depth int) (verbsio.CompletionQueue, error) {
+func (d *device) CreateCQ(depth int) (verbsio.CompletionQueue, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.closed {
@@ -242,7 +250,7 @@ func (d *Device) CreateCQ(depth int) (verbsio.CompletionQueue, error) {
 
 // Close stops the listener. It fails with ErrBusy while protection domains
 // or completion queues live. Idempotent.
-func (d *Device) Close() error {
+func (d *device) Close() error {
 	d.mu.Lock()
 	if d.closed {
 		d.mu.Unlock()
@@ -265,7 +273,7 @@ func (d *Device) Close() error {
 
 // newKey draws a fresh nonzero key never used by a region of the device.
 // Callers hold d.mu.
-func (d *Device) newKey() uint32 {
+func (d *device) newKey() uint32 {
 	for {
 		k := rand.Uint32()
 		if _, dup := d.keys[k]; k != 0 && !dup {
@@ -275,7 +283,7 @@ func (d *Device) newKey() uint32 {
 	}
 }
 
-func (d *Device) acceptLoop() {
+func (d *device) acceptLoop() {
 	defer d.wg.Done()
 	for {
 		c, err := d.ln.Accept()
@@ -301,7 +309,7 @@ func (d *Device) acceptLoop() {
 
 // handshake reads the hello of an accepted connection and hands it to its
 // queue pair, or answers why not and closes it.
-func (d *Device) handshake(c net.Conn) {
+func (d *device) handshake(c net.Conn) {
 	defer d.wg.Done()
 	done := func() {
 		d.mu.Lock()
@@ -350,7 +358,7 @@ func (d *Device) handshake(c net.Conn) {
 }
 
 // dial opens one lane to a peer's queue pair.
-func (d *Device) dial(ctx context.Context, addr string, h hello) (net.Conn, error) {
+func (d *device) dial(ctx context.Context, addr string, h hello) (net.Conn, error) {
 	var dl net.Dialer
 	c, err := dl.DialContext(ctx, "tcp", addr)
 	if err != nil {
@@ -385,7 +393,7 @@ func (d *Device) dial(ctx context.Context, addr string, h hello) (net.Conn, erro
 }
 
 // tune sets TCP_NODELAY, keepalive, TCP_USER_TIMEOUT and the socket buffers.
-func (d *Device) tune(c net.Conn) {
+func (d *device) tune(c net.Conn) {
 	tc, ok := c.(*net.TCPConn)
 	if !ok {
 		return

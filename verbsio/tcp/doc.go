@@ -80,7 +80,7 @@
 // 16 MiB writes moved 98-104% of a raw TCP stream's bytes per CPU second
 // with one lane and 85-105% with two or four; 1 MiB writes gained from
 // striping (two lanes about 1.3 to 1.8 times one). With no lane count
-// clearly ahead for large writes, DefaultLanes is 1, the simplest (no
+// clearly ahead for large writes, the default is 1 lane, the simplest (no
 // stripe round trip); more lanes (GDRLINK_TCP_LANES) are for links that one
 // TCP stream cannot fill.
 // Socket buffers are left to the kernel's automatic tuning by default:

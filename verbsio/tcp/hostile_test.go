@@ -18,7 +18,7 @@ import (
 // target is a queue pair with one registered page between two guard pages,
 // for tests that play a hostile peer with raw frames.
 type target struct {
-	dev  *Device
+	dev  *device
 	pd   verbsio.ProtectionDomain
 	cq   verbsio.CompletionQueue
 	qp   *qp
@@ -37,7 +37,7 @@ func newTarget(t testing.TB, access verbsio.Access) *target {
 // newTargetRNR is newTarget with how long a send waits for a receive.
 func newTargetRNR(t testing.TB, access verbsio.Access, rnr time.Duration) *target {
 	t.Helper()
-	dev, err := OpenDevice(verbsio.Config{}, Options{RNRTimeout: rnr})
+	dev, err := openDevice(verbsio.Config{}, Options{RNRTimeout: rnr})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -78,7 +78,7 @@ func newTargetRNR(t testing.TB, access verbsio.Access, rnr time.Duration) *targe
 // dial opens a raw lane to the target's queue pair.
 func (tg *target) dial(t testing.TB) net.Conn {
 	t.Helper()
-	c, err := net.Dial("tcp", tg.dev.Addr())
+	c, err := net.Dial("tcp", tg.dev.Info().Address)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -300,7 +300,7 @@ func TestHostileHello(t *testing.T) {
 		{"NoSuchQP", (&hello{lanes: 1, dstQP: tg.qp.id + 1000, dstNonce: tg.qp.nonce}).Append(nil), helloNoQP},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			c, err := net.Dial("tcp", tg.dev.Addr())
+			c, err := net.Dial("tcp", tg.dev.Info().Address)
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -27,7 +27,7 @@ func TestConformanceFourLanes(t *testing.T) {
 func TestStripedWriteImm(t *testing.T) {
 	opt := tcp.Options{Lanes: 3, StripeMin: 64 << 10}
 	type side struct {
-		dev *tcp.Device
+		dev verbsio.Device
 		pd  verbsio.ProtectionDomain
 		cq  verbsio.CompletionQueue
 		qp  verbsio.QueuePair
@@ -127,7 +127,7 @@ func TestStripedWriteImm(t *testing.T) {
 func TestStripedRemoteAccess(t *testing.T) {
 	opt := tcp.Options{Lanes: 3, StripeMin: 64 << 10}
 	const n = 1 << 20
-	var devs [2]*tcp.Device
+	var devs [2]verbsio.Device
 	var qps [2]verbsio.QueuePair
 	var cqs [2]verbsio.CompletionQueue
 	var mems [2][]byte

@@ -10,7 +10,7 @@ import (
 
 // pd is a protection domain: the regions and queue pairs that may use them.
 type pd struct {
-	dev *Device
+	dev *device
 
 	mu     sync.RWMutex
 	closed bool
@@ -123,7 +123,7 @@ func (p *pd) remote(rkey uint32, addr uint64, n uint32, need verbsio.Access) (*m
 	return m, offheap.Bytes(uintptr(addr), int(n)), nil
 }
 
-func (d *Device) dropKeys(m *mr) {
+func (d *device) dropKeys(m *mr) {
 	d.mu.Lock()
 	delete(d.keys, m.lkey)
 	delete(d.keys, m.rkey)

@@ -31,7 +31,7 @@ import (
 // lane 0 finds its bytes in place. Completions are delivered in post order.
 type qp struct {
 	pd       *pd
-	dev      *Device
+	dev      *device
 	scq, rcq *cq
 	id       uint32
 	nonce    uint64
