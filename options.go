@@ -141,7 +141,7 @@ func WithVerbsConfig(vc verbsio.Config) Option {
 // fromEnv reads the variables behind the options. Rank, size and root are
 // left to the bootstrap's reading of the launchers unless given.
 func fromEnv(lookup func(string) (string, bool)) (config, error) {
-	c := config{connectTimeout: verbsio.DefaultConnectTimeout}
+	c := config{connectTimeout: verbsio.DefaultConfig().ConnectTimeout}
 	get := func(k string) string { v, _ := lookup(k); return strings.TrimSpace(v) }
 	if v := get("GDRLINK_PROVIDER"); v != "" {
 		if err := WithProvider(v)(&c); err != nil {

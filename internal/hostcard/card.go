@@ -13,6 +13,7 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/gdrlink/gdrlink/internal/hostid"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
@@ -35,7 +36,7 @@ type Card struct {
 // listing the given usable providers.
 func Local(root string, providers []string) Card {
 	c := Card{Providers: slices.Clone(providers)}
-	if id, err := verbsio.HostIDAt(root); err == nil {
+	if id, err := hostid.At(root); err == nil {
 		c.Host = id
 	}
 	c.NetNS = readNS(root, "net")
