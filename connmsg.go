@@ -11,13 +11,16 @@ import (
 // the lower rank of a pair makes a connection: it sends connectMsg with a
 // provider and its channel's hello, and the higher rank answers with its
 // own hello. The higher rank asks the lower one to start with kickMsg, and
-// the lower rank says it gave up (every provider failed) with giveUpMsg.
+// tells it that its side of an attempt failed with failedMsg (so the lower
+// rank stops waiting on it and tries the next provider); the lower rank
+// says it gave up (every provider failed) with giveUpMsg.
 const (
 	connMsgVersion = 1
 
 	kickMsg    = 1
 	connectMsg = 2
 	giveUpMsg  = 3
+	failedMsg  = 4
 )
 
 // maxConnField bounds a connection message's provider name.
@@ -26,7 +29,8 @@ const maxConnField = 64
 type connMsg struct {
 	kind     byte
 	provider string
-	// payload is the channel hello (connectMsg) or the reason (giveUpMsg).
+	// payload is the channel hello (connectMsg) or the reason (giveUpMsg,
+	// failedMsg).
 	payload []byte
 }
 
@@ -48,7 +52,7 @@ func decodeConnMsg(b []byte) (connMsg, error) {
 		return bad("no version header")
 	}
 	m := connMsg{kind: b[1]}
-	if m.kind < kickMsg || m.kind > giveUpMsg {
+	if m.kind < kickMsg || m.kind > failedMsg {
 		return bad(fmt.Sprintf("kind %d", m.kind))
 	}
 	b = b[2:]

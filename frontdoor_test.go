@@ -381,7 +381,7 @@ func TestEnvironment(t *testing.T) {
 }
 
 func TestConnMsg(t *testing.T) {
-	for _, m := range []connMsg{{kind: kickMsg}, {kind: connectMsg, provider: "tcp", payload: []byte("hello")}, {kind: giveUpMsg, payload: []byte("no")}} {
+	for _, m := range []connMsg{{kind: kickMsg}, {kind: connectMsg, provider: "tcp", payload: []byte("hello")}, {kind: giveUpMsg, payload: []byte("no")}, {kind: failedMsg, provider: "onnode", payload: []byte("refused")}} {
 		got, err := decodeConnMsg(m.Append(nil))
 		if err != nil || got.kind != m.kind || got.provider != m.provider || !bytes.Equal(got.payload, m.payload) {
 			t.Errorf("round trip of %+v: %+v, %v", m, got, err)

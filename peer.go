@@ -32,6 +32,10 @@ type peer struct {
 
 	mu       sync.Mutex
 	started  bool // lower: connecting; higher: kicked
+	// lower: the attempt in progress, which the higher rank's failedMsg
+	// cancels.
+	attempt       string
+	attemptCancel context.CancelFunc
 	ch       *rendezvous.Channel
 	provider string
 	gen      int // higher: the attempt the current channel belongs to
@@ -119,18 +123,27 @@ func (p *peer) connect(ctx context.Context) {
 	}
 	var errs []error
 	for _, prov := range p.cands {
+		actx, cancel := context.WithCancel(ctx)
+		p.mu.Lock()
+		p.attempt, p.attemptCancel = prov, cancel
+		p.mu.Unlock()
 		ch, err := g.newChannel(prov, p.rank)
 		if err == nil {
 			var reply []byte
-			reply, err = g.boot.Call(ctx, p.rank, connMsg{kind: connectMsg, provider: prov, payload: ch.Hello()}.Append(nil))
+			reply, err = g.boot.Call(actx, p.rank, connMsg{kind: connectMsg, provider: prov, payload: ch.Hello()}.Append(nil))
 			if err == nil {
-				err = ch.Connect(ctx, reply)
+				err = ch.Connect(actx, reply)
 			}
 			if err == nil {
+				cancel()
 				p.markConnected(ch, prov)
 				return
 			}
 			ch.Close()
+		}
+		cancel()
+		if ctx.Err() == nil && actx.Err() != nil {
+			err = fmt.Errorf("rank %d's side failed: %w", p.rank, err)
 		}
 		g.log.Warn("gdrlink: provider failed, trying the next", "rank", g.Rank(), "peer", p.rank, "provider", prov, "err", err)
 		errs = append(errs, fmt.Errorf("%s: %w", prov, err))
@@ -181,6 +194,16 @@ func (g *Group) onCall(ctx context.Context, from int, req []byte) ([]byte, error
 		return nil, nil
 	case giveUpMsg:
 		p.fail(fmt.Errorf("gdrlink: rank %d gave up connecting to rank %d: %s", from, g.Rank(), m.payload))
+		return nil, nil
+	case failedMsg:
+		if !p.lower {
+			return nil, fmt.Errorf("%w: rank %d reported a failed attempt to rank %d, but the lower rank connects", verbsio.ErrBadFrame, from, g.Rank())
+		}
+		p.mu.Lock()
+		if p.attempt == m.provider && p.attemptCancel != nil {
+			p.attemptCancel()
+		}
+		p.mu.Unlock()
 		return nil, nil
 	}
 	if p.lower {
@@ -236,10 +259,13 @@ func (p *peer) accept(provider string, hello []byte) ([]byte, error) {
 			return // replaced: the replacer closed ch
 		}
 		if err != nil {
-			// Closing tells the lower rank at once, so it moves on to the
-			// next provider (or gives up) instead of waiting out its timeout.
+			// Tell the lower rank at once, so it moves on to the next
+			// provider (or gives up) instead of waiting out its timeout.
 			ch.Close()
 			g.log.Warn("gdrlink: connection attempt failed", "rank", g.Rank(), "peer", p.rank, "provider", provider, "err", err)
+			if _, cerr := g.boot.Call(ctx, p.rank, connMsg{kind: failedMsg, provider: provider, payload: []byte(err.Error())}.Append(nil)); cerr != nil {
+				g.log.Warn("gdrlink: telling the lower rank of a failed attempt", "rank", g.Rank(), "peer", p.rank, "err", cerr)
+			}
 			return
 		}
 		p.markConnected(ch, provider)
