@@ -98,7 +98,8 @@ func (c *Channel) railKeys(m *wire.Message, addr uintptr, n int) {
 // reports whether it did. The rest (chunk 0, with the immediate) is posted
 // on the channel's queue pair once every rail's part has completed, so the
 // immediate still means "all bytes landed".
-func (c *Channel) stripeLocked(e *sendEntry) bool {
+func (s *sender) stripeLocked(e *sendEntry) bool {
+	c := s.c
 	k := min(len(e.railKeys), c.active)
 	if k == 0 || e.n < c.opts.stripeMin {
 		return false
@@ -114,8 +115,8 @@ func (c *Channel) stripeLocked(e *sendEntry) bool {
 		wrs []verbsio.SendWR
 	}
 	var posts []post
-	seq := c.nextWrite
-	c.nextWrite++
+	seq := s.nextWrite
+	s.nextWrite++
 	for i := 0; i < k; i++ {
 		lo := chunk * int64(i+1)
 		if lo >= e.n {
@@ -146,7 +147,7 @@ func (c *Channel) stripeLocked(e *sendEntry) bool {
 		posts = append(posts, post{rl, wrs})
 	}
 	e.railPending = 0
-	c.striping[seq] = e
+	s.striping[seq] = e
 	for _, p := range posts {
 		if err := p.rl.qp.PostSend(p.wrs); err != nil {
 			var ds deliveries
@@ -158,7 +159,7 @@ func (c *Channel) stripeLocked(e *sendEntry) bool {
 		e.railPending += len(p.wrs)
 	}
 	e.firstChunk = chunk
-	c.stats.striped.Add(1)
+	s.stats.striped.Add(1)
 	return true
 }
 
@@ -187,20 +188,26 @@ func (c *Channel) pollRail(rl *rail) {
 				c.failLocked(c.peerLost(fmt.Errorf("rail %s: %s %s: %w", rl.name, wc.Op, wc.Status, wc.Status.Err())), &ds, stateFailed)
 				continue
 			}
-			seq := (wc.WRID &^ wridKind) >> 8
-			e, ok := c.striping[seq]
-			if !ok {
-				continue
-			}
-			if e.railPending--; e.railPending == 0 {
-				delete(c.striping, seq)
-				if c.state == stateConnected {
-					c.outq = append(c.outq, outItem{write: e})
-				}
-			}
+			c.snd.railPartDoneLocked((wc.WRID &^ wridKind) >> 8)
 		}
 		c.flushLocked()
 		c.mu.Unlock()
 		ds.run()
+	}
+}
+
+// railPartDoneLocked counts one completed rail work request of write seq;
+// once all of them are in, the rest of the write (with the immediate) is
+// queued for the channel's own queue pair.
+func (s *sender) railPartDoneLocked(seq uint64) {
+	e, ok := s.striping[seq]
+	if !ok {
+		return
+	}
+	if e.railPending--; e.railPending == 0 {
+		delete(s.striping, seq)
+		if s.c.state == stateConnected {
+			s.c.outq = append(s.c.outq, outItem{write: e})
+		}
 	}
 }
