@@ -355,16 +355,22 @@ func (c *Channel) Provider() string { return c.provider }
 // Device names the verbs device of the channel.
 func (c *Channel) Device() string { return c.devName }
 
-// Stats returns the channel's counters.
+// Stats returns the channel's counters, and what its sending side holds at
+// the time of the call.
 func (c *Channel) Stats() Stats {
 	r, s, ch := &c.rcv.stats, &c.snd.stats, &c.stats
-	return Stats{
+	st := Stats{
 		Requests: r.requests.Load(), MetaResponses: r.metaResponses.Load(), MetaInPlace: r.metaInPlace.Load(), ReRequests: r.reRequests.Load(), Finals: r.finals.Load(),
 		WritesIn: r.writesIn.Load(), WritesOut: s.writesOut.Load(), BytesIn: r.bytesIn.Load(), BytesOut: s.bytesOut.Load(),
 		Errors: r.errors.Load(), ControlOut: ch.controlOut.Load(), CreditsOnly: ch.creditsOnly.Load(), NameDefs: r.nameDefs.Load(),
 		ChecksumFailures: r.checksumFailures.Load(), Staged: s.staged.Load(), Striped: s.striped.Load(), Keepalives: ch.keepalives.Load(),
 		ChunksIn: r.chunksIn.Load(), ChunksOut: s.chunksOut.Load(),
+		RequestsIn: s.requestsIn.Load(), ReRequestsIn: s.reRequestsIn.Load(),
 	}
+	c.mu.Lock()
+	c.snd.statsLocked(&st)
+	c.mu.Unlock()
+	return st
 }
 
 // Err is why the channel stopped working, nil while it works.

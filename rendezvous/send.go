@@ -31,7 +31,19 @@ type sender struct {
 }
 
 type sendCounters struct {
+	requestsIn, reRequestsIn                        atomic.Uint64
 	writesOut, bytesOut, staged, striped, chunksOut atomic.Uint64
+}
+
+// statsLocked fills in what the sender holds now.
+func (s *sender) statsLocked(st *Stats) {
+	for _, e := range s.sends {
+		if e.has && !e.hasReq {
+			st.SendsPending++
+		}
+	}
+	st.Kept = len(s.kept)
+	st.WritesInFlight = len(s.writes) + len(s.striping)
 }
 
 func newSender(c *Channel) sender {
@@ -195,6 +207,7 @@ func (s *sender) onRequestLocked(m *wire.Message, ds *deliveries) {
 			return
 		}
 	}
+	s.stats.requestsIn.Add(1)
 	k := skey{name, m.Step}
 	e, ok := s.sends[k]
 	if ok && e.hasReq {
@@ -377,6 +390,7 @@ func (s *sender) onReRequestLocked(m *wire.Message, ds *deliveries) {
 		return
 	}
 	delete(s.kept, m.Req)
+	s.stats.reRequestsIn.Add(1)
 	e.raddr, e.rkey, e.rcap = m.Addr, m.RKey, m.Capacity
 	e.railKeys = append(e.railKeys[:0], m.RailKeys[:m.NumRailKeys]...)
 	e.chunkShift = m.ChunkShift
