@@ -69,7 +69,7 @@ func BenchmarkRecvRails(b *testing.B) {
 // real hardware.
 func BenchmarkRecvProxy(b *testing.B) {
 	const size = 64 << 20
-	for _, chunk := range []int{0, DefaultProxyChunk} {
+	for _, chunk := range []int{0, defaultProxyChunk} {
 		name := "one-write"
 		if chunk > 0 {
 			name = fmt.Sprintf("chunks-of-%dMiB", chunk>>20)

@@ -135,7 +135,7 @@ type outItem struct {
 // control buffers from mem (which must be registered with pd). Receives are
 // posted at once where the provider allows it.
 func New(dev verbsio.Device, pd verbsio.ProtectionDomain, mem Memory, opts ...Option) (*Channel, error) {
-	o := options{ring: DefaultRing, sendSlots: DefaultSendSlots, maxStrings: DefaultMaxStringBytes, maxTensor: DefaultMaxTensorBytes, stripeMin: DefaultStripeMin, keepalive: DefaultKeepalive, chunkShift: uint8(bits.TrailingZeros(DefaultProxyChunk)), log: slog.New(discard{})}
+	o := options{ring: defaultRing, sendSlots: defaultSendSlots, maxStrings: defaultMaxStringBytes, maxTensor: defaultMaxTensorBytes, stripeMin: defaultStripeMin, keepalive: defaultKeepalive, chunkShift: uint8(bits.TrailingZeros(defaultProxyChunk)), log: slog.New(discard{})}
 	for _, f := range opts {
 		if f == nil {
 			continue
@@ -286,7 +286,7 @@ func (c *Channel) Connect(ctx context.Context, peerHello []byte) error {
 	if int(m.Slot) < wire.MaxFrame {
 		return fmt.Errorf("%w: peer %s receive buffers of %d bytes, need %d", ErrMismatch, peer, m.Slot, wire.MaxFrame)
 	}
-	if m.Ring < MinRing {
+	if m.Ring < minRing {
 		return fmt.Errorf("%w: peer %s posts %d receive buffers", ErrMismatch, peer, m.Ring)
 	}
 	e := m.Endpoints[0]

@@ -10,29 +10,20 @@ import (
 	"github.com/gdrlink/gdrlink/tensor"
 )
 
-// Defaults of a channel.
+// Defaults of a channel; the options that change them say so.
 const (
-	// DefaultRing is the number of receive buffers posted per channel: the
-	// control messages and writes the peer may have in flight at once.
-	DefaultRing = 128
-	// MinRing is the smallest ring. Credits come back alone (CREDIT) once
+	defaultRing = 128
+	// minRing is the smallest ring. Credits come back alone (CREDIT) once
 	// at least max(2, ring/4) are owed, so a CREDIT received never makes
 	// another by itself, and a peer short of credits always has enough
 	// owed to it to get some back.
-	MinRing = 4
-	// DefaultSendSlots is the number of control-message send buffers.
-	DefaultSendSlots = 64
-	// DefaultMaxStringBytes caps the decoded size of one string tensor.
-	DefaultMaxStringBytes = 1 << 30
-	// DefaultMaxTensorBytes caps the size of one received tensor.
-	DefaultMaxTensorBytes = 64 << 30
-	// DefaultKeepalive is how long a channel with pending work waits on a
-	// silent peer before it sends a keepalive (WithKeepalive).
-	DefaultKeepalive = time.Second
-	// DefaultProxyChunk is the chunk in which proxy results larger than it
-	// are written (WithProxyChunk): a 64 MiB tensor comes in 16 writes,
-	// each copied to the GPU as soon as it lands.
-	DefaultProxyChunk = 4 << 20
+	minRing               = 4
+	defaultSendSlots      = 64
+	defaultMaxStringBytes = 1 << 30
+	defaultMaxTensorBytes = 64 << 30
+	defaultKeepalive      = time.Second
+	defaultProxyChunk     = 4 << 20
+	defaultStripeMin      = 4 << 20
 )
 
 // Proxy lands results on devices the NIC cannot write directly: the write
@@ -106,12 +97,16 @@ func WithName(name string) Option {
 	return func(o *options) error { o.name = name; return nil }
 }
 
-// WithRing sets how many receive buffers the channel posts (default
-// DefaultRing, MinRing..65535): the credits the peer starts with.
+// WithRing sets how many receive buffers the channel posts (default 128,
+// at least 4, at most 65535): the credits the peer starts with, so the
+// control messages and writes it may have in flight at once. Credits come
+// back alone (CREDIT) once at least max(2, n/4) are owed, so at 4 and above
+// a CREDIT received never makes another by itself, and a peer short of
+// credits always has enough owed to it to get some back.
 func WithRing(n int) Option {
 	return func(o *options) error {
-		if n < MinRing || n > 65535 {
-			return fmt.Errorf("%w: ring of %d buffers, want %d..65535", ErrBadOption, n, MinRing)
+		if n < minRing || n > 65535 {
+			return fmt.Errorf("%w: ring of %d buffers, want %d..65535", ErrBadOption, n, minRing)
 		}
 		o.ring = n
 		return nil
@@ -119,7 +114,7 @@ func WithRing(n int) Option {
 }
 
 // WithSendSlots sets how many control-message send buffers the channel has
-// (default DefaultSendSlots, 1..4096).
+// (default 64, 1..4096).
 func WithSendSlots(n int) Option {
 	return func(o *options) error {
 		if n < 1 || n > 4096 {
@@ -160,7 +155,8 @@ func WithProxy(p Proxy) Option {
 	}
 }
 
-// WithMaxStringBytes caps the decoded size of a received string tensor.
+// WithMaxStringBytes caps the decoded size of a received string tensor
+// (default 1 GiB).
 func WithMaxStringBytes(n int) Option {
 	return func(o *options) error {
 		if n <= 0 {
@@ -172,7 +168,7 @@ func WithMaxStringBytes(n int) Option {
 }
 
 // WithMaxTensorBytes caps the byte size of a tensor this side will allocate
-// for a peer (default DefaultMaxTensorBytes): a larger META_DATA_RESPONSE
+// for a peer (default 64 GiB): a larger META_DATA_RESPONSE
 // fails its Recv with ErrTooLarge instead of taking the memory.
 func WithMaxTensorBytes(n int64) Option {
 	return func(o *options) error {
@@ -184,9 +180,10 @@ func WithMaxTensorBytes(n int64) Option {
 	}
 }
 
-// WithProxyChunk sets the chunk of pipelined proxy results (default
-// DefaultProxyChunk; a power of two from 4 KiB to 1 GiB, or 0 for one write
-// per result). A result that lands in a ChunkedLanding (ProxyPath's) and is
+// WithProxyChunk sets the chunk of pipelined proxy results (default 4 MiB,
+// so a 64 MiB tensor comes in 16 writes, each copied to the GPU as soon as
+// it lands; a power of two from 4 KiB to 1 GiB, or 0 for one write per
+// result). A result that lands in a ChunkedLanding (ProxyPath's) and is
 // larger than n is asked for in chunks of n bytes: the request carries n
 // (TENSOR_REQUEST with wire.ReqChunks, or TENSOR_RE_REQUEST's chunk size),
 // so the sender needs no setting of its own, and the sender writes each
@@ -210,7 +207,7 @@ func WithProxyChunk(n int) Option {
 	}
 }
 
-// WithKeepalive sets the keepalive interval (default DefaultKeepalive; 0
+// WithKeepalive sets the keepalive interval (default 1s; 0
 // turns keepalives off). While the channel has pending work (a Recv not
 // answered, a Send or a request of the peer not matched, a tensor kept for
 // a re-request, a write in flight) and nothing has arrived from the peer for

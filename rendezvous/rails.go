@@ -18,9 +18,6 @@ type Rail struct {
 	Memory Memory
 }
 
-// DefaultStripeMin is the smallest write striped over a channel's rails.
-const DefaultStripeMin = 4 << 20
-
 // WithRails adds extra rails to the channel (at most wire.MaxRailKeys). The
 // peers use as many as both have.
 func WithRails(rails ...Rail) Option {
@@ -39,7 +36,7 @@ func WithRails(rails ...Rail) Option {
 }
 
 // WithStripeMin sets the smallest write striped over the rails (default
-// DefaultStripeMin): below it one queue pair is faster than coordinating
+// 4 MiB): below it one queue pair is faster than coordinating
 // several.
 func WithStripeMin(n int64) Option {
 	return func(o *options) error {
