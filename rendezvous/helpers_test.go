@@ -73,7 +73,7 @@ func registration(pd verbsio.ProtectionDomain, rail int) alloc.Visitor {
 }
 
 // regionIn finds an arena's region registered for rail.
-func regionIn(rail int) RegionOf {
+func regionIn(rail int) func(*alloc.Arena) (verbsio.MemoryRegion, bool) {
 	return func(a *alloc.Arena) (verbsio.MemoryRegion, bool) {
 		v, ok := a.Handle(mrKey{rail})
 		if !ok {
