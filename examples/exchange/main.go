@@ -28,6 +28,7 @@ import (
 
 	"github.com/dustin/go-humanize"
 	"github.com/gdrlink/gdrlink/alloc"
+	"github.com/gdrlink/gdrlink/alloc/visitor"
 	"github.com/gdrlink/gdrlink/internal/bootstrap"
 	"github.com/gdrlink/gdrlink/rendezvous"
 	"github.com/gdrlink/gdrlink/tensor"
@@ -105,19 +106,31 @@ func stream(steps int) []item {
 	}
 }
 
-// session is one process's endpoint (device, registered pool, channel) and
-// its bootstrap group.
+// session is one process's endpoint (device, protection domain, registered
+// pool, channel) and its bootstrap group.
 type session struct {
-	ep    *rendezvous.Endpoint
+	dev   verbsio.Device
+	pd    verbsio.ProtectionDomain
 	pool  *alloc.Pool
 	ch    *rendezvous.Channel
 	group *bootstrap.Group
 }
 
+// close closes the channel, the pool (deregistering its arenas), the
+// protection domain, the device and the group, in that order.
 func (s *session) close() error {
 	var errs []error
-	if s.ep != nil {
-		errs = append(errs, s.ep.Close())
+	if s.ch != nil {
+		errs = append(errs, s.ch.Close())
+	}
+	if s.pool != nil {
+		errs = append(errs, s.pool.Close())
+	}
+	if s.pd != nil {
+		errs = append(errs, s.pd.Close())
+	}
+	if s.dev != nil {
+		errs = append(errs, s.dev.Close())
 	}
 	if s.group != nil {
 		errs = append(errs, s.group.Close())
@@ -127,17 +140,27 @@ func (s *session) close() error {
 
 func open(ctx context.Context, log *slog.Logger, provider, name string, checksum bool, cfg bootstrap.Config, peer int) (*session, error) {
 	s := &session{}
-	// Every arena of the endpoint's pool is registered with the NIC once, by
-	// its registration visitor.
-	ep, err := rendezvous.OpenEndpoint(rendezvous.EndpointConfig{
-		Provider: provider,
-		Pool:     []alloc.Option{alloc.WithName(name), alloc.WithInitialArena(64 << 20)},
-		Channel:  []rendezvous.Option{rendezvous.WithName(name), rendezvous.WithChecksum(checksum), rendezvous.WithLogger(log)},
-	})
+	vc, err := verbsio.ConfigFromEnv()
 	if err != nil {
 		return s, err
 	}
-	s.ep, s.pool, s.ch = ep, ep.Pool, ep.Channel
+	if s.dev, err = verbsio.Open(provider, vc); err != nil {
+		return s, err
+	}
+	if s.pd, err = s.dev.AllocPD(); err != nil {
+		return s, err
+	}
+	// Every arena of the pool is registered with the NIC once, by its
+	// registration visitor.
+	reg := visitor.NewMemoryRegistration(s.pd, verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite|verbsio.AccessRemoteRead)
+	if s.pool, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{HugePages: true}),
+		alloc.WithVisitors(reg), alloc.WithName(name), alloc.WithInitialArena(64<<20)); err != nil {
+		return s, err
+	}
+	if s.ch, err = rendezvous.New(s.dev, s.pd, rendezvous.PoolMemory(reg.RegionOf, s.pool),
+		rendezvous.WithName(name), rendezvous.WithChecksum(checksum), rendezvous.WithLogger(log)); err != nil {
+		return s, err
+	}
 	if s.group, err = bootstrap.Join(ctx, cfg); err != nil {
 		return s, err
 	}
