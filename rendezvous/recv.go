@@ -375,7 +375,7 @@ func (rv *receiver) finishLocked(r *request, t *tensor.Tensor, err error, ds *de
 		tr.Path = PathNone
 	}
 	if err == nil {
-		c.log.Debug("rendezvous: transfer", "transfer", tr)
+		c.log.Debug("rendezvous: transfer", "transfer", tr.logValue())
 	}
 	if t == nil && err == nil && r.landing {
 		r.cb, r.tr = cb, tr // landedLocked delivers

@@ -72,8 +72,8 @@ type Transfer struct {
 	Took time.Duration
 }
 
-// LogValue makes a Transfer print as a group in structured logs.
-func (t Transfer) LogValue() slog.Value {
+// logValue is a Transfer as a group of a structured log record.
+func (t Transfer) logValue() slog.Value {
 	return slog.GroupValue(
 		slog.String("key", t.Key), slog.Int64("step", t.Step), slog.String("peer", t.Peer),
 		slog.String("path", t.Path.String()), slog.String("provider", t.Provider), slog.String("device", t.Device),
