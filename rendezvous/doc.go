@@ -31,7 +31,7 @@
 // arrive in order on the channel's own queue pair, never striped) and hands
 // each to the proxy as it lands, so the copy to the GPU overlaps the
 // network; the last chunk completes the request. Hosts with several
-// NICs may give a channel extra rails (WithRails): large writes are then
+// NICs may give a channel extra rails (WithRail): large writes are then
 // striped over all of them, the immediate following once every rail's part
 // has landed.
 //

@@ -182,7 +182,7 @@ func openSideRails(provider, name string, listen []string, opts ...Option) (*sid
 	}
 	s.mem = PoolMemory(regionOf, s.pool)
 	for i := range s.rdevs {
-		opts = append(opts, WithRails(Rail{Device: s.rdevs[i], PD: s.rpds[i], Memory: PoolMemory(regionIn(i+1), s.pool)}))
+		opts = append(opts, WithRail(s.rdevs[i], s.rpds[i], PoolMemory(regionIn(i+1), s.pool)))
 	}
 	if s.ch, err = New(s.dev, s.pd, s.mem, append([]Option{WithName(name)}, opts...)...); err != nil {
 		_ = s.close()

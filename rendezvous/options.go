@@ -80,7 +80,7 @@ type options struct {
 	stager     Stager
 	maxStrings int
 	maxTensor  int64
-	rails      []Rail
+	rails      []railConfig
 	stripeMin  int64
 	keepalive  time.Duration
 	chunkShift uint8 // proxy results come in chunks of 1<<chunkShift; 0: one write
@@ -188,7 +188,7 @@ func WithMaxTensorBytes(n int64) Option {
 // (TENSOR_REQUEST with wire.ReqChunks, or TENSOR_RE_REQUEST's chunk size),
 // so the sender needs no setting of its own, and the sender writes each
 // chunk with an immediate naming the request. The chunks go in order over
-// the channel's own queue pair, never striped over rails (WithRails), so
+// the channel's own queue pair, never striped over rails (WithRail), so
 // the receiver counts them instead of reading offsets from immediates; each
 // takes one of the receiver's posted receives, so each takes a credit, and
 // a long tensor waits for credits as they come back. Direct results keep

@@ -7,30 +7,29 @@ import (
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
-// Rail is an extra device of a channel: large writes are striped over the
-// channel's own queue pair and one queue pair per rail, so hosts with several
-// NICs (or several paths between two hosts) use them all. Memory must find
-// the same registered pool's regions as registered with PD (a second
-// memory-registration visitor on the pool).
-type Rail struct {
+// railConfig is an extra device of a channel, as WithRail gives it.
+type railConfig struct {
 	Device verbsio.Device
 	PD     verbsio.ProtectionDomain
 	Memory Memory
 }
 
-// WithRails adds extra rails to the channel (at most wire.MaxRailKeys). The
-// peers use as many as both have.
-func WithRails(rails ...Rail) Option {
+// WithRail adds an extra rail to the channel: a device dev, a protection
+// domain pd on it, and mem, which finds the regions registered with pd of
+// the same pools as the channel's Memory (a second memory-registration
+// visitor on each pool). Large writes are striped over the channel's own
+// queue pair and one queue pair per rail, so hosts with several NICs (or
+// several paths between two hosts) use them all. Give it once per rail, at
+// most wire.MaxRailKeys times; the peers use as many rails as both have.
+func WithRail(dev verbsio.Device, pd verbsio.ProtectionDomain, mem Memory) Option {
 	return func(o *options) error {
-		if len(o.rails)+len(rails) > wire.MaxRailKeys {
-			return fmt.Errorf("%w: %d rails, at most %d", ErrBadOption, len(o.rails)+len(rails), wire.MaxRailKeys)
+		if len(o.rails)+1 > wire.MaxRailKeys {
+			return fmt.Errorf("%w: %d rails, at most %d", ErrBadOption, len(o.rails)+1, wire.MaxRailKeys)
 		}
-		for i, r := range rails {
-			if r.Device == nil || r.PD == nil || r.Memory == nil {
-				return fmt.Errorf("%w: rail %d lacks a device, protection domain or memory", ErrBadOption, i)
-			}
+		if dev == nil || pd == nil || mem == nil {
+			return fmt.Errorf("%w: rail %d lacks a device, protection domain or memory", ErrBadOption, len(o.rails)+1)
 		}
-		o.rails = append(o.rails, rails...)
+		o.rails = append(o.rails, railConfig{Device: dev, PD: pd, Memory: mem})
 		return nil
 	}
 }
@@ -50,7 +49,7 @@ func WithStripeMin(n int64) Option {
 
 // rail is an extra rail's queue pair and completion queue.
 type rail struct {
-	Rail
+	railConfig
 	name  string
 	cq    verbsio.CompletionQueue
 	qp    verbsio.QueuePair
@@ -60,7 +59,7 @@ type rail struct {
 
 func (c *Channel) setupRails() error {
 	for i, r := range c.opts.rails {
-		rl := &rail{Rail: r, name: r.Device.Info().Name, done: make(chan struct{})}
+		rl := &rail{railConfig: r, name: r.Device.Info().Name, done: make(chan struct{})}
 		c.rails = append(c.rails, rl)
 		var err error
 		if rl.cq, err = r.Device.CreateCQ(c.sqMax); err != nil {
