@@ -45,6 +45,30 @@ func forEachProvider(t *testing.T, f func(t *testing.T, provider string)) {
 	}
 }
 
+// withSendSlots sets how many control-message send buffers the channel has
+// (default 64, 1..4096).
+func withSendSlots(n int) Option {
+	return func(o *options) error {
+		if n < 1 || n > 4096 {
+			return fmt.Errorf("%w: %d send slots, want 1..4096", ErrBadOption, n)
+		}
+		o.sendSlots = n
+		return nil
+	}
+}
+
+// withStripeMin sets the smallest write striped over the rails (default
+// 4 MiB).
+func withStripeMin(n int64) Option {
+	return func(o *options) error {
+		if n <= 0 {
+			return fmt.Errorf("%w: stripe minimum %d", ErrBadOption, n)
+		}
+		o.stripeMin = n
+		return nil
+	}
+}
+
 type mrKey struct{ rail int }
 
 // registration is the memory-registration visitor the tests use: each arena

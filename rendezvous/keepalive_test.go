@@ -321,7 +321,7 @@ func TestKeepaliveRespectsCredits(t *testing.T) {
 // they take come back, and the channel works and falls silent afterwards.
 func TestKeepaliveSmallestRing(t *testing.T) {
 	forEachProvider(t, func(t *testing.T, provider string) {
-		a, b := pair(t, provider, WithRing(minRing), WithSendSlots(1), WithKeepalive(2*time.Millisecond))
+		a, b := pair(t, provider, WithRing(minRing), withSendSlots(1), WithKeepalive(2*time.Millisecond))
 		ctx := recvCtx(t)
 		got := make(chan error, 1)
 		b.ch.RecvFunc(ctx, "late", 0, func(r *tensor.Tensor, _ Transfer, err error) {

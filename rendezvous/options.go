@@ -113,18 +113,6 @@ func WithRing(n int) Option {
 	}
 }
 
-// WithSendSlots sets how many control-message send buffers the channel has
-// (default 64, 1..4096).
-func WithSendSlots(n int) Option {
-	return func(o *options) error {
-		if n < 1 || n > 4096 {
-			return fmt.Errorf("%w: %d send slots, want 1..4096", ErrBadOption, n)
-		}
-		o.sendSlots = n
-		return nil
-	}
-}
-
 // WithChecksum turns checksum mode on: the sender sends the CRC-32C of every
 // tensor it writes, and the receiver verifies it on arrival (ErrChecksum).
 // Both peers must agree.
@@ -155,27 +143,18 @@ func WithProxy(p Proxy) Option {
 	}
 }
 
-// WithMaxStringBytes caps the decoded size of a received string tensor
-// (default 1 GiB).
-func WithMaxStringBytes(n int) Option {
-	return func(o *options) error {
-		if n <= 0 {
-			return fmt.Errorf("%w: string limit %d", ErrBadOption, n)
-		}
-		o.maxStrings = n
-		return nil
-	}
-}
-
 // WithMaxTensorBytes caps the byte size of a tensor this side will allocate
-// for a peer (default 64 GiB): a larger META_DATA_RESPONSE
-// fails its Recv with ErrTooLarge instead of taking the memory.
+// for a peer (default 64 GiB): a larger META_DATA_RESPONSE fails its Recv
+// with ErrTooLarge instead of taking the memory. It also caps the decoded
+// size of a received string tensor, which is 1 GiB by default and never
+// more.
 func WithMaxTensorBytes(n int64) Option {
 	return func(o *options) error {
 		if n <= 0 {
 			return fmt.Errorf("%w: tensor limit %d", ErrBadOption, n)
 		}
 		o.maxTensor = n
+		o.maxStrings = int(min(n, defaultMaxStringBytes))
 		return nil
 	}
 }

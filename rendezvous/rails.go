@@ -19,8 +19,10 @@ type railConfig struct {
 // the same pools as the channel's Memory (a second memory-registration
 // visitor on each pool). Large writes are striped over the channel's own
 // queue pair and one queue pair per rail, so hosts with several NICs (or
-// several paths between two hosts) use them all. Give it once per rail, at
-// most wire.MaxRailKeys times; the peers use as many rails as both have.
+// several paths between two hosts) use them all; writes of 4 MiB or more
+// are striped, as below that one queue pair is faster than coordinating
+// several. Give it once per rail, at most wire.MaxRailKeys times; the peers
+// use as many rails as both have.
 func WithRail(dev verbsio.Device, pd verbsio.ProtectionDomain, mem Memory) Option {
 	return func(o *options) error {
 		if len(o.rails)+1 > wire.MaxRailKeys {
@@ -30,19 +32,6 @@ func WithRail(dev verbsio.Device, pd verbsio.ProtectionDomain, mem Memory) Optio
 			return fmt.Errorf("%w: rail %d lacks a device, protection domain or memory", ErrBadOption, len(o.rails)+1)
 		}
 		o.rails = append(o.rails, railConfig{Device: dev, PD: pd, Memory: mem})
-		return nil
-	}
-}
-
-// WithStripeMin sets the smallest write striped over the rails (default
-// 4 MiB): below it one queue pair is faster than coordinating
-// several.
-func WithStripeMin(n int64) Option {
-	return func(o *options) error {
-		if n <= 0 {
-			return fmt.Errorf("%w: stripe minimum %d", ErrBadOption, n)
-		}
-		o.stripeMin = n
 		return nil
 	}
 }
