@@ -39,34 +39,32 @@ type Proxy interface {
 // host memory the NIC writes (Free abandons the landing); Landed is called
 // once, when every byte is in, and done runs once with the tensor on the
 // device or the error, from any goroutine.
+//
+// A landing with a method ChunkLanded(off, n int), as ProxyPath's have,
+// takes its bytes as they land, so that the copy to the device overlaps the
+// network. For a result larger than the channel's proxy chunk
+// (WithProxyChunk) the channel asks the sender to write it in chunks, each
+// a write with immediate, and calls ChunkLanded for every chunk but the
+// last, in order, from its completion goroutine, as each completes; Landed
+// follows the last chunk and covers the bytes not reported yet. ChunkLanded
+// must not block. A landing that fails part-way keeps its memory until
+// Landed or Free (the sender may still be writing) and reports the failure
+// through Landed's done. A landing with a method Direct() bool that returns
+// true (the NIC writes the device itself) gets one write, as any other
+// result.
 type Landing interface {
 	tensor.Buffer
 	Landed(done func(*tensor.Tensor, error))
 }
 
-// ChunkedLanding is a Landing that takes its bytes as they land, so that
-// the copy to the device overlaps the network. For a result larger than
-// the channel's proxy chunk (WithProxyChunk) the channel asks the sender to
-// write it in chunks, each a write with immediate, and calls ChunkLanded
-// for every chunk but the last, in order, from its completion goroutine, as
-// each completes; Landed follows the last chunk and covers the bytes not
-// reported yet. ChunkLanded must not block. A landing that fails part-way
-// keeps its memory until Landed or Free (the sender may still be writing)
-// and reports the failure through Landed's done. A landing with a method
-// Direct() bool that returns true (the NIC writes the device itself) gets
-// one write, as any other result.
-type ChunkedLanding interface {
+// chunkedLanding is a Landing that takes its bytes as they land.
+type chunkedLanding interface {
 	Landing
 	ChunkLanded(off, n int)
 }
 
-// Stager stages tensors in device memory the NIC cannot read into registered
-// host memory before they are written (the sending half of the proxy path;
-// ProxyPath implements it with package proxy's Stage).
-type Stager interface {
-	// Stage copies the first n bytes of src to host memory registered with
-	// the channel and calls done once, from any goroutine, with that memory
-	// (whose Free gives it back) or the error.
+// stager is a Proxy that also stages tensors to be sent (see WithProxy).
+type stager interface {
 	Stage(src tensor.Buffer, n int, done func(tensor.Buffer, error))
 }
 
@@ -77,7 +75,7 @@ type options struct {
 	checksum   bool
 	log        *slog.Logger
 	proxy      Proxy
-	stager     Stager
+	stager     stager
 	maxStrings int
 	maxTensor  int64
 	rails      []railConfig
@@ -131,12 +129,18 @@ func WithLogger(l *slog.Logger) Option {
 	}
 }
 
-// WithProxy sets the proxy path for GPU results the NIC cannot write; when p
-// is also a Stager, GPU tensors the NIC cannot read are sent through it.
+// WithProxy sets the proxy path for GPU results the NIC cannot write.
+//
+// When p also has a method Stage(src tensor.Buffer, n int, done
+// func(tensor.Buffer, error)), as ProxyPath's has, GPU tensors the NIC
+// cannot read are sent through it (the sending half of the proxy path): it
+// copies the first n bytes of src to host memory registered with the
+// channel and calls done once, from any goroutine, with that memory (whose
+// Free gives it back) or the error; the write goes from there.
 func WithProxy(p Proxy) Option {
 	return func(o *options) error {
 		o.proxy = p
-		if s, ok := p.(Stager); ok {
+		if s, ok := p.(stager); ok {
 			o.stager = s
 		}
 		return nil
@@ -162,7 +166,8 @@ func WithMaxTensorBytes(n int64) Option {
 // WithProxyChunk sets the chunk of pipelined proxy results (default 4 MiB,
 // so a 64 MiB tensor comes in 16 writes, each copied to the GPU as soon as
 // it lands; a power of two from 4 KiB to 1 GiB, or 0 for one write per
-// result). A result that lands in a ChunkedLanding (ProxyPath's) and is
+// result). A result that lands in a Landing with a ChunkLanded method
+// (ProxyPath's) and is
 // larger than n is asked for in chunks of n bytes: the request carries n
 // (TENSOR_REQUEST with wire.ReqChunks, or TENSOR_RE_REQUEST's chunk size),
 // so the sender needs no setting of its own, and the sender writes each

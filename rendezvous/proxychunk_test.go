@@ -51,16 +51,16 @@ func (w *landingWatch) Land(meta tensor.Meta, dev tensor.Device) (Landing, error
 	if err != nil {
 		return nil, err
 	}
-	return &watchedLanding{ChunkedLanding: l.(ChunkedLanding), w: w}, nil
+	return &watchedLanding{chunkedLanding: l.(chunkedLanding), w: w}, nil
 }
 
 type watchedLanding struct {
-	ChunkedLanding
+	chunkedLanding
 	w *landingWatch
 }
 
 func (l *watchedLanding) Direct() bool {
-	d, ok := l.ChunkedLanding.(interface{ Direct() bool })
+	d, ok := l.chunkedLanding.(interface{ Direct() bool })
 	return ok && d.Direct()
 }
 
@@ -73,14 +73,14 @@ func (l *watchedLanding) ChunkLanded(off, n int) {
 	if f != nil {
 		f(i)
 	}
-	l.ChunkedLanding.ChunkLanded(off, n)
+	l.chunkedLanding.ChunkLanded(off, n)
 }
 
 func (l *watchedLanding) Landed(done func(*tensor.Tensor, error)) {
 	l.w.mu.Lock()
 	l.w.landedAt = time.Now()
 	l.w.mu.Unlock()
-	l.ChunkedLanding.Landed(done)
+	l.chunkedLanding.Landed(done)
 }
 
 // proxySide is a receiving side whose GPU results go through a proxy onto

@@ -221,7 +221,7 @@ func (rv *receiver) bufTarget(r *request) (addr uint64, rkey uint32, capacity ui
 }
 
 // chunkShiftLocked decides whether r's result is asked for in chunks: a
-// ChunkedLanding (not writing the device directly) for a tensor larger than
+// Landing with a ChunkLanded method (not writing the device directly) for a tensor larger than
 // the channel's proxy chunk. It sets r.chunk and returns the chunk size as
 // carried on the wire, 0 for one write.
 func (rv *receiver) chunkShiftLocked(r *request) uint8 {
@@ -231,7 +231,7 @@ func (rv *receiver) chunkShiftLocked(r *request) uint8 {
 	if shift == 0 || r.meta.ByteSize <= int64(1)<<shift {
 		return 0
 	}
-	if _, ok := r.buf.(ChunkedLanding); !ok {
+	if _, ok := r.buf.(chunkedLanding); !ok {
 		return 0
 	}
 	if d, ok := r.buf.(interface{ Direct() bool }); ok && d.Direct() {
@@ -536,7 +536,7 @@ func (rv *receiver) onWriteLocked(imm uint32, ds *deliveries) {
 		total := int((r.meta.ByteSize + r.chunk - 1) / r.chunk)
 		r.chunks++
 		if r.chunks < total {
-			if l, ok := r.buf.(ChunkedLanding); ok && !r.cancelled {
+			if l, ok := r.buf.(chunkedLanding); ok && !r.cancelled {
 				off := int64(r.chunks-1) * r.chunk
 				n := r.chunk
 				ds.add(func() { l.ChunkLanded(int(off), int(n)) })

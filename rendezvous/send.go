@@ -287,11 +287,11 @@ func (s *sender) serveLocked(e *sendEntry, ds *deliveries) {
 	s.kept[e.req] = e
 }
 
-// errStaging says a source is being staged by the Stager.
+// errStaging says a source is being staged by the proxy (WithProxy).
 var errStaging = errors.New("rendezvous: staging")
 
 // prepareLocked finds (or makes) registered bytes to write from. A device
-// source the NIC cannot read goes to the Stager (after the lock, through
+// source the NIC cannot read goes to the proxy (after the lock, through
 // ds) and errStaging is returned.
 func (s *sender) prepareLocked(e *sendEntry, ds *deliveries) error {
 	c := s.c
@@ -458,7 +458,7 @@ func (s *sender) dropLocked(e *sendEntry, err error, ds *deliveries) {
 	}
 }
 
-// staged resumes a send whose source the Stager copied to host memory.
+// staged resumes a send whose source the proxy copied to host memory.
 func (s *sender) staged(e *sendEntry, n int, sb tensor.Buffer, err error) {
 	c := s.c
 	var ds deliveries
