@@ -30,7 +30,7 @@ func TestClosest(t *testing.T) {
 		}
 	}
 	if _, _, err := closest(nil, 0); !errors.Is(err, verbsio.ErrNoDevice) {
-		t.Errorf("Closest of nothing = %v", err)
+		t.Errorf("closest of nothing = %v", err)
 	}
 }
 
