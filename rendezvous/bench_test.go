@@ -42,12 +42,12 @@ func BenchmarkRecvRails(b *testing.B) {
 			for i := range listen {
 				listen[i] = "127.0.0.1:0"
 			}
-			a, err := openSideRails("tcp", "a", listen, WithStripeMin(1<<20))
+			a, err := openSideRails("tcp", "a", listen, withStripeMin(1<<20))
 			if err != nil {
 				b.Skipf("tcp unavailable: %v", err)
 			}
 			defer a.close()
-			c, err := openSideRails("tcp", "b", listen, WithStripeMin(1<<20))
+			c, err := openSideRails("tcp", "b", listen, withStripeMin(1<<20))
 			if err != nil {
 				b.Skipf("tcp unavailable: %v", err)
 			}
@@ -69,7 +69,7 @@ func BenchmarkRecvRails(b *testing.B) {
 // real hardware.
 func BenchmarkRecvProxy(b *testing.B) {
 	const size = 64 << 20
-	for _, chunk := range []int{0, DefaultProxyChunk} {
+	for _, chunk := range []int{0, defaultProxyChunk} {
 		name := "one-write"
 		if chunk > 0 {
 			name = fmt.Sprintf("chunks-of-%dMiB", chunk>>20)

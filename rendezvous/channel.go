@@ -48,6 +48,12 @@ type skey struct {
 // Channel is one side of the tensor protocol with one peer, over one queue
 // pair. It is safe for concurrent use. Make one with New, trade Hello with
 // the peer through a bootstrap, then Connect.
+//
+// A channel joins a sender (send.go: Send and the peer's requests) and a
+// receiver (recv.go: Recv and the peer's answers) over what they share: the
+// queue pair and its completion goroutine, the credits and the queue of
+// control messages and writes, rails (rails.go) and keepalives
+// (keepalive.go).
 type Channel struct {
 	opts     options
 	log      *slog.Logger
@@ -79,6 +85,13 @@ type Channel struct {
 	pollDone chan struct{}
 	byeSent  chan struct{}
 
+	// mu guards the fields below and the state of both halves. It is one
+	// lock for both on purpose: the halves share the queue, the credits
+	// and the send slots; one completion batch carries frames for both,
+	// whose answers join the queue in the order the frames arrived; and a
+	// failure ends both at once. A lock per half would still need this one
+	// around all of that, and taking the two in turn would let a Send or a
+	// Recv slip in between the failure of one half and of the other.
 	mu        sync.Mutex
 	state     chanState
 	started   bool // completion goroutines running
@@ -101,31 +114,16 @@ type Channel struct {
 	kaTimer  *time.Timer // nil until work is first pending
 	kaArmed  bool
 
-	// receiver side
-	nextReq  uint32
-	reqs     map[uint32]*request
-	byKey    map[skey]*request
-	names    map[string]uint32
-	nextName uint32
-	cache    map[string]tensor.Meta
+	snd sender   // the sending half (send.go)
+	rcv receiver // the receiving half (recv.go)
 
-	// sender side
-	peerNames map[uint32]string
-	sends     map[skey]*sendEntry
-	kept      map[uint32]*sendEntry
-	writes    map[uint64]*sendEntry
-	striping  map[uint64]*sendEntry // writes whose rail parts are in flight
-	nextWrite uint64
-
-	stats statsCounters
+	stats chanCounters
 	once  sync.Once
 }
 
-type statsCounters struct {
-	requests, metaResponses, reRequests, finals, writesIn, writesOut atomic.Uint64
-	bytesIn, bytesOut, errors, controlOut, creditsOnly, nameDefs     atomic.Uint64
-	checksumFailures, staged, striped, metaInPlace, keepalives       atomic.Uint64
-	chunksIn, chunksOut                                              atomic.Uint64
+// chanCounters count what the halves share: control SENDs.
+type chanCounters struct {
+	controlOut, creditsOnly, keepalives atomic.Uint64
 }
 
 // outItem is a queued control frame or write, posted in order.
@@ -138,7 +136,7 @@ type outItem struct {
 // control buffers from mem (which must be registered with pd). Receives are
 // posted at once where the provider allows it.
 func New(dev verbsio.Device, pd verbsio.ProtectionDomain, mem Memory, opts ...Option) (*Channel, error) {
-	o := options{ring: DefaultRing, sendSlots: DefaultSendSlots, maxStrings: DefaultMaxStringBytes, maxTensor: DefaultMaxTensorBytes, stripeMin: DefaultStripeMin, keepalive: DefaultKeepalive, chunkShift: uint8(bits.TrailingZeros(DefaultProxyChunk)), log: slog.New(discard{})}
+	o := options{ring: defaultRing, sendSlots: defaultSendSlots, maxStrings: defaultMaxStringBytes, maxTensor: defaultMaxTensorBytes, stripeMin: defaultStripeMin, keepalive: defaultKeepalive, chunkShift: uint8(bits.TrailingZeros(defaultProxyChunk)), log: slog.New(discard{})}
 	for _, f := range opts {
 		if f == nil {
 			continue
@@ -156,10 +154,8 @@ func New(dev verbsio.Device, pd verbsio.ProtectionDomain, mem Memory, opts ...Op
 		provider: dev.Info().Provider, devName: dev.Info().Name, host: host, caps: dev.Caps(),
 		slot: wire.MaxFrame, checksum: o.checksum,
 		pollDone: make(chan struct{}), byeSent: make(chan struct{}),
-		reqs: map[uint32]*request{}, byKey: map[skey]*request{}, names: map[string]uint32{}, cache: map[string]tensor.Meta{},
-		peerNames: map[uint32]string{}, sends: map[skey]*sendEntry{}, kept: map[uint32]*sendEntry{}, writes: map[uint64]*sendEntry{}, striping: map[uint64]*sendEntry{},
-		nextReq: 1, nextName: 1, nextWrite: 1,
 	}
+	c.initHalves()
 	if c.provider == "" {
 		c.provider = c.caps.Provider
 	}
@@ -169,6 +165,12 @@ func New(dev verbsio.Device, pd verbsio.ProtectionDomain, mem Memory, opts ...Op
 		return nil, err
 	}
 	return c, nil
+}
+
+// initHalves makes the channel's sender and receiver.
+func (c *Channel) initHalves() {
+	c.snd = newSender(c)
+	c.rcv = newReceiver(c)
 }
 
 func (c *Channel) setup() error {
@@ -285,7 +287,7 @@ func (c *Channel) Connect(ctx context.Context, peerHello []byte) error {
 	if int(m.Slot) < wire.MaxFrame {
 		return fmt.Errorf("%w: peer %s receive buffers of %d bytes, need %d", ErrMismatch, peer, m.Slot, wire.MaxFrame)
 	}
-	if m.Ring < MinRing {
+	if m.Ring < minRing {
 		return fmt.Errorf("%w: peer %s posts %d receive buffers", ErrMismatch, peer, m.Ring)
 	}
 	e := m.Endpoints[0]
@@ -354,16 +356,22 @@ func (c *Channel) Provider() string { return c.provider }
 // Device names the verbs device of the channel.
 func (c *Channel) Device() string { return c.devName }
 
-// Stats returns the channel's counters.
+// Stats returns the channel's counters, and what its sending side holds at
+// the time of the call.
 func (c *Channel) Stats() Stats {
-	s := &c.stats
-	return Stats{
-		Requests: s.requests.Load(), MetaResponses: s.metaResponses.Load(), MetaInPlace: s.metaInPlace.Load(), ReRequests: s.reRequests.Load(), Finals: s.finals.Load(),
-		WritesIn: s.writesIn.Load(), WritesOut: s.writesOut.Load(), BytesIn: s.bytesIn.Load(), BytesOut: s.bytesOut.Load(),
-		Errors: s.errors.Load(), ControlOut: s.controlOut.Load(), CreditsOnly: s.creditsOnly.Load(), NameDefs: s.nameDefs.Load(),
-		ChecksumFailures: s.checksumFailures.Load(), Staged: s.staged.Load(), Striped: s.striped.Load(), Keepalives: s.keepalives.Load(),
-		ChunksIn: s.chunksIn.Load(), ChunksOut: s.chunksOut.Load(),
+	r, s, ch := &c.rcv.stats, &c.snd.stats, &c.stats
+	st := Stats{
+		Requests: r.requests.Load(), MetaResponses: r.metaResponses.Load(), MetaInPlace: r.metaInPlace.Load(), ReRequests: r.reRequests.Load(), Finals: r.finals.Load(),
+		WritesIn: r.writesIn.Load(), WritesOut: s.writesOut.Load(), BytesIn: r.bytesIn.Load(), BytesOut: s.bytesOut.Load(),
+		Errors: r.errors.Load(), ControlOut: ch.controlOut.Load(), CreditsOnly: ch.creditsOnly.Load(), NameDefs: r.nameDefs.Load(),
+		ChecksumFailures: r.checksumFailures.Load(), Staged: s.staged.Load(), Striped: s.striped.Load(), Keepalives: ch.keepalives.Load(),
+		ChunksIn: r.chunksIn.Load(), ChunksOut: s.chunksOut.Load(),
+		RequestsIn: s.requestsIn.Load(), ReRequestsIn: s.reRequestsIn.Load(),
 	}
+	c.mu.Lock()
+	c.snd.statsLocked(&st)
+	c.mu.Unlock()
+	return st
 }
 
 // Err is why the channel stopped working, nil while it works.
@@ -471,35 +479,41 @@ func (c *Channel) failLocked(err error, ds *deliveries, st chanState) {
 	c.state = st
 	c.failErr = err
 	c.disarmKeepaliveLocked()
-	for idx, r := range c.reqs {
-		delete(c.reqs, idx)
-		c.finishLocked(r, nil, fmt.Errorf("rendezvous: %q step %d from %s: %w", r.key.name, r.key.step, c.peer, err), ds)
-	}
-	for k, e := range c.sends {
-		delete(c.sends, k)
-		c.dropSendLocked(e, err, ds)
-	}
-	for k, e := range c.kept {
-		delete(c.kept, k)
-		c.dropSendLocked(e, err, ds)
-	}
-	for k, e := range c.writes {
-		delete(c.writes, k)
-		c.dropSendLocked(e, err, ds)
-	}
-	for k, e := range c.striping {
-		delete(c.striping, k)
-		c.dropSendLocked(e, err, ds)
-	}
+	c.rcv.failLocked(err, ds)
+	c.snd.failLocked(err, ds)
 	for _, it := range c.outq {
 		if it.write != nil {
-			c.dropSendLocked(it.write, err, ds)
+			c.snd.dropLocked(it.write, err, ds)
 		}
 	}
 	c.outq = nil
 	if st == stateFailed {
 		c.log.Debug("rendezvous: channel failed", "peer", c.peer, "err", err)
 	}
+}
+
+func (c *Channel) protocolLocked(ds *deliveries, format string, args ...any) {
+	c.failLocked(fmt.Errorf("%w: from %s: %s", ErrProtocol, c.peer, fmt.Sprintf(format, args...)), ds, stateFailed)
+}
+
+func (c *Channel) stateErrLocked() error {
+	switch c.state {
+	case stateNew:
+		return ErrNotConnected
+	case stateClosed:
+		if c.failErr != nil {
+			return c.failErr
+		}
+		return ErrClosed
+	}
+	return c.failErr
+}
+
+func checkKey(key string) error {
+	if key == "" || len(key) > wire.MaxName {
+		return fmt.Errorf("%w: %d bytes, want 1..%d", ErrBadKey, len(key), wire.MaxName)
+	}
+	return nil
 }
 
 func (c *Channel) peerLost(cause error) error {
@@ -570,7 +584,7 @@ func (c *Channel) handleLocked(wc *verbsio.Completion, ds *deliveries) {
 			return
 		}
 		if wc.Op == verbsio.OpRecvImm || wc.HasImm {
-			c.onWriteLocked(wc.Imm, ds)
+			c.rcv.onWriteLocked(wc.Imm, ds)
 		} else {
 			b := c.recvBuf.Bytes()[slot*c.slot:]
 			if int(wc.ByteLen) > c.slot {
@@ -590,19 +604,9 @@ func (c *Channel) handleLocked(wc *verbsio.Completion, ds *deliveries) {
 		}
 	case wridWrite:
 		c.sqOut--
-		seq := id >> 8
-		last := id&0xff == 1
-		if !last {
-			return
+		if last := id&0xff == 1; last {
+			c.snd.writeDoneLocked(id>>8, ds)
 		}
-		e, ok := c.writes[seq]
-		if !ok {
-			return
-		}
-		delete(c.writes, seq)
-		c.stats.writesOut.Add(1)
-		c.stats.bytesOut.Add(uint64(e.n))
-		c.dropSendLocked(e, nil, ds)
 	}
 }
 
@@ -619,17 +623,17 @@ func (c *Channel) onFramesLocked(b []byte, ds *deliveries) {
 		switch m.Type {
 		case wire.TypeCredit:
 		case wire.TypeRequest:
-			c.onRequestLocked(&m, ds)
+			c.snd.onRequestLocked(&m, ds)
 		case wire.TypeReRequest:
-			c.onReRequestLocked(&m, ds)
+			c.snd.onReRequestLocked(&m, ds)
 		case wire.TypeCancel:
-			c.onCancelLocked(&m, ds)
+			c.snd.onCancelLocked(&m, ds)
 		case wire.TypeMetaResponse:
-			c.onMetaLocked(&m, ds)
+			c.rcv.onMetaLocked(&m, ds)
 		case wire.TypeChecksum:
-			c.onChecksumLocked(&m, ds)
+			c.rcv.onChecksumLocked(&m, ds)
 		case wire.TypeError:
-			c.onErrorLocked(&m, ds)
+			c.rcv.onErrorLocked(&m, ds)
 		case wire.TypeBye:
 			c.failLocked(fmt.Errorf("%w: by peer %s", ErrClosed, c.peer), ds, stateFailed)
 		default:
@@ -657,7 +661,7 @@ func (c *Channel) flushLocked() {
 		}
 		it := &c.outq[0]
 		if it.write != nil {
-			if !c.postWriteLocked(it.write) {
+			if !c.snd.postWriteLocked(it.write) {
 				break
 			}
 			c.outq = c.outq[1:]
@@ -735,116 +739,6 @@ func (c *Channel) maxMsg() int64 {
 		maxMsg = c.caps.MaxMessage
 	}
 	return maxMsg
-}
-
-// postWriteLocked posts the write of e: chunks of at most the device's
-// largest message, the last with the request index as immediate. A write
-// the receiver asked for in chunks goes to postChunksLocked.
-func (c *Channel) postWriteLocked(e *sendEntry) bool {
-	if e.chunkShift != 0 && e.n > int64(1)<<e.chunkShift {
-		return c.postChunksLocked(e)
-	}
-	if e.firstChunk == 0 && c.stripeLocked(e) {
-		return true // the rest is posted when the rails' parts complete
-	}
-	n := e.n
-	if e.firstChunk > 0 {
-		n = e.firstChunk
-	}
-	maxMsg := c.maxMsg()
-	chunks := int((n + maxMsg - 1) / maxMsg)
-	if c.sqOut+chunks > c.sqMax {
-		return false
-	}
-	seq := c.nextWrite
-	c.nextWrite++
-	wrs := make([]verbsio.SendWR, 0, chunks)
-	for off := int64(0); off < n; off += maxMsg {
-		l := min(maxMsg, n-off)
-		last := off+l == n
-		wr := verbsio.SendWR{
-			WRID: wridWrite | seq<<8, Op: verbsio.OpWrite, Signaled: true,
-			SG:         []verbsio.SGE{{Addr: e.addr + uintptr(off), Length: uint32(l), LKey: e.lkey}},
-			RemoteAddr: e.raddr + uint64(off), RKey: e.rkey,
-		}
-		if last {
-			wr.WRID |= 1
-			wr.Op = verbsio.OpWriteImm
-			wr.Imm = e.req
-		}
-		wrs = append(wrs, wr)
-	}
-	c.writes[seq] = e
-	if err := c.qp.PostSend(wrs); err != nil {
-		delete(c.writes, seq)
-		var ds deliveries
-		c.dropSendLocked(e, err, &ds)
-		c.failLocked(c.peerLost(err), &ds, stateFailed)
-		go ds.run()
-		return false
-	}
-	c.sqOut += chunks
-	c.credits--
-	return true
-}
-
-// postChunksLocked posts what it can of a write the receiver asked for in
-// chunks (wire.ReqChunks): each chunk ends with a write with immediate
-// naming the request, so the receiver hears of every chunk as it lands.
-// Every chunk consumes one of the receiver's posted receives, so each takes
-// a credit, one staying in reserve as for any other item; a chunk also
-// needs send-queue room for its work requests. It reports whether the whole
-// write is posted; if not, the rest stays at the head of the queue and goes
-// out as credits come back (a long tensor never overruns the receiver's
-// ring, whatever its depth). All chunks go over the channel's own queue
-// pair, whose order makes the receiver's count of chunks name their
-// offsets.
-func (c *Channel) postChunksLocked(e *sendEntry) bool {
-	chunk := int64(1) << e.chunkShift
-	maxMsg := c.maxMsg()
-	per := int((chunk + maxMsg - 1) / maxMsg)
-	if e.wseq == 0 {
-		e.wseq = c.nextWrite
-		c.nextWrite++
-		c.writes[e.wseq] = e
-	}
-	var wrs []verbsio.SendWR
-	credits, sq, chunks := c.credits, c.sqOut, 0
-	for e.posted < e.n && credits > 1 && sq+per <= c.sqMax {
-		end := min(e.posted+chunk, e.n)
-		for off := e.posted; off < end; off += maxMsg {
-			l := min(maxMsg, end-off)
-			wr := verbsio.SendWR{
-				WRID: wridWrite | e.wseq<<8, Op: verbsio.OpWrite, Signaled: true,
-				SG:         []verbsio.SGE{{Addr: e.addr + uintptr(off), Length: uint32(l), LKey: e.lkey}},
-				RemoteAddr: e.raddr + uint64(off), RKey: e.rkey,
-			}
-			if off+l == end {
-				wr.Op, wr.Imm = verbsio.OpWriteImm, e.req
-				if end == e.n {
-					wr.WRID |= 1
-				}
-			}
-			wrs = append(wrs, wr)
-			sq++
-		}
-		e.posted = end
-		credits--
-		chunks++
-	}
-	if len(wrs) > 0 {
-		if err := c.qp.PostSend(wrs); err != nil {
-			delete(c.writes, e.wseq)
-			var ds deliveries
-			c.dropSendLocked(e, err, &ds)
-			c.failLocked(c.peerLost(err), &ds, stateFailed)
-			go ds.run()
-			return false
-		}
-		c.sqOut, c.credits = sq, credits
-		c.stats.chunksOut.Add(uint64(chunks))
-	}
-	return e.posted == e.n
 }
 
 type discard struct{}

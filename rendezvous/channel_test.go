@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/wire"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
@@ -76,7 +77,89 @@ func TestInProcessBasics(t *testing.T) {
 		if st.Finals != 6 {
 			t.Errorf("%d final responses, want 6 (dead and empty, 3 steps)", st.Finals)
 		}
+		// The sender saw one request per Recv and answered the four
+		// re-requests of the first step.
+		sa := a.ch.Stats()
+		if sa.RequestsIn != 18 || sa.ReRequestsIn != 4 {
+			t.Errorf("sender got %d requests and answered %d re-requests, want 18 and 4", sa.RequestsIn, sa.ReRequestsIn)
+		}
+		// Sends the peer has not asked for yet are pending until it does.
+		for i := range 2 {
+			src, err := makeTensor(a.pool, "int32", tensor.Shape{8}, fmt.Sprint("later", i), 9)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := a.ch.Send(fmt.Sprint("later", i), 9, src); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if sa := a.ch.Stats(); sa.SendsPending != 2 || sa.Kept != 0 {
+			t.Errorf("%d sends pending and %d kept after two unrequested Sends, want 2 and 0", sa.SendsPending, sa.Kept)
+		}
+		for i := range 2 {
+			got, _, err := b.ch.Recv(ctx, fmt.Sprint("later", i), 9)
+			if err != nil {
+				t.Fatal(err)
+			}
+			_ = got.Release()
+		}
+		// The sender hears of its writes' completion after the receiver
+		// has the bytes: wait for it.
+		deadline := time.Now().Add(10 * time.Second)
+		for sa = a.ch.Stats(); sa.WritesInFlight != 0 && time.Now().Before(deadline); sa = a.ch.Stats() {
+			time.Sleep(time.Millisecond)
+		}
+		if sa.RequestsIn != 20 || sa.ReRequestsIn != 6 || sa.SendsPending != 0 || sa.Kept != 0 || sa.WritesInFlight != 0 || sa.WritesOut != 14 {
+			t.Errorf("sender stats after every Recv: %d requests, %d re-requests, %d sends pending, %d kept, %d writes in flight, %d written; want 20, 6, 0, 0, 0, 14",
+				sa.RequestsIn, sa.ReRequestsIn, sa.SendsPending, sa.Kept, sa.WritesInFlight, sa.WritesOut)
+		}
 	})
+}
+
+// The sender's stats follow one tensor through a stale meta-data round
+// trip: pending until requested, kept until re-requested, in flight until
+// its write completes.
+func TestSenderStats(t *testing.T) {
+	c, _ := keepaliveChannel(t, time.Hour) // no completion goroutine: every step by hand
+	check := func(when string, requests, reRequests uint64, pending, kept, inFlight int) {
+		t.Helper()
+		st := c.Stats()
+		if st.RequestsIn != requests || st.ReRequestsIn != reRequests || st.SendsPending != pending || st.Kept != kept || st.WritesInFlight != inFlight {
+			t.Fatalf("%s: %d requests, %d re-requests, %d sends pending, %d kept, %d writes in flight; want %d, %d, %d, %d, %d",
+				when, st.RequestsIn, st.ReRequestsIn, st.SendsPending, st.Kept, st.WritesInFlight, requests, reRequests, pending, kept, inFlight)
+		}
+	}
+	meta, err := tensor.MetaFor(tensor.Uint8, tensor.Shape{64})
+	if err != nil {
+		t.Fatal(err)
+	}
+	blk, err := stubPool(t).Alloc(64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	src, err := tensor.New(meta, blk)
+	if err != nil {
+		t.Fatal(err)
+	}
+	check("before Send", 0, 0, 0, 0, 0)
+	if err := c.Send("w", 3, src); err != nil {
+		t.Fatal(err)
+	}
+	check("after Send", 0, 0, 1, 0, 0)
+	// A request with no meta-data: answered META_DATA_RESPONSE, tensor kept.
+	arrive(c, wire.Message{Type: wire.TypeRequest, Flags: wire.ReqName, Name: []byte("w"), NameIndex: 1, Step: 3, Req: 5})
+	check("after the request", 1, 0, 0, 1, 0)
+	// The re-request with a buffer that fits: the write is posted.
+	arrive(c, wire.Message{Type: wire.TypeReRequest, Req: 5, Addr: 0x10000, RKey: 2, Capacity: 64})
+	check("after the re-request", 1, 1, 0, 0, 1)
+	if st := c.Stats(); st.WritesOut != 0 {
+		t.Fatalf("%d writes counted done before their completion", st.WritesOut)
+	}
+	complete(c, wridWrite|1<<8|1, verbsio.StatusSuccess) // write sequence 1, last part
+	check("after the write completed", 1, 1, 0, 0, 0)
+	if st := c.Stats(); st.WritesOut != 1 || st.BytesOut != 64 {
+		t.Fatalf("%d writes and %d bytes out, want 1 and 64", st.WritesOut, st.BytesOut)
+	}
 }
 
 func TestShapeChangeRoundTripOnce(t *testing.T) {

@@ -14,7 +14,7 @@ import (
 // the channel falls silent: no CREDIT answers a CREDIT.
 func TestSmallestRingBothWays(t *testing.T) {
 	forEachProvider(t, func(t *testing.T, provider string) {
-		a, b := pair(t, provider, WithRing(MinRing), WithSendSlots(1))
+		a, b := pair(t, provider, WithRing(minRing), withSendSlots(1))
 		ctx := recvCtx(t)
 		const n = 300
 		var wg sync.WaitGroup

@@ -31,9 +31,9 @@
 // arrive in order on the channel's own queue pair, never striped) and hands
 // each to the proxy as it lands, so the copy to the GPU overlaps the
 // network; the last chunk completes the request. Hosts with several
-// NICs pick the one nearest the memory (Closest) and may give a channel
-// extra rails (WithRails): large writes are then striped over all of them,
-// the immediate following once every rail's part has landed.
+// NICs may give a channel extra rails (WithRail): large writes are then
+// striped over all of them, the immediate following once every rail's part
+// has landed.
 //
 // A peer that goes away fails every pending request and send of its channel
 // with an error wrapping verbsio.ErrPeerLost that names the peer. A channel

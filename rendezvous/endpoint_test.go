@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"testing"
 	"time"
 
@@ -15,22 +16,140 @@ import (
 	_ "github.com/gdrlink/gdrlink/verbsio/tcp"
 )
 
+// endpointConfig says how openEndpoint builds an endpoint. The zero value
+// picks the best provider for a peer on another host, reads the RDMA_*
+// variables, and registers a huge-page mmap pool.
+type endpointConfig struct {
+	// Provider is a registered provider's name; "" lets verbsio.Choose pick
+	// the best one for the peer (ibverbs, else onnode when PeerOnThisHost,
+	// else tcp).
+	Provider string
+	// PeerOnThisHost lets Choose consider the on-node provider.
+	PeerOnThisHost bool
+	// Verbs configures the device; nil reads verbsio.ConfigFromEnv.
+	Verbs *verbsio.Config
+	// Source makes the pool's arenas; nil is anonymous mmap with huge pages.
+	Source alloc.Source
+	// Access is what the registration visitor allows peers; 0 is local
+	// write, remote write and remote read.
+	Access verbsio.Access
+	// Pool are options of the pool (limit, arena sizes); the registration
+	// visitor is always its first visitor.
+	Pool []alloc.Option
+	// Channel are options of the channel (name, checksum, logger, proxy).
+	Channel []rendezvous.Option
+}
+
+// localEndpoint is what one process needs to exchange tensors with one peer, as
+// a user of the package builds it: an open device, a protection domain, a
+// pool whose every arena the registration visitor registered once, and a
+// channel over them. Tensors for Send come from Pool; Recv results are
+// allocated from it.
+type localEndpoint struct {
+	// Provider is the provider chosen, and Choice why better ones were not
+	// (empty when endpointConfig named one).
+	Provider string
+	Choice   verbsio.Choice
+	Device   verbsio.Device
+	PD       verbsio.ProtectionDomain
+	// Registration is the pool's memory-registration visitor.
+	Registration *visitor.MemoryRegistration
+	Pool         *alloc.Pool
+	Channel      *rendezvous.Channel
+
+	closeOnce sync.Once
+	closeErr  error
+}
+
+// openEndpoint opens a device, a protection domain, a registered pool and a
+// channel. The channel still has to be connected. On error, everything
+// already opened is closed again.
+func openEndpoint(cfg endpointConfig) (*localEndpoint, error) {
+	e := &localEndpoint{Provider: cfg.Provider}
+	if e.Provider == "" {
+		c, err := verbsio.Choose(cfg.PeerOnThisHost)
+		if err != nil {
+			return nil, fmt.Errorf("endpoint: %w", err)
+		}
+		e.Provider, e.Choice = c.Provider, c
+	}
+	vc := verbsio.Config{}
+	if cfg.Verbs != nil {
+		vc = *cfg.Verbs
+	} else {
+		var err error
+		if vc, err = verbsio.ConfigFromEnv(); err != nil {
+			return nil, fmt.Errorf("endpoint: %w", err)
+		}
+	}
+	fail := func(err error) (*localEndpoint, error) {
+		return nil, errors.Join(fmt.Errorf("endpoint over %s: %w", e.Provider, err), e.Close())
+	}
+	var err error
+	if e.Device, err = verbsio.Open(e.Provider, vc); err != nil {
+		return fail(err)
+	}
+	if e.PD, err = e.Device.AllocPD(); err != nil {
+		return fail(err)
+	}
+	access := cfg.Access
+	if access == 0 {
+		access = verbsio.AccessLocalWrite | verbsio.AccessRemoteWrite | verbsio.AccessRemoteRead
+	}
+	e.Registration = visitor.NewMemoryRegistration(e.PD, access)
+	src := cfg.Source
+	if src == nil {
+		src = alloc.NewMmapSource(alloc.MmapOptions{HugePages: true})
+	}
+	popts := append([]alloc.Option{alloc.WithVisitors(e.Registration)}, cfg.Pool...)
+	if e.Pool, err = alloc.New(src, popts...); err != nil {
+		return fail(err)
+	}
+	if e.Channel, err = rendezvous.New(e.Device, e.PD, rendezvous.PoolMemory(e.Registration.RegionOf, e.Pool), cfg.Channel...); err != nil {
+		return fail(err)
+	}
+	return e, nil
+}
+
+// Close closes the channel, the pool (deregistering its arenas), the
+// protection domain and the device, in that order, and joins their errors.
+// It is idempotent.
+func (e *localEndpoint) Close() error {
+	e.closeOnce.Do(func() {
+		var errs []error
+		if e.Channel != nil {
+			errs = append(errs, e.Channel.Close())
+		}
+		if e.Pool != nil {
+			errs = append(errs, e.Pool.Close())
+		}
+		if e.PD != nil {
+			errs = append(errs, e.PD.Close())
+		}
+		if e.Device != nil {
+			errs = append(errs, e.Device.Close())
+		}
+		e.closeErr = errors.Join(errs...)
+	})
+	return e.closeErr
+}
+
 // connectEndpoints trades hellos between two endpoints of this process.
-func connectEndpoints(ctx context.Context, a, b *rendezvous.Endpoint) error {
+func connectEndpoints(ctx context.Context, a, b *localEndpoint) error {
 	ha, hb := a.Channel.Hello(), b.Channel.Hello()
 	errc := make(chan error, 1)
 	go func() { errc <- a.Channel.Connect(ctx, hb) }()
 	return errors.Join(b.Channel.Connect(ctx, ha), <-errc)
 }
 
-func TestOpenEndpoint(t *testing.T) {
-	cfg := rendezvous.EndpointConfig{Provider: "tcp", Verbs: &verbsio.Config{}, Pool: []alloc.Option{alloc.WithInitialArena(1 << 20)}}
-	a, err := rendezvous.OpenEndpoint(cfg)
+func TestEndpoint(t *testing.T) {
+	cfg := endpointConfig{Provider: "tcp", Verbs: &verbsio.Config{}, Pool: []alloc.Option{alloc.WithInitialArena(1 << 20)}}
+	a, err := openEndpoint(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = a.Close() })
-	b, err := rendezvous.OpenEndpoint(cfg)
+	b, err := openEndpoint(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -98,17 +217,17 @@ func TestOpenEndpoint(t *testing.T) {
 	}
 }
 
-func TestOpenEndpointUnknownProvider(t *testing.T) {
-	_, err := rendezvous.OpenEndpoint(rendezvous.EndpointConfig{Provider: "no-such-provider", Verbs: &verbsio.Config{}})
+func TestEndpointUnknownProvider(t *testing.T) {
+	_, err := openEndpoint(endpointConfig{Provider: "no-such-provider", Verbs: &verbsio.Config{}})
 	if !errors.Is(err, verbsio.ErrNoProvider) {
 		t.Fatalf("err = %v, want ErrNoProvider", err)
 	}
 }
 
-func TestOpenEndpointBadPoolOption(t *testing.T) {
+func TestEndpointBadPoolOption(t *testing.T) {
 	// A pool that cannot be built leaves nothing open: the device's close
 	// would report live children otherwise.
-	_, err := rendezvous.OpenEndpoint(rendezvous.EndpointConfig{Provider: "tcp", Verbs: &verbsio.Config{}, Pool: []alloc.Option{alloc.WithAlignment(3)}})
+	_, err := openEndpoint(endpointConfig{Provider: "tcp", Verbs: &verbsio.Config{}, Pool: []alloc.Option{alloc.WithAlignment(3)}})
 	if !errors.Is(err, alloc.ErrBadOption) {
 		t.Fatalf("err = %v, want alloc.ErrBadOption", err)
 	}
@@ -117,16 +236,17 @@ func TestOpenEndpointBadPoolOption(t *testing.T) {
 	}
 }
 
-// OpenEndpoint builds what a process needs to exchange tensors: a device of
-// a provider, a pool registered arena by arena, and a channel.
-func ExampleOpenEndpoint() {
-	cfg := rendezvous.EndpointConfig{Provider: "tcp", Verbs: &verbsio.Config{}}
-	sender, err := rendezvous.OpenEndpoint(cfg)
+// What a process needs to exchange tensors: a device of a provider, a pool
+// registered arena by arena, and a channel (openEndpoint, above, builds
+// them).
+func Example_endpoint() {
+	cfg := endpointConfig{Provider: "tcp", Verbs: &verbsio.Config{}}
+	sender, err := openEndpoint(cfg)
 	if err != nil {
 		panic(err)
 	}
 	defer sender.Close()
-	receiver, err := rendezvous.OpenEndpoint(cfg)
+	receiver, err := openEndpoint(cfg)
 	if err != nil {
 		panic(err)
 	}

@@ -45,6 +45,30 @@ func forEachProvider(t *testing.T, f func(t *testing.T, provider string)) {
 	}
 }
 
+// withSendSlots sets how many control-message send buffers the channel has
+// (default 64, 1..4096).
+func withSendSlots(n int) Option {
+	return func(o *options) error {
+		if n < 1 || n > 4096 {
+			return fmt.Errorf("%w: %d send slots, want 1..4096", ErrBadOption, n)
+		}
+		o.sendSlots = n
+		return nil
+	}
+}
+
+// withStripeMin sets the smallest write striped over the rails (default
+// 4 MiB).
+func withStripeMin(n int64) Option {
+	return func(o *options) error {
+		if n <= 0 {
+			return fmt.Errorf("%w: stripe minimum %d", ErrBadOption, n)
+		}
+		o.stripeMin = n
+		return nil
+	}
+}
+
 type mrKey struct{ rail int }
 
 // registration is the memory-registration visitor the tests use: each arena
@@ -73,7 +97,7 @@ func registration(pd verbsio.ProtectionDomain, rail int) alloc.Visitor {
 }
 
 // regionIn finds an arena's region registered for rail.
-func regionIn(rail int) RegionOf {
+func regionIn(rail int) func(*alloc.Arena) (verbsio.MemoryRegion, bool) {
 	return func(a *alloc.Arena) (verbsio.MemoryRegion, bool) {
 		v, ok := a.Handle(mrKey{rail})
 		if !ok {
@@ -182,7 +206,7 @@ func openSideRails(provider, name string, listen []string, opts ...Option) (*sid
 	}
 	s.mem = PoolMemory(regionOf, s.pool)
 	for i := range s.rdevs {
-		opts = append(opts, WithRails(Rail{Device: s.rdevs[i], PD: s.rpds[i], Memory: PoolMemory(regionIn(i+1), s.pool)}))
+		opts = append(opts, WithRail(s.rdevs[i], s.rpds[i], PoolMemory(regionIn(i+1), s.pool)))
 	}
 	if s.ch, err = New(s.dev, s.pd, s.mem, append([]Option{WithName(name)}, opts...)...); err != nil {
 		_ = s.close()

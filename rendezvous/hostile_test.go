@@ -59,10 +59,9 @@ func hostileChannel(t testing.TB) (*Channel, func()) {
 		opts: options{ring: 8, sendSlots: 4, maxStrings: 1 << 20, maxTensor: 1 << 20, checksum: true},
 		mem:  mem, qp: &stubQP{}, slot: wire.MaxFrame, provider: "stub", devName: "stub", peer: "hostile",
 		pollDone: make(chan struct{}), byeSent: make(chan struct{}),
-		reqs: map[uint32]*request{}, byKey: map[skey]*request{}, names: map[string]uint32{}, cache: map[string]tensor.Meta{},
-		peerNames: map[uint32]string{}, sends: map[skey]*sendEntry{}, kept: map[uint32]*sendEntry{}, writes: map[uint64]*sendEntry{},
-		nextReq: 1, nextName: 1, nextWrite: 1, state: stateConnected, credits: 8, sqMax: 64, threshold: 2, checksum: true,
+		state: stateConnected, credits: 8, sqMax: 64, threshold: 2, checksum: true,
 	}
+	c.initHalves()
 	c.log = slog.New(discard{})
 	c.ctx, c.stop = context.WithCancel(context.Background())
 	var err error
@@ -75,7 +74,7 @@ func hostileChannel(t testing.TB) (*Channel, func()) {
 	c.freeSlots = []int{3, 2, 1, 0}
 	c.recvSGEs = make([]verbsio.SGE, 8)
 	// A cached meta-data makes the Recv allocate a result buffer up front.
-	c.cache["k"], _ = tensor.MetaFor(tensor.Uint8, tensor.Shape{16})
+	c.rcv.cache["k"], _ = tensor.MetaFor(tensor.Uint8, tensor.Shape{16})
 	c.RecvFunc(context.Background(), "k", 0, func(t *tensor.Tensor, _ Transfer, _ error) {
 		if t != nil {
 			_ = t.Release()
@@ -112,7 +111,7 @@ func feed(c *Channel, b []byte, imm *uint32) {
 	var ds deliveries
 	c.mu.Lock()
 	if imm != nil {
-		c.onWriteLocked(*imm, &ds)
+		c.rcv.onWriteLocked(*imm, &ds)
 	} else {
 		c.onFramesLocked(b, &ds)
 	}
@@ -219,7 +218,7 @@ func TestOversizedMetaIsRefused(t *testing.T) {
 	ch := make(chan error, 1)
 	c.RecvFunc(context.Background(), "huge", 0, func(_ *tensor.Tensor, _ Transfer, err error) { ch <- err })
 	c.mu.Lock()
-	idx := c.byKey[skey{"huge", 0}].idx
+	idx := c.rcv.byKey[skey{"huge", 0}].idx
 	c.mu.Unlock()
 	r := wire.Message{Type: wire.TypeMetaResponse, Req: idx}
 	big, _ := tensor.MetaFor(tensor.Float32, tensor.Shape{1 << 30})

@@ -21,7 +21,7 @@ import (
 // an answer to a request, a request for a Send, the peer's re-request for a
 // kept tensor, a write's completion, or queued items.
 func (c *Channel) pendingLocked() bool {
-	return len(c.reqs) > 0 || len(c.sends) > 0 || len(c.kept) > 0 || len(c.writes) > 0 || len(c.striping) > 0 || len(c.outq) > 0
+	return c.rcv.pendingLocked() || c.snd.pendingLocked() || len(c.outq) > 0
 }
 
 // armKeepaliveLocked starts the keepalive timer if work is pending and it is

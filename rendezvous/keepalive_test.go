@@ -76,12 +76,11 @@ func keepaliveChannel(t *testing.T, interval time.Duration) (*Channel, *probeQP)
 		opts: options{ring: ring, sendSlots: slots, maxStrings: 1 << 20, maxTensor: 1 << 20, keepalive: interval},
 		mem:  PoolMemory(stubRegion, stubPool(t)), slot: wire.MaxFrame, provider: "stub", devName: "stub", peer: "sender",
 		pollDone: make(chan struct{}), byeSent: make(chan struct{}),
-		reqs: map[uint32]*request{}, byKey: map[skey]*request{}, names: map[string]uint32{}, cache: map[string]tensor.Meta{},
-		peerNames: map[uint32]string{}, sends: map[skey]*sendEntry{}, kept: map[uint32]*sendEntry{}, writes: map[uint64]*sendEntry{}, striping: map[uint64]*sendEntry{},
-		nextReq: 1, nextName: 1, nextWrite: 1, state: stateConnected, credits: ring, sqMax: 64, threshold: 2,
+		state: stateConnected, credits: ring, sqMax: 64, threshold: 2,
 	}
 	q := &probeQP{c: c}
 	c.qp = q
+	c.initHalves()
 	c.log = slog.New(discard{})
 	c.ctx, c.stop = context.WithCancel(context.Background())
 	var err error
@@ -322,7 +321,7 @@ func TestKeepaliveRespectsCredits(t *testing.T) {
 // they take come back, and the channel works and falls silent afterwards.
 func TestKeepaliveSmallestRing(t *testing.T) {
 	forEachProvider(t, func(t *testing.T, provider string) {
-		a, b := pair(t, provider, WithRing(MinRing), WithSendSlots(1), WithKeepalive(2*time.Millisecond))
+		a, b := pair(t, provider, WithRing(minRing), withSendSlots(1), WithKeepalive(2*time.Millisecond))
 		ctx := recvCtx(t)
 		got := make(chan error, 1)
 		b.ch.RecvFunc(ctx, "late", 0, func(r *tensor.Tensor, _ Transfer, err error) {

@@ -20,20 +20,18 @@ type Memory interface {
 	Region(addr uintptr, n int) (verbsio.MemoryRegion, bool)
 }
 
-// RegionOf finds the memory region a visitor attached to an arena.
-type RegionOf func(a *alloc.Arena) (verbsio.MemoryRegion, bool)
-
 // PoolMemory is a Memory over pools whose arenas a memory-registration
 // visitor registered; regionOf finds the region the visitor attached to an
-// arena (the visitor's RegionOf, from alloc/visitor.NewMemoryRegistration).
-// Alloc uses the first pool of the asked device; Region searches them all.
-func PoolMemory(regionOf RegionOf, pools ...*alloc.Pool) Memory {
+// arena (the visitor's RegionOf method, from
+// alloc/visitor.NewMemoryRegistration, or visitor.MemoryRegionOf). Alloc
+// uses the first pool of the asked device; Region searches them all.
+func PoolMemory(regionOf func(*alloc.Arena) (verbsio.MemoryRegion, bool), pools ...*alloc.Pool) Memory {
 	return &poolMemory{pools: pools, regionOf: regionOf}
 }
 
 type poolMemory struct {
 	pools    []*alloc.Pool
-	regionOf RegionOf
+	regionOf func(*alloc.Arena) (verbsio.MemoryRegion, bool)
 }
 
 func (m *poolMemory) Alloc(n int, dev tensor.Device) (tensor.Buffer, error) {

@@ -10,29 +10,20 @@ import (
 	"github.com/gdrlink/gdrlink/tensor"
 )
 
-// Defaults of a channel.
+// Defaults of a channel; the options that change them say so.
 const (
-	// DefaultRing is the number of receive buffers posted per channel: the
-	// control messages and writes the peer may have in flight at once.
-	DefaultRing = 128
-	// MinRing is the smallest ring. Credits come back alone (CREDIT) once
+	defaultRing = 128
+	// minRing is the smallest ring. Credits come back alone (CREDIT) once
 	// at least max(2, ring/4) are owed, so a CREDIT received never makes
 	// another by itself, and a peer short of credits always has enough
 	// owed to it to get some back.
-	MinRing = 4
-	// DefaultSendSlots is the number of control-message send buffers.
-	DefaultSendSlots = 64
-	// DefaultMaxStringBytes caps the decoded size of one string tensor.
-	DefaultMaxStringBytes = 1 << 30
-	// DefaultMaxTensorBytes caps the size of one received tensor.
-	DefaultMaxTensorBytes = 64 << 30
-	// DefaultKeepalive is how long a channel with pending work waits on a
-	// silent peer before it sends a keepalive (WithKeepalive).
-	DefaultKeepalive = time.Second
-	// DefaultProxyChunk is the chunk in which proxy results larger than it
-	// are written (WithProxyChunk): a 64 MiB tensor comes in 16 writes,
-	// each copied to the GPU as soon as it lands.
-	DefaultProxyChunk = 4 << 20
+	minRing               = 4
+	defaultSendSlots      = 64
+	defaultMaxStringBytes = 1 << 30
+	defaultMaxTensorBytes = 64 << 30
+	defaultKeepalive      = time.Second
+	defaultProxyChunk     = 4 << 20
+	defaultStripeMin      = 4 << 20
 )
 
 // Proxy lands results on devices the NIC cannot write directly: the write
@@ -48,34 +39,32 @@ type Proxy interface {
 // host memory the NIC writes (Free abandons the landing); Landed is called
 // once, when every byte is in, and done runs once with the tensor on the
 // device or the error, from any goroutine.
+//
+// A landing with a method ChunkLanded(off, n int), as ProxyPath's have,
+// takes its bytes as they land, so that the copy to the device overlaps the
+// network. For a result larger than the channel's proxy chunk
+// (WithProxyChunk) the channel asks the sender to write it in chunks, each
+// a write with immediate, and calls ChunkLanded for every chunk but the
+// last, in order, from its completion goroutine, as each completes; Landed
+// follows the last chunk and covers the bytes not reported yet. ChunkLanded
+// must not block. A landing that fails part-way keeps its memory until
+// Landed or Free (the sender may still be writing) and reports the failure
+// through Landed's done. A landing with a method Direct() bool that returns
+// true (the NIC writes the device itself) gets one write, as any other
+// result.
 type Landing interface {
 	tensor.Buffer
 	Landed(done func(*tensor.Tensor, error))
 }
 
-// ChunkedLanding is a Landing that takes its bytes as they land, so that
-// the copy to the device overlaps the network. For a result larger than
-// the channel's proxy chunk (WithProxyChunk) the channel asks the sender to
-// write it in chunks, each a write with immediate, and calls ChunkLanded
-// for every chunk but the last, in order, from its completion goroutine, as
-// each completes; Landed follows the last chunk and covers the bytes not
-// reported yet. ChunkLanded must not block. A landing that fails part-way
-// keeps its memory until Landed or Free (the sender may still be writing)
-// and reports the failure through Landed's done. A landing with a method
-// Direct() bool that returns true (the NIC writes the device itself) gets
-// one write, as any other result.
-type ChunkedLanding interface {
+// chunkedLanding is a Landing that takes its bytes as they land.
+type chunkedLanding interface {
 	Landing
 	ChunkLanded(off, n int)
 }
 
-// Stager stages tensors in device memory the NIC cannot read into registered
-// host memory before they are written (the sending half of the proxy path;
-// ProxyPath implements it with package proxy's Stage).
-type Stager interface {
-	// Stage copies the first n bytes of src to host memory registered with
-	// the channel and calls done once, from any goroutine, with that memory
-	// (whose Free gives it back) or the error.
+// stager is a Proxy that also stages tensors to be sent (see WithProxy).
+type stager interface {
 	Stage(src tensor.Buffer, n int, done func(tensor.Buffer, error))
 }
 
@@ -86,10 +75,10 @@ type options struct {
 	checksum   bool
 	log        *slog.Logger
 	proxy      Proxy
-	stager     Stager
+	stager     stager
 	maxStrings int
 	maxTensor  int64
-	rails      []Rail
+	rails      []railConfig
 	stripeMin  int64
 	keepalive  time.Duration
 	chunkShift uint8 // proxy results come in chunks of 1<<chunkShift; 0: one write
@@ -106,26 +95,18 @@ func WithName(name string) Option {
 	return func(o *options) error { o.name = name; return nil }
 }
 
-// WithRing sets how many receive buffers the channel posts (default
-// DefaultRing, MinRing..65535): the credits the peer starts with.
+// WithRing sets how many receive buffers the channel posts (default 128,
+// at least 4, at most 65535): the credits the peer starts with, so the
+// control messages and writes it may have in flight at once. Credits come
+// back alone (CREDIT) once at least max(2, n/4) are owed, so at 4 and above
+// a CREDIT received never makes another by itself, and a peer short of
+// credits always has enough owed to it to get some back.
 func WithRing(n int) Option {
 	return func(o *options) error {
-		if n < MinRing || n > 65535 {
-			return fmt.Errorf("%w: ring of %d buffers, want %d..65535", ErrBadOption, n, MinRing)
+		if n < minRing || n > 65535 {
+			return fmt.Errorf("%w: ring of %d buffers, want %d..65535", ErrBadOption, n, minRing)
 		}
 		o.ring = n
-		return nil
-	}
-}
-
-// WithSendSlots sets how many control-message send buffers the channel has
-// (default DefaultSendSlots, 1..4096).
-func WithSendSlots(n int) Option {
-	return func(o *options) error {
-		if n < 1 || n > 4096 {
-			return fmt.Errorf("%w: %d send slots, want 1..4096", ErrBadOption, n)
-		}
-		o.sendSlots = n
 		return nil
 	}
 }
@@ -148,50 +129,50 @@ func WithLogger(l *slog.Logger) Option {
 	}
 }
 
-// WithProxy sets the proxy path for GPU results the NIC cannot write; when p
-// is also a Stager, GPU tensors the NIC cannot read are sent through it.
+// WithProxy sets the proxy path for GPU results the NIC cannot write.
+//
+// When p also has a method Stage(src tensor.Buffer, n int, done
+// func(tensor.Buffer, error)), as ProxyPath's has, GPU tensors the NIC
+// cannot read are sent through it (the sending half of the proxy path): it
+// copies the first n bytes of src to host memory registered with the
+// channel and calls done once, from any goroutine, with that memory (whose
+// Free gives it back) or the error; the write goes from there.
 func WithProxy(p Proxy) Option {
 	return func(o *options) error {
 		o.proxy = p
-		if s, ok := p.(Stager); ok {
+		if s, ok := p.(stager); ok {
 			o.stager = s
 		}
 		return nil
 	}
 }
 
-// WithMaxStringBytes caps the decoded size of a received string tensor.
-func WithMaxStringBytes(n int) Option {
-	return func(o *options) error {
-		if n <= 0 {
-			return fmt.Errorf("%w: string limit %d", ErrBadOption, n)
-		}
-		o.maxStrings = n
-		return nil
-	}
-}
-
 // WithMaxTensorBytes caps the byte size of a tensor this side will allocate
-// for a peer (default DefaultMaxTensorBytes): a larger META_DATA_RESPONSE
-// fails its Recv with ErrTooLarge instead of taking the memory.
+// for a peer (default 64 GiB): a larger META_DATA_RESPONSE fails its Recv
+// with ErrTooLarge instead of taking the memory. It also caps the decoded
+// size of a received string tensor, which is 1 GiB by default and never
+// more.
 func WithMaxTensorBytes(n int64) Option {
 	return func(o *options) error {
 		if n <= 0 {
 			return fmt.Errorf("%w: tensor limit %d", ErrBadOption, n)
 		}
 		o.maxTensor = n
+		o.maxStrings = int(min(n, defaultMaxStringBytes))
 		return nil
 	}
 }
 
-// WithProxyChunk sets the chunk of pipelined proxy results (default
-// DefaultProxyChunk; a power of two from 4 KiB to 1 GiB, or 0 for one write
-// per result). A result that lands in a ChunkedLanding (ProxyPath's) and is
+// WithProxyChunk sets the chunk of pipelined proxy results (default 4 MiB,
+// so a 64 MiB tensor comes in 16 writes, each copied to the GPU as soon as
+// it lands; a power of two from 4 KiB to 1 GiB, or 0 for one write per
+// result). A result that lands in a Landing with a ChunkLanded method
+// (ProxyPath's) and is
 // larger than n is asked for in chunks of n bytes: the request carries n
 // (TENSOR_REQUEST with wire.ReqChunks, or TENSOR_RE_REQUEST's chunk size),
 // so the sender needs no setting of its own, and the sender writes each
 // chunk with an immediate naming the request. The chunks go in order over
-// the channel's own queue pair, never striped over rails (WithRails), so
+// the channel's own queue pair, never striped over rails (WithRail), so
 // the receiver counts them instead of reading offsets from immediates; each
 // takes one of the receiver's posted receives, so each takes a credit, and
 // a long tensor waits for credits as they come back. Direct results keep
@@ -210,7 +191,7 @@ func WithProxyChunk(n int) Option {
 	}
 }
 
-// WithKeepalive sets the keepalive interval (default DefaultKeepalive; 0
+// WithKeepalive sets the keepalive interval (default 1s; 0
 // turns keepalives off). While the channel has pending work (a Recv not
 // answered, a Send or a request of the peer not matched, a tensor kept for
 // a re-request, a write in flight) and nothing has arrived from the peer for

@@ -51,16 +51,16 @@ func (w *landingWatch) Land(meta tensor.Meta, dev tensor.Device) (Landing, error
 	if err != nil {
 		return nil, err
 	}
-	return &watchedLanding{ChunkedLanding: l.(ChunkedLanding), w: w}, nil
+	return &watchedLanding{chunkedLanding: l.(chunkedLanding), w: w}, nil
 }
 
 type watchedLanding struct {
-	ChunkedLanding
+	chunkedLanding
 	w *landingWatch
 }
 
 func (l *watchedLanding) Direct() bool {
-	d, ok := l.ChunkedLanding.(interface{ Direct() bool })
+	d, ok := l.chunkedLanding.(interface{ Direct() bool })
 	return ok && d.Direct()
 }
 
@@ -73,14 +73,14 @@ func (l *watchedLanding) ChunkLanded(off, n int) {
 	if f != nil {
 		f(i)
 	}
-	l.ChunkedLanding.ChunkLanded(off, n)
+	l.chunkedLanding.ChunkLanded(off, n)
 }
 
 func (l *watchedLanding) Landed(done func(*tensor.Tensor, error)) {
 	l.w.mu.Lock()
 	l.w.landedAt = time.Now()
 	l.w.mu.Unlock()
-	l.ChunkedLanding.Landed(done)
+	l.chunkedLanding.Landed(done)
 }
 
 // proxySide is a receiving side whose GPU results go through a proxy onto
@@ -201,8 +201,8 @@ func (b *proxySide) waitPinnedIdle(t *testing.T) {
 func TestProxyPipelined64MiB(t *testing.T) {
 	const size, chunk = 64 << 20, 4 << 20
 	forEachProvider(t, func(t *testing.T, provider string) {
-		for _, ring := range []int{DefaultRing, MinRing} {
-			t.Run(map[int]string{DefaultRing: "ring128", MinRing: "ring4"}[ring], func(t *testing.T) {
+		for _, ring := range []int{defaultRing, minRing} {
+			t.Run(map[int]string{defaultRing: "ring128", minRing: "ring4"}[ring], func(t *testing.T) {
 				a, b := proxyPair(t, provider, nil, []Option{WithRing(ring), WithProxyChunk(chunk)})
 				ctx := recvCtx(t)
 				for step := int64(0); step < 2; step++ { // a meta-data round trip, then a cached request
@@ -247,7 +247,7 @@ func TestProxyPipelined64MiB(t *testing.T) {
 					// With the small ring the last chunk can only be
 					// sent after credits came back from earlier chunks'
 					// completions, which queued their copies first.
-					if ring == MinRing && !first.Before(last) {
+					if ring == minRing && !first.Before(last) {
 						t.Fatalf("step %d: first copy started %v after the last chunk landed: not pipelined", step, first.Sub(last))
 					}
 					b.waitPinnedIdle(t)
@@ -400,7 +400,7 @@ func TestProxyChunkCopyFault(t *testing.T) {
 // stays until the last chunk (whose immediate must still name it), and the
 // proxy tensor goes back then.
 func TestProxyChunkCancelMidway(t *testing.T) {
-	a, b := proxyPair(t, "tcp", nil, []Option{WithRing(MinRing), WithProxyChunk(1 << 20)})
+	a, b := proxyPair(t, "tcp", nil, []Option{WithRing(minRing), WithProxyChunk(1 << 20)})
 	release := make(chan struct{})
 	reached := make(chan struct{})
 	b.watch.onChunk = func(i int) {
@@ -453,7 +453,7 @@ func TestProxyChunkCancelMidway(t *testing.T) {
 // might still land in it).
 func TestTwoProcessProxySenderKilled(t *testing.T) {
 	forEachProvider(t, func(t *testing.T, provider string) {
-		local, err := openProxySide(provider, "receiver", WithRing(MinRing), WithProxyChunk(1<<20))
+		local, err := openProxySide(provider, "receiver", WithRing(minRing), WithProxyChunk(1<<20))
 		if err != nil {
 			skipUnavailable(t, provider, err)
 		}

@@ -11,11 +11,12 @@ import (
 // ProxyPath lands GPU results through p (package proxy): the NIC writes the
 // proxy's pinned tensor (or, when p's policy says Direct, the GPU memory
 // itself) and p copies it to device memory from gpuAlloc. It also stages GPU
-// tensors to be sent into pinned tensors (Stager). p's pool must be one of
-// the channel's Memory pools, so its arenas are registered with the
-// channel's protection domain. Its landings are ChunkedLandings: a result
-// larger than the channel's proxy chunk (WithProxyChunk) is copied to the
-// device chunk by chunk as the chunks land (proxy.Receiver.ChunkArrived).
+// tensors to be sent into pinned tensors (its Stage method, see WithProxy).
+// p's pool must be one of the channel's Memory pools, so its arenas are
+// registered with the channel's protection domain. Its landings take their
+// bytes as they land (ChunkLanded, see Landing): a result larger than the
+// channel's proxy chunk (WithProxyChunk) is copied to the device chunk by
+// chunk as the chunks land (proxy.Receiver.ChunkArrived).
 func ProxyPath(p *proxy.Proxy, gpuAlloc func(n int, dev tensor.Device) (tensor.Buffer, error)) Proxy {
 	return &proxyPath{p: p, alloc: gpuAlloc}
 }
@@ -57,7 +58,10 @@ type landing struct {
 	endErr error
 }
 
-var _ ChunkedLanding = (*landing)(nil)
+var (
+	_ chunkedLanding = (*landing)(nil)
+	_ stager         = (*proxyPath)(nil)
+)
 
 // Bytes is the pinned proxy tensor the NIC writes, nil when the NIC writes
 // the GPU directly.

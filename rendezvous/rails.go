@@ -7,53 +7,38 @@ import (
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
-// Rail is an extra device of a channel: large writes are striped over the
-// channel's own queue pair and one queue pair per rail, so hosts with several
-// NICs (or several paths between two hosts) use them all. Memory must find
-// the same registered pool's regions as registered with PD (a second
-// memory-registration visitor on the pool).
-type Rail struct {
+// railConfig is an extra device of a channel, as WithRail gives it.
+type railConfig struct {
 	Device verbsio.Device
 	PD     verbsio.ProtectionDomain
 	Memory Memory
 }
 
-// DefaultStripeMin is the smallest write striped over a channel's rails.
-const DefaultStripeMin = 4 << 20
-
-// WithRails adds extra rails to the channel (at most wire.MaxRailKeys). The
-// peers use as many as both have.
-func WithRails(rails ...Rail) Option {
+// WithRail adds an extra rail to the channel: a device dev, a protection
+// domain pd on it, and mem, which finds the regions registered with pd of
+// the same pools as the channel's Memory (a second memory-registration
+// visitor on each pool). Large writes are striped over the channel's own
+// queue pair and one queue pair per rail, so hosts with several NICs (or
+// several paths between two hosts) use them all; writes of 4 MiB or more
+// are striped, as below that one queue pair is faster than coordinating
+// several. Give it once per rail, at most wire.MaxRailKeys times; the peers
+// use as many rails as both have.
+func WithRail(dev verbsio.Device, pd verbsio.ProtectionDomain, mem Memory) Option {
 	return func(o *options) error {
-		if len(o.rails)+len(rails) > wire.MaxRailKeys {
-			return fmt.Errorf("%w: %d rails, at most %d", ErrBadOption, len(o.rails)+len(rails), wire.MaxRailKeys)
+		if len(o.rails)+1 > wire.MaxRailKeys {
+			return fmt.Errorf("%w: %d rails, at most %d", ErrBadOption, len(o.rails)+1, wire.MaxRailKeys)
 		}
-		for i, r := range rails {
-			if r.Device == nil || r.PD == nil || r.Memory == nil {
-				return fmt.Errorf("%w: rail %d lacks a device, protection domain or memory", ErrBadOption, i)
-			}
+		if dev == nil || pd == nil || mem == nil {
+			return fmt.Errorf("%w: rail %d lacks a device, protection domain or memory", ErrBadOption, len(o.rails)+1)
 		}
-		o.rails = append(o.rails, rails...)
-		return nil
-	}
-}
-
-// WithStripeMin sets the smallest write striped over the rails (default
-// DefaultStripeMin): below it one queue pair is faster than coordinating
-// several.
-func WithStripeMin(n int64) Option {
-	return func(o *options) error {
-		if n <= 0 {
-			return fmt.Errorf("%w: stripe minimum %d", ErrBadOption, n)
-		}
-		o.stripeMin = n
+		o.rails = append(o.rails, railConfig{Device: dev, PD: pd, Memory: mem})
 		return nil
 	}
 }
 
 // rail is an extra rail's queue pair and completion queue.
 type rail struct {
-	Rail
+	railConfig
 	name  string
 	cq    verbsio.CompletionQueue
 	qp    verbsio.QueuePair
@@ -63,7 +48,7 @@ type rail struct {
 
 func (c *Channel) setupRails() error {
 	for i, r := range c.opts.rails {
-		rl := &rail{Rail: r, name: r.Device.Info().Name, done: make(chan struct{})}
+		rl := &rail{railConfig: r, name: r.Device.Info().Name, done: make(chan struct{})}
 		c.rails = append(c.rails, rl)
 		var err error
 		if rl.cq, err = r.Device.CreateCQ(c.sqMax); err != nil {
@@ -98,7 +83,8 @@ func (c *Channel) railKeys(m *wire.Message, addr uintptr, n int) {
 // reports whether it did. The rest (chunk 0, with the immediate) is posted
 // on the channel's queue pair once every rail's part has completed, so the
 // immediate still means "all bytes landed".
-func (c *Channel) stripeLocked(e *sendEntry) bool {
+func (s *sender) stripeLocked(e *sendEntry) bool {
+	c := s.c
 	k := min(len(e.railKeys), c.active)
 	if k == 0 || e.n < c.opts.stripeMin {
 		return false
@@ -114,8 +100,8 @@ func (c *Channel) stripeLocked(e *sendEntry) bool {
 		wrs []verbsio.SendWR
 	}
 	var posts []post
-	seq := c.nextWrite
-	c.nextWrite++
+	seq := s.nextWrite
+	s.nextWrite++
 	for i := 0; i < k; i++ {
 		lo := chunk * int64(i+1)
 		if lo >= e.n {
@@ -146,7 +132,7 @@ func (c *Channel) stripeLocked(e *sendEntry) bool {
 		posts = append(posts, post{rl, wrs})
 	}
 	e.railPending = 0
-	c.striping[seq] = e
+	s.striping[seq] = e
 	for _, p := range posts {
 		if err := p.rl.qp.PostSend(p.wrs); err != nil {
 			var ds deliveries
@@ -158,7 +144,7 @@ func (c *Channel) stripeLocked(e *sendEntry) bool {
 		e.railPending += len(p.wrs)
 	}
 	e.firstChunk = chunk
-	c.stats.striped.Add(1)
+	s.stats.striped.Add(1)
 	return true
 }
 
@@ -187,20 +173,26 @@ func (c *Channel) pollRail(rl *rail) {
 				c.failLocked(c.peerLost(fmt.Errorf("rail %s: %s %s: %w", rl.name, wc.Op, wc.Status, wc.Status.Err())), &ds, stateFailed)
 				continue
 			}
-			seq := (wc.WRID &^ wridKind) >> 8
-			e, ok := c.striping[seq]
-			if !ok {
-				continue
-			}
-			if e.railPending--; e.railPending == 0 {
-				delete(c.striping, seq)
-				if c.state == stateConnected {
-					c.outq = append(c.outq, outItem{write: e})
-				}
-			}
+			c.snd.railPartDoneLocked((wc.WRID &^ wridKind) >> 8)
 		}
 		c.flushLocked()
 		c.mu.Unlock()
 		ds.run()
+	}
+}
+
+// railPartDoneLocked counts one completed rail work request of write seq;
+// once all of them are in, the rest of the write (with the immediate) is
+// queued for the channel's own queue pair.
+func (s *sender) railPartDoneLocked(seq uint64) {
+	e, ok := s.striping[seq]
+	if !ok {
+		return
+	}
+	if e.railPending--; e.railPending == 0 {
+		delete(s.striping, seq)
+		if s.c.state == stateConnected {
+			s.c.outq = append(s.c.outq, outItem{write: e})
+		}
 	}
 }

@@ -10,7 +10,7 @@ import (
 // over both, small ones are not, and every byte arrives.
 func TestRailsStripeLargeWrites(t *testing.T) {
 	lo := []string{"127.0.0.1:0", "127.0.0.1:0"}
-	a, b := pairRails(t, "tcp", lo, lo, WithStripeMin(1<<20))
+	a, b := pairRails(t, "tcp", lo, lo, withStripeMin(1<<20))
 	ctx := recvCtx(t)
 	if a.ch.active != 1 || b.ch.active != 1 {
 		t.Fatalf("%d and %d extra rails active, want 1", a.ch.active, b.ch.active)

@@ -5,12 +5,54 @@ import (
 	"errors"
 	"fmt"
 	"hash/crc32"
+	"sync/atomic"
 	"time"
 
 	"github.com/gdrlink/gdrlink/internal/wire"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
+
+// receiver is the receiving half of a channel: the Recvs waiting for the
+// peer's tensors, the names it defined for the peer, and the meta-data cache
+// its requests are sized from. Its state is guarded by the channel's lock
+// (see Channel.mu); it queues its requests on the channel, which posts them
+// in order as credits allow.
+type receiver struct {
+	c *Channel
+
+	nextReq  uint32
+	reqs     map[uint32]*request // by request index
+	byKey    map[skey]*request   // pending, by key and step
+	names    map[string]uint32   // name indexes defined for the peer
+	nextName uint32
+	cache    map[string]tensor.Meta // the meta-data cache
+
+	stats recvCounters
+}
+
+type recvCounters struct {
+	requests, metaResponses, metaInPlace, reRequests, finals, writesIn atomic.Uint64
+	bytesIn, errors, nameDefs, checksumFailures, chunksIn              atomic.Uint64
+}
+
+func newReceiver(c *Channel) receiver {
+	return receiver{
+		c: c, reqs: map[uint32]*request{}, byKey: map[skey]*request{}, names: map[string]uint32{},
+		cache: map[string]tensor.Meta{}, nextReq: 1, nextName: 1,
+	}
+}
+
+// pendingLocked reports whether a Recv waits for the peer's answer.
+func (rv *receiver) pendingLocked() bool { return len(rv.reqs) > 0 }
+
+// failLocked fails every pending Recv with err.
+func (rv *receiver) failLocked(err error, ds *deliveries) {
+	for idx, r := range rv.reqs {
+		delete(rv.reqs, idx)
+		rv.finishLocked(r, nil, fmt.Errorf("rendezvous: %q step %d from %s: %w", r.key.name, r.key.step, rv.c.peer, err), ds)
+	}
+}
 
 // request is the receiver's side of one Recv.
 type request struct {
@@ -47,13 +89,6 @@ type RecvOption func(*request)
 // (PathProxy). With neither, Recv fails with ErrNoPath.
 func OnDevice(dev tensor.Device) RecvOption { return func(r *request) { r.dev = dev } }
 
-func checkKey(key string) error {
-	if key == "" || len(key) > wire.MaxName {
-		return fmt.Errorf("%w: %d bytes, want 1..%d", ErrBadKey, len(key), wire.MaxName)
-	}
-	return nil
-}
-
 // Recv asks the peer for the tensor sent under key and step and waits for
 // it, or for ctx to end (the request is then withdrawn and the error wraps
 // ErrCancelled and ctx's cause). The caller owns the result and releases it.
@@ -73,6 +108,11 @@ func (c *Channel) Recv(ctx context.Context, key string, step int64, opts ...Recv
 // once with the result or the error. cb runs on the channel's completion
 // goroutine (or the one that ended ctx) and must not block.
 func (c *Channel) RecvFunc(ctx context.Context, key string, step int64, cb func(*tensor.Tensor, Transfer, error), opts ...RecvOption) {
+	c.rcv.recv(ctx, key, step, cb, opts)
+}
+
+func (rv *receiver) recv(ctx context.Context, key string, step int64, cb func(*tensor.Tensor, Transfer, error), opts []RecvOption) {
+	c := rv.c
 	if cb == nil {
 		// Nobody will take the result: give its memory back.
 		cb = func(t *tensor.Tensor, _ Transfer, _ error) {
@@ -102,23 +142,23 @@ func (c *Channel) RecvFunc(ctx context.Context, key string, step int64, cb func(
 		cb(nil, tr, fmt.Errorf("rendezvous: %q step %d: %w", key, step, err))
 		return
 	}
-	if _, dup := c.byKey[r.key]; dup {
+	if _, dup := rv.byKey[r.key]; dup {
 		c.mu.Unlock()
 		cb(nil, tr, fmt.Errorf("%w: Recv of %q step %d is already pending", ErrDuplicate, key, step))
 		return
 	}
 	m := wire.Message{Type: wire.TypeRequest, Step: step}
-	if meta, ok := c.cache[key]; ok {
-		if err := c.allocResultLocked(r, meta); err != nil {
+	if meta, ok := rv.cache[key]; ok {
+		if err := rv.allocResultLocked(r, meta); err != nil {
 			c.mu.Unlock()
 			cb(nil, tr, fmt.Errorf("rendezvous: result of %q step %d: %w", key, step, err))
 			return
 		}
 		m.Flags |= wire.ReqMeta
 		m.Meta.SetMeta(meta)
-		m.Addr, m.RKey, m.Capacity = c.bufTarget(r)
+		m.Addr, m.RKey, m.Capacity = rv.bufTarget(r)
 		if r.buf != nil {
-			if m.ChunkShift = c.chunkShiftLocked(r); m.ChunkShift != 0 {
+			if m.ChunkShift = rv.chunkShiftLocked(r); m.ChunkShift != 0 {
 				m.Flags |= wire.ReqChunks // and no rails: chunks keep to one queue pair
 			} else {
 				c.railKeys(&m, r.buf.Addr(), r.buf.Len())
@@ -131,57 +171,45 @@ func (c *Channel) RecvFunc(ctx context.Context, key string, step int64, cb func(
 			}
 		}
 	}
-	r.idx = c.allocReqLocked()
+	r.idx = rv.allocReqLocked()
 	m.Req = r.idx
-	ni, ok := c.names[key]
+	ni, ok := rv.names[key]
 	if !ok {
-		ni = c.nextName
-		c.nextName++
-		c.names[key] = ni
+		ni = rv.nextName
+		rv.nextName++
+		rv.names[key] = ni
 		m.Flags |= wire.ReqName
 		m.Name = []byte(key)
-		c.stats.nameDefs.Add(1)
+		rv.stats.nameDefs.Add(1)
 	}
 	m.NameIndex = ni
-	c.reqs[r.idx] = r
-	c.byKey[r.key] = r
+	rv.reqs[r.idx] = r
+	rv.byKey[r.key] = r
 	c.enqueueLocked(&m)
-	c.stats.requests.Add(1)
+	rv.stats.requests.Add(1)
 	if ctx.Done() != nil {
-		r.stop = context.AfterFunc(ctx, func() { c.cancel(r, context.Cause(ctx)) })
+		r.stop = context.AfterFunc(ctx, func() { rv.cancel(r, context.Cause(ctx)) })
 	}
 	c.flushLocked()
 	c.armKeepaliveLocked()
 	c.mu.Unlock()
 }
 
-func (c *Channel) stateErrLocked() error {
-	switch c.state {
-	case stateNew:
-		return ErrNotConnected
-	case stateClosed:
-		if c.failErr != nil {
-			return c.failErr
-		}
-		return ErrClosed
-	}
-	return c.failErr
-}
-
-func (c *Channel) allocReqLocked() uint32 {
+func (rv *receiver) allocReqLocked() uint32 {
 	for {
-		idx := c.nextReq
-		c.nextReq++
-		if c.nextReq == 0 {
-			c.nextReq = 1
+		idx := rv.nextReq
+		rv.nextReq++
+		if rv.nextReq == 0 {
+			rv.nextReq = 1
 		}
-		if _, used := c.reqs[idx]; !used {
+		if _, used := rv.reqs[idx]; !used {
 			return idx
 		}
 	}
 }
 
-func (c *Channel) bufTarget(r *request) (addr uint64, rkey uint32, capacity uint64) {
+func (rv *receiver) bufTarget(r *request) (addr uint64, rkey uint32, capacity uint64) {
+	c := rv.c
 	if r.buf == nil {
 		return 0, 0, 0
 	}
@@ -193,16 +221,17 @@ func (c *Channel) bufTarget(r *request) (addr uint64, rkey uint32, capacity uint
 }
 
 // chunkShiftLocked decides whether r's result is asked for in chunks: a
-// ChunkedLanding (not writing the device directly) for a tensor larger than
+// Landing with a ChunkLanded method (not writing the device directly) for a tensor larger than
 // the channel's proxy chunk. It sets r.chunk and returns the chunk size as
 // carried on the wire, 0 for one write.
-func (c *Channel) chunkShiftLocked(r *request) uint8 {
+func (rv *receiver) chunkShiftLocked(r *request) uint8 {
+	c := rv.c
 	r.chunk, r.chunks = 0, 0
 	shift := c.opts.chunkShift
 	if shift == 0 || r.meta.ByteSize <= int64(1)<<shift {
 		return 0
 	}
-	if _, ok := r.buf.(ChunkedLanding); !ok {
+	if _, ok := r.buf.(chunkedLanding); !ok {
 		return 0
 	}
 	if d, ok := r.buf.(interface{ Direct() bool }); ok && d.Direct() {
@@ -213,7 +242,8 @@ func (c *Channel) chunkShiftLocked(r *request) uint8 {
 }
 
 // allocResultLocked sizes r's result buffer for meta, choosing the path.
-func (c *Channel) allocResultLocked(r *request, meta tensor.Meta) error {
+func (rv *receiver) allocResultLocked(r *request, meta tensor.Meta) error {
+	c := rv.c
 	r.meta = meta
 	r.chunk, r.chunks = 0, 0
 	if r.buf != nil {
@@ -268,7 +298,8 @@ func (c *Channel) allocResultLocked(r *request, meta tensor.Meta) error {
 }
 
 // cancel withdraws r if it has not completed, and reports whether it did.
-func (c *Channel) cancel(r *request, cause error) bool {
+func (rv *receiver) cancel(r *request, cause error) bool {
+	c := rv.c
 	c.mu.Lock()
 	if r.done || r.cancelled {
 		c.mu.Unlock()
@@ -277,7 +308,7 @@ func (c *Channel) cancel(r *request, cause error) bool {
 	r.cancelled = true
 	cb := r.cb
 	r.cb = nil
-	delete(c.byKey, r.key)
+	delete(rv.byKey, r.key)
 	if c.state == stateConnected {
 		m := wire.Message{Type: wire.TypeCancel, Req: r.idx}
 		c.enqueueLocked(&m)
@@ -290,10 +321,10 @@ func (c *Channel) cancel(r *request, cause error) bool {
 }
 
 // forgetLocked removes a finished or withdrawn request and frees its buffer.
-func (c *Channel) forgetLocked(r *request) {
-	delete(c.reqs, r.idx)
-	if c.byKey[r.key] == r {
-		delete(c.byKey, r.key)
+func (rv *receiver) forgetLocked(r *request) {
+	delete(rv.reqs, r.idx)
+	if rv.byKey[r.key] == r {
+		delete(rv.byKey, r.key)
 	}
 	if r.buf != nil {
 		_ = r.buf.Free()
@@ -303,14 +334,15 @@ func (c *Channel) forgetLocked(r *request) {
 
 // finishLocked completes r with t or err; the callback runs after the lock.
 // A buffer still in r.buf (not handed to t) is freed.
-func (c *Channel) finishLocked(r *request, t *tensor.Tensor, err error, ds *deliveries) {
+func (rv *receiver) finishLocked(r *request, t *tensor.Tensor, err error, ds *deliveries) {
+	c := rv.c
 	r.done = true
 	if r.stop != nil {
 		r.stop()
 	}
-	delete(c.reqs, r.idx)
-	if c.byKey[r.key] == r {
-		delete(c.byKey, r.key)
+	delete(rv.reqs, r.idx)
+	if rv.byKey[r.key] == r {
+		delete(rv.byKey, r.key)
 	}
 	if r.buf != nil {
 		if c.state != stateConnected {
@@ -343,7 +375,7 @@ func (c *Channel) finishLocked(r *request, t *tensor.Tensor, err error, ds *deli
 		tr.Path = PathNone
 	}
 	if err == nil {
-		c.log.Debug("rendezvous: transfer", "transfer", tr)
+		c.log.Debug("rendezvous: transfer", "transfer", tr.logValue())
 	}
 	if t == nil && err == nil && r.landing {
 		r.cb, r.tr = cb, tr // landedLocked delivers
@@ -354,7 +386,7 @@ func (c *Channel) finishLocked(r *request, t *tensor.Tensor, err error, ds *deli
 
 // landedLocked hands a proxied result to its landing; the callback runs when
 // the proxy has the tensor on the device.
-func (c *Channel) landedLocked(r *request, l Landing, ds *deliveries) {
+func (rv *receiver) landedLocked(r *request, l Landing, ds *deliveries) {
 	cb, tr := r.cb, r.tr
 	r.cb = nil
 	if cb == nil {
@@ -377,12 +409,9 @@ func (c *Channel) landedLocked(r *request, l Landing, ds *deliveries) {
 	})
 }
 
-func (c *Channel) protocolLocked(ds *deliveries, format string, args ...any) {
-	c.failLocked(fmt.Errorf("%w: from %s: %s", ErrProtocol, c.peer, fmt.Sprintf(format, args...)), ds, stateFailed)
-}
-
-func (c *Channel) onMetaLocked(m *wire.Message, ds *deliveries) {
-	r, ok := c.reqs[m.Req]
+func (rv *receiver) onMetaLocked(m *wire.Message, ds *deliveries) {
+	c := rv.c
+	r, ok := rv.reqs[m.Req]
 	if !ok {
 		c.protocolLocked(ds, "%s for unknown request %d", m.Type, m.Req)
 		return
@@ -395,27 +424,27 @@ func (c *Channel) onMetaLocked(m *wire.Message, ds *deliveries) {
 	}
 	if r.cancelled {
 		if final {
-			c.forgetLocked(r)
+			rv.forgetLocked(r)
 		}
 		return
 	}
 	if final {
-		c.stats.finals.Add(1)
+		rv.stats.finals.Add(1)
 		r.path = PathNone
 		if r.buf != nil {
 			_ = r.buf.Free()
 			r.buf = nil
 		}
 		if meta.IsDead {
-			c.finishLocked(r, tensor.Dead(meta.DType, meta.Shape), nil, ds)
+			rv.finishLocked(r, tensor.Dead(meta.DType, meta.Shape), nil, ds)
 			return
 		}
-		c.cache[r.key.name] = meta
+		rv.cache[r.key.name] = meta
 		t, err := tensor.New(meta, nil)
 		if meta.DType == tensor.String {
 			t, err = tensor.NewStrings(meta.Shape, nil)
 		}
-		c.finishLocked(r, t, err, ds)
+		rv.finishLocked(r, t, err, ds)
 		return
 	}
 	if m.Flags&wire.RespWriteFollows != 0 {
@@ -423,26 +452,26 @@ func (c *Channel) onMetaLocked(m *wire.Message, ds *deliveries) {
 			c.protocolLocked(ds, "%s for request %d: %v does not fit its buffer", m.Type, m.Req, meta)
 			return
 		}
-		c.stats.metaInPlace.Add(1)
-		c.cache[r.key.name] = meta
+		rv.stats.metaInPlace.Add(1)
+		rv.cache[r.key.name] = meta
 		r.meta, r.metaChanged = meta, true
 		if m.Flags&wire.RespChecksum != 0 {
 			r.crc, r.hasCRC = m.Checksum, true
 		}
 		return
 	}
-	c.stats.metaResponses.Add(1)
-	c.cache[r.key.name] = meta
+	rv.stats.metaResponses.Add(1)
+	rv.cache[r.key.name] = meta
 	r.roundTrip, r.metaChanged = true, true
 	if m.Flags&wire.RespChecksum != 0 {
 		r.crc, r.hasCRC = m.Checksum, true
 	}
-	if err := c.allocResultLocked(r, meta); err != nil {
+	if err := rv.allocResultLocked(r, meta); err != nil {
 		// Withdraw the request so the sender drops what it kept.
 		cb := r.cb
 		r.cb = nil
 		r.cancelled = true
-		delete(c.byKey, r.key)
+		delete(rv.byKey, r.key)
 		cm := wire.Message{Type: wire.TypeCancel, Req: r.idx}
 		c.enqueueLocked(&cm)
 		tr := Transfer{Key: r.key.name, Step: r.key.step, Peer: c.peer, Provider: c.provider, Device: c.devName}
@@ -451,18 +480,19 @@ func (c *Channel) onMetaLocked(m *wire.Message, ds *deliveries) {
 		return
 	}
 	rr := wire.Message{Type: wire.TypeReRequest, Req: r.idx}
-	rr.Addr, rr.RKey, rr.Capacity = c.bufTarget(r)
+	rr.Addr, rr.RKey, rr.Capacity = rv.bufTarget(r)
 	if r.buf != nil {
-		if rr.ChunkShift = c.chunkShiftLocked(r); rr.ChunkShift == 0 {
+		if rr.ChunkShift = rv.chunkShiftLocked(r); rr.ChunkShift == 0 {
 			c.railKeys(&rr, r.buf.Addr(), r.buf.Len())
 		}
 	}
 	c.enqueueLocked(&rr)
-	c.stats.reRequests.Add(1)
+	rv.stats.reRequests.Add(1)
 }
 
-func (c *Channel) onChecksumLocked(m *wire.Message, ds *deliveries) {
-	r, ok := c.reqs[m.Req]
+func (rv *receiver) onChecksumLocked(m *wire.Message, ds *deliveries) {
+	c := rv.c
+	r, ok := rv.reqs[m.Req]
 	if !ok {
 		c.protocolLocked(ds, "%s for unknown request %d", m.Type, m.Req)
 		return
@@ -470,23 +500,25 @@ func (c *Channel) onChecksumLocked(m *wire.Message, ds *deliveries) {
 	r.crc, r.hasCRC = m.Checksum, true
 }
 
-func (c *Channel) onErrorLocked(m *wire.Message, ds *deliveries) {
-	r, ok := c.reqs[m.Req]
+func (rv *receiver) onErrorLocked(m *wire.Message, ds *deliveries) {
+	c := rv.c
+	r, ok := rv.reqs[m.Req]
 	if !ok {
 		c.protocolLocked(ds, "%s for unknown request %d", m.Type, m.Req)
 		return
 	}
-	c.stats.errors.Add(1)
+	rv.stats.errors.Add(1)
 	if r.cancelled {
-		c.forgetLocked(r)
+		rv.forgetLocked(r)
 		return
 	}
 	err := fmt.Errorf("%w: %s for %q step %d: %s: %s", ErrRemote, c.peer, r.key.name, r.key.step, m.Code, m.Text)
-	c.finishLocked(r, nil, err, ds)
+	rv.finishLocked(r, nil, err, ds)
 }
 
-func (c *Channel) onWriteLocked(imm uint32, ds *deliveries) {
-	r, ok := c.reqs[imm]
+func (rv *receiver) onWriteLocked(imm uint32, ds *deliveries) {
+	c := rv.c
+	r, ok := rv.reqs[imm]
 	if !ok {
 		c.protocolLocked(ds, "write with immediate %d names no request", imm)
 		return
@@ -500,11 +532,11 @@ func (c *Channel) onWriteLocked(imm uint32, ds *deliveries) {
 		// count says which chunk this is. All but the last go to the
 		// landing now (its copy to the device starts while the rest is on
 		// the wire); the last completes the request below.
-		c.stats.chunksIn.Add(1)
+		rv.stats.chunksIn.Add(1)
 		total := int((r.meta.ByteSize + r.chunk - 1) / r.chunk)
 		r.chunks++
 		if r.chunks < total {
-			if l, ok := r.buf.(ChunkedLanding); ok && !r.cancelled {
+			if l, ok := r.buf.(chunkedLanding); ok && !r.cancelled {
 				off := int64(r.chunks-1) * r.chunk
 				n := r.chunk
 				ds.add(func() { l.ChunkLanded(int(off), int(n)) })
@@ -513,11 +545,11 @@ func (c *Channel) onWriteLocked(imm uint32, ds *deliveries) {
 		}
 	}
 	if r.cancelled {
-		c.forgetLocked(r)
+		rv.forgetLocked(r)
 		return
 	}
-	c.stats.writesIn.Add(1)
-	c.stats.bytesIn.Add(uint64(r.meta.ByteSize))
+	rv.stats.writesIn.Add(1)
+	rv.stats.bytesIn.Add(uint64(r.meta.ByteSize))
 	meta := r.meta
 	var host []byte
 	if b := r.buf.Bytes(); b != nil {
@@ -530,9 +562,9 @@ func (c *Channel) onWriteLocked(imm uint32, ds *deliveries) {
 		}
 		if host != nil {
 			if got := crc32.Checksum(host, castagnoli); got != r.crc {
-				c.stats.checksumFailures.Add(1)
+				rv.stats.checksumFailures.Add(1)
 				r.hasCRC = false
-				c.finishLocked(r, nil, fmt.Errorf("%w: %q step %d from %s: CRC-32C %#08x, sender's %#08x (%d bytes)", ErrChecksum, r.key.name, r.key.step, c.peer, got, r.crc, len(host)), ds)
+				rv.finishLocked(r, nil, fmt.Errorf("%w: %q step %d from %s: CRC-32C %#08x, sender's %#08x (%d bytes)", ErrChecksum, r.key.name, r.key.step, c.peer, got, r.crc, len(host)), ds)
 				return
 			}
 		} else {
@@ -544,19 +576,19 @@ func (c *Channel) onWriteLocked(imm uint32, ds *deliveries) {
 		// The strings were copied out: the buffer is free again.
 		_ = r.buf.Free()
 		r.buf = nil
-		c.finishLocked(r, t, err, ds)
+		rv.finishLocked(r, t, err, ds)
 		return
 	}
 	if l, ok := r.buf.(Landing); ok {
 		r.buf = nil // the landing completes itself
 		r.landing = true
-		c.finishLocked(r, nil, nil, ds)
-		c.landedLocked(r, l, ds)
+		rv.finishLocked(r, nil, nil, ds)
+		rv.landedLocked(r, l, ds)
 		return
 	}
 	t, err := tensor.New(meta, r.buf)
 	if err == nil {
 		r.buf = nil // owned by t now
 	}
-	c.finishLocked(r, t, err, ds)
+	rv.finishLocked(r, t, err, ds)
 }

@@ -4,12 +4,54 @@ import (
 	"errors"
 	"fmt"
 	"hash/crc32"
+	"sync/atomic"
 	"unicode/utf8"
 
 	"github.com/gdrlink/gdrlink/internal/wire"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
+
+// sender is the sending half of a channel: the tensors handed to Send, the
+// peer's requests for them, and the writes that answer those requests. Its
+// state is guarded by the channel's lock (see Channel.mu); it queues its
+// control messages and writes on the channel, which posts them in order as
+// credits allow.
+type sender struct {
+	c *Channel
+
+	peerNames map[uint32]string     // the peer's name indexes
+	sends     map[skey]*sendEntry   // a Send or a request, not yet matched
+	kept      map[uint32]*sendEntry // answered with META_DATA_RESPONSE, awaiting the re-request
+	writes    map[uint64]*sendEntry // writes posted on the channel's queue pair
+	striping  map[uint64]*sendEntry // writes whose rail parts are in flight
+	nextWrite uint64
+
+	stats sendCounters
+}
+
+type sendCounters struct {
+	requestsIn, reRequestsIn                        atomic.Uint64
+	writesOut, bytesOut, staged, striped, chunksOut atomic.Uint64
+}
+
+// statsLocked fills in what the sender holds now.
+func (s *sender) statsLocked(st *Stats) {
+	for _, e := range s.sends {
+		if e.has && !e.hasReq {
+			st.SendsPending++
+		}
+	}
+	st.Kept = len(s.kept)
+	st.WritesInFlight = len(s.writes) + len(s.striping)
+}
+
+func newSender(c *Channel) sender {
+	return sender{
+		c: c, peerNames: map[uint32]string{}, sends: map[skey]*sendEntry{}, kept: map[uint32]*sendEntry{},
+		writes: map[uint64]*sendEntry{}, striping: map[uint64]*sendEntry{}, nextWrite: 1,
+	}
+}
 
 // sendEntry is the sender's side of one key and step: a Send, a request, or
 // both once matched.
@@ -76,7 +118,7 @@ func (c *Channel) SendFunc(key string, step int64, t *tensor.Tensor, done func(e
 	if t == nil {
 		return fmt.Errorf("%w: nil tensor for %q step %d", ErrBadTensor, key, step)
 	}
-	return c.put(skey{key, step}, t, nil, done)
+	return c.snd.put(skey{key, step}, t, nil, done)
 }
 
 // SendError answers the peer's Recv of key and step with an error: the peer
@@ -88,10 +130,11 @@ func (c *Channel) SendError(key string, step int64, err error) error {
 	if err == nil {
 		return fmt.Errorf("%w: SendError with a nil error", ErrBadTensor)
 	}
-	return c.put(skey{key, step}, nil, err, nil)
+	return c.snd.put(skey{key, step}, nil, err, nil)
 }
 
-func (c *Channel) put(k skey, t *tensor.Tensor, serr error, done func(error)) error {
+func (s *sender) put(k skey, t *tensor.Tensor, serr error, done func(error)) error {
+	c := s.c
 	var ds deliveries
 	c.mu.Lock()
 	if c.state != stateConnected {
@@ -99,7 +142,7 @@ func (c *Channel) put(k skey, t *tensor.Tensor, serr error, done func(error)) er
 		c.mu.Unlock()
 		return fmt.Errorf("rendezvous: Send of %q step %d: %w", k.name, k.step, err)
 	}
-	e, ok := c.sends[k]
+	e, ok := s.sends[k]
 	if ok && e.has {
 		c.mu.Unlock()
 		return fmt.Errorf("%w: Send of %q step %d", ErrDuplicate, k.name, k.step)
@@ -109,11 +152,11 @@ func (c *Channel) put(k skey, t *tensor.Tensor, serr error, done func(error)) er
 	}
 	e.t, e.serr, e.done, e.has = t, serr, done, true
 	if e.hasReq {
-		delete(c.sends, k)
-		c.serveLocked(e, &ds)
+		delete(s.sends, k)
+		s.serveLocked(e, &ds)
 		c.flushLocked()
 	} else {
-		c.sends[k] = e
+		s.sends[k] = e
 	}
 	c.armKeepaliveLocked()
 	c.mu.Unlock()
@@ -121,26 +164,54 @@ func (c *Channel) put(k skey, t *tensor.Tensor, serr error, done func(error)) er
 	return nil
 }
 
-func (c *Channel) onRequestLocked(m *wire.Message, ds *deliveries) {
+// pendingLocked reports whether the sender waits on the peer: a Send or a
+// request not matched, a tensor kept for a re-request, or a write in flight.
+func (s *sender) pendingLocked() bool {
+	return len(s.sends) > 0 || len(s.kept) > 0 || len(s.writes) > 0 || len(s.striping) > 0
+}
+
+// failLocked drops everything the sender holds with err.
+func (s *sender) failLocked(err error, ds *deliveries) {
+	for k, e := range s.sends {
+		delete(s.sends, k)
+		s.dropLocked(e, err, ds)
+	}
+	for k, e := range s.kept {
+		delete(s.kept, k)
+		s.dropLocked(e, err, ds)
+	}
+	for k, e := range s.writes {
+		delete(s.writes, k)
+		s.dropLocked(e, err, ds)
+	}
+	for k, e := range s.striping {
+		delete(s.striping, k)
+		s.dropLocked(e, err, ds)
+	}
+}
+
+func (s *sender) onRequestLocked(m *wire.Message, ds *deliveries) {
+	c := s.c
 	var name string
 	if m.Flags&wire.ReqName != 0 {
 		name = string(m.Name)
-		if old, ok := c.peerNames[m.NameIndex]; ok && old != name {
+		if old, ok := s.peerNames[m.NameIndex]; ok && old != name {
 			c.protocolLocked(ds, "name index %d redefined from %q to %q", m.NameIndex, old, name)
 			return
 		}
-		c.peerNames[m.NameIndex] = name
+		s.peerNames[m.NameIndex] = name
 	} else {
 		var ok bool
-		if name, ok = c.peerNames[m.NameIndex]; !ok {
+		if name, ok = s.peerNames[m.NameIndex]; !ok {
 			c.protocolLocked(ds, "request %d uses undefined name index %d", m.Req, m.NameIndex)
 			return
 		}
 	}
+	s.stats.requestsIn.Add(1)
 	k := skey{name, m.Step}
-	e, ok := c.sends[k]
+	e, ok := s.sends[k]
 	if ok && e.hasReq {
-		c.sendErrorLocked(m.Req, wire.CodeBadRequest, fmt.Sprintf("%q step %d is already requested", name, m.Step))
+		s.sendErrorLocked(m.Req, wire.CodeBadRequest, fmt.Sprintf("%q step %d is already requested", name, m.Step))
 		return
 	}
 	if !ok {
@@ -156,27 +227,28 @@ func (c *Channel) onRequestLocked(m *wire.Message, ds *deliveries) {
 	e.railKeys = append(e.railKeys[:0], m.RailKeys[:m.NumRailKeys]...)
 	e.chunkShift = m.ChunkShift // 0 unless wire.ReqChunks
 	if e.has {
-		delete(c.sends, k)
-		c.serveLocked(e, ds)
+		delete(s.sends, k)
+		s.serveLocked(e, ds)
 		return
 	}
-	c.sends[k] = e
+	s.sends[k] = e
 }
 
 // serveLocked answers a matched request: a write when the receiver's
 // meta-data matches, META_DATA_RESPONSE otherwise (keeping the tensor for the
 // re-request), a final META_DATA_RESPONSE for dead and empty tensors.
-func (c *Channel) serveLocked(e *sendEntry, ds *deliveries) {
+func (s *sender) serveLocked(e *sendEntry, ds *deliveries) {
+	c := s.c
 	if e.serr != nil {
-		c.sendErrorLocked(e.req, wire.CodeSender, e.serr.Error())
+		s.sendErrorLocked(e.req, wire.CodeSender, e.serr.Error())
 		return
 	}
-	if err := c.prepareLocked(e, ds); err != nil {
+	if err := s.prepareLocked(e, ds); err != nil {
 		if err == errStaging {
 			return // served again once staged
 		}
-		c.sendErrorLocked(e.req, wire.CodeInternal, err.Error())
-		c.dropSendLocked(e, err, ds)
+		s.sendErrorLocked(e.req, wire.CodeInternal, err.Error())
+		s.dropLocked(e, err, ds)
 		return
 	}
 	meta := e.meta
@@ -184,11 +256,11 @@ func (c *Channel) serveLocked(e *sendEntry, ds *deliveries) {
 		m := wire.Message{Type: wire.TypeMetaResponse, Flags: wire.RespFinal, Req: e.req}
 		m.Meta.SetMeta(meta)
 		c.enqueueLocked(&m)
-		c.dropSendLocked(e, nil, ds)
+		s.dropLocked(e, nil, ds)
 		return
 	}
 	if e.reqHasMeta && e.reqMeta.Equal(meta) && e.raddr != 0 && e.rcap >= uint64(meta.ByteSize) {
-		c.queueWriteLocked(e)
+		s.queueWriteLocked(e)
 		return
 	}
 	if e.reqHasMeta && !e.reqExact && e.raddr != 0 && e.rcap >= uint64(meta.ByteSize) && e.reqMeta.DType == meta.DType && !e.reqMeta.Dead {
@@ -201,7 +273,7 @@ func (c *Channel) serveLocked(e *sendEntry, ds *deliveries) {
 			e.crcSent = true
 		}
 		c.enqueueLocked(&m)
-		c.queueWriteLocked(e)
+		s.queueWriteLocked(e)
 		return
 	}
 	m := wire.Message{Type: wire.TypeMetaResponse, Req: e.req}
@@ -212,16 +284,17 @@ func (c *Channel) serveLocked(e *sendEntry, ds *deliveries) {
 		e.crcSent = true
 	}
 	c.enqueueLocked(&m)
-	c.kept[e.req] = e
+	s.kept[e.req] = e
 }
 
-// errStaging says a source is being staged by the Stager.
+// errStaging says a source is being staged by the proxy (WithProxy).
 var errStaging = errors.New("rendezvous: staging")
 
 // prepareLocked finds (or makes) registered bytes to write from. A device
-// source the NIC cannot read goes to the Stager (after the lock, through
+// source the NIC cannot read goes to the proxy (after the lock, through
 // ds) and errStaging is returned.
-func (c *Channel) prepareLocked(e *sendEntry, ds *deliveries) error {
+func (s *sender) prepareLocked(e *sendEntry, ds *deliveries) error {
+	c := s.c
 	if e.prepared {
 		return nil
 	}
@@ -264,7 +337,7 @@ func (c *Channel) prepareLocked(e *sendEntry, ds *deliveries) error {
 		} else {
 			if host == nil && c.opts.stager != nil {
 				st := c.opts.stager
-				ds.add(func() { st.Stage(buf, n, func(sb tensor.Buffer, err error) { c.staged(e, n, sb, err) }) })
+				ds.add(func() { st.Stage(buf, n, func(sb tensor.Buffer, err error) { s.staged(e, n, sb, err) }) })
 				return errStaging
 			}
 			if host == nil {
@@ -282,7 +355,7 @@ func (c *Channel) prepareLocked(e *sendEntry, ds *deliveries) error {
 			sb := blk.Bytes()[:n]
 			copy(sb, host)
 			e.stage, e.addr, e.lkey, e.src = blk, blk.Addr(), mr.LKey(), sb
-			c.stats.staged.Add(1)
+			s.stats.staged.Add(1)
 			c.log.Debug("rendezvous: staged source", "key", e.key.name, "step", e.key.step, "bytes", n, "reason", "source not in registered memory")
 		}
 	}
@@ -297,7 +370,8 @@ func (c *Channel) prepareLocked(e *sendEntry, ds *deliveries) error {
 	return nil
 }
 
-func (c *Channel) queueWriteLocked(e *sendEntry) {
+func (s *sender) queueWriteLocked(e *sendEntry) {
+	c := s.c
 	if c.checksum && !e.crcSent {
 		m := wire.Message{Type: wire.TypeChecksum, Req: e.req, Checksum: e.crc}
 		c.enqueueLocked(&m)
@@ -309,52 +383,53 @@ func (c *Channel) queueWriteLocked(e *sendEntry) {
 	c.outq = append(c.outq, outItem{write: e})
 }
 
-func (c *Channel) onReRequestLocked(m *wire.Message, ds *deliveries) {
-	e, ok := c.kept[m.Req]
+func (s *sender) onReRequestLocked(m *wire.Message, ds *deliveries) {
+	e, ok := s.kept[m.Req]
 	if !ok {
-		c.protocolLocked(ds, "%s for request %d, which awaits none", m.Type, m.Req)
+		s.c.protocolLocked(ds, "%s for request %d, which awaits none", m.Type, m.Req)
 		return
 	}
-	delete(c.kept, m.Req)
+	delete(s.kept, m.Req)
+	s.stats.reRequestsIn.Add(1)
 	e.raddr, e.rkey, e.rcap = m.Addr, m.RKey, m.Capacity
 	e.railKeys = append(e.railKeys[:0], m.RailKeys[:m.NumRailKeys]...)
 	e.chunkShift = m.ChunkShift
 	if e.raddr == 0 || e.rcap < uint64(e.n) {
-		c.sendErrorLocked(e.req, wire.CodeTooSmall, fmt.Sprintf("%q step %d needs %d bytes, buffer at %#x holds %d", e.key.name, e.key.step, e.n, e.raddr, e.rcap))
-		c.dropSendLocked(e, fmt.Errorf("%w: receiver's buffer too small", ErrRemote), ds)
+		s.sendErrorLocked(e.req, wire.CodeTooSmall, fmt.Sprintf("%q step %d needs %d bytes, buffer at %#x holds %d", e.key.name, e.key.step, e.n, e.raddr, e.rcap))
+		s.dropLocked(e, fmt.Errorf("%w: receiver's buffer too small", ErrRemote), ds)
 		return
 	}
-	c.queueWriteLocked(e)
+	s.queueWriteLocked(e)
 }
 
-func (c *Channel) onCancelLocked(m *wire.Message, ds *deliveries) {
-	if e, ok := c.kept[m.Req]; ok {
+func (s *sender) onCancelLocked(m *wire.Message, ds *deliveries) {
+	if e, ok := s.kept[m.Req]; ok {
 		// Matched but not written: the tensor waits for the next request
 		// of its key and step.
-		delete(c.kept, m.Req)
-		c.sendErrorLocked(m.Req, wire.CodeCancelled, "cancelled by the receiver")
+		delete(s.kept, m.Req)
+		s.sendErrorLocked(m.Req, wire.CodeCancelled, "cancelled by the receiver")
 		e.hasReq, e.reqHasMeta, e.crcSent = false, false, false
-		if _, taken := c.sends[e.key]; taken {
-			c.dropSendLocked(e, fmt.Errorf("%w: by %s for %q step %d", ErrCancelled, c.peer, e.key.name, e.key.step), ds)
+		if _, taken := s.sends[e.key]; taken {
+			s.dropLocked(e, fmt.Errorf("%w: by %s for %q step %d", ErrCancelled, s.c.peer, e.key.name, e.key.step), ds)
 			return
 		}
-		c.sends[e.key] = e
+		s.sends[e.key] = e
 		return
 	}
-	for k, e := range c.sends {
+	for k, e := range s.sends {
 		if e.hasReq && e.req == m.Req {
 			e.hasReq = false
 			if !e.has {
-				delete(c.sends, k)
+				delete(s.sends, k)
 			}
-			c.sendErrorLocked(m.Req, wire.CodeCancelled, "cancelled by the receiver")
+			s.sendErrorLocked(m.Req, wire.CodeCancelled, "cancelled by the receiver")
 			return
 		}
 	}
 	// The write is on its way or done; its completion ends the request.
 }
 
-func (c *Channel) sendErrorLocked(req uint32, code wire.Code, text string) {
+func (s *sender) sendErrorLocked(req uint32, code wire.Code, text string) {
 	if len(text) > wire.MaxText {
 		text = text[:wire.MaxText]
 		for !utf8.ValidString(text) && len(text) > 0 {
@@ -362,12 +437,13 @@ func (c *Channel) sendErrorLocked(req uint32, code wire.Code, text string) {
 		}
 	}
 	m := wire.Message{Type: wire.TypeError, Req: req, Code: code, Text: []byte(text)}
-	c.enqueueLocked(&m)
+	s.c.enqueueLocked(&m)
 }
 
-// dropSendLocked ends a send: its staging block is freed and done runs after
+// dropLocked ends a send: its staging block is freed and done runs after
 // the lock with err.
-func (c *Channel) dropSendLocked(e *sendEntry, err error, ds *deliveries) {
+func (s *sender) dropLocked(e *sendEntry, err error, ds *deliveries) {
+	c := s.c
 	if e.stage != nil {
 		if c.state == stateConnected || err == nil {
 			_ = e.stage.Free()
@@ -382,8 +458,9 @@ func (c *Channel) dropSendLocked(e *sendEntry, err error, ds *deliveries) {
 	}
 }
 
-// staged resumes a send whose source the Stager copied to host memory.
-func (c *Channel) staged(e *sendEntry, n int, sb tensor.Buffer, err error) {
+// staged resumes a send whose source the proxy copied to host memory.
+func (s *sender) staged(e *sendEntry, n int, sb tensor.Buffer, err error) {
+	c := s.c
 	var ds deliveries
 	c.mu.Lock()
 	defer func() {
@@ -406,10 +483,10 @@ func (c *Channel) staged(e *sendEntry, n int, sb tensor.Buffer, err error) {
 		}
 		err = fmt.Errorf("rendezvous: staging %q step %d: %w", e.key.name, e.key.step, err)
 		if c.state == stateConnected {
-			c.sendErrorLocked(e.req, wire.CodeInternal, err.Error())
+			s.sendErrorLocked(e.req, wire.CodeInternal, err.Error())
 			c.flushLocked()
 		}
-		c.dropSendLocked(e, err, &ds)
+		s.dropLocked(e, err, &ds)
 		return
 	}
 	e.stage, e.addr, e.lkey, e.src, e.n = sb, sb.Addr(), mr.LKey(), sb.Bytes()[:n], int64(n)
@@ -417,8 +494,132 @@ func (c *Channel) staged(e *sendEntry, n int, sb tensor.Buffer, err error) {
 		e.crc = crc32.Checksum(e.src, castagnoli)
 	}
 	e.prepared = true
-	c.stats.staged.Add(1)
+	s.stats.staged.Add(1)
 	c.log.Debug("rendezvous: staged source", "key", e.key.name, "step", e.key.step, "bytes", n, "reason", "device memory the NIC cannot read, copied by the proxy")
-	c.serveLocked(e, &ds)
+	s.serveLocked(e, &ds)
 	c.flushLocked()
+}
+
+// writeDoneLocked ends write seq once its last work request completed.
+func (s *sender) writeDoneLocked(seq uint64, ds *deliveries) {
+	e, ok := s.writes[seq]
+	if !ok {
+		return
+	}
+	delete(s.writes, seq)
+	s.stats.writesOut.Add(1)
+	s.stats.bytesOut.Add(uint64(e.n))
+	s.dropLocked(e, nil, ds)
+}
+
+// postWriteLocked posts the write of e: chunks of at most the device's
+// largest message, the last with the request index as immediate. A write
+// the receiver asked for in chunks goes to postChunksLocked.
+func (s *sender) postWriteLocked(e *sendEntry) bool {
+	c := s.c
+	if e.chunkShift != 0 && e.n > int64(1)<<e.chunkShift {
+		return s.postChunksLocked(e)
+	}
+	if e.firstChunk == 0 && s.stripeLocked(e) {
+		return true // the rest is posted when the rails' parts complete
+	}
+	n := e.n
+	if e.firstChunk > 0 {
+		n = e.firstChunk
+	}
+	maxMsg := c.maxMsg()
+	chunks := int((n + maxMsg - 1) / maxMsg)
+	if c.sqOut+chunks > c.sqMax {
+		return false
+	}
+	seq := s.nextWrite
+	s.nextWrite++
+	wrs := make([]verbsio.SendWR, 0, chunks)
+	for off := int64(0); off < n; off += maxMsg {
+		l := min(maxMsg, n-off)
+		last := off+l == n
+		wr := verbsio.SendWR{
+			WRID: wridWrite | seq<<8, Op: verbsio.OpWrite, Signaled: true,
+			SG:         []verbsio.SGE{{Addr: e.addr + uintptr(off), Length: uint32(l), LKey: e.lkey}},
+			RemoteAddr: e.raddr + uint64(off), RKey: e.rkey,
+		}
+		if last {
+			wr.WRID |= 1
+			wr.Op = verbsio.OpWriteImm
+			wr.Imm = e.req
+		}
+		wrs = append(wrs, wr)
+	}
+	s.writes[seq] = e
+	if err := c.qp.PostSend(wrs); err != nil {
+		delete(s.writes, seq)
+		var ds deliveries
+		s.dropLocked(e, err, &ds)
+		c.failLocked(c.peerLost(err), &ds, stateFailed)
+		go ds.run()
+		return false
+	}
+	c.sqOut += chunks
+	c.credits--
+	return true
+}
+
+// postChunksLocked posts what it can of a write the receiver asked for in
+// chunks (wire.ReqChunks): each chunk ends with a write with immediate
+// naming the request, so the receiver hears of every chunk as it lands.
+// Every chunk consumes one of the receiver's posted receives, so each takes
+// a credit, one staying in reserve as for any other item; a chunk also
+// needs send-queue room for its work requests. It reports whether the whole
+// write is posted; if not, the rest stays at the head of the queue and goes
+// out as credits come back (a long tensor never overruns the receiver's
+// ring, whatever its depth). All chunks go over the channel's own queue
+// pair, whose order makes the receiver's count of chunks name their
+// offsets.
+func (s *sender) postChunksLocked(e *sendEntry) bool {
+	c := s.c
+	chunk := int64(1) << e.chunkShift
+	maxMsg := c.maxMsg()
+	per := int((chunk + maxMsg - 1) / maxMsg)
+	if e.wseq == 0 {
+		e.wseq = s.nextWrite
+		s.nextWrite++
+		s.writes[e.wseq] = e
+	}
+	var wrs []verbsio.SendWR
+	credits, sq, chunks := c.credits, c.sqOut, 0
+	for e.posted < e.n && credits > 1 && sq+per <= c.sqMax {
+		end := min(e.posted+chunk, e.n)
+		for off := e.posted; off < end; off += maxMsg {
+			l := min(maxMsg, end-off)
+			wr := verbsio.SendWR{
+				WRID: wridWrite | e.wseq<<8, Op: verbsio.OpWrite, Signaled: true,
+				SG:         []verbsio.SGE{{Addr: e.addr + uintptr(off), Length: uint32(l), LKey: e.lkey}},
+				RemoteAddr: e.raddr + uint64(off), RKey: e.rkey,
+			}
+			if off+l == end {
+				wr.Op, wr.Imm = verbsio.OpWriteImm, e.req
+				if end == e.n {
+					wr.WRID |= 1
+				}
+			}
+			wrs = append(wrs, wr)
+			sq++
+		}
+		e.posted = end
+		credits--
+		chunks++
+	}
+	if len(wrs) > 0 {
+		if err := c.qp.PostSend(wrs); err != nil {
+			delete(s.writes, e.wseq)
+			var ds deliveries
+			s.dropLocked(e, err, &ds)
+			c.failLocked(c.peerLost(err), &ds, stateFailed)
+			go ds.run()
+			return false
+		}
+		c.sqOut, c.credits = sq, credits
+		s.stats.chunksOut.Add(uint64(chunks))
+	}
+	return e.posted == e.n
 }

@@ -8,12 +8,16 @@ import (
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
-// Closest picks, among a provider's devices, the one nearest to memory on
+// Choosing the device a channel is made on is its maker's job (the front
+// door's per-peer choice of provider and device); these two helpers are for
+// it and are not part of the channel's API.
+
+// closest picks, among a provider's devices, the one nearest to memory on
 // NUMA node memNode (-1: unknown): a device on the same node first, then one
 // whose node is unknown, then any; ties keep the provider's order. It says
 // why in reason, so the choice is never silent. No devices is an error
 // wrapping verbsio.ErrNoDevice.
-func Closest(devs []verbsio.DeviceInfo, memNode int) (dev verbsio.DeviceInfo, reason string, err error) {
+func closest(devs []verbsio.DeviceInfo, memNode int) (dev verbsio.DeviceInfo, reason string, err error) {
 	if len(devs) == 0 {
 		return dev, "", fmt.Errorf("%w: no device to choose from", verbsio.ErrNoDevice)
 	}
@@ -36,11 +40,11 @@ func Closest(devs []verbsio.DeviceInfo, memNode int) (dev verbsio.DeviceInfo, re
 	return devs[0], fmt.Sprintf("the memory's NUMA node is unknown; first of %d devices", len(devs)), nil
 }
 
-// ForGPU picks the device for tensors of a GPU from gdr's decision for that
+// forGPU picks the device for tensors of a GPU from gdr's decision for that
 // GPU (gdr.DecideGPU: GPUDirect first, then the shortest PCIe path, then the
 // GPU's NUMA node). When gdr chose no device of this provider it falls back
-// to Closest with the GPU's NUMA node, and says so.
-func ForGPU(devs []verbsio.DeviceInfo, d gdr.Decision, gpuNUMA int) (dev verbsio.DeviceInfo, reason string, err error) {
+// to closest with the GPU's NUMA node, and says so.
+func forGPU(devs []verbsio.DeviceInfo, d gdr.Decision, gpuNUMA int) (dev verbsio.DeviceInfo, reason string, err error) {
 	if d.NIC != "" && d.Mode != gdr.Unavailable {
 		for _, x := range devs {
 			if x.Name == d.NIC {
@@ -48,7 +52,7 @@ func ForGPU(devs []verbsio.DeviceInfo, d gdr.Decision, gpuNUMA int) (dev verbsio
 			}
 		}
 	}
-	dev, why, err := Closest(devs, gpuNUMA)
+	dev, why, err := closest(devs, gpuNUMA)
 	if err != nil {
 		return dev, "", err
 	}

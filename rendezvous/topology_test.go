@@ -24,27 +24,27 @@ func TestClosest(t *testing.T) {
 		{[]verbsio.DeviceInfo{d("mlx5_0", 0), d("mlx5_1", 1)}, -1, "mlx5_0"},
 	}
 	for _, c := range cases {
-		got, reason, err := Closest(c.devs, c.node)
+		got, reason, err := closest(c.devs, c.node)
 		if err != nil || got.Name != c.want || reason == "" {
-			t.Errorf("Closest(%v, %d) = %s (%q), %v; want %s", c.devs, c.node, got.Name, reason, err, c.want)
+			t.Errorf("closest(%v, %d) = %s (%q), %v; want %s", c.devs, c.node, got.Name, reason, err, c.want)
 		}
 	}
-	if _, _, err := Closest(nil, 0); !errors.Is(err, verbsio.ErrNoDevice) {
-		t.Errorf("Closest of nothing = %v", err)
+	if _, _, err := closest(nil, 0); !errors.Is(err, verbsio.ErrNoDevice) {
+		t.Errorf("closest of nothing = %v", err)
 	}
 }
 
 func TestForGPU(t *testing.T) {
 	devs := []verbsio.DeviceInfo{{Name: "mlx5_0", NUMANode: 0}, {Name: "mlx5_1", NUMANode: 1}}
-	got, reason, err := ForGPU(devs, gdr.Decision{GPU: 3, Mode: gdr.Direct, NIC: "mlx5_1", PathType: gdr.PathPIX, Reasons: []string{"same switch"}}, 0)
+	got, reason, err := forGPU(devs, gdr.Decision{GPU: 3, Mode: gdr.Direct, NIC: "mlx5_1", PathType: gdr.PathPIX, Reasons: []string{"same switch"}}, 0)
 	if err != nil || got.Name != "mlx5_1" || !strings.Contains(reason, "gdr") {
 		t.Fatalf("gdr's NIC: %s %q %v", got.Name, reason, err)
 	}
-	got, reason, err = ForGPU(devs, gdr.Decision{GPU: 3, Mode: gdr.Unavailable}, 1)
+	got, reason, err = forGPU(devs, gdr.Decision{GPU: 3, Mode: gdr.Unavailable}, 1)
 	if err != nil || got.Name != "mlx5_1" || !strings.Contains(reason, "no RDMA path") {
 		t.Fatalf("no decision: %s %q %v", got.Name, reason, err)
 	}
-	got, reason, err = ForGPU(devs, gdr.Decision{GPU: 3, Mode: gdr.Proxy, NIC: "rxe0"}, 0)
+	got, reason, err = forGPU(devs, gdr.Decision{GPU: 3, Mode: gdr.Proxy, NIC: "rxe0"}, 0)
 	if err != nil || got.Name != "mlx5_0" || !strings.Contains(reason, "does not have") {
 		t.Fatalf("other provider's NIC: %s %q %v", got.Name, reason, err)
 	}

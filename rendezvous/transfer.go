@@ -72,8 +72,8 @@ type Transfer struct {
 	Took time.Duration
 }
 
-// LogValue makes a Transfer print as a group in structured logs.
-func (t Transfer) LogValue() slog.Value {
+// logValue is a Transfer as a group of a structured log record.
+func (t Transfer) logValue() slog.Value {
 	return slog.GroupValue(
 		slog.String("key", t.Key), slog.Int64("step", t.Step), slog.String("peer", t.Peer),
 		slog.String("path", t.Path.String()), slog.String("provider", t.Provider), slog.String("device", t.Device),
@@ -125,4 +125,20 @@ type Stats struct {
 	// pipelined proxy results (WithProxyChunk), the last of each included;
 	// ChunksOut the number this side posted for the peer's.
 	ChunksIn, ChunksOut uint64
+
+	// What the sending side did: RequestsIn is the number of the peer's
+	// TENSOR_REQUESTs received, ReRequestsIn the number of its
+	// TENSOR_RE_REQUESTs answered (with the write, or an error when the
+	// offered buffer is too small).
+	RequestsIn, ReRequestsIn uint64
+	// SendsPending is the number of Sends (and SendErrors) the peer has not
+	// requested yet, at the time of the call.
+	SendsPending int
+	// Kept is the number of tensors kept for the peer's re-request
+	// (answered with META_DATA_RESPONSE, not written yet), at the time of
+	// the call.
+	Kept int
+	// WritesInFlight is the number of writes posted and not completed yet,
+	// striped writes included, at the time of the call.
+	WritesInFlight int
 }

@@ -59,7 +59,7 @@ func peerMain(in io.Reader, out io.Writer) int {
 			fmt.Fprintf(out, "error GDRLINK_RDV_STRIPE_MIN: %v\n", err)
 			return 1
 		}
-		opts = append(opts, WithStripeMin(n))
+		opts = append(opts, withStripeMin(n))
 	}
 	fail := func(err error) int {
 		fmt.Fprintf(out, "error %v\n", err)

@@ -62,7 +62,7 @@ func TestTwoProcessRailsOverVeth(t *testing.T) {
 	const stripeMin = 1 << 20
 	p := startPeerWith(t, "tcp", localAddrs,
 		[]string{"GDRLINK_RDV_LISTEN=" + strings.Join(peerAddrs, ","), "GDRLINK_RDV_STRIPE_MIN=" + strconv.Itoa(stripeMin)},
-		[]string{ip, "netns", "exec", ns}, WithStripeMin(stripeMin))
+		[]string{ip, "netns", "exec", ns}, withStripeMin(stripeMin))
 	if p.local.ch.active != 1 {
 		t.Fatalf("%d extra rails active, want 1", p.local.ch.active)
 	}
