@@ -245,18 +245,8 @@ func (g *Group) Size() int { return g.boot.Size() }
 // or a registration. Its contents are not zeroed. Give it to Send, or
 // Release it.
 func (g *Group) NewTensor(dtype tensor.DType, shape ...int64) (*tensor.Tensor, error) {
-	return g.NewTensorOn(tensor.Host, dtype, shape...)
-}
-
-// NewTensorOn is NewTensor on a device. Host memory (tensor.Host) is what
-// this version registers; pinned host and GPU memory give an error
-// wrapping verbsio.ErrNotSupported.
-func (g *Group) NewTensorOn(dev tensor.Device, dtype tensor.DType, shape ...int64) (*tensor.Tensor, error) {
 	if err := g.usable(); err != nil {
 		return nil, err
-	}
-	if dev != tensor.Host {
-		return nil, fmt.Errorf("gdrlink: %w: tensors on %s: the front door allocates host tensors only", verbsio.ErrNotSupported, dev)
 	}
 	m, err := tensor.MetaFor(dtype, tensor.Shape(shape))
 	if err != nil {
