@@ -547,7 +547,7 @@ func TestVisitOncePerArena(t *testing.T) {
 		if err != nil {
 			t.Fatalf("tensor %d of %d bytes: %v", i, size, err)
 		}
-		f, _ := x.Float32s()
+		f, _ := tensor.View[float32](x)
 		f[0], f[len(f)-1] = float32(i), float32(i)
 		live = append(live, x)
 		// Keep a working set of up to 64 tensors, released in random order.

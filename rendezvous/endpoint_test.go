@@ -142,7 +142,7 @@ func ExampleOpenEndpoint() {
 
 	meta, _ := tensor.MetaFor(tensor.Float32, tensor.Shape{4})
 	src, _ := sender.Pool.NewTensor(meta)
-	vals, _ := src.Float32s()
+	vals, _ := tensor.View[float32](src)
 	copy(vals, []float32{1, 2, 3, 4})
 	if err := sender.Channel.Send("grad", 7, src); err != nil {
 		panic(err)
@@ -152,7 +152,7 @@ func ExampleOpenEndpoint() {
 		panic(err)
 	}
 	defer got.Release()
-	v, _ := got.Float32s()
+	v, _ := tensor.View[float32](got)
 	arena, _ := receiver.Pool.ArenaOf(got.Addr())
 	_, registered := visitor.MemoryRegionOf(arena)
 	fmt.Println(v, tr.Path, "registered:", registered)

@@ -108,7 +108,7 @@ func TestGPUResultGoesThroughProxy(t *testing.T) {
 		if tr.Path != PathProxy || !got.Device().IsGPU() {
 			t.Fatalf("step %d: path %s, result on %s; want proxy onto the GPU", step, tr.Path, got.Device())
 		}
-		onGPU, err := gpu.Peek(proxy.DevicePtr(got.Addr()), int(got.ByteSize()))
+		onGPU, err := gpu.Peek(proxy.DevicePtr(got.Addr()), int(got.Meta().ByteSize))
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -172,7 +172,7 @@ func (b *proxySide) checkOnGPU(t *testing.T, got *tensor.Tensor, key string, ste
 	if !got.Device().IsGPU() {
 		t.Fatalf("%s step %d: result on %s, want the GPU", key, step, got.Device())
 	}
-	onGPU, err := b.gpu.Peek(proxy.DevicePtr(got.Addr()), int(got.ByteSize()))
+	onGPU, err := b.gpu.Peek(proxy.DevicePtr(got.Addr()), int(got.Meta().ByteSize))
 	if err != nil {
 		t.Fatal(err)
 	}
