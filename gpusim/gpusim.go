@@ -259,24 +259,20 @@ type pinKey struct{ d *Device }
 // host pool as pinned with this device, as the cudahost visitor does with
 // cuMemHostRegister on a real GPU.
 func (d *Device) HostRegisterVisitor() alloc.Visitor {
-	return alloc.VisitorFuncs{
-		VisitorName: "gpusim-host-register:" + d.cfg.Name,
-		OnVisit: func(a *alloc.Arena) error {
-			un, err := d.RegisterHost(a.Base(), a.Size())
-			if err != nil {
-				return err
-			}
-			a.SetHandle(pinKey{d}, un)
-			return nil
-		},
-		OnRelease: func(a *alloc.Arena) error {
-			if h, ok := a.Handle(pinKey{d}); ok {
-				h.(func())()
-				a.DeleteHandle(pinKey{d})
-			}
-			return nil
-		},
-	}
+	return alloc.NewVisitor("gpusim-host-register:"+d.cfg.Name, func(a *alloc.Arena) error {
+		un, err := d.RegisterHost(a.Base(), a.Size())
+		if err != nil {
+			return err
+		}
+		a.SetHandle(pinKey{d}, un)
+		return nil
+	}, func(a *alloc.Arena) error {
+		if h, ok := a.Handle(pinKey{d}); ok {
+			h.(func())()
+			a.DeleteHandle(pinKey{d})
+		}
+		return nil
+	})
 }
 
 // MemoryType implements proxy.Device.

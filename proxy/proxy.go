@@ -147,7 +147,7 @@ func New(dev Device, pool *alloc.Pool, opts ...Option) (*Proxy, error) {
 		return nil, fmt.Errorf("%w: proxy needs a device and a pool", ErrWrongMemory)
 	}
 	if pool.Device().IsGPU() {
-		return nil, fmt.Errorf("%w: pool %s holds %s memory; proxy tensors must be pinned host memory", ErrWrongMemory, pool.Name(), pool.Device())
+		return nil, fmt.Errorf("%w: pool %s holds %s memory; proxy tensors must be pinned host memory", ErrWrongMemory, pool.Stats().Name, pool.Device())
 	}
 	cfg := config{chunk: DefaultChunk, flushTimout: 10 * time.Second, lookupEnv: os.LookupEnv}
 	for _, o := range opts {
@@ -267,7 +267,7 @@ func (p *Proxy) Receive(dst DevicePtr, n int, done func(error)) (*Receiver, erro
 			_ = blk.Free()
 			p.wg.Done()
 			if err == nil {
-				err = fmt.Errorf("%w: pool %s hands out %s memory (%#x); proxy tensors must be pinned (use alloc's pinned source or the cudahost visitor)", ErrWrongMemory, p.pool.Name(), mt, blk.Addr())
+				err = fmt.Errorf("%w: pool %s hands out %s memory (%#x); proxy tensors must be pinned (use alloc's pinned source or the cudahost visitor)", ErrWrongMemory, p.pool.Stats().Name, mt, blk.Addr())
 			}
 			return nil, err
 		}

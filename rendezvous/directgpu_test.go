@@ -38,7 +38,7 @@ func TestGPUResultWrittenDirectly(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	mmap := alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode})
+	mmap := alloc.NewMmapSource(alloc.MmapOptions{})
 	hostPool, err := alloc.New(mmap, alloc.WithVisitors(registration(pd, 0)))
 	if err != nil {
 		t.Fatal(err)

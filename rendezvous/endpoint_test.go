@@ -108,7 +108,7 @@ func TestOpenEndpointUnknownProvider(t *testing.T) {
 func TestOpenEndpointBadPoolOption(t *testing.T) {
 	// A pool that cannot be built leaves nothing open: the device's close
 	// would report live children otherwise.
-	_, err := rendezvous.OpenEndpoint(rendezvous.EndpointConfig{Provider: "tcp", Verbs: &verbsio.Config{}, Pool: []alloc.Option{alloc.WithAlignment(3)}})
+	_, err := rendezvous.OpenEndpoint(rendezvous.EndpointConfig{Provider: "tcp", Verbs: &verbsio.Config{}, Pool: []alloc.Option{alloc.WithInitialArena(0)}})
 	if !errors.Is(err, alloc.ErrBadOption) {
 		t.Fatalf("err = %v, want alloc.ErrBadOption", err)
 	}

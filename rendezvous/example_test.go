@@ -26,7 +26,7 @@ func endpoint(name string) (*rendezvous.Channel, *alloc.Pool, func()) {
 		panic(err)
 	}
 	reg := visitor.NewMemoryRegistration(pd, verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite)
-	pool, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}), alloc.WithVisitors(reg))
+	pool, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}), alloc.WithVisitors(reg))
 	if err != nil {
 		panic(err)
 	}

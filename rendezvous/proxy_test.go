@@ -62,12 +62,12 @@ func TestGPUResultGoesThroughProxy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	hostPool, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}), alloc.WithVisitors(registration(pd, 0)))
+	hostPool, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}), alloc.WithVisitors(registration(pd, 0)))
 	if err != nil {
 		t.Fatal(err)
 	}
 	gpu := gpusim.New(gpusim.Config{})
-	pinned, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}),
+	pinned, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}),
 		alloc.WithVisitors(gpu.HostRegisterVisitor(), registration(pd, 0)), alloc.WithName("pinned"))
 	if err != nil {
 		t.Fatal(err)
@@ -158,7 +158,7 @@ func TestGPUSourceStagedThroughProxy(t *testing.T) {
 		t.Fatal(err)
 	}
 	gpu := gpusim.New(gpusim.Config{})
-	pinned, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}),
+	pinned, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}),
 		alloc.WithVisitors(gpu.HostRegisterVisitor(), registration(pd, 0)), alloc.WithName("pinned"))
 	if err != nil {
 		t.Fatal(err)

@@ -112,12 +112,12 @@ func openProxySideOn(provider, name string, gcfg gpusim.Config, opts ...Option) 
 	if s.pd, err = s.dev.AllocPD(); err != nil {
 		return fail(err)
 	}
-	if s.pool, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}), alloc.WithVisitors(registration(s.pd, 0)), alloc.WithName(name)); err != nil {
+	if s.pool, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}), alloc.WithVisitors(registration(s.pd, 0)), alloc.WithName(name)); err != nil {
 		return fail(err)
 	}
 	ps.gpu = gpusim.New(gcfg)
 	s.after = append(s.after, ps.gpu.Close)
-	if ps.pinned, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}),
+	if ps.pinned, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}),
 		alloc.WithVisitors(ps.gpu.HostRegisterVisitor(), registration(s.pd, 0)), alloc.WithName(name+"-pinned")); err != nil {
 		return fail(err)
 	}

@@ -34,7 +34,7 @@ func (f *fakeRegistrar) name() string { return "gpu:0" }
 func TestCUDAHostRegisterLogic(t *testing.T) {
 	f := &fakeRegistrar{live: map[uintptr]int{}}
 	v := &CUDAHostRegister{reg: f}
-	a := alloc.NewArenaForTest(0, &alloc.Region{Base: 1 << 30, Size: 1 << 21, Device: tensor.Host, FD: -1})
+	a := NewTestArena(0, &alloc.Region{Base: 1 << 30, Size: 1 << 21, Device: tensor.Host, FD: -1})
 	if err := v.Visit(a); err != nil {
 		t.Fatal(err)
 	}
@@ -50,7 +50,7 @@ func TestCUDAHostRegisterLogic(t *testing.T) {
 	if err := v.Release(a); !errors.Is(err, ErrNotVisited) {
 		t.Fatalf("second Release: %v", err)
 	}
-	gpu := alloc.NewArenaForTest(1, &alloc.Region{Base: 1 << 31, Size: 1 << 21, Device: tensor.GPUDevice(0), FD: -1})
+	gpu := NewTestArena(1, &alloc.Region{Base: 1 << 31, Size: 1 << 21, Device: tensor.GPUDevice(0), FD: -1})
 	if err := v.Visit(gpu); !errors.Is(err, ErrNotHostMemory) {
 		t.Fatalf("GPU arena: %v", err)
 	}

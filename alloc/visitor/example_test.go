@@ -9,7 +9,7 @@ import (
 
 // Lock every arena of a pool in RAM once, instead of every tensor.
 func ExampleNewMlock() {
-	pool, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}),
+	pool, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}),
 		alloc.WithVisitors(visitor.NewMlock()), alloc.WithInitialArena(1<<20))
 	if err != nil {
 		fmt.Println(err)
@@ -32,7 +32,7 @@ func ExampleNewMlock() {
 // and release is logged too.
 func ExampleNewStats() {
 	stats := visitor.NewStats(nil)
-	pool, _ := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}),
+	pool, _ := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}),
 		alloc.WithVisitors(stats), alloc.WithInitialArena(1<<20))
 	for range 100 {
 		b, _ := pool.Alloc(64 << 10)
@@ -45,7 +45,7 @@ func ExampleNewStats() {
 
 // Export the arenas of a memfd pool so that an on-node peer maps them.
 func ExampleNewIPCExport() {
-	pool, _ := alloc.New(alloc.NewMemfdSource("peers", alloc.MmapOptions{NUMANode: alloc.NoNUMANode}),
+	pool, _ := alloc.New(alloc.NewMemfdSource("peers", alloc.MmapOptions{}),
 		alloc.WithVisitors(visitor.NewIPCExport()))
 	defer pool.Close()
 	b, _ := pool.Alloc(4096)

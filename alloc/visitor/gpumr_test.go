@@ -81,7 +81,7 @@ func (e *fakeExporter) busID() (string, error) { return "0000:3b:00.0", nil }
 func (e *fakeExporter) device() tensor.Device  { return tensor.GPUDevice(0) }
 
 func gpuArena(id int, size int) *alloc.Arena {
-	return alloc.NewArenaForTest(id, &alloc.Region{Base: uintptr(id+1) << 30, Size: size, Device: tensor.GPUDevice(0), FD: -1})
+	return NewTestArena(id, &alloc.Region{Base: uintptr(id+1) << 30, Size: size, Device: tensor.GPUDevice(0), FD: -1})
 }
 
 func gpuCaps(dmabuf bool) verbsio.Caps {
@@ -229,11 +229,11 @@ func TestGPUMRRefusals(t *testing.T) {
 	}
 	f := &fakeVerbs{caps: gpuCaps(true)}
 	v, _ := newGPUMemoryRegions(&fakeExporter{}, f, f, GPUMROptions{BAR1Bytes: -1}, nil)
-	host := alloc.NewArenaForTest(1, &alloc.Region{Base: 1 << 30, Size: 4096, Device: tensor.Host, FD: -1})
+	host := NewTestArena(1, &alloc.Region{Base: 1 << 30, Size: 4096, Device: tensor.Host, FD: -1})
 	if err := v.Visit(host); !errors.Is(err, ErrNotGPUMemory) {
 		t.Fatalf("host arena: %v", err)
 	}
-	other := alloc.NewArenaForTest(2, &alloc.Region{Base: 1 << 30, Size: 4096, Device: tensor.GPUDevice(3), FD: -1})
+	other := NewTestArena(2, &alloc.Region{Base: 1 << 30, Size: 4096, Device: tensor.GPUDevice(3), FD: -1})
 	if err := v.Visit(other); !errors.Is(err, ErrNotGPUMemory) {
 		t.Fatalf("arena of another GPU: %v", err)
 	}
@@ -289,7 +289,7 @@ func TestGPUMRRealDevice(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	a, _ := b.Arena()
+	a, _ := pool.ArenaOf(b.Addr())
 	h, ok := GPUMemoryRegionOf(a)
 	if !ok || h.MR.RKey() == 0 && h.MR.LKey() == 0 {
 		t.Fatalf("arena %v has no GPU memory region", a)

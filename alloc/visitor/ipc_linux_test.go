@@ -14,7 +14,7 @@ import (
 
 func newIPCPool(t *testing.T) *alloc.Pool {
 	t.Helper()
-	p, err := alloc.New(alloc.NewMemfdSource("ipc-test", alloc.MmapOptions{NUMANode: alloc.NoNUMANode}),
+	p, err := alloc.New(alloc.NewMemfdSource("ipc-test", alloc.MmapOptions{}),
 		alloc.WithVisitors(NewIPCExport()), alloc.WithInitialArena(1<<20))
 	if err != nil {
 		t.Fatal(err)
@@ -96,7 +96,7 @@ func TestIPCExportOtherProcess(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer b.Free()
-			a, _ := b.Arena()
+			a, _ := p.ArenaOf(b.Addr())
 			e, _ := IPCExportOf(a)
 			off, _ := e.Offset(b.Addr(), b.Len())
 			mem := b.Bytes()
@@ -162,7 +162,7 @@ func helperMapExport() error {
 }
 
 func TestIPCExportRefusesAnonymous(t *testing.T) {
-	src := alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode})
+	src := alloc.NewMmapSource(alloc.MmapOptions{})
 	stats := NewStats(nil)
 	p, err := alloc.New(src, alloc.WithVisitors(stats, NewIPCExport()))
 	if err != nil {
@@ -182,13 +182,13 @@ func TestIPCExportRefusesAnonymous(t *testing.T) {
 }
 
 func TestIPCExportClosesFD(t *testing.T) {
-	src := alloc.NewMemfdSource("close-test", alloc.MmapOptions{NUMANode: alloc.NoNUMANode})
+	src := alloc.NewMemfdSource("close-test", alloc.MmapOptions{})
 	r, err := src.Alloc(4096)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer src.Free(r)
-	a := alloc.NewArenaForTest(0, r)
+	a := NewTestArena(0, r)
 	x := NewIPCExport()
 	if err := x.Visit(a); err != nil {
 		t.Fatal(err)

@@ -174,7 +174,7 @@ func regionFor(f ArenaFinder, addr uintptr, n int) (verbsio.MemoryRegion, error)
 	if !ok {
 		return nil, fmt.Errorf("%w: %#x is in no arena", ErrNoRegion, addr)
 	}
-	if !a.Contains(addr, n) {
+	if !inArena(a, addr, n) {
 		return nil, fmt.Errorf("%w: [%#x+%d) runs past the end of %v", ErrNoRegion, addr, n, a)
 	}
 	mr, ok := MemoryRegionOf(a)
@@ -182,4 +182,9 @@ func regionFor(f ArenaFinder, addr uintptr, n int) (verbsio.MemoryRegion, error)
 		return nil, fmt.Errorf("%w: %v has no memory region (no MemoryRegistration visitor in its pool)", ErrNoRegion, a)
 	}
 	return mr, nil
+}
+
+// inArena reports whether [addr, addr+n) lies inside a.
+func inArena(a *alloc.Arena, addr uintptr, n int) bool {
+	return addr >= a.Base() && n >= 0 && uint64(addr-a.Base())+uint64(n) <= uint64(a.Size())
 }

@@ -22,7 +22,7 @@ func ExampleNewMemoryRegistration() {
 	defer pd.Close()
 
 	reg := visitor.NewMemoryRegistration(pd, verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite)
-	pool, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}),
+	pool, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}),
 		alloc.WithVisitors(reg), alloc.WithInitialArena(1<<20))
 	if err != nil {
 		fmt.Println(err)
@@ -42,7 +42,7 @@ func ExampleNewMemoryRegistration() {
 		}
 		defer b.Free()
 	}
-	fmt.Println("arenas:", len(pool.Arenas()), "registrations:", reg.Registrations())
+	fmt.Println("arenas:", pool.Stats().Arenas, "registrations:", reg.Registrations())
 	// Output:
 	// lkey matches the arena's region: true
 	// arenas: 1 registrations: 1

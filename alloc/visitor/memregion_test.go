@@ -33,7 +33,7 @@ func newMRSide(t *testing.T) *mrSide {
 		t.Fatal(err)
 	}
 	s.reg = visitor.NewMemoryRegistration(s.pd, rwAccess)
-	s.pool, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}),
+	s.pool, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}),
 		alloc.WithName("mr-test"), alloc.WithVisitors(s.reg), alloc.WithInitialArena(1<<20))
 	if err != nil {
 		t.Fatal(err)
@@ -66,7 +66,7 @@ func TestMemoryRegistrationOncePerArena(t *testing.T) {
 		}
 		blocks = append(blocks, b)
 	}
-	arenas := s.pool.Arenas()
+	arenas := visitor.ArenasOf(s.pool, blocks)
 	if len(arenas) < 3 {
 		t.Fatalf("only %d arenas: the test wants several", len(arenas))
 	}
@@ -165,7 +165,7 @@ func TestMemoryRegistrationTransfer(t *testing.T) {
 	if !bytes.Equal(sb, db) {
 		t.Error("the tensor written differs from its source")
 	}
-	if a.reg.Registrations() != len(a.pool.Arenas()) || z.reg.Registrations() != len(z.pool.Arenas()) {
+	if a.reg.Registrations() != a.pool.Stats().Arenas || z.reg.Registrations() != z.pool.Stats().Arenas {
 		t.Error("tensors caused registrations beyond one per arena")
 	}
 	for _, x := range []*tensor.Tensor{src, dst} {
@@ -195,13 +195,13 @@ func mrQP(t *testing.T, s *mrSide) (verbsio.QueuePair, verbsio.CompletionQueue) 
 
 func TestMemoryRegistrationErrors(t *testing.T) {
 	s := newMRSide(t)
-	src := alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode})
+	src := alloc.NewMmapSource(alloc.MmapOptions{})
 	mem, err := src.Alloc(1 << 16)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer src.Free(mem)
-	a := alloc.NewArenaForTest(1, mem)
+	a := visitor.NewTestArena(1, mem)
 	reg := visitor.NewMemoryRegistration(s.pd, rwAccess)
 	if err := reg.Release(a); !errors.Is(err, visitor.ErrNotVisited) {
 		t.Errorf("Release before Visit: %v, want ErrNotVisited", err)
@@ -218,7 +218,7 @@ func TestMemoryRegistrationErrors(t *testing.T) {
 	if _, ok := visitor.MemoryRegionOf(a); ok {
 		t.Error("the arena still has a memory region after Release")
 	}
-	gpu := alloc.NewArenaForTest(2, &alloc.Region{Base: 0x7f0000000000, Size: 1 << 20, Device: tensor.GPUDevice(0), FD: -1})
+	gpu := visitor.NewTestArena(2, &alloc.Region{Base: 0x7f0000000000, Size: 1 << 20, Device: tensor.GPUDevice(0), FD: -1})
 	if err := reg.Visit(gpu); !errors.Is(err, visitor.ErrNotHostMemory) {
 		t.Errorf("Visit of a GPU arena without a GPU hook: %v, want ErrNotHostMemory", err)
 	}
@@ -230,7 +230,7 @@ func TestMemoryRegistrationErrors(t *testing.T) {
 	if err := withHook.Visit(gpu); !called || !errors.Is(err, verbsio.ErrNotSupported) {
 		t.Errorf("Visit of a GPU arena through the hook: called %v, %v; want the provider's ErrNotSupported", called, err)
 	}
-	unmapped := alloc.NewArenaForTest(3, &alloc.Region{Base: 0x10000, Size: 1 << 16, Device: tensor.Host, FD: -1})
+	unmapped := visitor.NewTestArena(3, &alloc.Region{Base: 0x10000, Size: 1 << 16, Device: tensor.Host, FD: -1})
 	if err := reg.Visit(unmapped); !errors.Is(err, verbsio.ErrBadAddress) {
 		t.Errorf("Visit of unmapped memory: %v, want ErrBadAddress", err)
 	}

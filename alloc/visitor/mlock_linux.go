@@ -6,6 +6,7 @@ import (
 
 	"github.com/dustin/go-humanize"
 	"github.com/gdrlink/gdrlink/alloc"
+	"github.com/gdrlink/gdrlink/internal/offheap"
 	"golang.org/x/sys/unix"
 )
 
@@ -35,7 +36,7 @@ func (*Mlock) Visit(a *alloc.Arena) error {
 	if _, ok := a.Handle(lockedKey{}); ok {
 		return fmt.Errorf("%w: mlock of %s", ErrAlreadyVisited, a)
 	}
-	mem := a.Region().HostBytes()
+	mem := hostBytes(a)
 	if mem == nil {
 		return fmt.Errorf("%w: cannot mlock %s", ErrNotHostMemory, a)
 	}
@@ -53,7 +54,7 @@ func (*Mlock) Release(a *alloc.Arena) error {
 		return fmt.Errorf("%w: munlock of %s", ErrNotVisited, a)
 	}
 	a.DeleteHandle(lockedKey{})
-	mem := a.Region().HostBytes()
+	mem := hostBytes(a)
 	if err := unix.Munlock(mem[:h.(Locked).Bytes]); err != nil {
 		return fmt.Errorf("%w: munlock of %s: %w", ErrMlock, a, err)
 	}
@@ -92,4 +93,12 @@ func rlimitString(v uint64) string {
 		return "unlimited"
 	}
 	return fmt.Sprintf("%s (%d bytes)", humanize.IBytes(v), v)
+}
+
+// hostBytes is the memory of a host arena, nil for GPU memory.
+func hostBytes(a *alloc.Arena) []byte {
+	if a.Device().IsGPU() || a.Size() == 0 {
+		return nil
+	}
+	return offheap.Bytes(a.Base(), a.Size())
 }

@@ -40,7 +40,7 @@ func vmLocked(t *testing.T) int {
 func TestMlockLocksPages(t *testing.T) {
 	const arena = 1 << 20 // within the default 8 MiB RLIMIT_MEMLOCK
 	before := vmLocked(t)
-	p, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}),
+	p, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}),
 		alloc.WithVisitors(NewMlock()), alloc.WithInitialArena(arena))
 	if err != nil {
 		t.Fatal(err)
@@ -53,7 +53,7 @@ func TestMlockLocksPages(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	a, _ := b.Arena()
+	a, _ := p.ArenaOf(b.Addr())
 	l, ok := LockedOf(a)
 	if !ok || l.Bytes != a.Size() {
 		t.Errorf("LockedOf = %+v, %v; want %d bytes", l, ok, a.Size())
@@ -125,13 +125,13 @@ func helperMlockLimit() error {
 	if err := dropIPCLock(); err != nil {
 		return err
 	}
-	src := alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode})
+	src := alloc.NewMmapSource(alloc.MmapOptions{})
 	r, err := src.Alloc(1 << 20)
 	if err != nil {
 		return err
 	}
 	defer src.Free(r)
-	a := alloc.NewArenaForTest(7, r)
+	a := NewTestArena(7, r)
 	verr := NewMlock().Visit(a)
 	if verr == nil {
 		return errors.New("mlock of 1 MiB succeeded under a 64 KiB limit")
@@ -161,17 +161,17 @@ func dropIPCLock() error {
 
 func TestMlockMisuse(t *testing.T) {
 	m := NewMlock()
-	gpu := alloc.NewArenaForTest(1, &alloc.Region{Base: 1 << 40, Size: 1 << 20, Device: tensor.GPUDevice(0), FD: -1})
+	gpu := NewTestArena(1, &alloc.Region{Base: 1 << 40, Size: 1 << 20, Device: tensor.GPUDevice(0), FD: -1})
 	if err := m.Visit(gpu); !errors.Is(err, ErrNotHostMemory) {
 		t.Errorf("Visit of a GPU arena = %v", err)
 	}
-	src := alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode})
+	src := alloc.NewMmapSource(alloc.MmapOptions{})
 	r, err := src.Alloc(64 << 10)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer src.Free(r)
-	a := alloc.NewArenaForTest(2, r)
+	a := NewTestArena(2, r)
 	if err := m.Release(a); !errors.Is(err, ErrNotVisited) {
 		t.Errorf("Release before Visit = %v", err)
 	}

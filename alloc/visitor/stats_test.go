@@ -13,8 +13,8 @@ import (
 func TestStatsVisitor(t *testing.T) {
 	var logs bytes.Buffer
 	s := NewStats(slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug})))
-	p, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}),
-		alloc.WithVisitors(s), alloc.WithInitialArena(1<<20), alloc.WithMaxArena(1<<20))
+	p, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}),
+		alloc.WithVisitors(s), alloc.WithInitialArena(1<<20), WithMaxArena(1<<20))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -30,7 +30,7 @@ func TestStatsVisitor(t *testing.T) {
 	if snap.Visits != 3 || snap.BytesVisited != 3<<20 || snap.Releases != 0 || snap.Live() != 3 {
 		t.Errorf("after 3 arenas: %v", snap)
 	}
-	for i, a := range p.Arenas() {
+	for i, a := range ArenasOf(p, blocks) {
 		rec, ok := StatsOf(a)
 		if !ok || rec.Seq < 1 || rec.Seq > 3 || rec.Visited.IsZero() {
 			t.Errorf("arena %d record %+v, %v", i, rec, ok)
@@ -60,7 +60,7 @@ func TestStatsVisitor(t *testing.T) {
 func TestStatsQuietAboveDebug(t *testing.T) {
 	var logs bytes.Buffer
 	s := NewStats(slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelInfo})))
-	a := alloc.NewArenaForTest(0, &alloc.Region{Base: 1 << 30, Size: 4096, FD: -1})
+	a := NewTestArena(0, &alloc.Region{Base: 1 << 30, Size: 4096, FD: -1})
 	if err := s.Visit(a); err != nil {
 		t.Fatal(err)
 	}

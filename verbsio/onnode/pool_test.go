@@ -24,27 +24,23 @@ func TestPoolArenas(t *testing.T) {
 		{"mmap", alloc.NewMmapSource(alloc.MmapOptions{}), false, false},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			v := alloc.VisitorFuncs{
-				VisitorName: "onnode-mr",
-				OnVisit: func(a *alloc.Arena) error {
-					var mr verbsio.MemoryRegion
-					var err error
-					if r := a.Region(); c.useFD && r.FD >= 0 {
-						mr, err = n.pd.(FDRegistrar).RegisterMemoryFD(a.Base(), a.Size(), rw, r.FD, 0)
-					} else {
-						mr, err = n.pd.RegisterMemory(a.Base(), a.Size(), rw)
-					}
-					if err != nil {
-						return err
-					}
-					a.SetHandle(key{}, mr)
-					return nil
-				},
-				OnRelease: func(a *alloc.Arena) error {
-					mr, _ := a.Handle(key{})
-					return mr.(verbsio.MemoryRegion).Close()
-				},
-			}
+			v := alloc.NewVisitor("onnode-mr", func(a *alloc.Arena) error {
+				var mr verbsio.MemoryRegion
+				var err error
+				if r := a.Region(); c.useFD && r.FD >= 0 {
+					mr, err = n.pd.(FDRegistrar).RegisterMemoryFD(a.Base(), a.Size(), rw, r.FD, 0)
+				} else {
+					mr, err = n.pd.RegisterMemory(a.Base(), a.Size(), rw)
+				}
+				if err != nil {
+					return err
+				}
+				a.SetHandle(key{}, mr)
+				return nil
+			}, func(a *alloc.Arena) error {
+				mr, _ := a.Handle(key{})
+				return mr.(verbsio.MemoryRegion).Close()
+			})
 			pool, err := alloc.New(c.src, alloc.WithVisitors(v))
 			if err != nil {
 				t.Fatal(err)
