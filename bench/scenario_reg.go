@@ -138,7 +138,8 @@ func regMeasure(env *Env, pd verbsio.ProtectionDomain, size int) (perTensor, poo
 		}
 		return b.Free()
 	})
-	return perTensor, pooled, mrv.Registrations(), tensors, err
+	// The pool's only visitor registers each arena once.
+	return perTensor, pooled, int(pool.Stats().ArenasCreated), tensors, err
 }
 
 // regCrossings posts chains of regChain writes between two queue pairs of

@@ -54,7 +54,7 @@ func cudaEndToEnd(t *testing.T, dev *proxy.CUDADevice) {
 		vis  []alloc.Visitor
 	}{
 		{"pinned-source", pinned, nil},
-		{"cudahost-visitor", alloc.NewMmapSource(alloc.MmapOptions{}), []alloc.Visitor{visitor.NewCUDAHostRegister(dev.Context())}},
+		{"cudahost-visitor", alloc.NewMmapSource(alloc.MmapOptions{}), []alloc.Visitor{visitor.NewCUDAHostRegister(dev.Info().Ordinal)}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			pool, err := alloc.New(c.src, alloc.WithVisitors(c.vis...))

@@ -22,9 +22,8 @@ func ExampleNewMlock() {
 		return
 	}
 	defer b.Free()
-	arena, _ := pool.ArenaOf(b.Addr())
-	locked, _ := visitor.LockedOf(arena)
-	fmt.Println("locked bytes:", locked.Bytes)
+	// The pool handed out a block, so every byte of its arenas is locked.
+	fmt.Println("locked bytes:", pool.Stats().Reserved)
 	// Output: locked bytes: 1048576
 }
 
@@ -39,7 +38,7 @@ func ExampleNewStats() {
 		b.Free()
 	}
 	pool.Close()
-	fmt.Println(stats.Snapshot())
+	fmt.Println(stats)
 	// Output: 1 arenas visited (1.0 MiB), 1 released (1.0 MiB), 0 live (0 B)
 }
 
@@ -54,7 +53,7 @@ func ExampleNewIPCExport() {
 
 	arena, _ := pool.ArenaOf(b.Addr())
 	export, _ := visitor.IPCExportOf(arena)
-	off, _ := export.Offset(b.Addr(), b.Len())
+	off := b.Addr() - export.Base
 	// The peer receives export.FD (SCM_RIGHTS or /proc/PID/fd) and maps it.
 	peer, err := visitor.MapExport(export.FD, export.Size)
 	if err != nil {

@@ -54,7 +54,7 @@ func TestMlockLocksPages(t *testing.T) {
 		t.Fatal(err)
 	}
 	a, _ := p.ArenaOf(b.Addr())
-	l, ok := LockedOf(a)
+	l, ok := lockedOf(a)
 	if !ok || l.Bytes != a.Size() {
 		t.Errorf("LockedOf = %+v, %v; want %d bytes", l, ok, a.Size())
 	}
@@ -81,7 +81,7 @@ func TestMlockLocksPages(t *testing.T) {
 	if after := vmLocked(t); after > before {
 		t.Errorf("VmLck %d kB after Close, %d kB before", after, before)
 	}
-	if _, ok := LockedOf(a); ok {
+	if _, ok := lockedOf(a); ok {
 		t.Error("Locked handle left after release")
 	}
 }
@@ -136,7 +136,7 @@ func helperMlockLimit() error {
 	if verr == nil {
 		return errors.New("mlock of 1 MiB succeeded under a 64 KiB limit")
 	}
-	if _, ok := LockedOf(a); ok {
+	if _, ok := lockedOf(a); ok {
 		return errors.New("failed Visit left a handle")
 	}
 	return json.NewEncoder(os.Stdout).Encode(mlockLimitResult{
@@ -162,7 +162,7 @@ func dropIPCLock() error {
 func TestMlockMisuse(t *testing.T) {
 	m := NewMlock()
 	gpu := NewTestArena(1, &alloc.Region{Base: 1 << 40, Size: 1 << 20, Device: tensor.GPUDevice(0), FD: -1})
-	if err := m.Visit(gpu); !errors.Is(err, ErrNotHostMemory) {
+	if err := m.Visit(gpu); !errors.Is(err, errNotHostMemory) {
 		t.Errorf("Visit of a GPU arena = %v", err)
 	}
 	src := alloc.NewMmapSource(alloc.MmapOptions{})
@@ -172,7 +172,7 @@ func TestMlockMisuse(t *testing.T) {
 	}
 	defer src.Free(r)
 	a := NewTestArena(2, r)
-	if err := m.Release(a); !errors.Is(err, ErrNotVisited) {
+	if err := m.Release(a); !errors.Is(err, errNotVisited) {
 		t.Errorf("Release before Visit = %v", err)
 	}
 	if err := m.Visit(a); errors.Is(err, ErrMemlockLimit) {
@@ -180,13 +180,13 @@ func TestMlockMisuse(t *testing.T) {
 	} else if err != nil {
 		t.Fatal(err)
 	}
-	if err := m.Visit(a); !errors.Is(err, ErrAlreadyVisited) {
+	if err := m.Visit(a); !errors.Is(err, errAlreadyVisited) {
 		t.Errorf("second Visit = %v", err)
 	}
 	if err := m.Release(a); err != nil {
 		t.Fatal(err)
 	}
-	if err := m.Release(a); !errors.Is(err, ErrNotVisited) {
+	if err := m.Release(a); !errors.Is(err, errNotVisited) {
 		t.Errorf("second Release = %v", err)
 	}
 }

@@ -96,3 +96,22 @@ func (s *Source) gpus() (gdr.GPUInventory, error) {
 	}
 	return inv, nil
 }
+
+// BAR1 reads the BAR1 aperture of the GPU at a PCI address
+// (nvmlDeviceGetBAR1MemoryInfo): the bytes of it free and in all. A NIC
+// reaches GPU memory through BAR1.
+func BAR1(busID string) (free, total int64, err error) {
+	if r := gonvml.Init(); r != gonvml.SUCCESS {
+		return 0, 0, fmt.Errorf("nvmlInit: %s", gonvml.ErrorString(r))
+	}
+	defer gonvml.Shutdown()
+	dev, r := gonvml.DeviceGetHandleByPciBusId(busID)
+	if r != gonvml.SUCCESS {
+		return 0, 0, fmt.Errorf("nvmlDeviceGetHandleByPciBusId(%s): %s", busID, gonvml.ErrorString(r))
+	}
+	m, r := dev.GetBAR1MemoryInfo()
+	if r != gonvml.SUCCESS {
+		return 0, 0, fmt.Errorf("nvmlDeviceGetBAR1MemoryInfo(%s): %s", busID, gonvml.ErrorString(r))
+	}
+	return int64(m.Bar1Free), int64(m.Bar1Total), nil
+}
