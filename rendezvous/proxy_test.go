@@ -16,7 +16,7 @@ import (
 
 // simBuffer is device memory of the simulated GPU as a tensor.Buffer.
 type simBuffer struct {
-	gpu *gpusim.Device
+	gpu gpusim.Device
 	p   proxy.DevicePtr
 	n   int
 	dev tensor.Device
