@@ -2,14 +2,10 @@
 
 package nvml
 
-import (
-	"fmt"
+import "fmt"
 
-	"github.com/gdrlink/gdrlink/gdr"
-)
-
-func (s *Source) gpus() (gdr.GPUInventory, error) {
-	return gdr.GPUInventory{}, fmt.Errorf("%w: built without cgo", ErrNotAvailable)
+func gpus(string) (Inventory, error) {
+	return Inventory{}, fmt.Errorf("%w: built without cgo", ErrNotAvailable)
 }
 
 // BAR1 cannot ask NVML in a build without cgo (go-nvml needs it).
