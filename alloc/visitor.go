@@ -29,8 +29,10 @@ type funcVisitor struct {
 	visit, release func(a *Arena) error
 }
 
+// Name implements Visitor.
 func (v funcVisitor) Name() string { return v.name }
 
+// Visit implements Visitor.
 func (v funcVisitor) Visit(a *Arena) error {
 	if v.visit == nil {
 		return nil
@@ -38,6 +40,7 @@ func (v funcVisitor) Visit(a *Arena) error {
 	return v.visit(a)
 }
 
+// Release implements Visitor.
 func (v funcVisitor) Release(a *Arena) error {
 	if v.release == nil {
 		return nil

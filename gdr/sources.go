@@ -16,8 +16,10 @@ type nvmlSource struct {
 	path string
 }
 
+// Name implements gpuSource.
 func (nvmlSource) Name() string { return "nvml" }
 
+// GPUs implements gpuSource.
 func (s nvmlSource) GPUs() (gpuInventory, error) {
 	n, err := nvml.GPUs(s.path)
 	if err != nil {
@@ -41,8 +43,10 @@ type cudaSource struct {
 	path string
 }
 
+// Name implements gpuSource.
 func (cudaSource) Name() string { return "cuda" }
 
+// GPUs implements gpuSource.
 func (s cudaSource) GPUs() (gpuInventory, error) {
 	var inv gpuInventory
 	d, err := cuda.Open(s.path)

@@ -43,6 +43,7 @@ func (g gpuRegistrar) name() string { return fmt.Sprintf("gpu:%d", g.pc.ordinal)
 // closerFunc adapts a function to Close.
 type closerFunc func() error
 
+// Close calls f.
 func (f closerFunc) Close() error { return f() }
 
 // cudaHostRegister is the visitor NewCUDAHostRegister returns. Arenas of GPU

@@ -27,6 +27,7 @@ type Leak struct {
 	Import string
 }
 
+// String prints the leak for people: where, what and which package.
 func (l Leak) String() string {
 	return fmt.Sprintf("%s: %s mentions %s (%s)", l.Pos, l.Where, l.Type, l.Import)
 }
