@@ -23,7 +23,7 @@
 // Package tensor has the dtypes, shapes and typed views.
 //
 //	t, err := g.NewTensor(tensor.Float32, 512, 512)
-//	w, _ := t.Float32s() // fill it
+//	w, _ := tensor.View[float32](t) // fill w
 //
 // # Sending and receiving
 //

@@ -21,7 +21,7 @@ func exchange(ctx context.Context, opts ...gdrlink.Option) error {
 	defer g.Close()
 	if g.Rank() == 0 {
 		t, _ := g.NewTensor(tensor.Float32, 2, 3) // registered already: its arena was, once
-		v, _ := t.Float32s()
+		v, _ := tensor.View[float32](t)
 		for i := range v {
 			v[i] = float32(i)
 		}
@@ -31,7 +31,7 @@ func exchange(ctx context.Context, opts ...gdrlink.Option) error {
 		if err != nil {
 			return err
 		}
-		v, _ := t.Float32s()
+		v, _ := tensor.View[float32](t)
 		fmt.Println(v, tr.Path)
 		t.Release() // back to the pool
 	}

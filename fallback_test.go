@@ -78,7 +78,7 @@ func TestFallback(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			v, _ := src.Int32s()
+			v, _ := tensor.View[int32](src)
 			for i := range v {
 				v[i] = int32(i * 3)
 			}
@@ -90,7 +90,7 @@ func TestFallback(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			w, _ := got.Int32s()
+			w, _ := tensor.View[int32](got)
 			for i := range w {
 				if w[i] != int32(i*3) {
 					t.Fatalf("element %d = %d", i, w[i])

@@ -127,8 +127,8 @@ func pairJob(ctx context.Context, g *Group, rep *childReport) error {
 			}
 			want := make([]byte, len(b))
 			fill(want, seed)
-			if !bytes.Equal(b, want) || !slices.Equal(t.Shape(), tensor.Shape(it.shape)) || t.DType() != it.dt {
-				return fmt.Errorf("%s step %d: %v %v, %d bytes differ from what rank 0 sent", it.key, step, t.DType(), t.Shape(), len(b))
+			if !bytes.Equal(b, want) || !slices.Equal(t.Meta().Shape, tensor.Shape(it.shape)) || t.Meta().DType != it.dt {
+				return fmt.Errorf("%s step %d: %v %v, %d bytes differ from what rank 0 sent", it.key, step, t.Meta().DType, t.Meta().Shape, len(b))
 			}
 			rep.Paths = append(rep.Paths, tr.Provider+"/"+tr.Path.String())
 			rep.Received++

@@ -30,19 +30,19 @@ type peer struct {
 	cands []string
 	why   string // why the candidates are what they are
 
-	mu       sync.Mutex
-	started  bool // lower: connecting; higher: kicked
+	mu      sync.Mutex
+	started bool // lower: connecting; higher: kicked
 	// lower: the attempt in progress, which the higher rank's failedMsg
 	// cancels.
 	attempt       string
 	attemptCancel context.CancelFunc
-	ch       *rendezvous.Channel
-	provider string
-	gen      int // higher: the attempt the current channel belongs to
-	done     chan struct{}
-	err      error // the final error, once done closed without a channel
-	queue    []queuedSend
-	closed   bool
+	ch            *rendezvous.Channel
+	provider      string
+	gen           int // higher: the attempt the current channel belongs to
+	done          chan struct{}
+	err           error // the final error, once done closed without a channel
+	queue         []queuedSend
+	closed        bool
 }
 
 // queuedSend is a Send made before the connection was up.

@@ -5,6 +5,7 @@ import (
 	"sync"
 	"unsafe"
 
+	"github.com/gdrlink/gdrlink/internal/allocseam"
 	"github.com/gdrlink/gdrlink/tensor"
 )
 
@@ -26,8 +27,8 @@ type Region struct {
 	Private any
 }
 
-// HostBytes returns the region as a byte slice, or nil for device memory.
-func (r *Region) HostBytes() []byte {
+// hostBytes returns the region as a byte slice, or nil for device memory.
+func (r *Region) hostBytes() []byte {
 	if r.Device.IsGPU() || r.Size == 0 {
 		return nil
 	}
@@ -47,6 +48,12 @@ type Source interface {
 	Alloc(size int) (*Region, error)
 	// Free releases a region Alloc made.
 	Free(r *Region) error
+	// Close releases what the source holds (a CUDA context, for the CUDA
+	// sources); close the pools over the source first. Regions still
+	// allocated are freed and reported in an error wrapping ErrLeaked.
+	// The mmap and memfd sources hold nothing and their Close does
+	// nothing. Idempotent.
+	Close() error
 }
 
 // Arena is one region of a pool, registered by the pool's visitors. Visitors
@@ -73,8 +80,8 @@ func (a *Arena) Size() int { return a.region.Size }
 // Device is where the arena's memory lives.
 func (a *Arena) Device() tensor.Device { return a.region.Device }
 
-// Contains reports whether [addr, addr+n) lies inside the arena.
-func (a *Arena) Contains(addr uintptr, n int) bool {
+// contains reports whether [addr, addr+n) lies inside the arena.
+func (a *Arena) contains(addr uintptr, n int) bool {
 	return addr >= a.region.Base && n >= 0 && uint64(addr-a.region.Base)+uint64(n) <= uint64(a.region.Size)
 }
 
@@ -110,6 +117,11 @@ func (a *Arena) String() string {
 	return fmt.Sprintf("arena %d [%#x+%d %s]", a.ID, a.region.Base, a.region.Size, a.region.Device)
 }
 
-// NewArenaForTest wraps a region in an arena outside any pool, so visitors can
-// be tested on their own.
-func NewArenaForTest(id int, r *Region) *Arena { return &Arena{ID: id, region: r} }
+// newLoneArena wraps a region in an arena outside any pool, so that visitors
+// can be tested on their own (through internal/allocseam).
+func newLoneArena(id int, r *Region) *Arena { return &Arena{ID: id, region: r} }
+
+func init() {
+	allocseam.NewArena = newLoneArena
+	allocseam.WithMaxArena = withMaxArena
+}

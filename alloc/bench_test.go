@@ -33,7 +33,7 @@ func threadNs() int64 {
 // mixed sizes with a working set of live blocks, and from parallel goroutines.
 func BenchmarkAllocFree(b *testing.B) {
 	b.Run("cached-4KiB", func(b *testing.B) {
-		p := newTestPool(b, NewMmapSource(MmapOptions{NUMANode: NoNUMANode}))
+		p := newTestPool(b, NewMmapSource(MmapOptions{}))
 		mustFree(b, mustAlloc(b, p, 4096)) // the arena exists before timing
 		b.ReportAllocs()
 		done := threadCPU(b)
@@ -42,14 +42,14 @@ func BenchmarkAllocFree(b *testing.B) {
 			if err != nil {
 				b.Fatal(err)
 			}
-			if err := p.Free(blk); err != nil {
+			if err := p.free(blk); err != nil {
 				b.Fatal(err)
 			}
 		}
 		done()
 	})
 	b.Run("mixed", func(b *testing.B) {
-		p := newTestPool(b, NewMmapSource(MmapOptions{NUMANode: NoNUMANode}))
+		p := newTestPool(b, NewMmapSource(MmapOptions{}))
 		rng := newRand(7)
 		sizes := make([]int, 1024)
 		for i := range sizes {
@@ -65,7 +65,7 @@ func BenchmarkAllocFree(b *testing.B) {
 		i := 0
 		for b.Loop() {
 			k := i % len(ring)
-			if err := p.Free(ring[k]); err != nil {
+			if err := p.free(ring[k]); err != nil {
 				b.Fatal(err)
 			}
 			blk, err := p.Alloc(sizes[i%len(sizes)])
@@ -81,7 +81,7 @@ func BenchmarkAllocFree(b *testing.B) {
 		}
 	})
 	b.Run("parallel-4KiB", func(b *testing.B) {
-		p := newTestPool(b, NewMmapSource(MmapOptions{NUMANode: NoNUMANode}))
+		p := newTestPool(b, NewMmapSource(MmapOptions{}))
 		mustFree(b, mustAlloc(b, p, 4096))
 		b.ReportAllocs()
 		b.RunParallel(func(pb *testing.PB) {
@@ -91,7 +91,7 @@ func BenchmarkAllocFree(b *testing.B) {
 					b.Error(err)
 					return
 				}
-				if err := p.Free(blk); err != nil {
+				if err := p.free(blk); err != nil {
 					b.Error(err)
 					return
 				}
@@ -102,7 +102,7 @@ func BenchmarkAllocFree(b *testing.B) {
 
 // BenchmarkArenaOf measures the lock-free address lookup over 16 arenas.
 func BenchmarkArenaOf(b *testing.B) {
-	p := newTestPool(b, NewMmapSource(MmapOptions{NUMANode: NoNUMANode}), WithInitialArena(1<<20), WithMaxArena(1<<20))
+	p := newTestPool(b, NewMmapSource(MmapOptions{}), WithInitialArena(1<<20), withMaxArena(1<<20))
 	var blocks []Block
 	for range 16 {
 		blocks = append(blocks, mustAlloc(b, p, 1<<20))

@@ -50,23 +50,14 @@ func (b Block) Device() tensor.Device {
 	return b.pool.dev
 }
 
-// Pool is the pool the block came from, nil for the zero Block.
-func (b Block) Pool() *Pool { return b.pool }
-
-// Arena is the arena holding the block, where visitors' handles are found.
-func (b Block) Arena() (*Arena, bool) {
-	if b.pool == nil {
-		return nil, false
-	}
-	return b.pool.ArenaOf(b.addr)
-}
-
-// Free returns the block to its pool (see Pool.Free).
+// Free returns the block to its pool. A block freed twice, or a stale copy
+// of a block whose memory was freed and handed out again, fails with
+// ErrDoubleFree and frees nothing; the zero Block fails with ErrNotOwned.
 func (b Block) Free() error {
 	if b.pool == nil {
 		return errNoPool(b)
 	}
-	return b.pool.Free(b)
+	return b.pool.free(b)
 }
 
 // pointer turns an address of memory off the Go heap into a pointer. Reading

@@ -8,8 +8,8 @@ import (
 // maxCheckErrors bounds the problems Check reports at once.
 const maxCheckErrors = 8
 
-// Check walks the pool and returns an error wrapping ErrCorrupt that lists
-// the broken invariants, or nil. It checks that the chunks of each arena are
+// Check walks the pool and returns an error that lists the broken
+// invariants ("alloc: pool invariant broken: ..."), or nil. It checks that the chunks of each arena are
 // adjacent, linked both ways, cover exactly the arena's aligned range and never
 // leave two free neighbours unmerged; that every free chunk sits once in the
 // bin of its size, bins are sorted and their bitmap is right; that no chunk
@@ -151,5 +151,5 @@ func (p *Pool) Check() error {
 	if len(errs) == 0 {
 		return nil
 	}
-	return fmt.Errorf("%w: pool %q: %w", ErrCorrupt, p.cfg.name, errors.Join(errs...))
+	return fmt.Errorf("%w: pool %q: %w", errCorrupt, p.cfg.name, errors.Join(errs...))
 }

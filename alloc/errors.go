@@ -33,12 +33,17 @@ var (
 	// ErrBadSize: an allocation or region size that is zero, negative or
 	// too large to represent.
 	ErrBadSize = errors.New("alloc: invalid size")
-	// ErrBadOption: an option out of range (an alignment that is not a power
-	// of two, an arena size that is not positive).
+	// ErrBadOption: an option out of range (an arena size that is not
+	// positive, a maximum arena below the initial one).
 	ErrBadOption = errors.New("alloc: invalid option")
-	// ErrBadRegion: a region from a source that is smaller than asked, at
+)
+
+// Errors that say a source or the pool itself is broken: the message says
+// what, and no caller has anything to do but report it.
+var (
+	// errBadRegion: a region from a source that is smaller than asked, at
 	// address zero, or overlapping an arena of the pool.
-	ErrBadRegion = errors.New("alloc: invalid region from source")
-	// ErrCorrupt: Pool.Check found a broken invariant.
-	ErrCorrupt = errors.New("alloc: pool invariant broken")
+	errBadRegion = errors.New("alloc: invalid region from source")
+	// errCorrupt: Pool.Check found a broken invariant.
+	errCorrupt = errors.New("alloc: pool invariant broken")
 )

@@ -11,15 +11,12 @@ import (
 // once, and a tensor found back to its arena from its address.
 func Example() {
 	visits := 0
-	counter := alloc.VisitorFuncs{
-		VisitorName: "counter",
-		OnVisit: func(a *alloc.Arena) error {
-			visits++
-			a.SetHandle("counter", fmt.Sprintf("registration of arena %d", a.ID))
-			return nil
-		},
-	}
-	pool, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}),
+	counter := alloc.NewVisitor("counter", func(a *alloc.Arena) error {
+		visits++
+		a.SetHandle("counter", fmt.Sprintf("registration of arena %d", a.ID))
+		return nil
+	}, nil)
+	pool, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}),
 		alloc.WithName("example"), alloc.WithVisitors(counter), alloc.WithInitialArena(4<<20))
 	if err != nil {
 		fmt.Println(err)
@@ -55,7 +52,7 @@ func Example() {
 // Blocks are plain memory off the Go heap; freeing one twice is an error,
 // not a crash.
 func ExamplePool_Alloc() {
-	pool, _ := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}))
+	pool, _ := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}))
 	defer pool.Close()
 	b, err := pool.Alloc(1000)
 	if err != nil {
@@ -74,10 +71,10 @@ func ExamplePool_Alloc() {
 
 // A memfd source makes arenas whose descriptor another process can map.
 func ExampleNewMemfdSource() {
-	pool, _ := alloc.New(alloc.NewMemfdSource("shared", alloc.MmapOptions{NUMANode: alloc.NoNUMANode}))
+	pool, _ := alloc.New(alloc.NewMemfdSource("shared", alloc.MmapOptions{}))
 	defer pool.Close()
 	b, _ := pool.Alloc(4096)
-	arena, _ := b.Arena()
+	arena, _ := pool.ArenaOf(b.Addr())
 	fmt.Println(arena.Region().FD >= 0)
 	b.Free()
 	// Output: true

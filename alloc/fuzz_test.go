@@ -18,7 +18,7 @@ func FuzzPoolOps(f *testing.F) {
 		if len(prog) > 512 {
 			prog = prog[:512]
 		}
-		p := newTestPool(t, newCountingSource(), WithInitialArena(64<<10), WithMaxArena(256<<10), WithLimit(2<<20), WithAlignment(64))
+		p := newTestPool(t, newCountingSource(), WithInitialArena(64<<10), withMaxArena(256<<10), WithLimit(2<<20), withAlignment(64))
 		var live []modelBlock
 		var stale []Block
 		for pc := 0; pc+1 < len(prog); pc += 2 {
@@ -53,7 +53,7 @@ func FuzzPoolOps(f *testing.F) {
 				if op == 1 {
 					err = m.b.Free()
 				} else {
-					err = p.FreeAddr(m.b.Addr())
+					err = p.freeAddr(m.b.Addr())
 				}
 				if err != nil {
 					t.Fatalf("free: %v", err)
@@ -68,7 +68,7 @@ func FuzzPoolOps(f *testing.F) {
 					t.Fatalf("stale Free = %v", err)
 				}
 			case 4:
-				if err := p.Trim(); err != nil {
+				if err := p.trim(); err != nil {
 					t.Fatalf("Trim: %v", err)
 				}
 			case 5: // an address inside a live block, not its start
@@ -76,7 +76,7 @@ func FuzzPoolOps(f *testing.F) {
 					continue
 				}
 				b := live[arg%len(live)].b
-				if err := p.FreeAddr(b.Addr() + 1 + uintptr(arg)%uintptr(b.Len())); !errors.Is(err, ErrNotOwned) && b.Len() > 1 {
+				if err := p.freeAddr(b.Addr() + 1 + uintptr(arg)%uintptr(b.Len())); !errors.Is(err, ErrNotOwned) && b.Len() > 1 {
 					t.Fatalf("FreeAddr inside a block = %v", err)
 				}
 			}

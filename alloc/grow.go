@@ -39,7 +39,7 @@ func (p *Pool) grow(rounded int) error {
 		if int64(rounded) > lim-p.st.reserved {
 			// Arenas with nothing allocated cannot hold the request (take
 			// found no chunk), but their bytes count against the limit.
-			if err := p.trim(); err != nil {
+			if err := p.trimLocked(); err != nil {
 				return err
 			}
 		}
@@ -199,17 +199,17 @@ func (p *Pool) binSummary() string {
 func (p *Pool) checkRegion(r *Region, asked int) error {
 	switch {
 	case r == nil:
-		return fmt.Errorf("%w: source %s returned no region", ErrBadRegion, p.src.Name())
+		return fmt.Errorf("%w: source %s returned no region", errBadRegion, p.src.Name())
 	case r.Base == 0 || r.Size < asked || r.Base+uintptr(r.Size) < r.Base:
-		return fmt.Errorf("%w: source %s returned [%#x+%d] for %d bytes", ErrBadRegion, p.src.Name(), r.Base, r.Size, asked)
+		return fmt.Errorf("%w: source %s returned [%#x+%d] for %d bytes", errBadRegion, p.src.Name(), r.Base, r.Size, asked)
 	}
 	lo := uintptr(alignUp(int(r.Base), p.cfg.align))
 	if hi := (r.Base + uintptr(r.Size)) &^ uintptr(p.cfg.align-1); hi <= lo || int(hi-lo) < min(asked, p.cfg.align) {
-		return fmt.Errorf("%w: region [%#x+%d] holds no aligned block", ErrBadRegion, r.Base, r.Size)
+		return fmt.Errorf("%w: region [%#x+%d] holds no aligned block", errBadRegion, r.Base, r.Size)
 	}
 	for _, e := range *p.index.Load() {
 		if r.Base < e.end && e.base < r.Base+uintptr(r.Size) {
-			return fmt.Errorf("%w: region [%#x+%d] overlaps %s", ErrBadRegion, r.Base, r.Size, e.a)
+			return fmt.Errorf("%w: region [%#x+%d] overlaps %s", errBadRegion, r.Base, r.Size, e.a)
 		}
 	}
 	return nil

@@ -25,7 +25,7 @@ type countingSource struct {
 var errInjected = errors.New("injected source failure")
 
 func newCountingSource() *countingSource {
-	return &countingSource{inner: NewMmapSource(MmapOptions{NUMANode: NoNUMANode}), live: map[uintptr]int{}, failAt: map[int]bool{}}
+	return &countingSource{inner: NewMmapSource(MmapOptions{}), live: map[uintptr]int{}, failAt: map[int]bool{}}
 }
 
 func (s *countingSource) Name() string          { return "counting" }
@@ -47,6 +47,8 @@ func (s *countingSource) Alloc(size int) (*Region, error) {
 	s.live[r.Base] = r.Size
 	return r, nil
 }
+
+func (s *countingSource) Close() error { return s.inner.Close() }
 
 func (s *countingSource) Free(r *Region) error {
 	s.mu.Lock()
@@ -166,4 +168,12 @@ func mustCheck(t testing.TB, p *Pool) {
 	if err := p.Check(); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// arenaOf is the arena holding a block of a pool.
+func arenaOf(b Block) (*Arena, bool) {
+	if b.pool == nil {
+		return nil, false
+	}
+	return b.pool.ArenaOf(b.addr)
 }

@@ -34,7 +34,7 @@ func TestRandomAgainstModel(t *testing.T) {
 			if seed%2 == 0 {
 				limit = 24 << 20
 			}
-			p := newTestPool(t, newCountingSource(), WithAlignment(align), WithInitialArena(256<<10), WithMaxArena(4<<20), WithLimit(limit))
+			p := newTestPool(t, newCountingSource(), withAlignment(align), WithInitialArena(256<<10), withMaxArena(4<<20), WithLimit(limit))
 			var live []modelBlock
 			var inUse int64
 			for step := range steps {
@@ -67,7 +67,7 @@ func TestRandomAgainstModel(t *testing.T) {
 						}
 					}
 					if rng.IntN(2) == 0 {
-						if err := p.FreeAddr(m.b.Addr()); err != nil {
+						if err := p.freeAddr(m.b.Addr()); err != nil {
 							t.Fatalf("step %d: FreeAddr: %v", step, err)
 						}
 					} else {
@@ -107,7 +107,7 @@ func checkDisjoint(t *testing.T, p *Pool, live []modelBlock, align int) {
 	for i, b := range sorted {
 		n := alignUp(b.Len(), align)
 		a, ok := p.ArenaOf(b.Addr())
-		if !ok || !a.Contains(b.Addr(), n) {
+		if !ok || !a.contains(b.Addr(), n) {
 			t.Fatalf("block [%#x+%d] is not inside one arena", b.Addr(), n)
 		}
 		if i > 0 && sorted[i-1].Addr()+uintptr(alignUp(sorted[i-1].Len(), align)) > b.Addr() {
@@ -139,7 +139,7 @@ func TestConcurrent(t *testing.T) {
 				return
 			default:
 			}
-			if err := p.Trim(); err != nil {
+			if err := p.trim(); err != nil {
 				errs <- err
 				return
 			}
@@ -147,7 +147,7 @@ func TestConcurrent(t *testing.T) {
 				errs <- err
 				return
 			}
-			for _, a := range p.Arenas() {
+			for _, a := range p.arenas() {
 				if got, ok := p.ArenaOf(a.Base()); ok && got.Base() != a.Base() {
 					errs <- errors.New("ArenaOf found another arena for a base")
 					return

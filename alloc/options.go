@@ -7,15 +7,15 @@ import (
 
 // Defaults of a pool built without options.
 const (
-	// DefaultAlignment is the alignment of every block, and the smallest
+	// defaultAlignment is the alignment of every block, and the smallest
 	// block, in bytes.
-	DefaultAlignment = 256
-	// DefaultInitialArena is the size of a pool's first arena.
-	DefaultInitialArena = 2 << 20
-	// DefaultMaxArena is the size beyond which arenas stop doubling. A
+	defaultAlignment = 256
+	// defaultInitialArena is the size of a pool's first arena.
+	defaultInitialArena = 2 << 20
+	// defaultMaxArena is the size beyond which arenas stop doubling. A
 	// request larger than this still gets an arena of its own.
-	DefaultMaxArena = 1 << 30
-	// maxAlignment bounds WithAlignment (a huge page).
+	defaultMaxArena = 1 << 30
+	// maxAlignment bounds withAlignment (a huge page).
 	maxAlignment = 1 << 21
 )
 
@@ -46,10 +46,10 @@ func WithVisitors(v ...Visitor) Option {
 	}
 }
 
-// WithAlignment sets the alignment of every block, a power of two from 1 to
+// withAlignment sets the alignment of every block, a power of two from 1 to
 // 2 MiB (default 256). It is also the smallest block and the granularity of
 // splitting.
-func WithAlignment(n int) Option {
+func withAlignment(n int) Option {
 	return func(c *config) error {
 		if n <= 0 || n > maxAlignment || bits.OnesCount(uint(n)) != 1 {
 			return fmt.Errorf("%w: alignment %d is not a power of two in [1, %d]", ErrBadOption, n, maxAlignment)
@@ -71,9 +71,9 @@ func WithInitialArena(bytes int) Option {
 	}
 }
 
-// WithMaxArena sets the size at which arenas stop doubling (default 1 GiB).
+// withMaxArena sets the size at which arenas stop doubling (default 1 GiB).
 // Without WithInitialArena, the first arena is no larger than this.
-func WithMaxArena(bytes int) Option {
+func withMaxArena(bytes int) Option {
 	return func(c *config) error {
 		if bytes <= 0 || bytes > maxAlloc {
 			return fmt.Errorf("%w: maximum arena of %d bytes", ErrBadOption, bytes)

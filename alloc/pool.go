@@ -64,7 +64,8 @@ type sortedArena struct {
 // use. A new arena is made and visited without the pool's lock: allocations
 // that fit in the existing arenas go on meanwhile, those that need a new
 // arena wait for it. Visitors therefore must not allocate from the pool they
-// visit. Releases (Trim, Close) call the visitors with the lock held.
+// visit. Releases (trimming free arenas, Close) call the visitors with the
+// lock held.
 type Pool struct {
 	cfg   config
 	src   Source
@@ -103,7 +104,7 @@ func New(src Source, opts ...Option) (*Pool, error) {
 	if src == nil {
 		return nil, fmt.Errorf("%w: nil source", ErrBadOption)
 	}
-	cfg := config{name: src.Name(), align: DefaultAlignment, initArena: DefaultInitialArena, maxArena: DefaultMaxArena}
+	cfg := config{name: src.Name(), align: defaultAlignment, initArena: defaultInitialArena, maxArena: defaultMaxArena}
 	for _, o := range opts {
 		if o == nil {
 			continue
@@ -133,13 +134,13 @@ func New(src Source, opts ...Option) (*Pool, error) {
 }
 
 // Name is the pool's name (WithName, or the source's name).
-func (p *Pool) Name() string { return p.cfg.name }
+func (p *Pool) name() string { return p.cfg.name }
 
 // Device is where the pool's memory lives.
 func (p *Pool) Device() tensor.Device { return p.dev }
 
 // Alignment is the alignment of every block.
-func (p *Pool) Alignment() int { return p.cfg.align }
+func (p *Pool) alignment() int { return p.cfg.align }
 
 func alignUp(n, align int) int { return (n + align - 1) &^ (align - 1) }
 
@@ -179,11 +180,11 @@ func (p *Pool) Alloc(n int) (Block, error) {
 	return b, nil
 }
 
-// Free returns a block to the pool. A block freed twice, or a stale copy of
+// free returns a block to the pool. A block freed twice, or a stale copy of
 // a block whose memory was freed and handed out again, fails with
 // ErrDoubleFree and frees nothing; a block of another pool fails with
 // ErrNotOwned.
-func (p *Pool) Free(b Block) error {
+func (p *Pool) free(b Block) error {
 	if b.pool != p {
 		return fmt.Errorf("%w: block at %#x (%d bytes) is not from pool %q", ErrNotOwned, b.addr, b.size, p.cfg.name)
 	}
@@ -204,10 +205,10 @@ func (p *Pool) Free(b Block) error {
 	return fmt.Errorf("%w: block at %#x (%d bytes) of pool %q", ErrDoubleFree, b.addr, b.size, p.cfg.name)
 }
 
-// FreeAddr frees the block that starts at addr. It walks the chunks of the
-// arena holding addr, so it costs time linear in that arena's chunks; Free
+// freeAddr frees the block that starts at addr. It walks the chunks of the
+// arena holding addr, so it costs time linear in that arena's chunks; free
 // finds the chunk from the Block's index without a search.
-func (p *Pool) FreeAddr(addr uintptr) error {
+func (p *Pool) freeAddr(addr uintptr) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.closed {
@@ -251,7 +252,7 @@ func (p *Pool) lookup(addr uintptr) (sortedArena, bool) {
 }
 
 // Arenas returns the pool's arenas sorted by base address.
-func (p *Pool) Arenas() []*Arena {
+func (p *Pool) arenas() []*Arena {
 	idx := *p.index.Load()
 	out := make([]*Arena, len(idx))
 	for i, e := range idx {
@@ -286,11 +287,11 @@ func (p *Pool) NewTensor(m tensor.Meta) (*tensor.Tensor, error) {
 	return t, nil
 }
 
-// Reserve makes sure the pool has a free chunk of at least n bytes, adding
+// reserve makes sure the pool has a free chunk of at least n bytes, adding
 // an arena (visited like any other) when it has none, so that the cost of
 // visiting (registering, locking) is paid now rather than by the first
 // allocation that needs it.
-func (p *Pool) Reserve(n int) error {
+func (p *Pool) reserve(n int) error {
 	if n <= 0 || n > maxAlloc {
 		return fmt.Errorf("%w: cannot reserve %d bytes", ErrBadSize, n)
 	}
@@ -317,18 +318,18 @@ func (p *Pool) largestFree() int {
 	return p.chunks[top[len(top)-1]].size
 }
 
-// Trim releases the arenas that hold no allocated block, through the
+// trim releases the arenas that hold no allocated block, through the
 // visitors, and returns their memory to the source.
-func (p *Pool) Trim() error {
+func (p *Pool) trim() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.closed {
 		return fmt.Errorf("%w: pool %q: trim", ErrClosed, p.cfg.name)
 	}
-	return p.trim()
+	return p.trimLocked()
 }
 
-func (p *Pool) trim() error {
+func (p *Pool) trimLocked() error {
 	var errs []error
 	for slot := range p.slots {
 		s := &p.slots[slot]
@@ -572,7 +573,7 @@ func (p *Pool) binFind(idx int32) (b, pos int) {
 	pos = p.position(list, idx)
 	if pos >= len(list) || list[pos] != idx {
 		if pos = slices.Index(list, idx); pos < 0 {
-			p.broken = fmt.Errorf("%w: pool %q: free chunk %d missing from bin %d", ErrCorrupt, p.cfg.name, idx, b)
+			p.broken = fmt.Errorf("%w: pool %q: free chunk %d missing from bin %d", errCorrupt, p.cfg.name, idx, b)
 		}
 	}
 	return b, pos

@@ -14,7 +14,7 @@ import (
 )
 
 func TestAllocSizes(t *testing.T) {
-	p := newTestPool(t, NewMmapSource(MmapOptions{NUMANode: NoNUMANode}), WithInitialArena(1<<20))
+	p := newTestPool(t, NewMmapSource(MmapOptions{}), WithInitialArena(1<<20))
 	for _, tc := range []struct {
 		n, chunk int
 	}{
@@ -26,14 +26,14 @@ func TestAllocSizes(t *testing.T) {
 			if b.Len() != tc.n || len(b.Bytes()) != tc.n {
 				t.Errorf("Len %d, len(Bytes) %d, want %d", b.Len(), len(b.Bytes()), tc.n)
 			}
-			if b.Addr()%DefaultAlignment != 0 {
-				t.Errorf("address %#x not aligned to %d", b.Addr(), DefaultAlignment)
+			if b.Addr()%defaultAlignment != 0 {
+				t.Errorf("address %#x not aligned to %d", b.Addr(), defaultAlignment)
 			}
 			if got := p.Stats().InUse - before; got != int64(tc.chunk) {
 				t.Errorf("in use grew by %d, want %d", got, tc.chunk)
 			}
-			a, ok := b.Arena()
-			if !ok || !a.Contains(b.Addr(), tc.chunk) {
+			a, ok := arenaOf(b)
+			if !ok || !a.contains(b.Addr(), tc.chunk) {
 				t.Errorf("block [%#x+%d] not inside one arena (%v, %v)", b.Addr(), tc.chunk, a, ok)
 			}
 			mem := b.Bytes()
@@ -54,7 +54,7 @@ func TestAllocSizes(t *testing.T) {
 }
 
 func TestBadSize(t *testing.T) {
-	p := newTestPool(t, NewMmapSource(MmapOptions{NUMANode: NoNUMANode}))
+	p := newTestPool(t, NewMmapSource(MmapOptions{}))
 	for _, n := range []int{0, -1, -1 << 40, maxAlloc + 1} {
 		if _, err := p.Alloc(n); !errors.Is(err, ErrBadSize) {
 			t.Errorf("Alloc(%d) = %v, want ErrBadSize", n, err)
@@ -66,17 +66,17 @@ func TestBadSize(t *testing.T) {
 }
 
 func TestBadOptions(t *testing.T) {
-	src := NewMmapSource(MmapOptions{NUMANode: NoNUMANode})
+	src := NewMmapSource(MmapOptions{})
 	for name, o := range map[string]Option{
-		"alignment 0":     WithAlignment(0),
-		"alignment 3":     WithAlignment(3),
-		"alignment 4MiB":  WithAlignment(4 << 20),
+		"alignment 0":     withAlignment(0),
+		"alignment 3":     withAlignment(3),
+		"alignment 4MiB":  withAlignment(4 << 20),
 		"initial 0":       WithInitialArena(0),
-		"max -1":          WithMaxArena(-1),
+		"max -1":          withMaxArena(-1),
 		"limit -1":        WithLimit(-1),
 		"nil visitor":     WithVisitors(nil),
 		"max below start": func(c *config) error { c.initArena, c.initSet, c.maxArena = 4<<20, true, 1<<20; return nil },
-		"huge max":        WithMaxArena(maxAlloc + 1),
+		"huge max":        withMaxArena(maxAlloc + 1),
 		"huge initial":    WithInitialArena(maxAlloc + 1),
 	} {
 		if p, err := New(src, o); !errors.Is(err, ErrBadOption) {
@@ -84,12 +84,12 @@ func TestBadOptions(t *testing.T) {
 		}
 	}
 	// A small maximum alone lowers the first arena to it.
-	p, err := New(src, WithMaxArena(64<<10))
+	p, err := New(src, withMaxArena(64<<10))
 	if err != nil {
 		t.Fatal(err)
 	}
 	b, err := p.Alloc(1)
-	if a, _ := b.Arena(); err != nil || a.Size() != 64<<10 {
+	if a, _ := arenaOf(b); err != nil || a.Size() != 64<<10 {
 		t.Errorf("first arena with WithMaxArena(64 KiB): %v, %v", a, err)
 	}
 	if err := errors.Join(b.Free(), p.Close()); err != nil {
@@ -103,7 +103,7 @@ func TestBadOptions(t *testing.T) {
 // TestBestFitSplitCoalesce follows the chunks of one arena through splits,
 // best-fit reuse and merges.
 func TestBestFitSplitCoalesce(t *testing.T) {
-	p := newTestPool(t, NewMmapSource(MmapOptions{NUMANode: NoNUMANode}), WithInitialArena(1<<20))
+	p := newTestPool(t, NewMmapSource(MmapOptions{}), WithInitialArena(1<<20))
 	a := mustAlloc(t, p, 1024)
 	b := mustAlloc(t, p, 4096)
 	c := mustAlloc(t, p, 1024)
@@ -141,7 +141,7 @@ func TestBestFitSplitCoalesce(t *testing.T) {
 }
 
 func TestFragmentationStat(t *testing.T) {
-	p := newTestPool(t, NewMmapSource(MmapOptions{NUMANode: NoNUMANode}), WithInitialArena(1<<20), WithMaxArena(1<<20))
+	p := newTestPool(t, NewMmapSource(MmapOptions{}), WithInitialArena(1<<20), withMaxArena(1<<20))
 	var blocks []Block
 	for range 4096 / 4 {
 		blocks = append(blocks, mustAlloc(t, p, 1024))
@@ -168,7 +168,7 @@ func TestFragmentationStat(t *testing.T) {
 
 func TestGrowthPolicy(t *testing.T) {
 	src := newCountingSource()
-	p := newTestPool(t, src, WithInitialArena(1<<20), WithMaxArena(8<<20))
+	p := newTestPool(t, src, WithInitialArena(1<<20), withMaxArena(8<<20))
 	// Each 1 MiB block fills an arena's worth of the doubling sequence.
 	var blocks []Block
 	for range 1 + 2 + 4 + 8 + 8 {
@@ -183,14 +183,14 @@ func TestGrowthPolicy(t *testing.T) {
 	if got := src.sizes[len(src.sizes)-1]; got != 20<<20 {
 		t.Errorf("oversized request got an arena of %d bytes", got)
 	}
-	a, _ := big.Arena()
+	a, _ := arenaOf(big)
 	if a.Size() != 20<<20 || a.Base() != big.Addr() {
 		t.Errorf("oversized block %#x in %v", big.Addr(), a)
 	}
 	// A request larger than the next size doubles until it fits.
-	p2 := newTestPool(t, newCountingSource(), WithInitialArena(1<<20), WithMaxArena(64<<20))
+	p2 := newTestPool(t, newCountingSource(), WithInitialArena(1<<20), withMaxArena(64<<20))
 	b2 := mustAlloc(t, p2, 5<<20)
-	if a2, _ := b2.Arena(); a2.Size() != 8<<20 {
+	if a2, _ := arenaOf(b2); a2.Size() != 8<<20 {
 		t.Errorf("5 MiB request made an arena of %d bytes, want 8 MiB", a2.Size())
 	}
 	mustFree(t, b2)
@@ -198,7 +198,7 @@ func TestGrowthPolicy(t *testing.T) {
 		mustFree(t, b)
 	}
 	mustCheck(t, p)
-	if err := p.Trim(); err != nil {
+	if err := p.trim(); err != nil {
 		t.Fatal(err)
 	}
 	if st := p.Stats(); st.Arenas != 0 || st.Reserved != 0 || st.ArenasReleased != 6 {
@@ -210,7 +210,7 @@ func TestGrowthPolicy(t *testing.T) {
 }
 
 func TestDoubleFreeAndStaleBlock(t *testing.T) {
-	p := newTestPool(t, NewMmapSource(MmapOptions{NUMANode: NoNUMANode}))
+	p := newTestPool(t, NewMmapSource(MmapOptions{}))
 	b := mustAlloc(t, p, 1000)
 	copyOfB := b
 	mustFree(t, b)
@@ -228,10 +228,10 @@ func TestDoubleFreeAndStaleBlock(t *testing.T) {
 	if st := p.Stats(); st.Blocks != 1 {
 		t.Errorf("stale free changed the pool: %v", st)
 	}
-	if err := p.FreeAddr(c.Addr()); err != nil {
+	if err := p.freeAddr(c.Addr()); err != nil {
 		t.Errorf("FreeAddr of a live block: %v", err)
 	}
-	if err := p.FreeAddr(c.Addr()); !errors.Is(err, ErrDoubleFree) {
+	if err := p.freeAddr(c.Addr()); !errors.Is(err, ErrDoubleFree) {
 		t.Errorf("FreeAddr twice = %v, want ErrDoubleFree", err)
 	}
 	if err := c.Free(); !errors.Is(err, ErrDoubleFree) {
@@ -240,21 +240,21 @@ func TestDoubleFreeAndStaleBlock(t *testing.T) {
 }
 
 func TestForeignPointers(t *testing.T) {
-	p := newTestPool(t, NewMmapSource(MmapOptions{NUMANode: NoNUMANode}))
-	other := newTestPool(t, NewMmapSource(MmapOptions{NUMANode: NoNUMANode}))
+	p := newTestPool(t, NewMmapSource(MmapOptions{}))
+	other := newTestPool(t, NewMmapSource(MmapOptions{}))
 	b := mustAlloc(t, p, 4096)
 	defer mustFree(t, b)
 	ob := mustAlloc(t, other, 64)
 	defer mustFree(t, ob)
 	heap := make([]byte, 64)
 	cases := map[string]func() error{
-		"block of another pool": func() error { return p.Free(ob) },
+		"block of another pool": func() error { return p.free(ob) },
 		"zero block":            func() error { return Block{}.Free() },
-		"zero block to pool":    func() error { return p.Free(Block{}) },
-		"go heap address":       func() error { return p.FreeAddr(uintptr(unsafe.Pointer(&heap[0]))) },
-		"nil address":           func() error { return p.FreeAddr(0) },
-		"inside a block":        func() error { return p.FreeAddr(b.Addr() + 256) },
-		"other pool's address":  func() error { return p.FreeAddr(ob.Addr()) },
+		"zero block to pool":    func() error { return p.free(Block{}) },
+		"go heap address":       func() error { return p.freeAddr(uintptr(unsafe.Pointer(&heap[0]))) },
+		"nil address":           func() error { return p.freeAddr(0) },
+		"inside a block":        func() error { return p.freeAddr(b.Addr() + 256) },
+		"other pool's address":  func() error { return p.freeAddr(ob.Addr()) },
 	}
 	for name, f := range cases {
 		if err := f(); !errors.Is(err, ErrNotOwned) {
@@ -272,12 +272,12 @@ func TestForeignPointers(t *testing.T) {
 func TestArenaOf(t *testing.T) {
 	var order []string
 	v := newCountingVisitor("handles", &order)
-	p := newTestPool(t, NewMmapSource(MmapOptions{NUMANode: NoNUMANode}), WithVisitors(v), WithInitialArena(1<<20), WithMaxArena(1<<20))
+	p := newTestPool(t, NewMmapSource(MmapOptions{}), WithVisitors(v), WithInitialArena(1<<20), withMaxArena(1<<20))
 	var blocks []Block
 	for range 5 {
 		blocks = append(blocks, mustAlloc(t, p, 1<<20))
 	}
-	arenas := p.Arenas()
+	arenas := p.arenas()
 	if len(arenas) != 5 {
 		t.Fatalf("%d arenas, want 5", len(arenas))
 	}
@@ -311,7 +311,7 @@ func TestArenaOf(t *testing.T) {
 }
 
 func TestOverLimit(t *testing.T) {
-	p := newTestPool(t, NewMmapSource(MmapOptions{NUMANode: NoNUMANode}), WithName("limited"), WithInitialArena(1<<20), WithLimit(3<<20))
+	p := newTestPool(t, NewMmapSource(MmapOptions{}), WithName("limited"), WithInitialArena(1<<20), WithLimit(3<<20))
 	a := mustAlloc(t, p, 512<<10)
 	b := mustAlloc(t, p, 1<<20) // second arena: the 2 MiB step, within 3 MiB
 	_, err := p.Alloc(2 << 20)
@@ -390,7 +390,7 @@ func TestBadRegion(t *testing.T) {
 			src := &badSource{countingSource: *newCountingSource(), mode: mode}
 			p := newTestPool(t, src)
 			_, err := p.Alloc(4096)
-			if !errors.Is(err, ErrPoolExhausted) || !errors.Is(err, ErrBadRegion) {
+			if !errors.Is(err, ErrPoolExhausted) || !errors.Is(err, errBadRegion) {
 				t.Errorf("Alloc over a bad region = %v", err)
 			}
 			if _, _, live := src.counts(); live != 0 {
@@ -420,20 +420,20 @@ func TestUseAfterClose(t *testing.T) {
 	if err := b.Free(); !errors.Is(err, ErrClosed) {
 		t.Errorf("Free = %v", err)
 	}
-	if err := p.FreeAddr(b.Addr()); !errors.Is(err, ErrClosed) {
+	if err := p.freeAddr(b.Addr()); !errors.Is(err, ErrClosed) {
 		t.Errorf("FreeAddr = %v", err)
 	}
-	if err := p.Trim(); !errors.Is(err, ErrClosed) {
+	if err := p.trim(); !errors.Is(err, ErrClosed) {
 		t.Errorf("Trim = %v", err)
 	}
-	if err := p.Reserve(1); !errors.Is(err, ErrClosed) {
+	if err := p.reserve(1); !errors.Is(err, ErrClosed) {
 		t.Errorf("Reserve = %v", err)
 	}
 	m, _ := tensor.MetaFor(tensor.Float32, tensor.Shape{2})
 	if _, err := p.NewTensor(m); !errors.Is(err, ErrClosed) {
 		t.Errorf("NewTensor = %v", err)
 	}
-	if _, ok := p.ArenaOf(b.Addr()); ok || len(p.Arenas()) != 0 {
+	if _, ok := p.ArenaOf(b.Addr()); ok || len(p.arenas()) != 0 {
 		t.Error("arenas still visible after Close")
 	}
 	if b.Bytes() != nil {
@@ -507,13 +507,13 @@ func TestVisitorFailure(t *testing.T) {
 			if allocs, frees, live := src.counts(); allocs != 1 || frees != 1 || live != 0 {
 				t.Errorf("source: %d allocs, %d frees, %d live; want the region freed", allocs, frees, live)
 			}
-			if st := p.Stats(); st.Arenas != 0 || st.Reserved != 0 || len(p.Arenas()) != 0 {
+			if st := p.Stats(); st.Arenas != 0 || st.Reserved != 0 || len(p.arenas()) != 0 {
 				t.Errorf("half-registered arena left: %v", st)
 			}
 			// Once the visitor recovers, the pool works.
 			failing.failVisit, failing.panicVisit = nil, false
 			b := mustAlloc(t, p, 4096)
-			a, _ := b.Arena()
+			a, _ := arenaOf(b)
 			if a.ID != 1 {
 				t.Errorf("new arena has ID %d, want 1", a.ID)
 			}
@@ -547,7 +547,7 @@ func TestVisitOncePerArena(t *testing.T) {
 		if err != nil {
 			t.Fatalf("tensor %d of %d bytes: %v", i, size, err)
 		}
-		f, _ := x.Float32s()
+		f, _ := tensor.View[float32](x)
 		f[0], f[len(f)-1] = float32(i), float32(i)
 		live = append(live, x)
 		// Keep a working set of up to 64 tensors, released in random order.
@@ -586,7 +586,7 @@ func TestVisitOncePerArena(t *testing.T) {
 }
 
 func TestNewTensor(t *testing.T) {
-	p := newTestPool(t, NewMmapSource(MmapOptions{NUMANode: NoNUMANode}))
+	p := newTestPool(t, NewMmapSource(MmapOptions{}))
 	m, _ := tensor.MetaFor(tensor.Float32, tensor.Shape{3, 5})
 	x, err := p.NewTensor(m)
 	if err != nil {
@@ -596,7 +596,7 @@ func TestNewTensor(t *testing.T) {
 	if err != nil || len(b) != 60 {
 		t.Fatalf("Bytes = %d bytes, %v", len(b), err)
 	}
-	if a, ok := p.ArenaOf(x.Addr()); !ok || !a.Contains(x.Addr(), 60) {
+	if a, ok := p.ArenaOf(x.Addr()); !ok || !a.contains(x.Addr(), 60) {
 		t.Error("tensor not inside an arena")
 	}
 	if err := x.Release(); err != nil {
@@ -628,7 +628,7 @@ func TestNewTensor(t *testing.T) {
 func TestAlignment(t *testing.T) {
 	for _, align := range []int{1, 64, 4096, 64 << 10} {
 		t.Run(fmt.Sprint(align), func(t *testing.T) {
-			p := newTestPool(t, NewMmapSource(MmapOptions{NUMANode: NoNUMANode}), WithAlignment(align), WithInitialArena(1<<20))
+			p := newTestPool(t, NewMmapSource(MmapOptions{}), withAlignment(align), WithInitialArena(1<<20))
 			var blocks []Block
 			for n := 1; n < 100000; n = n*3 + 1 {
 				b := mustAlloc(t, p, n)
@@ -646,7 +646,7 @@ func TestAlignment(t *testing.T) {
 }
 
 func TestStatsString(t *testing.T) {
-	p := newTestPool(t, NewMmapSource(MmapOptions{NUMANode: NoNUMANode}), WithName("s"), WithInitialArena(1<<20))
+	p := newTestPool(t, NewMmapSource(MmapOptions{}), WithName("s"), WithInitialArena(1<<20))
 	b := mustAlloc(t, p, 3000)
 	s := p.Stats().String()
 	for _, want := range []string{`pool "s"`, "in use 3.0 KiB", "requested 2.9 KiB", "1 blocks", "reserved 1.0 MiB in 1 arenas", "limit none"} {
@@ -660,13 +660,13 @@ func TestStatsString(t *testing.T) {
 func TestReserve(t *testing.T) {
 	v := newCountingVisitor("v", nil)
 	p := newTestPool(t, newCountingSource(), WithVisitors(v), WithInitialArena(1<<20))
-	if err := p.Reserve(3 << 20); err != nil {
+	if err := p.reserve(3 << 20); err != nil {
 		t.Fatal(err)
 	}
 	if visits, _ := v.totals(); visits != 1 || p.Stats().Reserved != 4<<20 {
 		t.Fatalf("after Reserve: %d visits, %v", visits, p.Stats())
 	}
-	if err := p.Reserve(1 << 20); err != nil {
+	if err := p.reserve(1 << 20); err != nil {
 		t.Fatal(err)
 	}
 	b := mustAlloc(t, p, 3<<20)
@@ -674,7 +674,7 @@ func TestReserve(t *testing.T) {
 		t.Errorf("allocating what was reserved visited again: %d visits, %v", visits, p.Stats())
 	}
 	mustFree(t, b)
-	if err := p.Reserve(0); !errors.Is(err, ErrBadSize) {
+	if err := p.reserve(0); !errors.Is(err, ErrBadSize) {
 		t.Errorf("Reserve(0) = %v", err)
 	}
 }
@@ -703,7 +703,7 @@ func newBlockingVisitor() *blockingVisitor {
 // up allocations that fit in the arenas already there.
 func TestAllocDuringSlowVisit(t *testing.T) {
 	v := newBlockingVisitor()
-	p := newTestPool(t, newCountingSource(), WithVisitors(v), WithInitialArena(1<<20), WithMaxArena(1<<20))
+	p := newTestPool(t, newCountingSource(), WithVisitors(v), WithInitialArena(1<<20), withMaxArena(1<<20))
 	first := mustAlloc(t, p, 512<<10)
 	grown := make(chan error, 2)
 	var big []Block
@@ -719,7 +719,7 @@ func TestAllocDuringSlowVisit(t *testing.T) {
 	}
 	<-v.entered // one growth is inside Visit, the other waits for it
 	small := mustAlloc(t, p, 256<<10)
-	if a, _ := small.Arena(); a.ID != 0 {
+	if a, _ := arenaOf(small); a.ID != 0 {
 		t.Errorf("small block in %v, want arena 0", a)
 	}
 	mustFree(t, small)
@@ -742,7 +742,7 @@ func TestAllocDuringSlowVisit(t *testing.T) {
 func TestCloseDuringGrowth(t *testing.T) {
 	v := newBlockingVisitor()
 	src := newCountingSource()
-	p, err := New(src, WithVisitors(v), WithInitialArena(1<<20), WithMaxArena(1<<20))
+	p, err := New(src, WithVisitors(v), WithInitialArena(1<<20), withMaxArena(1<<20))
 	if err != nil {
 		t.Fatal(err)
 	}

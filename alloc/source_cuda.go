@@ -9,16 +9,16 @@ import (
 	"github.com/gdrlink/gdrlink/tensor"
 )
 
-// GPUArenaAlignment is the alignment of GPU arenas: the GPU's large page, so
+// gpuArenaAlignment is the alignment of GPU arenas: the GPU's large page, so
 // that a NIC's registration of an arena (BAR1 mappings come in 64 KiB to
 // 2 MiB pages) never shares a page with another allocation.
-const GPUArenaAlignment = 2 << 20
+const gpuArenaAlignment = 2 << 20
 
-// CUDASource makes arenas through the CUDA driver, loaded at run time:
+// cudaSource makes arenas through the CUDA driver, loaded at run time:
 // device memory of one GPU (NewCUDADeviceSource) or pinned host memory
 // (NewPinnedHostSource). It holds a reference on the GPU's primary context
 // until Close.
-type CUDASource struct {
+type cudaSource struct {
 	drv    *cuda.Driver
 	ctx    *cuda.Context
 	dev    tensor.Device
@@ -30,7 +30,7 @@ type CUDASource struct {
 	closed bool
 }
 
-var _ Source = (*CUDASource)(nil)
+var _ Source = (*cudaSource)(nil)
 
 func openCUDA(ordinal int) (*cuda.Driver, *cuda.Context, error) {
 	drv, err := cuda.Open("")
@@ -54,38 +54,37 @@ func openCUDA(ordinal int) (*cuda.Driver, *cuda.Context, error) {
 // cuMemAlloc_v2 regions, 2 MiB-aligned, with CU_POINTER_ATTRIBUTE_SYNC_MEMOPS
 // set so that the driver's memory operations on them are ordered with a
 // NIC's writes (GPUDirect RDMA needs it). Without a CUDA driver the error
-// wraps cuda.ErrNoDriver.
-func NewCUDADeviceSource(ordinal int) (*CUDASource, error) {
+// wraps cuda.ErrNoDriver. The source holds a reference on the GPU's primary
+// context until Close.
+func NewCUDADeviceSource(ordinal int) (Source, error) {
 	drv, ctx, err := openCUDA(ordinal)
 	if err != nil {
 		return nil, err
 	}
-	return &CUDASource{drv: drv, ctx: ctx, dev: tensor.GPUDevice(ordinal), name: fmt.Sprintf("cuda-device:%d", ordinal), live: map[uintptr]*Region{}}, nil
+	return &cudaSource{drv: drv, ctx: ctx, dev: tensor.GPUDevice(ordinal), name: fmt.Sprintf("cuda-device:%d", ordinal), live: map[uintptr]*Region{}}, nil
 }
 
 // NewPinnedHostSource returns a source of pinned host memory allocated with
 // cuMemHostAlloc (portable to every context, mapped for the device) through
 // the primary context of GPU ordinal: the memory proxy tensors live in, and
-// that a NIC may register as well.
-func NewPinnedHostSource(ordinal int) (*CUDASource, error) {
+// that a NIC may register as well. The source holds a reference on the
+// GPU's primary context until Close.
+func NewPinnedHostSource(ordinal int) (Source, error) {
 	drv, ctx, err := openCUDA(ordinal)
 	if err != nil {
 		return nil, err
 	}
-	return &CUDASource{drv: drv, ctx: ctx, dev: tensor.Device{Kind: tensor.PinnedHost}, name: fmt.Sprintf("cuda-pinned:%d", ordinal), pinned: true, live: map[uintptr]*Region{}}, nil
+	return &cudaSource{drv: drv, ctx: ctx, dev: tensor.Device{Kind: tensor.PinnedHost}, name: fmt.Sprintf("cuda-pinned:%d", ordinal), pinned: true, live: map[uintptr]*Region{}}, nil
 }
 
 // Name implements Source.
-func (s *CUDASource) Name() string { return s.name }
+func (s *cudaSource) Name() string { return s.name }
 
 // Device implements Source.
-func (s *CUDASource) Device() tensor.Device { return s.dev }
+func (s *cudaSource) Device() tensor.Device { return s.dev }
 
-// Context is the primary context the source allocates through.
-func (s *CUDASource) Context() *cuda.Context { return s.ctx }
-
-// Alloc implements Source. Sizes are rounded up to GPUArenaAlignment.
-func (s *CUDASource) Alloc(size int) (*Region, error) {
+// Alloc implements Source. Sizes are rounded up to gpuArenaAlignment.
+func (s *cudaSource) Alloc(size int) (*Region, error) {
 	if size <= 0 || size > 1<<50 {
 		return nil, fmt.Errorf("%w: region of %d bytes from %s", ErrBadSize, size, s.name)
 	}
@@ -94,7 +93,7 @@ func (s *CUDASource) Alloc(size int) (*Region, error) {
 	if s.closed {
 		return nil, fmt.Errorf("%w: source %s", ErrClosed, s.name)
 	}
-	n := (size + GPUArenaAlignment - 1) &^ (GPUArenaAlignment - 1)
+	n := (size + gpuArenaAlignment - 1) &^ (gpuArenaAlignment - 1)
 	var r *Region
 	var err error
 	if s.pinned {
@@ -112,7 +111,7 @@ func (s *CUDASource) Alloc(size int) (*Region, error) {
 	return r, nil
 }
 
-func (s *CUDASource) allocPinned(n int) (*Region, error) {
+func (s *cudaSource) allocPinned(n int) (*Region, error) {
 	m, err := s.ctx.MemHostAlloc(n, cuda.HostAllocPortable|cuda.HostAllocDeviceMap)
 	if err != nil {
 		return nil, err
@@ -120,23 +119,23 @@ func (s *CUDASource) allocPinned(n int) (*Region, error) {
 	return &Region{Base: m.Ptr, Size: n, Device: s.dev, FD: -1, Private: m}, nil
 }
 
-func (s *CUDASource) allocDevice(n int) (*Region, error) {
+func (s *cudaSource) allocDevice(n int) (*Region, error) {
 	m, err := s.ctx.MemAlloc(n)
 	if err != nil {
 		return nil, err
 	}
 	var notes []string
 	base := m.Ptr
-	if base%GPUArenaAlignment != 0 {
+	if base%gpuArenaAlignment != 0 {
 		// The driver aligns large allocations to 2 MiB in practice but
 		// promises only 256 bytes: over-allocate and align by hand.
 		if err := m.Close(); err != nil {
 			return nil, err
 		}
-		if m, err = s.ctx.MemAlloc(n + GPUArenaAlignment); err != nil {
+		if m, err = s.ctx.MemAlloc(n + gpuArenaAlignment); err != nil {
 			return nil, err
 		}
-		base = (m.Ptr + GPUArenaAlignment - 1) &^ (GPUArenaAlignment - 1)
+		base = (m.Ptr + gpuArenaAlignment - 1) &^ (gpuArenaAlignment - 1)
 		notes = append(notes, fmt.Sprintf("cuMemAlloc returned %#x, not 2 MiB-aligned: over-allocated by 2 MiB", m.Ptr))
 	}
 	if err := s.ctx.SetSyncMemops(m.Ptr, true); err != nil {
@@ -147,7 +146,7 @@ func (s *CUDASource) allocDevice(n int) (*Region, error) {
 }
 
 // Free implements Source.
-func (s *CUDASource) Free(r *Region) error {
+func (s *cudaSource) Free(r *Region) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if r == nil || s.live[r.Base] != r {
@@ -163,9 +162,9 @@ func (s *CUDASource) Free(r *Region) error {
 	return fmt.Errorf("%w: region of %s lost its allocation", ErrNotOwned, s.name)
 }
 
-// Close frees regions still allocated (reporting them as ErrLeaked) and
-// releases the context and the driver. Close the pool first. Idempotent.
-func (s *CUDASource) Close() error {
+// Close implements Source: it frees regions still allocated (reporting them
+// as ErrLeaked) and releases the context and the driver. Idempotent.
+func (s *cudaSource) Close() error {
 	s.mu.Lock()
 	if s.closed {
 		s.mu.Unlock()

@@ -1,16 +1,15 @@
-package alloc_test
+package alloc
 
 import (
 	"errors"
 	"testing"
 
-	"github.com/gdrlink/gdrlink/alloc"
 	"github.com/gdrlink/gdrlink/internal/cuda"
 	"github.com/gdrlink/gdrlink/internal/cuda/cudatest"
 )
 
 func TestCUDASourcesWithoutDriver(t *testing.T) {
-	s, err := alloc.NewCUDADeviceSource(0)
+	s, err := NewCUDADeviceSource(0)
 	if err == nil {
 		s.Close()
 		t.Skip("a CUDA driver is present; the no-driver path cannot be tested here")
@@ -18,20 +17,20 @@ func TestCUDASourcesWithoutDriver(t *testing.T) {
 	if !errors.Is(err, cuda.ErrNoDriver) {
 		t.Fatalf("NewCUDADeviceSource without a driver: %v, want cuda.ErrNoDriver", err)
 	}
-	if _, err := alloc.NewPinnedHostSource(0); !errors.Is(err, cuda.ErrNoDriver) {
+	if _, err := NewPinnedHostSource(0); !errors.Is(err, cuda.ErrNoDriver) {
 		t.Fatalf("NewPinnedHostSource without a driver: %v, want cuda.ErrNoDriver", err)
 	}
 }
 
 func TestCUDADeviceArenas(t *testing.T) {
-	src, err := alloc.NewCUDADeviceSource(0)
+	src, err := NewCUDADeviceSource(0)
 	cudatest.SkipIfNoDriver(t, err)
 	defer func() {
 		if err := src.Close(); err != nil {
 			t.Error(err)
 		}
 	}()
-	pool, err := alloc.New(src, alloc.WithInitialArena(3<<20))
+	pool, err := New(src, WithInitialArena(3<<20))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -39,17 +38,17 @@ func TestCUDADeviceArenas(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	a, ok := b.Arena()
+	a, ok := arenaOf(b)
 	if !ok {
 		t.Fatal("block has no arena")
 	}
-	if a.Base()%alloc.GPUArenaAlignment != 0 || a.Size()%alloc.GPUArenaAlignment != 0 || a.Size() < 3<<20 {
+	if a.Base()%gpuArenaAlignment != 0 || a.Size()%gpuArenaAlignment != 0 || a.Size() < 3<<20 {
 		t.Fatalf("GPU arena %v is not 2 MiB-aligned and rounded", a)
 	}
 	if !a.Device().IsGPU() || b.Bytes() != nil {
 		t.Fatalf("GPU block on %v has a host view", a.Device())
 	}
-	ctx := src.Context()
+	ctx := src.(*cudaSource).ctx
 	if mt, err := ctx.MemoryType(b.Addr()); err != nil || mt != cuda.MemoryDevice {
 		t.Fatalf("memory type of a GPU block: %v, %v", mt, err)
 	}
@@ -65,10 +64,10 @@ func TestCUDADeviceArenas(t *testing.T) {
 }
 
 func TestPinnedHostArenas(t *testing.T) {
-	src, err := alloc.NewPinnedHostSource(0)
+	src, err := NewPinnedHostSource(0)
 	cudatest.SkipIfNoDriver(t, err)
 	defer src.Close()
-	pool, err := alloc.New(src)
+	pool, err := New(src)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -81,7 +80,7 @@ func TestPinnedHostArenas(t *testing.T) {
 	for i := range buf {
 		buf[i] = byte(i)
 	}
-	if mt, err := src.Context().MemoryType(b.Addr()); err != nil || mt != cuda.MemoryHost {
+	if mt, err := src.(*cudaSource).ctx.MemoryType(b.Addr()); err != nil || mt != cuda.MemoryHost {
 		t.Fatalf("memory type of a pinned block: %v, %v", mt, err)
 	}
 	if err := b.Free(); err != nil {

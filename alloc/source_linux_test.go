@@ -28,13 +28,13 @@ func mustRegion(t *testing.T, s Source, size int) *Region {
 }
 
 func TestMmapSource(t *testing.T) {
-	s := NewMmapSource(MmapOptions{NUMANode: NoNUMANode})
+	s := NewMmapSource(MmapOptions{})
 	page := unix.Getpagesize()
 	r := mustRegion(t, s, 1000)
 	if r.Size != page || r.Base%uintptr(page) != 0 || r.FD != -1 || len(r.Notes) != 0 {
 		t.Fatalf("region %+v, want one page, aligned, no fd, no notes", r)
 	}
-	mem := r.HostBytes()
+	mem := r.hostBytes()
 	mem[0], mem[page-1] = 1, 2
 	if mem[0] != 1 || mem[page-1] != 2 {
 		t.Fatal("region does not keep its bytes")
@@ -45,7 +45,7 @@ func TestMmapSource(t *testing.T) {
 	if err := s.Free(&Region{Base: r.Base, Size: r.Size}); !errors.Is(err, ErrNotOwned) {
 		t.Errorf("Free of a forged region = %v", err)
 	}
-	other := NewMmapSource(MmapOptions{NUMANode: NoNUMANode})
+	other := NewMmapSource(MmapOptions{})
 	if err := other.Free(r); !errors.Is(err, ErrNotOwned) {
 		t.Errorf("Free by another source = %v", err)
 	}
@@ -65,7 +65,7 @@ func TestMmapSource(t *testing.T) {
 // that its notes say MADV_HUGEPAGE was refused exactly when this kernel
 // refuses it.
 func TestHugePagesNotes(t *testing.T) {
-	s := NewMmapSource(MmapOptions{HugePages: true, Populate: true, NUMANode: NoNUMANode})
+	s := NewMmapSource(MmapOptions{HugePages: true, Populate: true})
 	r := mustRegion(t, s, 3<<20)
 	if r.Size != 4<<20 || r.Base%(2<<20) != 0 {
 		t.Fatalf("region [%#x+%d], want 4 MiB aligned to 2 MiB", r.Base, r.Size)
@@ -86,7 +86,7 @@ func TestHugePagesNotes(t *testing.T) {
 // TestPopulate checks with mincore that every page is resident at once.
 func TestPopulate(t *testing.T) {
 	for _, populate := range []bool{false, true} {
-		s := NewMmapSource(MmapOptions{Populate: populate, NUMANode: NoNUMANode})
+		s := NewMmapSource(MmapOptions{Populate: populate})
 		r := mustRegion(t, s, 1<<20)
 		resident := residentPages(t, r)
 		pages := r.Size / unix.Getpagesize()
@@ -151,12 +151,12 @@ func TestNUMANotes(t *testing.T) {
 		if !strings.Contains(got, "mbind MPOL_BIND to NUMA node 1000 refused") {
 			t.Errorf("notes %q do not report the refused binding", got)
 		}
-		r.HostBytes()[0] = 1 // still usable
+		r.hostBytes()[0] = 1 // still usable
 	})
 }
 
 func TestMemfdSource(t *testing.T) {
-	s := NewMemfdSource("memfd-test", MmapOptions{NUMANode: NoNUMANode})
+	s := NewMemfdSource("memfd-test", MmapOptions{})
 	if s.Name() != "memfd:memfd-test" {
 		t.Errorf("Name %q", s.Name())
 	}
@@ -168,7 +168,7 @@ func TestMemfdSource(t *testing.T) {
 	if err != nil || !strings.Contains(link, "memfd:memfd-test.") {
 		t.Errorf("fd links to %q (%v)", link, err)
 	}
-	mem := r.HostBytes()
+	mem := r.hostBytes()
 	for i := range mem {
 		mem[i] = byte(i * 7)
 	}
@@ -206,11 +206,11 @@ func TestMemfdSource(t *testing.T) {
 }
 
 func TestMemfdHugeAligned(t *testing.T) {
-	r := mustRegion(t, NewMemfdSource("huge", MmapOptions{HugePages: true, NUMANode: NoNUMANode}), 1<<20)
+	r := mustRegion(t, NewMemfdSource("huge", MmapOptions{HugePages: true}), 1<<20)
 	if r.Size != 2<<20 || r.Base%(2<<20) != 0 {
 		t.Fatalf("region [%#x+%d], want 2 MiB aligned to 2 MiB", r.Base, r.Size)
 	}
-	mem := r.HostBytes()
+	mem := r.hostBytes()
 	mem[len(mem)-1] = 9
 	t.Logf("notes %q", r.Notes)
 }

@@ -10,9 +10,6 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// NoNUMANode leaves the memory policy of a source's regions alone.
-const NoNUMANode = -1
-
 // hugePageSize is the size of a transparent huge page on x86-64 and arm64
 // with 4 KiB pages; regions asked to use huge pages are aligned to it.
 const hugePageSize = 2 << 20
@@ -31,7 +28,7 @@ type MmapOptions struct {
 	// BindNUMA binds the region's pages to NUMANode (mbind MPOL_BIND). The
 	// zero value leaves the memory policy alone.
 	BindNUMA bool
-	// NUMANode is the node BindNUMA binds to; NoNUMANode (-1) leaves the
+	// NUMANode is the node BindNUMA binds to; a negative node leaves the
 	// policy alone even when BindNUMA is set.
 	NUMANode int
 }
@@ -119,7 +116,7 @@ func (s *mmapSource) Alloc(size int) (*Region, error) {
 	}
 	r.Base = base
 	r.Private = &mapping{src: s, fd: fd}
-	mem := r.HostBytes()
+	mem := r.hostBytes()
 	if s.opts.BindNUMA && s.opts.NUMANode >= 0 {
 		if err := bindNode(base, size, s.opts.NUMANode); err != nil {
 			r.Notes = append(r.Notes, fmt.Sprintf("mbind MPOL_BIND to NUMA node %d refused: %v", s.opts.NUMANode, err))
@@ -169,6 +166,10 @@ func (s *mmapSource) Free(r *Region) error {
 	}
 	return errors.Join(errs...)
 }
+
+// Close implements Source. The mmap and memfd sources hold nothing between
+// regions: the pool frees each region it took, so Close has nothing to do.
+func (s *mmapSource) Close() error { return nil }
 
 // mapAligned maps size bytes read-write at an address aligned to align: of
 // fd (MAP_SHARED) when fd >= 0, anonymous and private otherwise. For an

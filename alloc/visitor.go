@@ -18,28 +18,32 @@ type Visitor interface {
 	Release(a *Arena) error
 }
 
-// VisitorFuncs adapts two functions to a Visitor.
-type VisitorFuncs struct {
-	VisitorName string
-	OnVisit     func(a *Arena) error
-	OnRelease   func(a *Arena) error
+// NewVisitor returns a Visitor named name that calls visit when an arena is
+// created and release before it is released; either may be nil.
+func NewVisitor(name string, visit, release func(a *Arena) error) Visitor {
+	return funcVisitor{name: name, visit: visit, release: release}
+}
+
+type funcVisitor struct {
+	name           string
+	visit, release func(a *Arena) error
 }
 
 // Name implements Visitor.
-func (v VisitorFuncs) Name() string { return v.VisitorName }
+func (v funcVisitor) Name() string { return v.name }
 
 // Visit implements Visitor.
-func (v VisitorFuncs) Visit(a *Arena) error {
-	if v.OnVisit == nil {
+func (v funcVisitor) Visit(a *Arena) error {
+	if v.visit == nil {
 		return nil
 	}
-	return v.OnVisit(a)
+	return v.visit(a)
 }
 
 // Release implements Visitor.
-func (v VisitorFuncs) Release(a *Arena) error {
-	if v.OnRelease == nil {
+func (v funcVisitor) Release(a *Arena) error {
+	if v.release == nil {
 		return nil
 	}
-	return v.OnRelease(a)
+	return v.release(a)
 }

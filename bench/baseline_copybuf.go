@@ -64,7 +64,7 @@ func newRawPair(dev verbsio.Device, pd verbsio.ProtectionDomain, pool *alloc.Poo
 		blk alloc.Block
 		mr  *verbsio.MemoryRegion
 	}{{r.buf, &r.bufMR}, {r.ctl, &r.ctlMR}} {
-		a, ok := b.blk.Arena()
+		a, ok := pool.ArenaOf(b.blk.Addr())
 		if !ok {
 			return r, fmt.Errorf("raw pair: block at %#x has no arena", b.blk.Addr())
 		}
@@ -171,7 +171,7 @@ func (r *rawPair) close() {
 		_ = r.cq.Close()
 	}
 	for _, b := range []alloc.Block{r.buf, r.ctl} {
-		if b.Pool() != nil {
+		if b != (alloc.Block{}) {
 			_ = b.Free()
 		}
 	}

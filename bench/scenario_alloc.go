@@ -79,7 +79,7 @@ func (r *poolRing) free(k int) error {
 		return nil
 	}
 	r.used[k] = false
-	return r.pool.Free(r.b[k])
+	return r.b[k].Free()
 }
 
 // makeRing keeps Go slices; freeing drops them for the garbage collector.
@@ -115,7 +115,7 @@ func (r lockRing) free(k int) error {
 
 func runAlloc(ctx context.Context, env *Env) error {
 	var note string
-	pool, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}),
+	pool, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}),
 		alloc.WithName("bench"), alloc.WithVisitors(visitor.NewMlock()))
 	if err != nil {
 		return err
@@ -129,7 +129,7 @@ func runAlloc(ctx context.Context, env *Env) error {
 		if err := pool.Close(); err != nil {
 			return err
 		}
-		if pool, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}), alloc.WithName("bench")); err != nil {
+		if pool, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}), alloc.WithName("bench")); err != nil {
 			return err
 		}
 	} else if err := b.Free(); err != nil {

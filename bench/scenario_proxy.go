@@ -93,8 +93,25 @@ func newProxyRig(env *Env, chunk int) (*proxyRig, error) {
 				cd.Close()
 				return nil, err
 			}
-			return &proxyRig{dev: cd, pool: pool, px: px, ctx: cd.Context(), note: cd.Info().Name,
-				close: func() { px.Close(); pool.Close(); src.Close(); cd.Close() }}, nil
+			// The raw-copy baseline calls the driver itself, through its own
+			// reference on the GPU's primary context.
+			drv, ctx, err := retainPrimary(0)
+			if err != nil {
+				px.Close()
+				pool.Close()
+				src.Close()
+				cd.Close()
+				return nil, err
+			}
+			return &proxyRig{dev: cd, pool: pool, px: px, ctx: ctx, note: cd.Info().Name,
+				close: func() {
+					px.Close()
+					pool.Close()
+					src.Close()
+					ctx.Close()
+					drv.Close()
+					cd.Close()
+				}}, nil
 		}
 		if which == "cuda" || !errors.Is(err, cuda.ErrNoDriver) {
 			return nil, err
@@ -121,6 +138,26 @@ func newProxyRig(env *Env, chunk int) (*proxyRig, error) {
 	return &proxyRig{dev: sim, pool: pool, px: px,
 		note:  fmt.Sprintf("SIMULATED GPU (gpusim: host memory and a copy goroutine paced at %s/s; no CUDA driver here)", humanize.Bytes(uint64(copyBW))),
 		close: func() { px.Close(); pool.Close(); sim.Close() }}, nil
+}
+
+// retainPrimary opens the CUDA driver and retains the primary context of GPU
+// ordinal.
+func retainPrimary(ordinal int) (*cuda.Driver, *cuda.Context, error) {
+	drv, err := cuda.Open("")
+	if err != nil {
+		return nil, nil, err
+	}
+	d, err := drv.Device(ordinal)
+	if err != nil {
+		drv.Close()
+		return nil, nil, err
+	}
+	ctx, err := d.RetainPrimaryContext()
+	if err != nil {
+		drv.Close()
+		return nil, nil, err
+	}
+	return drv, ctx, nil
 }
 
 // rawHtoD is the baseline copy: one asynchronous host-to-device copy of n
@@ -192,7 +229,7 @@ func (nw network) deliver(buf []byte, arrived func(off, n int) error) error {
 }
 
 func runProxy(ctx context.Context, env *Env) error {
-	chunk := int64(proxy.DefaultChunk)
+	chunk := int64(4 << 20) // the proxy's default chunk
 	if v, ok := env.Args[setProxyChunk]; ok {
 		n, err := parseSize(v)
 		if err != nil || n <= 0 {

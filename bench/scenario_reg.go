@@ -110,13 +110,13 @@ func regMeasure(env *Env, pd verbsio.ProtectionDomain, size int) (perTensor, poo
 		}
 		mr, err := pd.RegisterMemory(b.Addr(), b.Len(), regAccess)
 		if err != nil {
-			plain.Free(b)
+			b.Free()
 			return err
 		}
 		if err := mr.Close(); err != nil {
 			return err
 		}
-		return plain.Free(b)
+		return b.Free()
 	})
 	if err != nil {
 		return 0, 0, 0, 0, err
@@ -134,12 +134,13 @@ func regMeasure(env *Env, pd verbsio.ProtectionDomain, size int) (perTensor, poo
 		}
 		tensors++
 		if _, _, err := visitor.SGEOf(pool, b.Addr(), b.Len()); err != nil {
-			pool.Free(b)
+			b.Free()
 			return err
 		}
-		return pool.Free(b)
+		return b.Free()
 	})
-	return perTensor, pooled, mrv.Registrations(), tensors, err
+	// The pool's only visitor registers each arena once.
+	return perTensor, pooled, int(pool.Stats().ArenasCreated), tensors, err
 }
 
 // regCrossings posts chains of regChain writes between two queue pairs of
@@ -226,8 +227,8 @@ func regCrossings(ctx context.Context, env *Env, dev verbsio.Device, pd verbsio.
 		r.Note = fmt.Sprintf("%d chains of %d writes: %d post, %d poll, %d notify crossings", reps, regChain,
 			after.PostSend-before.PostSend, after.Poll-before.Poll, after.Notify-before.Notify)
 		env.Emit(r)
-		pool.Free(src)
-		pool.Free(dst)
+		src.Free()
+		dst.Free()
 	}
 	return nil
 }

@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+
+	"github.com/gdrlink/gdrlink/internal/sysfs"
 )
 
 // Status is a probe's outcome.
@@ -42,7 +44,7 @@ func (s *Status) UnmarshalText(b []byte) error {
 			return nil
 		}
 	}
-	return fmt.Errorf("%w: probe status %q", ErrMalformed, b)
+	return fmt.Errorf("%w: probe status %q", sysfs.ErrMalformed, b)
 }
 
 // Check is a probe's outcome with the detail behind it: what was found, what
@@ -52,21 +54,21 @@ type Check struct {
 	Detail string `json:"detail"`
 }
 
-// Available returns a Check that found what it looked for.
-func Available(detail string) Check { return Check{Status: StatusAvailable, Detail: detail} }
+// available returns a Check that found what it looked for.
+func available(detail string) Check { return Check{Status: StatusAvailable, Detail: detail} }
 
-// Missing returns a Check that found something missing.
-func Missing(format string, args ...any) Check {
+// missing returns a Check that found something missing.
+func missing(format string, args ...any) Check {
 	return Check{Status: StatusNotSupported, Detail: fmt.Sprintf(format, args...)}
 }
 
-// CheckOf turns a probe's error into a Check: nil is available (with
+// checkOf turns a probe's error into a Check: nil is available (with
 // okDetail), an error wrapping ErrNotSupported is not supported, anything
 // else is unknown.
-func CheckOf(err error, okDetail string) Check {
+func checkOf(err error, okDetail string) Check {
 	switch {
 	case err == nil:
-		return Available(okDetail)
+		return available(okDetail)
 	case errors.Is(err, ErrNotSupported):
 		return Check{Status: StatusNotSupported, Detail: strings.Replace(err.Error(), ErrNotSupported.Error()+": ", "", 1)}
 	default:
@@ -74,12 +76,12 @@ func CheckOf(err error, okDetail string) Check {
 	}
 }
 
-// OK reports whether the check found what it looked for.
-func (c Check) OK() bool { return c.Status == StatusAvailable }
+// ok reports whether the check found what it looked for.
+func (c Check) ok() bool { return c.Status == StatusAvailable }
 
-// Err turns the check back into a probe error: nil when available, an error
+// err turns the check back into a probe error: nil when available, an error
 // wrapping ErrNotSupported when missing, another error when unknown.
-func (c Check) Err() error {
+func (c Check) err() error {
 	switch c.Status {
 	case StatusAvailable:
 		return nil

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"compress/gzip"
 	"context"
-	"debug/elf"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -14,42 +13,45 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+
+	"github.com/gdrlink/gdrlink/internal/gdrseam"
+	"github.com/gdrlink/gdrlink/internal/sysfs"
 )
 
-// SnapshotFactsFile is where a snapshot keeps the facts that are not files
+// snapshotFactsFile is where a snapshot keeps the facts that are not files
 // (NVML's answers, what libibverbs exports), relative to the root.
-const SnapshotFactsFile = "/gdrlink/facts.json"
+const snapshotFactsFile = "/gdrlink/facts.json"
 
-// SnapshotFactsVersion is the version of the SnapshotFacts format.
-const SnapshotFactsVersion = 1
+// snapshotFactsVersion is the version of the snapshotFacts format.
+const snapshotFactsVersion = 1
 
-// SnapshotFacts is the content of SnapshotFactsFile.
-type SnapshotFacts struct {
+// snapshotFacts is the content of snapshotFactsFile.
+type snapshotFacts struct {
 	Version int `json:"version"`
 	// GPUs is what the node's GPU source reported, nil when it had none.
-	GPUs *GPUInventory `json:"gpus,omitempty"`
+	GPUs *gpuInventory `json:"gpus,omitempty"`
 	// GPUSource is the outcome of asking the node's GPU source.
 	GPUSource *Check `json:"gpu_source,omitempty"`
 	// LibIBVerbs is the outcome of the libibverbs dma-buf probe.
 	LibIBVerbs *Check `json:"libibverbs_dmabuf,omitempty"`
 }
 
-// ParseSnapshotFacts decodes SnapshotFactsFile's content.
-func ParseSnapshotFacts(b []byte) (*SnapshotFacts, error) {
-	var s SnapshotFacts
+// parseSnapshotFacts decodes snapshotFactsFile's content.
+func parseSnapshotFacts(b []byte) (*snapshotFacts, error) {
+	var s snapshotFacts
 	d := json.NewDecoder(bytes.NewReader(b))
 	d.DisallowUnknownFields()
 	if err := d.Decode(&s); err != nil {
-		return nil, fmt.Errorf("%w: snapshot facts: %w", ErrMalformed, err)
+		return nil, fmt.Errorf("%w: snapshot facts: %w", sysfs.ErrMalformed, err)
 	}
-	if s.Version != SnapshotFactsVersion {
-		return nil, fmt.Errorf("%w: snapshot facts version %d, want %d", ErrMalformed, s.Version, SnapshotFactsVersion)
+	if s.Version != snapshotFactsVersion {
+		return nil, fmt.Errorf("%w: snapshot facts version %d, want %d", sysfs.ErrMalformed, s.Version, snapshotFactsVersion)
 	}
 	if s.GPUs != nil {
 		for i, g := range s.GPUs.GPUs {
-			a, err := ParsePCIAddress(g.PCIBusID)
+			a, err := sysfs.ParsePCIAddress(g.PCIBusID)
 			if err != nil {
-				return nil, fmt.Errorf("%w: snapshot GPU %d: %w", ErrMalformed, g.Index, err)
+				return nil, fmt.Errorf("%w: snapshot GPU %d: %w", sysfs.ErrMalformed, g.Index, err)
 			}
 			s.GPUs.GPUs[i].PCIBusID = a
 		}
@@ -57,38 +59,83 @@ func ParseSnapshotFacts(b []byte) (*SnapshotFacts, error) {
 	return &s, nil
 }
 
-// CollectOptions says where Collect gets what files cannot tell.
+// snapshotFactsOf is what a snapshot of f's node records besides files:
+// the snapshot-facts file's name under the root and its content.
+func snapshotFactsOf(f *Facts) (string, []byte, error) {
+	why := missing("%s", f.GPUSourceWhy)
+	sf := snapshotFacts{Version: snapshotFactsVersion, GPUSource: &why, LibIBVerbs: &f.LibIBVerbs}
+	if len(f.GPUs) > 0 && f.GPUs[0].Source != "pci" {
+		sf.GPUs = &gpuInventory{Driver: f.Driver, GPUs: f.GPUs, Topology: f.GPUTopology}
+	}
+	b, err := json.MarshalIndent(sf, "", "  ")
+	if err != nil {
+		return "", nil, err
+	}
+	return snapshotFactsFile, append(b, '\n'), nil
+}
+
+func init() {
+	gdrseam.Collect = collect
+	gdrseam.SnapshotFacts = snapshotFactsOf
+	gdrseam.ParseLevel = parseLevel
+	gdrseam.EnvLevel = envLevel
+}
+
+// CollectOptions says where Collect reads a node from.
 type CollectOptions struct {
-	// GPUSources are asked in order: the first that works lists the GPUs,
-	// later ones fill fields the earlier left unknown (matched by PCI bus
-	// id). When none works, GPUs come from the PCI tree.
-	GPUSources []GPUSource
+	// Root is the directory that stands for the node's "/": "" or "/" for
+	// this node, /host in a container that mounts the host there, or a copy
+	// of another node's tree (a gdrcheck snapshot).
+	Root string
 	// NoLive skips live probes of this process and node (getrlimit,
 	// libibverbs) even when the root is "/".
 	NoLive bool
+
+	// sources replace the GPU sources asked on this node (tests).
+	sources []gpuSource
 }
 
-// InterestingModules are the kernel modules Collect reports.
+// interestingModules are the kernel modules Collect reports.
 var interestingModules = []string{"nvidia", "nvidia_peermem", "nv_peer_mem", "ib_core", "ib_uverbs", "rdma_ucm", "mlx5_ib", "rdma_rxe"}
 
-// Collect reads the facts of the node under root. It fails only when the
-// context ends; whatever cannot be read becomes an unknown Check or a note.
-func Collect(ctx context.Context, root *Root, opts CollectOptions) (*Facts, error) {
+// Collect reads the facts of the node under opts.Root: its sysfs and procfs
+// files and, when the root is this node's own "/", what NVML and the CUDA
+// driver (both loaded at run time, when present) say of its GPUs. It fails
+// only when the root cannot be opened or the context ends; whatever cannot
+// be read becomes an unknown Check or a note.
+func Collect(ctx context.Context, opts CollectOptions) (*Facts, error) {
+	root, err := sysfs.OpenRoot(opts.Root)
+	if err != nil {
+		return nil, err
+	}
+	defer root.Close()
+	f, _, err := collect(ctx, root, opts)
+	return f, err
+}
+
+// collect reads the facts of the node under root, and returns the PCI
+// devices read on the way too (gdrcheck prints their topology and ACS).
+func collect(ctx context.Context, root *sysfs.Root, opts CollectOptions) (*Facts, map[string]*sysfs.PCIDevice, error) {
 	f := &Facts{Root: root.Dir()}
+	sources := opts.sources
+	if sources == nil {
+		sources = []gpuSource{nvmlSource{}, cudaSource{}}
+	}
+	var pci map[string]*sysfs.PCIDevice
 	live := root.IsHost() && !opts.NoLive
-	var snap *SnapshotFacts
-	if b, err := root.ReadFile(SnapshotFactsFile); err == nil {
-		if snap, err = ParseSnapshotFacts(b); err != nil {
+	var snap *snapshotFacts
+	if b, err := root.ReadFile(snapshotFactsFile); err == nil {
+		if snap, err = parseSnapshotFacts(b); err != nil {
 			f.Notes = append(f.Notes, err.Error())
 		}
 	}
 	steps := []func(){
 		func() {
-			pci, notes, err := ReadPCIDevices(root)
+			devs, notes, err := sysfs.ReadPCIDevices(root)
 			if err != nil {
 				f.Notes = append(f.Notes, "PCI devices: "+err.Error())
 			}
-			f.PCI, f.Notes = pci, append(f.Notes, notes...)
+			pci, f.Notes = devs, append(f.Notes, notes...)
 		},
 		func() { f.NUMANodes = readNUMANodes(root) },
 		func() { f.Kernel = readKernel(root) },
@@ -105,46 +152,46 @@ func Collect(ctx context.Context, root *Root, opts CollectOptions) (*Facts, erro
 		func() { f.Memlock = readMemlock(root, live) },
 		func() { f.Hugepages = readHugepages(root) },
 		func() { f.IOMMU = readIOMMU(root) },
-		func() { collectGPUs(f, root, snap, opts.GPUSources) },
-		func() { f.NICs, f.RDMA = readNICs(root, f.PCI) },
-		func() { computePairs(f) },
+		func() { collectGPUs(f, root, snap, sources, pci) },
+		func() { f.NICs, f.RDMA = readNICs(root, pci) },
+		func() { computePairs(f, pci) },
 	}
 	for _, step := range steps {
 		if err := ctx.Err(); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		step()
 	}
-	return f, nil
+	return f, pci, nil
 }
 
-func readNUMANodes(root *Root) int {
+func readNUMANodes(root *sysfs.Root) int {
 	s, err := root.ReadString("/sys/devices/system/node/online")
 	if err != nil {
 		return 0
 	}
-	n, err := ParseCPUList(s)
+	n, err := sysfs.ParseCPUList(s)
 	if err != nil {
 		return 0
 	}
 	return n
 }
 
-func readKernel(root *Root) KernelFacts {
+func readKernel(root *sysfs.Root) KernelFacts {
 	var k KernelFacts
 	rel, err := root.ReadString("/proc/sys/kernel/osrelease")
 	if err != nil {
-		k.DMABuf = CheckOf(err, "")
+		k.DMABuf = checkOf(err, "")
 		return k
 	}
 	k.Release = rel
-	maj, min, err := ParseKernelRelease(rel)
+	maj, min, err := sysfs.ParseKernelRelease(rel)
 	if err != nil {
-		k.DMABuf = CheckOf(err, "")
+		k.DMABuf = checkOf(err, "")
 		return k
 	}
 	if maj < 5 || maj == 5 && min < 12 {
-		k.DMABuf = Missing("kernel %s is older than 5.12, the first with dma-buf registration for RDMA", rel)
+		k.DMABuf = missing("kernel %s is older than 5.12, the first with dma-buf registration for RDMA", rel)
 		return k
 	}
 	cfg, src, err := readKernelConfig(root, rel)
@@ -152,16 +199,16 @@ func readKernel(root *Root) KernelFacts {
 		k.DMABuf = Check{Status: StatusUnknown, Detail: fmt.Sprintf("kernel %s is recent enough, but its config could not be read to check CONFIG_DMA_SHARED_BUFFER: %v", rel, err)}
 		return k
 	}
-	switch v := ParseKernelConfig(cfg, "CONFIG_DMA_SHARED_BUFFER"); v {
+	switch v := sysfs.ParseKernelConfig(cfg, "CONFIG_DMA_SHARED_BUFFER"); v {
 	case "y":
-		k.DMABuf = Available(fmt.Sprintf("kernel %s with CONFIG_DMA_SHARED_BUFFER=y (%s)", rel, src))
+		k.DMABuf = available(fmt.Sprintf("kernel %s with CONFIG_DMA_SHARED_BUFFER=y (%s)", rel, src))
 	default:
-		k.DMABuf = Missing("kernel %s built without CONFIG_DMA_SHARED_BUFFER (%s)", rel, src)
+		k.DMABuf = missing("kernel %s built without CONFIG_DMA_SHARED_BUFFER (%s)", rel, src)
 	}
 	return k
 }
 
-func readKernelConfig(root *Root, rel string) (string, string, error) {
+func readKernelConfig(root *sysfs.Root, rel string) (string, string, error) {
 	if b, err := root.ReadFile("/boot/config-" + rel); err == nil {
 		return string(b), "/boot/config-" + rel, nil
 	}
@@ -171,20 +218,20 @@ func readKernelConfig(root *Root, rel string) (string, string, error) {
 	}
 	zr, err := gzip.NewReader(bytes.NewReader(b))
 	if err != nil {
-		return "", "", fmt.Errorf("%w: /proc/config.gz: %w", ErrMalformed, err)
+		return "", "", fmt.Errorf("%w: /proc/config.gz: %w", sysfs.ErrMalformed, err)
 	}
-	out, err := io.ReadAll(io.LimitReader(zr, maxFileSize))
+	out, err := io.ReadAll(io.LimitReader(zr, sysfs.MaxFileSize))
 	if err != nil {
-		return "", "", fmt.Errorf("%w: /proc/config.gz: %w", ErrMalformed, err)
+		return "", "", fmt.Errorf("%w: /proc/config.gz: %w", sysfs.ErrMalformed, err)
 	}
 	return string(out), "/proc/config.gz", nil
 }
 
-func readModules(root *Root) ([]ModuleFacts, Check) {
+func readModules(root *sysfs.Root) ([]ModuleFacts, Check) {
 	text, err := root.ReadString("/proc/modules")
 	var loaded map[string]bool
 	if err == nil {
-		loaded = ParseModules(text)
+		loaded = sysfs.ParseModules(text)
 	}
 	var out []ModuleFacts
 	for _, m := range interestingModules {
@@ -193,13 +240,13 @@ func readModules(root *Root) ([]ModuleFacts, Check) {
 	}
 	switch {
 	case loaded["nvidia_peermem"] || root.Exists("/sys/module/nvidia_peermem/initstate"):
-		return out, Available("nvidia_peermem is loaded")
+		return out, available("nvidia_peermem is loaded")
 	case loaded["nv_peer_mem"] || root.Exists("/sys/module/nv_peer_mem/initstate"):
-		return out, Available("nv_peer_mem is loaded")
+		return out, available("nv_peer_mem is loaded")
 	case err != nil:
 		return out, Check{Status: StatusUnknown, Detail: "cannot read /proc/modules: " + err.Error()}
 	}
-	return out, Missing("neither nvidia_peermem nor nv_peer_mem is loaded")
+	return out, missing("neither nvidia_peermem nor nv_peer_mem is loaded")
 }
 
 // libDirs are where libibverbs.so.1 is looked for, under the root.
@@ -207,78 +254,58 @@ var libDirs = []string{"/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu"
 
 // probeLibIBVerbs looks for ibv_reg_dmabuf_mr (rdma-core 34 and later) in
 // the dynamic symbols of libibverbs.so.1 under the root.
-func probeLibIBVerbs(root *Root) Check {
+func probeLibIBVerbs(root *sysfs.Root) Check {
 	for _, d := range libDirs {
 		p := d + "/libibverbs.so.1"
 		b, err := root.ReadFile(p)
 		if err != nil {
 			continue
 		}
-		has, err := ELFExports(b, "ibv_reg_dmabuf_mr")
+		has, err := sysfs.ELFExports(b, "ibv_reg_dmabuf_mr")
 		switch {
 		case err != nil:
 			return Check{Status: StatusUnknown, Detail: fmt.Sprintf("%s: %v", p, err)}
 		case has:
-			return Available("ibv_reg_dmabuf_mr in " + p)
+			return available("ibv_reg_dmabuf_mr in " + p)
 		default:
-			return Missing("%s has no ibv_reg_dmabuf_mr (rdma-core older than 34)", p)
+			return missing("%s has no ibv_reg_dmabuf_mr (rdma-core older than 34)", p)
 		}
 	}
 	if !root.IsHost() {
 		return Check{Status: StatusUnknown, Detail: "no libibverbs.so.1 under the root and no snapshot facts about it"}
 	}
-	return Missing("libibverbs.so.1 not found (rdma-core's libibverbs is not installed)")
-}
-
-// ELFExports reports whether an ELF shared object's dynamic symbol table
-// defines sym.
-func ELFExports(image []byte, sym string) (bool, error) {
-	ef, err := elf.NewFile(bytes.NewReader(image))
-	if err != nil {
-		return false, fmt.Errorf("%w: %w", ErrMalformed, err)
-	}
-	defer ef.Close()
-	syms, err := ef.DynamicSymbols()
-	if err != nil {
-		return false, fmt.Errorf("%w: %w", ErrMalformed, err)
-	}
-	for _, s := range syms {
-		if s.Name == sym && s.Section != elf.SHN_UNDEF {
-			return true, nil
-		}
-	}
-	return false, nil
+	return missing("libibverbs.so.1 not found (rdma-core's libibverbs is not installed)")
 }
 
 func combineDMABuf(kernel, lib Check) Check {
 	switch {
-	case kernel.OK() && lib.OK():
-		return Available(kernel.Detail + "; " + lib.Detail)
+	case kernel.ok() && lib.ok():
+		return available(kernel.Detail + "; " + lib.Detail)
 	case kernel.Status == StatusNotSupported:
 		return kernel
 	case lib.Status == StatusNotSupported:
 		return lib
-	case !kernel.OK():
+	case !kernel.ok():
 		return kernel
 	}
 	return lib
 }
 
-func readMemlock(root *Root, live bool) MemlockFacts {
+func readMemlock(root *sysfs.Root, live bool) MemlockFacts {
 	var m MemlockFacts
 	if live {
 		if soft, hard, err := getMemlock(); err == nil {
-			return MemlockFacts{Check: Available("getrlimit(RLIMIT_MEMLOCK) of this process"), Soft: soft, Hard: hard, Live: true}
+			return MemlockFacts{Check: available("getrlimit(RLIMIT_MEMLOCK) of this process"), Soft: soft, Hard: hard, Live: true}
 		}
 	}
 	text, err := root.ReadString("/proc/self/limits")
 	if err != nil {
-		m.Check = CheckOf(err, "")
+		m.Check = checkOf(err, "")
 		return m
 	}
-	lim, err := ParseLimits(text)
+	lim, err := sysfs.ParseLimits(text)
 	if err != nil {
-		m.Check = CheckOf(err, "")
+		m.Check = checkOf(err, "")
 		return m
 	}
 	l, ok := lim["Max locked memory"]
@@ -286,42 +313,42 @@ func readMemlock(root *Root, live bool) MemlockFacts {
 		m.Check = Check{Status: StatusUnknown, Detail: "no \"Max locked memory\" row in /proc/self/limits"}
 		return m
 	}
-	m.Check, m.Soft, m.Hard = Available("/proc/self/limits"), l.Soft, l.Hard
+	m.Check, m.Soft, m.Hard = available("/proc/self/limits"), l.Soft, l.Hard
 	return m
 }
 
-func readHugepages(root *Root) HugepageFacts {
+func readHugepages(root *sysfs.Root) HugepageFacts {
 	var h HugepageFacts
 	text, err := root.ReadString("/proc/meminfo")
 	if err != nil {
-		h.Check = CheckOf(err, "")
+		h.Check = checkOf(err, "")
 		return h
 	}
-	mi, err := ParseMeminfo(text)
+	mi, err := sysfs.ParseMeminfo(text)
 	if err != nil {
-		h.Check = CheckOf(err, "")
+		h.Check = checkOf(err, "")
 		return h
 	}
 	h.Total, h.Free, h.Size = mi["HugePages_Total"], mi["HugePages_Free"], mi["Hugepagesize"]
 	h.THP, _ = root.ReadString("/sys/kernel/mm/transparent_hugepage/enabled")
 	if h.Total == 0 {
-		h.Check = Missing("no huge pages reserved (vm.nr_hugepages=0)")
+		h.Check = missing("no huge pages reserved (vm.nr_hugepages=0)")
 	} else {
-		h.Check = Available(fmt.Sprintf("%d of %d huge pages free", h.Free, h.Total))
+		h.Check = available(fmt.Sprintf("%d of %d huge pages free", h.Free, h.Total))
 	}
 	return h
 }
 
-func readIOMMU(root *Root) IOMMUFacts {
+func readIOMMU(root *sysfs.Root) IOMMUFacts {
 	var io IOMMUFacts
 	groups, err := root.ReadDir("/sys/kernel/iommu_groups")
 	if err != nil && !errors.Is(err, fs.ErrNotExist) {
-		io.Check = CheckOf(err, "")
+		io.Check = checkOf(err, "")
 		return io
 	}
 	io.Groups = len(groups)
 	if len(groups) == 0 {
-		io.Mode, io.Check = "off", Missing("no IOMMU groups: the IOMMU is off or absent")
+		io.Mode, io.Check = "off", missing("no IOMMU groups: the IOMMU is off or absent")
 		return io
 	}
 	types := map[string]int{}
@@ -340,7 +367,7 @@ func readIOMMU(root *Root) IOMMUFacts {
 			io.Mode = "passthrough"
 		}
 	}
-	io.Check = Available(fmt.Sprintf("%d IOMMU groups, mode %s", len(groups), orUnknown(io.Mode)))
+	io.Check = available(fmt.Sprintf("%d IOMMU groups, mode %s", len(groups), orUnknown(io.Mode)))
 	return io
 }
 
@@ -351,9 +378,9 @@ func orUnknown(s string) string {
 	return s
 }
 
-func collectGPUs(f *Facts, root *Root, snap *SnapshotFacts, sources []GPUSource) {
+func collectGPUs(f *Facts, root *sysfs.Root, snap *snapshotFacts, sources []gpuSource, pci map[string]*sysfs.PCIDevice) {
 	var tried []string
-	var inv *GPUInventory
+	var inv *gpuInventory
 	srcName := ""
 	if snap != nil && snap.GPUs != nil {
 		inv, srcName = snap.GPUs, "snapshot"
@@ -391,16 +418,16 @@ func collectGPUs(f *Facts, root *Root, snap *SnapshotFacts, sources []GPUSource)
 	}
 	if inv != nil {
 		f.Driver, f.GPUs, f.GPUTopology = inv.Driver, inv.GPUs, inv.Topology
-		f.GPUSource = Available(fmt.Sprintf("%d GPUs from %s", len(inv.GPUs), srcName))
+		f.GPUSource = available(fmt.Sprintf("%d GPUs from %s", len(inv.GPUs), srcName))
 	} else {
 		idx := 0
-		addrs := make([]string, 0, len(f.PCI))
-		for a := range f.PCI {
+		addrs := make([]string, 0, len(pci))
+		for a := range pci {
 			addrs = append(addrs, a)
 		}
 		sort.Strings(addrs)
 		for _, a := range addrs {
-			d := f.PCI[a]
+			d := pci[a]
 			if !d.IsGPU() {
 				continue
 			}
@@ -416,16 +443,16 @@ func collectGPUs(f *Facts, root *Root, snap *SnapshotFacts, sources []GPUSource)
 			why = " (" + f.GPUSourceWhy + ")"
 		}
 		if len(f.GPUs) == 0 {
-			f.GPUSource = Missing("no NVIDIA GPU on the PCI bus%s", why)
+			f.GPUSource = missing("no NVIDIA GPU on the PCI bus%s", why)
 		} else {
-			f.GPUSource = Available(fmt.Sprintf("%d GPUs from the PCI tree%s", len(f.GPUs), why))
+			f.GPUSource = available(fmt.Sprintf("%d GPUs from the PCI tree%s", len(f.GPUs), why))
 		}
 	}
 	for i := range f.GPUs {
 		g := &f.GPUs[i]
-		d := f.PCI[g.PCIBusID]
+		d := pci[g.PCIBusID]
 		switch {
-		case d == nil && len(f.PCI) > 0:
+		case d == nil && len(pci) > 0:
 			f.Notes = append(f.Notes, fmt.Sprintf("GPU%d's PCI address %s is not in the PCI tree", g.Index, g.PCIBusID))
 		case d != nil && !d.IsGPU():
 			f.Notes = append(f.Notes, fmt.Sprintf("GPU%d's PCI address %s is a %04x:%04x class %06x device in the PCI tree, not a GPU", g.Index, g.PCIBusID, d.Vendor, d.Device, d.Class))
@@ -433,24 +460,24 @@ func collectGPUs(f *Facts, root *Root, snap *SnapshotFacts, sources []GPUSource)
 			g.NUMANode = d.NUMANode
 		}
 	}
-	f.Notes = append(f.Notes, CrossCheckTopology(f)...)
+	f.Notes = append(f.Notes, crossCheckTopology(f, pci)...)
 }
 
-// CrossCheckTopology compares what NVML says of each GPU pair with the path
+// crossCheckTopology compares what NVML says of each GPU pair with the path
 // the PCI tree gives, and returns a note for each disagreement. NVLink
 // pairs are not compared.
-func CrossCheckTopology(f *Facts) []string {
+func crossCheckTopology(f *Facts, pci map[string]*sysfs.PCIDevice) []string {
 	var notes []string
 	for _, t := range f.GPUTopology {
-		a, b := f.GPU(t.A), f.GPU(t.B)
+		a, b := f.gpu(t.A), f.gpu(t.B)
 		if a == nil || b == nil || t.Path == PathUnknown || t.NVLinks > 0 {
 			continue
 		}
-		da, db := f.PCI[a.PCIBusID], f.PCI[b.PCIBusID]
+		da, db := pci[a.PCIBusID], pci[b.PCIBusID]
 		if da == nil || db == nil {
 			continue
 		}
-		if p, _ := ClassifyPath(da.Path, db.Path, da.NUMANode, db.NUMANode, f.NUMANodes); p != t.Path {
+		if p := classifyPath(da.Path, db.Path, da.NUMANode, db.NUMANode, f.NUMANodes); p != t.Path {
 			notes = append(notes, fmt.Sprintf("NVML says GPU%d-GPU%d is %s, the PCI tree says %s", t.A, t.B, t.Path, p))
 		}
 	}
@@ -458,7 +485,7 @@ func CrossCheckTopology(f *Facts) []string {
 }
 
 // fillGPUs fills unknown fields of inv's GPUs from another source's.
-func fillGPUs(inv *GPUInventory, more GPUInventory) {
+func fillGPUs(inv *gpuInventory, more gpuInventory) {
 	for _, m := range more.GPUs {
 		for i := range inv.GPUs {
 			g := &inv.GPUs[i]
@@ -493,26 +520,26 @@ func fillGPUs(inv *GPUInventory, more GPUInventory) {
 	}
 }
 
-func readNICs(root *Root, pci map[string]*PCIDevice) ([]NICFacts, Check) {
+func readNICs(root *sysfs.Root, pci map[string]*sysfs.PCIDevice) ([]NICFacts, Check) {
 	const cls = "/sys/class/infiniband"
 	names, err := root.ReadDir(cls)
 	if errors.Is(err, fs.ErrNotExist) {
-		return nil, Missing("no %s: no RDMA device, or the ib_core module is not loaded", cls)
+		return nil, missing("no %s: no RDMA device, or the ib_core module is not loaded", cls)
 	}
 	if err != nil {
-		return nil, CheckOf(err, "")
+		return nil, checkOf(err, "")
 	}
 	var out []NICFacts
 	for _, n := range names {
 		out = append(out, readNIC(root, pci, n))
 	}
 	if len(out) == 0 {
-		return nil, Missing("%s is empty: no RDMA device", cls)
+		return nil, missing("%s is empty: no RDMA device", cls)
 	}
-	return out, Available(fmt.Sprintf("%d RDMA device(s)", len(out)))
+	return out, available(fmt.Sprintf("%d RDMA device(s)", len(out)))
 }
 
-func readNIC(root *Root, pci map[string]*PCIDevice, name string) NICFacts {
+func readNIC(root *sysfs.Root, pci map[string]*sysfs.PCIDevice, name string) NICFacts {
 	dir := "/sys/class/infiniband/" + name
 	n := NICFacts{Name: name}
 	target, _ := root.Readlink(dir)
@@ -521,7 +548,7 @@ func readNIC(root *Root, pci map[string]*PCIDevice, name string) NICFacts {
 		n.Driver = strings.TrimRight(name, "0123456789")
 	}
 	if t, err := root.Readlink(dir + "/device"); err == nil && !n.Software {
-		if a, err := ParsePCIAddress(path.Base(t)); err == nil {
+		if a, err := sysfs.ParsePCIAddress(path.Base(t)); err == nil {
 			n.PCIAddress = a
 		}
 	}
@@ -552,7 +579,7 @@ func readNIC(root *Root, pci map[string]*PCIDevice, name string) NICFacts {
 		if p.LinkLayer == "Ethernet" && p.Netdev != "" {
 			if s, err := root.ReadString("/sys/class/net/" + p.Netdev + "/mtu"); err == nil {
 				if mtu, err := strconv.Atoi(s); err == nil {
-					v := RoCEActiveMTU(mtu)
+					v := sysfs.RoCEActiveMTU(mtu)
 					p.ActiveMTU = &v
 				}
 			}
@@ -561,21 +588,21 @@ func readNIC(root *Root, pci map[string]*PCIDevice, name string) NICFacts {
 	return n
 }
 
-func readPort(root *Root, dir string, num int) PortFacts {
+func readPort(root *sysfs.Root, dir string, num int) PortFacts {
 	p := PortFacts{Port: num}
 	if s, err := root.ReadString(dir + "/state"); err == nil {
-		if _, name, err := ParsePortState(s); err == nil {
+		if _, name, err := sysfs.ParsePortState(s); err == nil {
 			p.State = name
 		}
 	}
 	if s, err := root.ReadString(dir + "/phys_state"); err == nil {
-		if _, name, err := ParsePortState(s); err == nil {
+		if _, name, err := sysfs.ParsePortState(s); err == nil {
 			p.PhysState = name
 		}
 	}
 	p.LinkLayer, _ = root.ReadString(dir + "/link_layer")
 	p.Rate, _ = root.ReadString(dir + "/rate")
-	if v, err := ParseRate(p.Rate); err == nil {
+	if v, err := sysfs.ParseRate(p.Rate); err == nil {
 		p.RateGbps = &v
 	}
 	gids, _ := root.ReadDir(dir + "/gids")
@@ -607,11 +634,11 @@ func isZeroGID(s string) bool {
 	return strings.Trim(s, "0:") == ""
 }
 
-func computePairs(f *Facts) {
+func computePairs(f *Facts, pci map[string]*sysfs.PCIDevice) {
 	for _, g := range f.GPUs {
 		for _, n := range f.NICs {
 			pp := PairPath{GPU: g.Index, NIC: n.Name, Bridges: []string{}, ACSBridges: []string{}, ACSUnknown: []string{}}
-			dg, dn := f.PCI[g.PCIBusID], f.PCI[n.PCIAddress]
+			dg, dn := pci[g.PCIBusID], pci[n.PCIAddress]
 			switch {
 			case n.Software:
 				pp.Detail = n.Name + " is a software RDMA device, not on the PCI bus"
@@ -620,11 +647,12 @@ func computePairs(f *Facts) {
 			case dn == nil:
 				pp.Detail = fmt.Sprintf("%s (%q) is not in the PCI tree", n.Name, n.PCIAddress)
 			default:
-				pp.Path, pp.Detail = ClassifyPath(dg.Path, dn.Path, firstNonNil(g.NUMANode, dg.NUMANode), dn.NUMANode, f.NUMANodes)
+				name, detail := sysfs.ClassifyPath(dg.Path, dn.Path, firstNonNil(g.NUMANode, dg.NUMANode), dn.NUMANode, f.NUMANodes)
+				pp.Path, pp.Detail = pathTypeOf(name), detail
 				if pp.Path == PathPIX || pp.Path == PathPXB {
-					pp.Bridges = BridgesBetween(dg.Path, dn.Path)
+					pp.Bridges = sysfs.BridgesBetween(dg.Path, dn.Path)
 					for _, b := range pp.Bridges {
-						bd := f.PCI[b]
+						bd := pci[b]
 						switch {
 						case bd == nil || bd.ACSErr != "":
 							pp.ACSUnknown = append(pp.ACSUnknown, b)

@@ -3,17 +3,24 @@ package gdr
 import (
 	"context"
 	"errors"
+	"github.com/gdrlink/gdrlink/internal/sysfs"
 	"strings"
 	"testing"
 )
 
 func collectFixture(t testing.TB, name string) *Facts {
 	t.Helper()
-	f, err := Collect(context.Background(), fixtureRoot(t, name), CollectOptions{})
+	f, _ := collectFixturePCI(t, name)
+	return f
+}
+
+func collectFixturePCI(t testing.TB, name string) (*Facts, map[string]*sysfs.PCIDevice) {
+	t.Helper()
+	f, pci, err := collect(context.Background(), fixtureRoot(t, name), CollectOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	return f
+	return f, pci
 }
 
 // TestFixtureDecisions checks the whole chain, files to verdict, on each
@@ -55,7 +62,7 @@ func TestFixtureDecisions(t *testing.T) {
 				t.Fatalf("%d GPUs, want %d (%s)", len(f.GPUs), len(wants), f.GPUSource.Detail)
 			}
 			for i, w := range wants {
-				d := DecideGPU(f, f.GPUs[i].Index, DefaultPolicy())
+				d := DecideGPU(f, f.GPUs[i].Index, defaultPolicy())
 				if d.Mode != w.mode || d.NIC != w.nic || d.PathType != w.path {
 					t.Errorf("GPU%d: %s via %q %s, want %s via %q %s; reasons %q", i, d.Mode, d.NIC, d.PathType, w.mode, w.nic, w.path, d.Reasons)
 				}
@@ -72,13 +79,13 @@ func TestFixtureDecisions(t *testing.T) {
 
 func TestCollectFacts(t *testing.T) {
 	f := collectFixture(t, "dgx")
-	if !f.PeerMem.OK() || !f.DMABuf.OK() || !f.RDMA.OK() || f.NUMANodes != 2 {
+	if !f.PeerMem.ok() || !f.DMABuf.ok() || !f.RDMA.ok() || f.NUMANodes != 2 {
 		t.Fatalf("dgx facts: peermem %v dmabuf %v rdma %v numa %d", f.PeerMem, f.DMABuf, f.RDMA, f.NUMANodes)
 	}
-	if f.Memlock.Soft != Unlimited || f.Memlock.Live {
+	if f.Memlock.Soft != unlimited || f.Memlock.Live {
 		t.Errorf("memlock %+v, want unlimited from the file", f.Memlock)
 	}
-	if g := f.GPU(0); g == nil || g.Name != "NVIDIA H100 80GB HBM3" || g.BAR1Total == nil || *g.BAR1Total != 128<<30 {
+	if g := f.gpu(0); g == nil || g.Name != "NVIDIA H100 80GB HBM3" || g.BAR1Total == nil || *g.BAR1Total != 128<<30 {
 		t.Errorf("GPU0 %+v", g)
 	}
 	if len(f.NICs) != 2 || f.NICs[0].PCIAddress != "0000:1b:00.0" || f.NICs[0].NUMANode == nil || *f.NICs[0].NUMANode != 0 {
@@ -107,8 +114,8 @@ func TestCollectFacts(t *testing.T) {
 	if br.Memlock.Soft != 64<<10 || br.PeerMem.Status != StatusNotSupported || br.Kernel.DMABuf.Status != StatusNotSupported {
 		t.Errorf("broken: memlock %+v peermem %v dmabuf %v", br.Memlock, br.PeerMem, br.Kernel.DMABuf)
 	}
-	if !errors.Is(br.PeerMem.Err(), ErrNotSupported) {
-		t.Errorf("peermem Err() = %v, want ErrNotSupported", br.PeerMem.Err())
+	if !errors.Is(br.PeerMem.err(), ErrNotSupported) {
+		t.Errorf("peermem Err() = %v, want ErrNotSupported", br.PeerMem.err())
 	}
 	nr := collectFixture(t, "no-rdma")
 	if nr.RDMA.Status != StatusNotSupported || len(nr.NICs) != 0 {
@@ -119,33 +126,33 @@ func TestCollectFacts(t *testing.T) {
 // TestCollectHost runs Collect on this machine: whatever it has, it must
 // return consistent facts without failing.
 func TestCollectHost(t *testing.T) {
-	r, err := OpenRoot("/")
+	r, err := sysfs.OpenRoot("/")
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer r.Close()
-	f, err := Collect(context.Background(), r, CollectOptions{})
+	f, pci, err := collect(context.Background(), r, CollectOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !f.Memlock.Live || !f.Memlock.Check.OK() {
+	if !f.Memlock.Live || !f.Memlock.Check.ok() {
 		t.Errorf("memlock on the host should come from getrlimit: %+v", f.Memlock)
 	}
 	if f.Kernel.Release == "" {
 		t.Error("no kernel release read from /proc/sys/kernel/osrelease")
 	}
-	if len(f.PCI) == 0 {
+	if len(pci) == 0 {
 		t.Log("no PCI devices visible (container without /sys/bus/pci?)")
 	}
 	for _, g := range f.GPUs {
-		_ = DecideGPU(f, g.Index, DefaultPolicy())
+		_ = DecideGPU(f, g.Index, defaultPolicy())
 	}
 }
 
 func TestCollectCanceled(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	if _, err := Collect(ctx, fixtureRoot(t, "dgx"), CollectOptions{}); !errors.Is(err, context.Canceled) {
+	if _, err := Collect(ctx, CollectOptions{Root: "testdata/nodes/dgx"}); !errors.Is(err, context.Canceled) {
 		t.Fatalf("Collect with a canceled context: %v", err)
 	}
 }
@@ -162,19 +169,19 @@ func TestRootConfinement(t *testing.T) {
 	if err := r.Close(); err != nil {
 		t.Fatalf("second Close: %v", err)
 	}
-	if _, err := r.ReadFile("/proc/modules"); !errors.Is(err, ErrClosed) {
+	if _, err := r.ReadFile("/proc/modules"); !errors.Is(err, sysfs.ErrClosed) {
 		t.Fatalf("read after Close: %v", err)
 	}
 }
 
 func TestCrossCheckTopology(t *testing.T) {
-	f := collectFixture(t, "dgx")
+	f, pci := collectFixturePCI(t, "dgx")
 	f.GPUTopology = []GPUTopology{
 		{A: 0, B: 1, Path: PathPXB},              // agrees with the tree
 		{A: 0, B: 2, Path: PathPIX},              // does not: the tree says SYS
 		{A: 1, B: 3, Path: PathSYS, NVLinks: 18}, // NVLink: not compared
 	}
-	notes := CrossCheckTopology(f)
+	notes := crossCheckTopology(f, pci)
 	if len(notes) != 1 || notes[0] != "NVML says GPU0-GPU2 is PIX, the PCI tree says SYS" {
 		t.Fatalf("%q", notes)
 	}
@@ -183,7 +190,7 @@ func TestCrossCheckTopology(t *testing.T) {
 func BenchmarkCollect(b *testing.B) {
 	r := fixtureRoot(b, "dgx")
 	for b.Loop() {
-		if _, err := Collect(context.Background(), r, CollectOptions{}); err != nil {
+		if _, _, err := collect(context.Background(), r, CollectOptions{}); err != nil {
 			b.Fatal(err)
 		}
 	}
@@ -191,7 +198,7 @@ func BenchmarkCollect(b *testing.B) {
 
 func BenchmarkDecideGPU(b *testing.B) {
 	f := collectFixture(b, "dgx")
-	p := DefaultPolicy()
+	p := defaultPolicy()
 	for b.Loop() {
 		for _, g := range f.GPUs {
 			_ = DecideGPU(f, g.Index, p)

@@ -5,6 +5,8 @@ import (
 	"sort"
 
 	"github.com/dustin/go-humanize"
+
+	"github.com/gdrlink/gdrlink/internal/sysfs"
 )
 
 // Mode is how tensors reach a GPU's memory over RDMA.
@@ -35,17 +37,20 @@ func (m Mode) String() string {
 // MarshalText writes the name.
 func (m Mode) MarshalText() ([]byte, error) { return []byte(m.String()), nil }
 
-// MinMemlock is the smallest RLIMIT_MEMLOCK with which Decide expects
-// registration of a pool's arenas to work.
-const MinMemlock = 64 << 20
+// unlimited is a limit without a bound.
+const unlimited = sysfs.Unlimited
 
-// MinBAR1 is the BAR1 aperture below which Decide warns that large
+// minMemlock is the smallest RLIMIT_MEMLOCK with which decide expects
+// registration of a pool's arenas to work.
+const minMemlock = 64 << 20
+
+// minBAR1 is the BAR1 aperture below which decide warns that large
 // tensors cannot all be mapped for the NIC at once (consumer boards have 256
 // MiB).
-const MinBAR1 = 1 << 30
+const minBAR1 = 1 << 30
 
-// PairFacts is what Decide needs about one GPU and one NIC.
-type PairFacts struct {
+// pairFacts is what decide needs about one GPU and one NIC.
+type pairFacts struct {
 	GPU  GPUFacts
 	NIC  NICFacts
 	Path PairPath
@@ -74,25 +79,25 @@ type Decision struct {
 	Fixes   []string `json:"fixes"`
 }
 
-// PairFactsOf gathers the facts about a GPU and a NIC from a node's facts.
-func PairFactsOf(f *Facts, gpu int, nic string) (PairFacts, bool) {
-	g := f.GPU(gpu)
+// pairFactsOf gathers the facts about a GPU and a NIC from a node's facts.
+func pairFactsOf(f *Facts, gpu int, nic string) (pairFacts, bool) {
+	g := f.gpu(gpu)
 	var n *NICFacts
 	for i := range f.NICs {
 		if f.NICs[i].Name == nic {
 			n = &f.NICs[i]
 		}
 	}
-	pp := f.Pair(gpu, nic)
+	pp := f.pair(gpu, nic)
 	if g == nil || n == nil || pp == nil {
-		return PairFacts{}, false
+		return pairFacts{}, false
 	}
-	return PairFacts{GPU: *g, NIC: *n, Path: *pp, PeerMem: f.PeerMem, DMABuf: f.DMABuf, Memlock: f.Memlock, IOMMUMode: f.IOMMU.Mode, NUMANodes: f.NUMANodes}, true
+	return pairFacts{GPU: *g, NIC: *n, Path: *pp, PeerMem: f.PeerMem, DMABuf: f.DMABuf, Memlock: f.Memlock, IOMMUMode: f.IOMMU.Mode, NUMANodes: f.NUMANodes}, true
 }
 
-// Decide turns the facts about one GPU and one NIC and a policy into a
+// decide turns the facts about one GPU and one NIC and a policy into a
 // decision. It is a pure function: same facts, same decision.
-func Decide(pf PairFacts, p Policy) Decision {
+func decide(pf pairFacts, p Policy) Decision {
 	g, n := pf.GPU, pf.NIC
 	d := Decision{GPU: g.Index, NIC: n.Name, PathType: pf.Path.Path, Reasons: []string{}, Fixes: []string{}}
 	gname := fmt.Sprintf("GPU%d (%s)", g.Index, g.PCIBusID)
@@ -102,7 +107,7 @@ func Decide(pf PairFacts, p Policy) Decision {
 	// What rules out RDMA altogether. Every check runs even when an
 	// earlier one has decided, so a person sees every fix at once.
 	unavailable := false
-	if port := n.ActivePort(); port == nil {
+	if port := n.activePort(); port == nil {
 		unavailable = true
 		if len(n.Ports) == 0 {
 			reason("%s has no ports in sysfs", n.Name)
@@ -118,14 +123,14 @@ func Decide(pf PairFacts, p Policy) Decision {
 		}
 	}
 	switch m := pf.Memlock; {
-	case m.Check.OK() && m.Soft != Unlimited && m.Soft < MinMemlock:
+	case m.Check.ok() && m.Soft != unlimited && m.Soft < minMemlock:
 		unavailable = true
 		reason("RLIMIT_MEMLOCK is %s: registering pool arenas with the NIC will fail", humanize.IBytes(uint64(m.Soft)))
 		fix("raise memlock to unlimited (ulimit -l unlimited; LimitMEMLOCK=infinity in the systemd unit; \"* - memlock unlimited\" in /etc/security/limits.conf; --ulimit memlock=-1 for containers)")
-	case m.Check.OK() && m.Soft != Unlimited:
+	case m.Check.ok() && m.Soft != unlimited:
 		reason("RLIMIT_MEMLOCK is %s: host arenas beyond it cannot be registered", humanize.IBytes(uint64(m.Soft)))
 		fix("raise memlock to unlimited")
-	case !m.Check.OK():
+	case !m.Check.ok():
 		reason("could not tell RLIMIT_MEMLOCK: %s", m.Check.Detail)
 	}
 
@@ -144,7 +149,7 @@ func Decide(pf PairFacts, p Policy) Decision {
 	case g.GDRSupported == nil:
 		reason("could not tell whether %s supports GPUDirect RDMA (no CUDA device attribute)", gname)
 	}
-	if g.BAR1Total != nil && *g.BAR1Total < MinBAR1 {
+	if g.BAR1Total != nil && *g.BAR1Total < minBAR1 {
 		reason("%s has a BAR1 aperture of only %s: the NIC can reach at most that much GPU memory at once", gname, humanize.IBytes(*g.BAR1Total))
 		fix("enable Resizable BAR and above-4G decoding in the BIOS (data-center GPUs expose all their memory through BAR1)")
 	}
@@ -154,12 +159,12 @@ func Decide(pf PairFacts, p Policy) Decision {
 	}
 	// The mechanism that maps GPU memory for the NIC.
 	switch {
-	case pf.PeerMem.OK():
+	case pf.PeerMem.ok():
 		d.Mechanism = pf.PeerMem.Detail
 		if len(d.Mechanism) > 0 {
 			d.Mechanism = firstWord(d.Mechanism)
 		}
-	case pf.DMABuf.OK() && (g.DMABufSupported == nil || *g.DMABufSupported):
+	case pf.DMABuf.ok() && (g.DMABufSupported == nil || *g.DMABufSupported):
 		d.Mechanism = "dma-buf"
 		if g.DMABufSupported == nil {
 			reason("dma-buf: could not tell whether %s exports dma-bufs (no CUDA device attribute)", gname)
@@ -172,7 +177,7 @@ func Decide(pf PairFacts, p Policy) Decision {
 		case g.DMABufSupported != nil && !*g.DMABufSupported:
 			reason("dma-buf: %s cannot export dma-bufs (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED=0; needs the open kernel modules)", gname)
 			fix("or use the NVIDIA open kernel modules (nvidia-open) for dma-buf")
-		case !pf.DMABuf.OK():
+		case !pf.DMABuf.ok():
 			reason("dma-buf: %s", pf.DMABuf.Detail)
 			fix("or use dma-buf: kernel 5.12+ with CONFIG_DMA_SHARED_BUFFER, rdma-core 34+ and the NVIDIA open kernel modules")
 		}
@@ -202,7 +207,7 @@ func Decide(pf PairFacts, p Policy) Decision {
 			if eff == PathSYS {
 				fix("the NIC is on the other socket (GPU%d on NUMA node %s, %s on %s): use a NIC on the GPU's socket, or place the GPU's work there", g.Index, numa(g.NUMANode), n.Name, numa(n.NUMANode))
 			}
-			fix("or allow it: %s=%s (peer traffic through the CPU is often slower than the proxy)", EnvLevel, eff)
+			fix("or allow it: %s=%s (peer traffic through the CPU is often slower than the proxy)", envLevel, eff)
 		}
 	}
 	if pf.IOMMUMode == "translated" {
@@ -238,9 +243,11 @@ func numa(n *int) string {
 
 // DecideGPU decides for one GPU over every NIC of the node and returns the
 // best: Direct before Proxy before Unavailable, then the shortest path, then
-// a NIC on the GPU's NUMA node, then the NIC's name.
+// a NIC on the GPU's NUMA node, then the NIC's name. It is a pure function:
+// same facts and policy, same decision. Every check runs even when an
+// earlier one has decided, so the Decision lists every fix at once.
 func DecideGPU(f *Facts, gpu int, p Policy) Decision {
-	g := f.GPU(gpu)
+	g := f.gpu(gpu)
 	if g == nil {
 		return Decision{GPU: gpu, Mode: Unavailable, Reasons: []string{fmt.Sprintf("no GPU %d", gpu)}, Fixes: []string{}}
 	}
@@ -250,11 +257,11 @@ func DecideGPU(f *Facts, gpu int, p Policy) Decision {
 	}
 	var all []Decision
 	for _, n := range f.NICs {
-		pf, ok := PairFactsOf(f, gpu, n.Name)
+		pf, ok := pairFactsOf(f, gpu, n.Name)
 		if !ok {
 			continue
 		}
-		all = append(all, Decide(pf, p))
+		all = append(all, decide(pf, p))
 	}
 	local := func(d Decision) bool {
 		for _, n := range f.NICs {

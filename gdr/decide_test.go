@@ -8,15 +8,15 @@ import (
 
 // goodPair is a GPU and a NIC under one switch on a healthy node; each case
 // of TestDecide changes one fact.
-func goodPair() PairFacts {
-	return PairFacts{
+func goodPair() pairFacts {
+	return pairFacts{
 		GPU: GPUFacts{Index: 0, PCIBusID: "0000:1a:00.0", NUMANode: intp(0), GDRSupported: boolp(true), DMABufSupported: boolp(true)},
 		NIC: NICFacts{Name: "mlx5_0", PCIAddress: "0000:1b:00.0", NUMANode: intp(0), Ports: []PortFacts{{Port: 1, State: "ACTIVE", PhysState: "LinkUp"}}},
 		Path: PairPath{GPU: 0, NIC: "mlx5_0", Path: PathPIX, Detail: "share the PCIe switch at 0000:18:00.0",
 			Bridges: []string{"0000:18:00.0", "0000:19:00.0", "0000:19:01.0"}},
-		PeerMem:   Available("nvidia_peermem is loaded"),
-		DMABuf:    Available("kernel 6.8 with CONFIG_DMA_SHARED_BUFFER=y; ibv_reg_dmabuf_mr"),
-		Memlock:   MemlockFacts{Check: Available("getrlimit"), Soft: Unlimited, Hard: Unlimited},
+		PeerMem:   available("nvidia_peermem is loaded"),
+		DMABuf:    available("kernel 6.8 with CONFIG_DMA_SHARED_BUFFER=y; ibv_reg_dmabuf_mr"),
+		Memlock:   MemlockFacts{Check: available("getrlimit"), Soft: unlimited, Hard: unlimited},
 		NUMANodes: 2,
 	}
 }
@@ -24,49 +24,49 @@ func goodPair() PairFacts {
 func TestDecide(t *testing.T) {
 	cases := []struct {
 		name   string
-		change func(*PairFacts)
+		change func(*pairFacts)
 		policy Policy
 		mode   Mode
 		mech   string
 		want   []string // substrings of reasons or fixes
 	}{
-		{"healthy", func(*PairFacts) {}, DefaultPolicy(), Direct, "nvidia_peermem", nil},
-		{"dma-buf instead of peermem", func(p *PairFacts) { p.PeerMem = Missing("neither nvidia_peermem nor nv_peer_mem is loaded") }, DefaultPolicy(), Direct, "dma-buf", nil},
-		{"no peermem, GPU without dma-buf", func(p *PairFacts) {
-			p.PeerMem = Missing("neither nvidia_peermem nor nv_peer_mem is loaded")
+		{"healthy", func(*pairFacts) {}, defaultPolicy(), Direct, "nvidia_peermem", nil},
+		{"dma-buf instead of peermem", func(p *pairFacts) { p.PeerMem = missing("neither nvidia_peermem nor nv_peer_mem is loaded") }, defaultPolicy(), Direct, "dma-buf", nil},
+		{"no peermem, GPU without dma-buf", func(p *pairFacts) {
+			p.PeerMem = missing("neither nvidia_peermem nor nv_peer_mem is loaded")
 			p.GPU.DMABufSupported = boolp(false)
-		}, DefaultPolicy(), Proxy, "", []string{"load nvidia_peermem", "CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED=0"}},
-		{"no peermem, old kernel", func(p *PairFacts) {
-			p.PeerMem = Missing("neither nvidia_peermem nor nv_peer_mem is loaded")
-			p.DMABuf = Missing("kernel 5.4 is older than 5.12")
-		}, DefaultPolicy(), Proxy, "", []string{"load nvidia_peermem", "older than 5.12"}},
-		{"GPU without GDR", func(p *PairFacts) { p.GPU.GDRSupported = boolp(false) }, DefaultPolicy(), Proxy, "nvidia_peermem", []string{"does not support GPUDirect RDMA"}},
-		{"GDR unknown", func(p *PairFacts) { p.GPU.GDRSupported = nil }, DefaultPolicy(), Direct, "nvidia_peermem", []string{"could not tell whether GPU0"}},
-		{"ACS on", func(p *PairFacts) { p.Path.ACSBridges = []string{"0000:19:00.0"} }, DefaultPolicy(), Proxy, "nvidia_peermem", []string{"disable ACS on bridge 0000:19:00.0", "PHB in effect"}},
-		{"ACS on, policy PHB", func(p *PairFacts) { p.Path.ACSBridges = []string{"0000:19:00.0"} }, Policy{Level: PathPHB}, Direct, "nvidia_peermem", []string{"ACS redirects"}},
-		{"SYS", func(p *PairFacts) { p.Path.Path, p.NIC.NUMANode = PathSYS, intp(1) }, DefaultPolicy(), Proxy, "nvidia_peermem", []string{"the NIC is on the other socket", "GDRLINK_NET_GDR_LEVEL=SYS"}},
-		{"SYS allowed", func(p *PairFacts) { p.Path.Path = PathSYS }, Policy{Level: PathSYS}, Direct, "nvidia_peermem", nil},
-		{"PHB with policy PIX", func(p *PairFacts) { p.Path.Path = PathPHB }, Policy{Level: PathPIX}, Proxy, "nvidia_peermem", []string{"PHB is farther than the policy level PIX"}},
-		{"policy LOC", func(*PairFacts) {}, Policy{Level: PathLOC}, Proxy, "nvidia_peermem", []string{"farther than the policy level LOC"}},
-		{"path unknown", func(p *PairFacts) { p.Path.Path, p.Path.Detail = PathUnknown, "not in the PCI tree" }, DefaultPolicy(), Proxy, "nvidia_peermem", []string{"could not tell the PCIe path"}},
-		{"port down", func(p *PairFacts) { p.NIC.Ports[0].State, p.NIC.Ports[0].PhysState = "DOWN", "Disabled" }, DefaultPolicy(), Unavailable, "nvidia_peermem", []string{"port 1 is DOWN", "bring mlx5_0 port 1 up"}},
-		{"no ports", func(p *PairFacts) { p.NIC.Ports = nil }, DefaultPolicy(), Unavailable, "nvidia_peermem", []string{"no ports"}},
-		{"memlock 64 KiB", func(p *PairFacts) { p.Memlock.Soft = 64 << 10 }, DefaultPolicy(), Unavailable, "nvidia_peermem", []string{"64 KiB", "raise memlock to unlimited"}},
-		{"memlock 1 GiB", func(p *PairFacts) { p.Memlock.Soft = 1 << 30 }, DefaultPolicy(), Direct, "nvidia_peermem", []string{"1.0 GiB"}},
-		{"memlock unknown", func(p *PairFacts) { p.Memlock.Check = Check{Detail: "permission denied"} }, DefaultPolicy(), Direct, "nvidia_peermem", []string{"could not tell RLIMIT_MEMLOCK"}},
-		{"soft-roce", func(p *PairFacts) {
+		}, defaultPolicy(), Proxy, "", []string{"load nvidia_peermem", "CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED=0"}},
+		{"no peermem, old kernel", func(p *pairFacts) {
+			p.PeerMem = missing("neither nvidia_peermem nor nv_peer_mem is loaded")
+			p.DMABuf = missing("kernel 5.4 is older than 5.12")
+		}, defaultPolicy(), Proxy, "", []string{"load nvidia_peermem", "older than 5.12"}},
+		{"GPU without GDR", func(p *pairFacts) { p.GPU.GDRSupported = boolp(false) }, defaultPolicy(), Proxy, "nvidia_peermem", []string{"does not support GPUDirect RDMA"}},
+		{"GDR unknown", func(p *pairFacts) { p.GPU.GDRSupported = nil }, defaultPolicy(), Direct, "nvidia_peermem", []string{"could not tell whether GPU0"}},
+		{"ACS on", func(p *pairFacts) { p.Path.ACSBridges = []string{"0000:19:00.0"} }, defaultPolicy(), Proxy, "nvidia_peermem", []string{"disable ACS on bridge 0000:19:00.0", "PHB in effect"}},
+		{"ACS on, policy PHB", func(p *pairFacts) { p.Path.ACSBridges = []string{"0000:19:00.0"} }, Policy{Level: PathPHB}, Direct, "nvidia_peermem", []string{"ACS redirects"}},
+		{"SYS", func(p *pairFacts) { p.Path.Path, p.NIC.NUMANode = PathSYS, intp(1) }, defaultPolicy(), Proxy, "nvidia_peermem", []string{"the NIC is on the other socket", "GDRLINK_NET_GDR_LEVEL=SYS"}},
+		{"SYS allowed", func(p *pairFacts) { p.Path.Path = PathSYS }, Policy{Level: PathSYS}, Direct, "nvidia_peermem", nil},
+		{"PHB with policy PIX", func(p *pairFacts) { p.Path.Path = PathPHB }, Policy{Level: PathPIX}, Proxy, "nvidia_peermem", []string{"PHB is farther than the policy level PIX"}},
+		{"policy LOC", func(*pairFacts) {}, Policy{Level: PathLOC}, Proxy, "nvidia_peermem", []string{"farther than the policy level LOC"}},
+		{"path unknown", func(p *pairFacts) { p.Path.Path, p.Path.Detail = PathUnknown, "not in the PCI tree" }, defaultPolicy(), Proxy, "nvidia_peermem", []string{"could not tell the PCIe path"}},
+		{"port down", func(p *pairFacts) { p.NIC.Ports[0].State, p.NIC.Ports[0].PhysState = "DOWN", "Disabled" }, defaultPolicy(), Unavailable, "nvidia_peermem", []string{"port 1 is DOWN", "bring mlx5_0 port 1 up"}},
+		{"no ports", func(p *pairFacts) { p.NIC.Ports = nil }, defaultPolicy(), Unavailable, "nvidia_peermem", []string{"no ports"}},
+		{"memlock 64 KiB", func(p *pairFacts) { p.Memlock.Soft = 64 << 10 }, defaultPolicy(), Unavailable, "nvidia_peermem", []string{"64 KiB", "raise memlock to unlimited"}},
+		{"memlock 1 GiB", func(p *pairFacts) { p.Memlock.Soft = 1 << 30 }, defaultPolicy(), Direct, "nvidia_peermem", []string{"1.0 GiB"}},
+		{"memlock unknown", func(p *pairFacts) { p.Memlock.Check = Check{Detail: "permission denied"} }, defaultPolicy(), Direct, "nvidia_peermem", []string{"could not tell RLIMIT_MEMLOCK"}},
+		{"soft-roce", func(p *pairFacts) {
 			p.NIC.Software, p.NIC.Driver, p.NIC.PCIAddress = true, "rxe", ""
 			p.Path = PairPath{Detail: "software"}
-		}, DefaultPolicy(), Proxy, "nvidia_peermem", []string{"software RDMA device"}},
-		{"small BAR1", func(p *PairFacts) { p.GPU.BAR1Total = u64p(256 << 20) }, DefaultPolicy(), Direct, "nvidia_peermem", []string{"BAR1 aperture of only 256 MiB", "Resizable BAR"}},
-		{"persistence off", func(p *PairFacts) { p.GPU.PersistenceMode = boolp(false) }, DefaultPolicy(), Direct, "nvidia_peermem", []string{"nvidia-smi -pm 1"}},
-		{"iommu translated", func(p *PairFacts) { p.IOMMUMode = "translated" }, DefaultPolicy(), Direct, "nvidia_peermem", []string{"iommu=pt"}},
+		}, defaultPolicy(), Proxy, "nvidia_peermem", []string{"software RDMA device"}},
+		{"small BAR1", func(p *pairFacts) { p.GPU.BAR1Total = u64p(256 << 20) }, defaultPolicy(), Direct, "nvidia_peermem", []string{"BAR1 aperture of only 256 MiB", "Resizable BAR"}},
+		{"persistence off", func(p *pairFacts) { p.GPU.PersistenceMode = boolp(false) }, defaultPolicy(), Direct, "nvidia_peermem", []string{"nvidia-smi -pm 1"}},
+		{"iommu translated", func(p *pairFacts) { p.IOMMUMode = "translated" }, defaultPolicy(), Direct, "nvidia_peermem", []string{"iommu=pt"}},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			pf := goodPair()
 			c.change(&pf)
-			d := Decide(pf, c.policy)
+			d := decide(pf, c.policy)
 			if d.Mode != c.mode || d.Mechanism != c.mech {
 				t.Errorf("%s (%q), want %s (%q); reasons %q", d.Mode, d.Mechanism, c.mode, c.mech, d.Reasons)
 			}
@@ -80,7 +80,7 @@ func TestDecide(t *testing.T) {
 				}
 			}
 			// Pure: the same facts give the same decision.
-			if again := Decide(pf, c.policy); fmt.Sprint(again) != fmt.Sprint(d) {
+			if again := decide(pf, c.policy); fmt.Sprint(again) != fmt.Sprint(d) {
 				t.Errorf("not deterministic: %v then %v", d, again)
 			}
 		})
@@ -95,7 +95,7 @@ func TestDecideGPUPrefersDirectAndNear(t *testing.T) {
 	if d.Mode != Proxy || d.NIC != "mlx5_0" || d.PathType != PathPXB {
 		t.Fatalf("%+v", d)
 	}
-	if d := DecideGPU(f, 9, DefaultPolicy()); d.Mode != Unavailable {
+	if d := DecideGPU(f, 9, defaultPolicy()); d.Mode != Unavailable {
 		t.Fatalf("missing GPU: %+v", d)
 	}
 }

@@ -3,29 +3,15 @@ package gdr
 import (
 	"errors"
 
-	"github.com/gdrlink/gdrlink/internal/closed"
+	"github.com/gdrlink/gdrlink/internal/sysfs"
 )
 
-// Errors of this package, one per condition. Each is wrapped with the file,
-// device or value concerned; match them with errors.Is.
-var (
-	// ErrNotSupported: a probe found that something is missing on this node
-	// (a module, a kernel option, a device attribute); the wrapping message
-	// says what. Any other probe error means "could not tell".
-	ErrNotSupported = errors.New("gdr: not supported")
-	// ErrBadLevel: a policy level that is neither a path type name nor one of
-	// NCCL's integers.
-	ErrBadLevel = errors.New("gdr: bad policy level")
-	// ErrBadPCIAddress: a PCI address that is not domain:bus:device.function.
-	ErrBadPCIAddress = errors.New("gdr: bad PCI address")
-	// ErrMalformed: a sysfs, procfs or snapshot file whose content does not
-	// parse.
-	ErrMalformed = errors.New("gdr: malformed input")
-	// ErrOutsideRoot: a path or symbolic link that leads outside the root
-	// being read.
-	ErrOutsideRoot = errors.New("gdr: path outside root")
-	// ErrClosed: use of a closed Root. It is the one closed error of every layer
-	// (the same value as gdrlink.ErrClosed and verbsio.ErrClosed), so
-	// errors.Is matches it whichever layer noticed.
-	ErrClosed = closed.Err
-)
+// ErrNotSupported: a probe found that something is missing on this node (a
+// module, a kernel option, a device attribute); the wrapping message says
+// what. Any other probe error means "could not tell". A Check keeps the
+// outcome without the error: StatusNotSupported.
+var ErrNotSupported = sysfs.ErrNotSupported
+
+// errBadLevel: a policy level that is neither a path type name nor one of
+// NCCL's integers.
+var errBadLevel = errors.New("gdr: bad policy level")

@@ -10,19 +10,16 @@ import (
 // Collect the facts of a node (here a fixture tree of a two-socket server
 // whose only NIC sits on the other socket) and decide for each GPU.
 func Example() {
-	root, err := gdr.OpenRoot("testdata/nodes/two-socket")
+	facts, err := gdr.Collect(context.Background(), gdr.CollectOptions{Root: "testdata/nodes/two-socket"})
 	if err != nil {
 		fmt.Println(err)
 		return
 	}
-	defer root.Close()
-	facts, err := gdr.Collect(context.Background(), root, gdr.CollectOptions{})
-	if err != nil {
-		fmt.Println(err)
-		return
-	}
+	// Direct up to PXB, NCCL's default (PolicyFromEnv without
+	// GDRLINK_NET_GDR_LEVEL).
+	policy := gdr.Policy{Level: gdr.PathPXB, LevelSource: "default"}
 	for _, g := range facts.GPUs {
-		d := gdr.DecideGPU(facts, g.Index, gdr.DefaultPolicy())
+		d := gdr.DecideGPU(facts, g.Index, policy)
 		fmt.Printf("GPU%d: %s through %s (%s)\n", g.Index, d.Mode, d.NIC, d.PathType)
 		fmt.Println("  fix:", d.Fixes[0])
 	}
@@ -33,17 +30,18 @@ func Example() {
 	//   fix: the NIC is on the other socket (GPU1 on NUMA node 0, mlx5_0 on 1): use a NIC on the GPU's socket, or place the GPU's work there
 }
 
-// Decide is pure: facts and a policy in, a verdict with reasons out.
-func ExampleDecide() {
-	up := []gdr.PortFacts{{Port: 1, State: "ACTIVE"}}
-	pf := gdr.PairFacts{
-		GPU:     gdr.GPUFacts{Index: 0, PCIBusID: "0000:3b:00.0"},
-		NIC:     gdr.NICFacts{Name: "mlx5_0", Ports: up},
-		Path:    gdr.PairPath{Path: gdr.PathPHB, Detail: "no common PCIe bridge below host bridge pci0000:3a"},
-		PeerMem: gdr.Available("nvidia_peermem is loaded"),
-		Memlock: gdr.MemlockFacts{Check: gdr.Available("getrlimit"), Soft: gdr.Unlimited},
+// DecideGPU is pure: facts and a policy in, a verdict with reasons out.
+func ExampleDecideGPU() {
+	available := func(detail string) gdr.Check { return gdr.Check{Status: gdr.StatusAvailable, Detail: detail} }
+	facts := &gdr.Facts{
+		GPUs:    []gdr.GPUFacts{{Index: 0, PCIBusID: "0000:3b:00.0"}},
+		NICs:    []gdr.NICFacts{{Name: "mlx5_0", Ports: []gdr.PortFacts{{Port: 1, State: "ACTIVE"}}}},
+		Pairs:   []gdr.PairPath{{GPU: 0, NIC: "mlx5_0", Path: gdr.PathPHB, Detail: "no common PCIe bridge below host bridge pci0000:3a"}},
+		PeerMem: available("nvidia_peermem is loaded"),
+		Memlock: gdr.MemlockFacts{Check: available("getrlimit"), Soft: -1},
 	}
-	level, _ := gdr.ParseLevel("PHB")
-	fmt.Println(gdr.Decide(pf, gdr.DefaultPolicy()).Mode, gdr.Decide(pf, gdr.Policy{Level: level}).Mode)
+	var level gdr.PathType
+	_ = level.UnmarshalText([]byte("PHB"))
+	fmt.Println(gdr.DecideGPU(facts, 0, gdr.Policy{Level: gdr.PathPXB}).Mode, gdr.DecideGPU(facts, 0, gdr.Policy{Level: level}).Mode)
 	// Output: proxy direct
 }

@@ -45,21 +45,21 @@ type GPUTopology struct {
 	NVLinks int `json:"nvlinks"`
 }
 
-// GPUInventory is what a GPU source reports.
-type GPUInventory struct {
+// gpuInventory is what a GPU source reports.
+type gpuInventory struct {
 	Driver   GPUDriverFacts `json:"driver"`
 	GPUs     []GPUFacts     `json:"gpus"`
 	Topology []GPUTopology  `json:"topology"`
 }
 
-// GPUSource supplies GPU facts: NVML, CUDA device attributes, a snapshot.
+// gpuSource supplies GPU facts: NVML, CUDA device attributes.
 // A source that is absent on this node (no libnvidia-ml, no libcuda)
 // returns an error wrapping ErrNotSupported.
-type GPUSource interface {
+type gpuSource interface {
 	// Name names the source ("nvml").
 	Name() string
 	// GPUs reports the GPUs it sees.
-	GPUs() (GPUInventory, error)
+	GPUs() (gpuInventory, error)
 }
 
 // GID is one entry of a port's GID table.
@@ -90,8 +90,8 @@ type PortFacts struct {
 	GIDs   []GID  `json:"gids"`
 }
 
-// Active reports whether the port can carry traffic.
-func (p PortFacts) Active() bool { return p.State == "ACTIVE" }
+// active reports whether the port can carry traffic.
+func (p PortFacts) active() bool { return p.State == "ACTIVE" }
 
 // NICFacts is one RDMA device from /sys/class/infiniband.
 type NICFacts struct {
@@ -109,10 +109,10 @@ type NICFacts struct {
 	Ports     []PortFacts `json:"ports"`
 }
 
-// ActivePort returns the first active port, or nil.
-func (n *NICFacts) ActivePort() *PortFacts {
+// activePort returns the first active port, or nil.
+func (n *NICFacts) activePort() *PortFacts {
 	for i := range n.Ports {
-		if n.Ports[i].Active() {
+		if n.Ports[i].active() {
 			return &n.Ports[i]
 		}
 	}
@@ -129,7 +129,7 @@ type ModuleFacts struct {
 // process may pin, and so register with a NIC.
 type MemlockFacts struct {
 	Check Check `json:"check"`
-	// Soft and Hard are bytes, Unlimited (-1) when unbounded; valid when
+	// Soft and Hard are bytes, -1 when unbounded; valid when
 	// Check is available.
 	Soft int64 `json:"soft"`
 	Hard int64 `json:"hard"`
@@ -184,7 +184,7 @@ type PairPath struct {
 	ACSUnknown []string `json:"acs_unknown"`
 }
 
-// Facts is everything gdr knows about a node. Collect fills it; Decide
+// Facts is everything gdr knows about a node. Collect fills it; DecideGPU
 // reads it.
 type Facts struct {
 	// Root is the directory the files were read from ("/" for this node).
@@ -218,14 +218,12 @@ type Facts struct {
 	RDMA  Check      `json:"rdma"`
 	NICs  []NICFacts `json:"nics"`
 	Pairs []PairPath `json:"pairs"`
-	// PCI holds the PCI devices read from sysfs, by address.
-	PCI map[string]*PCIDevice `json:"-"`
 	// Notes are things that could not be read, for people.
 	Notes []string `json:"notes"`
 }
 
-// Pair returns the path between a GPU (by index) and a NIC, or nil.
-func (f *Facts) Pair(gpu int, nic string) *PairPath {
+// pair returns the path between a GPU (by index) and a NIC, or nil.
+func (f *Facts) pair(gpu int, nic string) *PairPath {
 	for i := range f.Pairs {
 		if f.Pairs[i].GPU == gpu && f.Pairs[i].NIC == nic {
 			return &f.Pairs[i]
@@ -234,8 +232,8 @@ func (f *Facts) Pair(gpu int, nic string) *PairPath {
 	return nil
 }
 
-// GPU returns the GPU with the index, or nil.
-func (f *Facts) GPU(index int) *GPUFacts {
+// gpu returns the GPU with the index, or nil.
+func (f *Facts) gpu(index int) *GPUFacts {
 	for i := range f.GPUs {
 		if f.GPUs[i].Index == index {
 			return &f.GPUs[i]
@@ -244,8 +242,8 @@ func (f *Facts) GPU(index int) *GPUFacts {
 	return nil
 }
 
-// Module reports whether a module is known to be loaded.
-func (f *Facts) Module(name string) bool {
+// module reports whether a module is known to be loaded.
+func (f *Facts) module(name string) bool {
 	for _, m := range f.Modules {
 		if m.Name == name {
 			return m.Loaded

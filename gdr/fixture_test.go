@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"flag"
 	"fmt"
+	"github.com/gdrlink/gdrlink/internal/sysfs"
 	"io/fs"
 	"os"
 	"path"
@@ -66,7 +67,7 @@ type fxNode struct {
 	huge    [3]uint64 // total, free, size in kB
 	devs    []fxDev
 	nics    []fxNIC
-	facts   *SnapshotFacts
+	facts   *snapshotFacts
 	cmdline string
 	noIBDir bool
 }
@@ -83,10 +84,10 @@ func swPort(p string, numa int, acs int) fxDev {
 	return fxDev{path: p, vendor: 0x10b5, device: 0xc010, class: 0x060400, numa: numa, driver: "pcieport", acsCtrl: acs}
 }
 func gpuDev(p string, numa int, device uint16, cpus string) fxDev {
-	return fxDev{path: p, vendor: VendorNVIDIA, device: device, class: 0x030200, numa: numa, cpus: cpus, driver: "nvidia", acsCtrl: -1}
+	return fxDev{path: p, vendor: sysfs.VendorNVIDIA, device: device, class: 0x030200, numa: numa, cpus: cpus, driver: "nvidia", acsCtrl: -1}
 }
 func nicDev(p string, numa int, cpus string) fxDev {
-	return fxDev{path: p, vendor: VendorMellanox, device: 0x101b, class: 0x020700, numa: numa, cpus: cpus, driver: "mlx5_core", acsCtrl: -1}
+	return fxDev{path: p, vendor: sysfs.VendorMellanox, device: 0x101b, class: 0x020700, numa: numa, cpus: cpus, driver: "mlx5_core", acsCtrl: -1}
 }
 
 func ibPort(state, phys string) fxPort {
@@ -125,7 +126,7 @@ func h100(idx int, bus string, numa int) GPUFacts {
 }
 
 func fixtureSpecs() []fxNode {
-	dgxGPUs := &GPUInventory{Driver: GPUDriverFacts{DriverVersion: "550.54.15", CUDAVersion: "12.4"},
+	dgxGPUs := &gpuInventory{Driver: GPUDriverFacts{DriverVersion: "550.54.15", CUDAVersion: "12.4"},
 		GPUs: []GPUFacts{h100(0, "0000:1a:00.0", 0), h100(1, "0000:1e:00.0", 0), h100(2, "0000:9c:00.0", 1), h100(3, "0000:a0:00.0", 1)}}
 	for a := 0; a < 4; a++ {
 		for b := a + 1; b < 4; b++ {
@@ -151,7 +152,7 @@ func fixtureSpecs() []fxNode {
 		{
 			name: "dgx", release: "5.15.0-105-generic", dmabufY: true, modules: append(base, "nvidia_peermem"), memlock: "unlimited",
 			numa: "0-1", iommu: "identity", groups: 4, huge: [3]uint64{0, 0, 2048}, devs: dgxDevs, nics: dgxNICs,
-			facts: &SnapshotFacts{Version: SnapshotFactsVersion, GPUs: dgxGPUs, LibIBVerbs: &Check{Status: StatusAvailable, Detail: "ibv_reg_dmabuf_mr in /usr/lib/x86_64-linux-gnu/libibverbs.so.1"}},
+			facts: &snapshotFacts{Version: snapshotFactsVersion, GPUs: dgxGPUs, LibIBVerbs: &Check{Status: StatusAvailable, Detail: "ibv_reg_dmabuf_mr in /usr/lib/x86_64-linux-gnu/libibverbs.so.1"}},
 		},
 		{
 			name: "two-socket", release: "6.1.0-18-amd64", dmabufY: true, modules: append(base, "nvidia_peermem"), memlock: "unlimited",
@@ -172,7 +173,7 @@ func fixtureSpecs() []fxNode {
 				gpuDev("pci0000:10/0000:10:00.0", -1, 0x2237, "0-47"),
 			},
 			nics: []fxNIC{{name: "mlx5_0", addr: "0000:00:06.0", fw: "16.35.2000", ports: []fxPort{roce("eth1", 1500, "ac1f:0a0b")}}},
-			facts: &SnapshotFacts{Version: SnapshotFactsVersion, LibIBVerbs: &Check{Status: StatusAvailable, Detail: "ibv_reg_dmabuf_mr in /usr/lib/x86_64-linux-gnu/libibverbs.so.1"},
+			facts: &snapshotFacts{Version: snapshotFactsVersion, LibIBVerbs: &Check{Status: StatusAvailable, Detail: "ibv_reg_dmabuf_mr in /usr/lib/x86_64-linux-gnu/libibverbs.so.1"},
 				GPUSource: &Check{Status: StatusNotSupported, Detail: "NVML not available: libnvidia-ml.so.1 not found"}},
 		},
 		{
@@ -222,7 +223,7 @@ func (n fxNode) render() map[string]fxEntry {
 			file("sys/bus/pci/drivers/"+d.driver+"/uevent", "DRIVER="+d.driver)
 			link(dir+"/driver", dotdots(dir+"/driver")+"bus/pci/drivers/"+d.driver)
 		}
-		if d.class>>8 == ClassPCIBridge {
+		if d.class>>8 == sysfs.ClassPCIBridge {
 			cfg := make([]byte, 0x108)
 			binary.LittleEndian.PutUint16(cfg[0:], d.vendor)
 			binary.LittleEndian.PutUint16(cfg[2:], d.device)
@@ -305,7 +306,7 @@ func (n fxNode) render() map[string]fxEntry {
 	}
 	if n.facts != nil {
 		b, _ := json.MarshalIndent(n.facts, "", "  ")
-		file(strings.TrimPrefix(SnapshotFactsFile, "/"), string(b))
+		file(strings.TrimPrefix(snapshotFactsFile, "/"), string(b))
 	}
 	return out
 }
@@ -423,9 +424,9 @@ func TestFixtureTrees(t *testing.T) {
 }
 
 // fixtureRoot opens a committed fixture tree.
-func fixtureRoot(t testing.TB, name string) *Root {
+func fixtureRoot(t testing.TB, name string) *sysfs.Root {
 	t.Helper()
-	r, err := OpenRoot(filepath.Join("testdata", "nodes", name))
+	r, err := sysfs.OpenRoot(filepath.Join("testdata", "nodes", name))
 	if err != nil {
 		t.Fatal(err)
 	}

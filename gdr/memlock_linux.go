@@ -2,7 +2,7 @@ package gdr
 
 import "golang.org/x/sys/unix"
 
-// getMemlock returns this process's RLIMIT_MEMLOCK in bytes, Unlimited when
+// getMemlock returns this process's RLIMIT_MEMLOCK in bytes, unlimited when
 // unbounded.
 func getMemlock() (soft, hard int64, err error) {
 	var r unix.Rlimit
@@ -11,7 +11,7 @@ func getMemlock() (soft, hard int64, err error) {
 	}
 	conv := func(v uint64) int64 {
 		if v == unix.RLIM_INFINITY || v > 1<<62 {
-			return Unlimited
+			return unlimited
 		}
 		return int64(v)
 	}

@@ -119,8 +119,36 @@ func (l spans) insert(s span) spans {
 
 func (l spans) remove(i int) spans { return append(l[:i], l[i+1:]...) }
 
-// Device is a simulated GPU. It implements proxy.Device.
-type Device struct {
+// Device is a simulated GPU: a proxy.Device, with what tests need to look
+// at its memory and to inject faults.
+type Device interface {
+	proxy.Device
+	// Peek returns a host view of n bytes of simulated device memory at p,
+	// for tests that check what landed on the "GPU".
+	Peek(p proxy.DevicePtr, n int) ([]byte, error)
+	// RegisterHost marks [addr, addr+n) of host memory as pinned for this
+	// device (what cuMemHostRegister does on a real GPU); unregister undoes
+	// it and is idempotent. A device pointer fails with
+	// proxy.ErrWrongMemory.
+	RegisterHost(addr uintptr, n int) (unregister func(), err error)
+	// HostRegisterVisitor is an alloc.Visitor that registers every arena of
+	// a host pool as pinned with this device, as alloc/visitor's
+	// NewCUDAHostRegister does with cuMemHostRegister on a real GPU.
+	HostRegisterVisitor() alloc.Visitor
+	// FailCopies installs a fault hook called before every copy; a non-nil
+	// error fails that copy (nothing is written) and surfaces, wrapped in
+	// proxy.ErrCopyFailed, from the next event of its stream. nil removes
+	// it.
+	FailCopies(hook func(CopyInfo) error)
+	// Lose makes the device lost: queued copies fail, pending events
+	// complete with proxy.ErrDeviceLost, and every later call returns it.
+	Lose()
+	// Stats counts what the device did.
+	Stats() Stats
+}
+
+// device is the simulated GPU New makes.
+type device struct {
 	cfg Config
 
 	mu      sync.Mutex
@@ -139,14 +167,14 @@ type Device struct {
 	copies, bytesHtoD, bytesDtoH, failed atomic.Int64
 }
 
-var _ proxy.Device = (*Device)(nil)
+var _ Device = (*device)(nil)
 
-// New makes a simulated device.
-func New(cfg Config) *Device {
+// New makes a simulated device; Close releases its memory and streams.
+func New(cfg Config) Device {
 	if cfg.Name == "" {
 		cfg.Name = "gpusim"
 	}
-	d := &Device{cfg: cfg, streams: map[*stream]struct{}{}, mems: map[uintptr][]byte{}}
+	d := &device{cfg: cfg, streams: map[*stream]struct{}{}, mems: map[uintptr][]byte{}}
 	for i := range d.pace {
 		d.pace[i].bw = cfg.Bandwidth
 	}
@@ -154,11 +182,11 @@ func New(cfg Config) *Device {
 }
 
 // Info implements proxy.Device; Simulated is true.
-func (d *Device) Info() proxy.DeviceInfo {
+func (d *device) Info() proxy.DeviceInfo {
 	return proxy.DeviceInfo{Name: d.cfg.Name, Ordinal: d.cfg.Ordinal, Simulated: true}
 }
 
-func (d *Device) usable() error {
+func (d *device) usable() error {
 	if d.lost.Load() {
 		return fmt.Errorf("%w: simulated device %s", proxy.ErrDeviceLost, d.cfg.Name)
 	}
@@ -171,7 +199,7 @@ func (d *Device) usable() error {
 }
 
 // Alloc implements proxy.Device with anonymous memory off the Go heap.
-func (d *Device) Alloc(n int) (proxy.DevicePtr, error) {
+func (d *device) Alloc(n int) (proxy.DevicePtr, error) {
 	if err := d.usable(); err != nil {
 		return 0, err
 	}
@@ -195,7 +223,7 @@ func (d *Device) Alloc(n int) (proxy.DevicePtr, error) {
 }
 
 // Free implements proxy.Device.
-func (d *Device) Free(p proxy.DevicePtr) error {
+func (d *device) Free(p proxy.DevicePtr) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	i := d.allocs.find(uintptr(p), 0)
@@ -211,7 +239,7 @@ func (d *Device) Free(p proxy.DevicePtr) error {
 
 // Peek returns a host view of n bytes of simulated device memory at p, for
 // tests that check what landed on the "GPU".
-func (d *Device) Peek(p proxy.DevicePtr, n int) ([]byte, error) {
+func (d *device) Peek(p proxy.DevicePtr, n int) ([]byte, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	i := d.allocs.find(uintptr(p), n)
@@ -225,7 +253,7 @@ func (d *Device) Peek(p proxy.DevicePtr, n int) ([]byte, error) {
 // RegisterHost marks [addr, addr+n) of host memory as pinned for this device
 // (what cuMemHostRegister does on a real GPU); unregister undoes it and is
 // idempotent. A device pointer fails with proxy.ErrWrongMemory.
-func (d *Device) RegisterHost(addr uintptr, n int) (unregister func(), err error) {
+func (d *device) RegisterHost(addr uintptr, n int) (unregister func(), err error) {
 	if err := d.usable(); err != nil {
 		return nil, err
 	}
@@ -253,34 +281,30 @@ func (d *Device) RegisterHost(addr uintptr, n int) (unregister func(), err error
 	}, nil
 }
 
-type pinKey struct{ d *Device }
+type pinKey struct{ d *device }
 
 // HostRegisterVisitor is an alloc.Visitor that registers every arena of a
 // host pool as pinned with this device, as the cudahost visitor does with
 // cuMemHostRegister on a real GPU.
-func (d *Device) HostRegisterVisitor() alloc.Visitor {
-	return alloc.VisitorFuncs{
-		VisitorName: "gpusim-host-register:" + d.cfg.Name,
-		OnVisit: func(a *alloc.Arena) error {
-			un, err := d.RegisterHost(a.Base(), a.Size())
-			if err != nil {
-				return err
-			}
-			a.SetHandle(pinKey{d}, un)
-			return nil
-		},
-		OnRelease: func(a *alloc.Arena) error {
-			if h, ok := a.Handle(pinKey{d}); ok {
-				h.(func())()
-				a.DeleteHandle(pinKey{d})
-			}
-			return nil
-		},
-	}
+func (d *device) HostRegisterVisitor() alloc.Visitor {
+	return alloc.NewVisitor("gpusim-host-register:"+d.cfg.Name, func(a *alloc.Arena) error {
+		un, err := d.RegisterHost(a.Base(), a.Size())
+		if err != nil {
+			return err
+		}
+		a.SetHandle(pinKey{d}, un)
+		return nil
+	}, func(a *alloc.Arena) error {
+		if h, ok := a.Handle(pinKey{d}); ok {
+			h.(func())()
+			a.DeleteHandle(pinKey{d})
+		}
+		return nil
+	})
 }
 
 // MemoryType implements proxy.Device.
-func (d *Device) MemoryType(addr uintptr) (proxy.MemoryType, error) {
+func (d *device) MemoryType(addr uintptr) (proxy.MemoryType, error) {
 	if err := d.usable(); err != nil {
 		return 0, err
 	}
@@ -298,7 +322,7 @@ func (d *Device) MemoryType(addr uintptr) (proxy.MemoryType, error) {
 // FailCopies installs a fault hook called before every copy; a non-nil
 // error fails that copy (nothing is written) and surfaces, wrapped in
 // proxy.ErrCopyFailed, from the next event of its stream. nil removes it.
-func (d *Device) FailCopies(hook func(CopyInfo) error) {
+func (d *device) FailCopies(hook func(CopyInfo) error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.fail = hook
@@ -306,10 +330,10 @@ func (d *Device) FailCopies(hook func(CopyInfo) error) {
 
 // Lose makes the device lost: queued copies fail, pending events complete
 // with proxy.ErrDeviceLost, and every later call returns it.
-func (d *Device) Lose() { d.lost.Store(true) }
+func (d *device) Lose() { d.lost.Store(true) }
 
 // Stats counts what the device did.
-func (d *Device) Stats() Stats {
+func (d *device) Stats() Stats {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	return Stats{
@@ -320,7 +344,7 @@ func (d *Device) Stats() Stats {
 
 // Close stops the device's streams (after their queued work) and frees its
 // memory. Idempotent.
-func (d *Device) Close() error {
+func (d *device) Close() error {
 	d.mu.Lock()
 	if d.closed {
 		d.mu.Unlock()
@@ -382,7 +406,7 @@ type op struct {
 
 // stream is a simulated stream: a queue and the goroutine that works it.
 type stream struct {
-	d    *Device
+	d    *device
 	mu   sync.Mutex
 	cond *sync.Cond
 	q    []op
@@ -395,7 +419,7 @@ type stream struct {
 
 // NewStream implements proxy.Device: each stream gets a goroutine that runs
 // its queue in order.
-func (d *Device) NewStream() (proxy.Stream, error) {
+func (d *device) NewStream() (proxy.Stream, error) {
 	if err := d.usable(); err != nil {
 		return nil, err
 	}
@@ -460,7 +484,7 @@ func (s *stream) run() {
 }
 
 // copy carries out one copy: fault hook, pacing, then the memory copy.
-func (d *Device) copy(c CopyInfo, queued time.Time) error {
+func (d *device) copy(c CopyInfo, queued time.Time) error {
 	if d.lost.Load() {
 		d.failed.Add(1)
 		return fmt.Errorf("%w: simulated device %s", proxy.ErrDeviceLost, d.cfg.Name)
@@ -517,7 +541,7 @@ func (s *stream) Close() error {
 	return nil
 }
 
-func (d *Device) streamOf(st proxy.Stream) (*stream, error) {
+func (d *device) streamOf(st proxy.Stream) (*stream, error) {
 	s, ok := st.(*stream)
 	if !ok || s == nil || s.d != d {
 		return nil, fmt.Errorf("%w: stream %T is not a stream of simulated device %s", proxy.ErrWrongMemory, st, d.cfg.Name)
@@ -526,7 +550,7 @@ func (d *Device) streamOf(st proxy.Stream) (*stream, error) {
 }
 
 // checkCopy validates a copy the way the driver would, before queuing it.
-func (d *Device) checkCopy(dir Direction, dev uintptr, host uintptr, n int) error {
+func (d *device) checkCopy(dir Direction, dev uintptr, host uintptr, n int) error {
 	if n <= 0 {
 		return fmt.Errorf("%w: copy of %d bytes", proxy.ErrOutOfRange, n)
 	}
@@ -545,7 +569,7 @@ func (d *Device) checkCopy(dir Direction, dev uintptr, host uintptr, n int) erro
 }
 
 // CopyHtoDAsync implements proxy.Device.
-func (d *Device) CopyHtoDAsync(dst proxy.DevicePtr, src uintptr, n int, st proxy.Stream) error {
+func (d *device) CopyHtoDAsync(dst proxy.DevicePtr, src uintptr, n int, st proxy.Stream) error {
 	if err := d.usable(); err != nil {
 		return err
 	}
@@ -560,7 +584,7 @@ func (d *Device) CopyHtoDAsync(dst proxy.DevicePtr, src uintptr, n int, st proxy
 }
 
 // CopyDtoHAsync implements proxy.Device.
-func (d *Device) CopyDtoHAsync(dst uintptr, src proxy.DevicePtr, n int, st proxy.Stream) error {
+func (d *device) CopyDtoHAsync(dst uintptr, src proxy.DevicePtr, n int, st proxy.Stream) error {
 	if err := d.usable(); err != nil {
 		return err
 	}
@@ -577,7 +601,7 @@ func (d *Device) CopyDtoHAsync(dst uintptr, src proxy.DevicePtr, n int, st proxy
 // RecordEvent implements proxy.Device. It works on a lost device too, so
 // that callers can wait for copies already queued to drain; such an event
 // completes with proxy.ErrDeviceLost.
-func (d *Device) RecordEvent(st proxy.Stream) (proxy.Event, error) {
+func (d *device) RecordEvent(st proxy.Stream) (proxy.Event, error) {
 	s, err := d.streamOf(st)
 	if err != nil {
 		return nil, err

@@ -10,9 +10,8 @@ import (
 	"github.com/gdrlink/gdrlink/internal/cuda"
 )
 
-// CUDADevice is a real GPU, through the CUDA driver loaded at run time. It
-// implements Device.
-type CUDADevice struct {
+// cudaDevice is a real GPU, through the CUDA driver loaded at run time.
+type cudaDevice struct {
 	drv  *cuda.Driver
 	ctx  *cuda.Context
 	info DeviceInfo
@@ -22,11 +21,13 @@ type CUDADevice struct {
 	closed bool
 }
 
-var _ Device = (*CUDADevice)(nil)
+var _ Device = (*cudaDevice)(nil)
 
-// NewCUDADevice opens the driver and retains the primary context of the GPU
-// with the given ordinal. Without a driver the error wraps cuda.ErrNoDriver.
-func NewCUDADevice(ordinal int) (*CUDADevice, error) {
+// NewCUDADevice returns the GPU with the given CUDA ordinal as a Device,
+// through the CUDA driver loaded at run time: it opens the driver and retains
+// the GPU's primary context (the context the CUDA runtime and every library
+// on the device share) until Close. Without a driver the error says so.
+func NewCUDADevice(ordinal int) (Device, error) {
 	drv, err := cuda.Open("")
 	if err != nil {
 		return nil, err
@@ -46,15 +47,11 @@ func NewCUDADevice(ordinal int) (*CUDADevice, error) {
 		drv.Close()
 		return nil, err
 	}
-	return &CUDADevice{drv: drv, ctx: ctx, info: DeviceInfo{Name: name, Ordinal: ordinal}, allocs: map[DevicePtr]*cuda.DeviceMemory{}}, nil
+	return &cudaDevice{drv: drv, ctx: ctx, info: DeviceInfo{Name: name, Ordinal: ordinal}, allocs: map[DevicePtr]*cuda.DeviceMemory{}}, nil
 }
 
-// Context is the retained primary context, for callers that need the
-// driver directly (registering host memory, dma-buf export).
-func (d *CUDADevice) Context() *cuda.Context { return d.ctx }
-
 // Info implements Device.
-func (d *CUDADevice) Info() DeviceInfo { return d.info }
+func (d *cudaDevice) Info() DeviceInfo { return d.info }
 
 // mapErr wraps a driver error in this package's sentinels, keeping the
 // driver's error (and its code) in the chain.
@@ -75,7 +72,7 @@ func mapErr(err error, what string) error {
 }
 
 // Alloc implements Device.
-func (d *CUDADevice) Alloc(n int) (DevicePtr, error) {
+func (d *cudaDevice) Alloc(n int) (DevicePtr, error) {
 	m, err := d.ctx.MemAlloc(n)
 	if err != nil {
 		return 0, mapErr(err, "device allocation")
@@ -87,7 +84,7 @@ func (d *CUDADevice) Alloc(n int) (DevicePtr, error) {
 }
 
 // Free implements Device.
-func (d *CUDADevice) Free(p DevicePtr) error {
+func (d *cudaDevice) Free(p DevicePtr) error {
 	d.mu.Lock()
 	m, ok := d.allocs[p]
 	delete(d.allocs, p)
@@ -107,7 +104,7 @@ func (s cudaStream) Synchronize() error { return mapErr(s.s.Synchronize(), "stre
 func (s cudaStream) Close() error { return mapErr(s.s.Close(), "stream destroy") }
 
 // NewStream implements Device with a non-blocking stream.
-func (d *CUDADevice) NewStream() (Stream, error) {
+func (d *cudaDevice) NewStream() (Stream, error) {
 	s, err := d.ctx.NewStream(cuda.StreamNonBlocking)
 	if err != nil {
 		return nil, mapErr(err, "stream create")
@@ -115,7 +112,7 @@ func (d *CUDADevice) NewStream() (Stream, error) {
 	return cudaStream{s}, nil
 }
 
-func (d *CUDADevice) stream(s Stream) (*cuda.Stream, error) {
+func (d *cudaDevice) stream(s Stream) (*cuda.Stream, error) {
 	cs, ok := s.(cudaStream)
 	if !ok {
 		return nil, fmt.Errorf("%w: stream %T is not a CUDA stream", ErrWrongMemory, s)
@@ -124,7 +121,7 @@ func (d *CUDADevice) stream(s Stream) (*cuda.Stream, error) {
 }
 
 // CopyHtoDAsync implements Device (cuMemcpyHtoDAsync_v2).
-func (d *CUDADevice) CopyHtoDAsync(dst DevicePtr, src uintptr, n int, s Stream) error {
+func (d *cudaDevice) CopyHtoDAsync(dst DevicePtr, src uintptr, n int, s Stream) error {
 	cs, err := d.stream(s)
 	if err != nil {
 		return err
@@ -133,7 +130,7 @@ func (d *CUDADevice) CopyHtoDAsync(dst DevicePtr, src uintptr, n int, s Stream) 
 }
 
 // CopyDtoHAsync implements Device (cuMemcpyDtoHAsync_v2).
-func (d *CUDADevice) CopyDtoHAsync(dst uintptr, src DevicePtr, n int, s Stream) error {
+func (d *cudaDevice) CopyDtoHAsync(dst uintptr, src DevicePtr, n int, s Stream) error {
 	cs, err := d.stream(s)
 	if err != nil {
 		return err
@@ -179,7 +176,7 @@ func (e cudaEvent) Close() error { return mapErr(e.e.Close(), "event destroy") }
 
 // RecordEvent implements Device with an event without timing (the cheapest
 // kind to record and query).
-func (d *CUDADevice) RecordEvent(s Stream) (Event, error) {
+func (d *cudaDevice) RecordEvent(s Stream) (Event, error) {
 	cs, err := d.stream(s)
 	if err != nil {
 		return nil, err
@@ -196,7 +193,7 @@ func (d *CUDADevice) RecordEvent(s Stream) (Event, error) {
 }
 
 // MemoryType implements Device (cuPointerGetAttribute MEMORY_TYPE).
-func (d *CUDADevice) MemoryType(addr uintptr) (MemoryType, error) {
+func (d *cudaDevice) MemoryType(addr uintptr) (MemoryType, error) {
 	mt, err := d.ctx.MemoryType(addr)
 	if err != nil {
 		return 0, mapErr(err, "pointer attribute")
@@ -214,7 +211,7 @@ func (d *CUDADevice) MemoryType(addr uintptr) (MemoryType, error) {
 
 // Close frees what Alloc made and not yet freed, releases the context and
 // the driver. Streams and events must be closed first. Idempotent.
-func (d *CUDADevice) Close() error {
+func (d *cudaDevice) Close() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.closed {

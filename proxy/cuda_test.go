@@ -37,7 +37,7 @@ func TestCUDAProxyOnStandInDriver(t *testing.T) {
 	cudaEndToEnd(t, dev)
 }
 
-func cudaEndToEnd(t *testing.T, dev *proxy.CUDADevice) {
+func cudaEndToEnd(t *testing.T, dev proxy.Device) {
 	defer func() {
 		if err := dev.Close(); err != nil {
 			t.Error(err)
@@ -54,7 +54,7 @@ func cudaEndToEnd(t *testing.T, dev *proxy.CUDADevice) {
 		vis  []alloc.Visitor
 	}{
 		{"pinned-source", pinned, nil},
-		{"cudahost-visitor", alloc.NewMmapSource(alloc.MmapOptions{}), []alloc.Visitor{visitor.NewCUDAHostRegister(dev.Context())}},
+		{"cudahost-visitor", alloc.NewMmapSource(alloc.MmapOptions{}), []alloc.Visitor{visitor.NewCUDAHostRegister(dev.Info().Ordinal)}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			pool, err := alloc.New(c.src, alloc.WithVisitors(c.vis...))
@@ -103,7 +103,7 @@ func cudaEndToEnd(t *testing.T, dev *proxy.CUDADevice) {
 			if err := st.Wait(ctx); err != nil {
 				t.Fatal(err)
 			}
-			if !bytes.Equal(host(st.Addr(), n), want) {
+			if !bytes.Equal(host(st.Block().Addr(), n), want) {
 				t.Fatal("bytes staged back from the GPU differ from those received")
 			}
 			if err := st.Release(); err != nil {

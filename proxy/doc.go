@@ -25,7 +25,7 @@
 // of this package runs without a GPU.
 //
 // Whether a GPU is written directly (GPUDirect RDMA) or through a proxy is
-// decided by package gdr; this package takes the decision through a Policy
-// and, for Direct, offers the GPUDirect flush (Flusher) that must precede
+// decided by package gdr; a Proxy made WithDirect lets the NIC write the GPU
+// itself and runs the GPUDirect flush (a DirectFlusher) that must precede
 // the GPU's use of data a NIC wrote.
 package proxy

@@ -20,8 +20,6 @@ var (
 	ErrWrongMemory = errors.New("proxy: wrong memory type")
 	// ErrOutOfRange: a copy or chunk outside the memory it names.
 	ErrOutOfRange = errors.New("proxy: out of range")
-	// ErrBadChunk: a chunk reported twice, overlapping another, or empty.
-	ErrBadChunk = errors.New("proxy: bad chunk")
 	// ErrDeviceMemory: device memory could not be allocated.
 	ErrDeviceMemory = errors.New("proxy: device out of memory")
 	// ErrClosed: use of a closed proxy, device, stream or event. It is the one closed error of every layer
@@ -31,7 +29,14 @@ var (
 	// ErrCanceled: a receive abandoned by its caller (Receiver.Abort, a
 	// canceled context) before it completed.
 	ErrCanceled = errors.New("proxy: canceled")
-	// ErrBadFlushSetting: GDRLINK_GDR_FLUSH set to something other than
+)
+
+// Errors of a transport's or an operator's mistakes, which the message
+// explains.
+var (
+	// errBadChunk: a chunk reported twice, overlapping another, or empty.
+	errBadChunk = errors.New("proxy: bad chunk")
+	// errBadFlushSetting: GDRLINK_GDR_FLUSH set to something other than
 	// 0, 1 or auto.
-	ErrBadFlushSetting = errors.New("proxy: bad GDRLINK_GDR_FLUSH setting")
+	errBadFlushSetting = errors.New("proxy: bad GDRLINK_GDR_FLUSH setting")
 )

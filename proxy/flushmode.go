@@ -5,44 +5,44 @@ import (
 	"strings"
 )
 
-// FlushMode says when a GPUDirect flush runs before the GPU may use data a
+// flushMode says when a GPUDirect flush runs before the GPU may use data a
 // NIC wrote into its memory (GDRLINK_GDR_FLUSH).
-type FlushMode int
+type flushMode int
 
 // Flush modes.
 const (
-	// FlushAuto flushes after Direct writes unless the GPU reports that it
-	// orders RDMA writes before its own reads (WithWritesOrdered).
-	FlushAuto FlushMode = iota
-	// FlushOn always flushes after Direct writes.
-	FlushOn
-	// FlushOff never flushes.
-	FlushOff
+	// flushAuto flushes after Direct writes unless the GPU orders RDMA
+	// writes before its own reads (WithDirect's writesOrdered).
+	flushAuto flushMode = iota
+	// flushOn always flushes after Direct writes.
+	flushOn
+	// flushOff never flushes.
+	flushOff
 )
 
 // String prints the mode as GDRLINK_GDR_FLUSH spells it.
-func (m FlushMode) String() string {
+func (m flushMode) String() string {
 	switch m {
-	case FlushAuto:
+	case flushAuto:
 		return "auto"
-	case FlushOn:
+	case flushOn:
 		return "1"
-	case FlushOff:
+	case flushOff:
 		return "0"
 	}
 	return fmt.Sprintf("FlushMode(%d)", int(m))
 }
 
-// ParseFlushMode reads a GDRLINK_GDR_FLUSH value: "0"/"off"/"false",
+// parseFlushMode reads a GDRLINK_GDR_FLUSH value: "0"/"off"/"false",
 // "1"/"on"/"true", or "auto" (and "" for auto).
-func ParseFlushMode(s string) (FlushMode, error) {
+func parseFlushMode(s string) (flushMode, error) {
 	switch strings.ToLower(strings.TrimSpace(s)) {
 	case "", "auto":
-		return FlushAuto, nil
+		return flushAuto, nil
 	case "1", "on", "true", "yes":
-		return FlushOn, nil
+		return flushOn, nil
 	case "0", "off", "false", "no":
-		return FlushOff, nil
+		return flushOff, nil
 	}
-	return FlushAuto, fmt.Errorf("%w: %q (want 0, 1 or auto)", ErrBadFlushSetting, s)
+	return flushAuto, fmt.Errorf("%w: %q (want 0, 1 or auto)", errBadFlushSetting, s)
 }

@@ -13,47 +13,35 @@ import (
 	"github.com/gdrlink/gdrlink/alloc"
 )
 
-// Mode is where a NIC's bytes for a GPU land.
-type Mode int
+// writeMode is where a NIC's bytes for a GPU land.
+type writeMode int
 
 // Modes.
 const (
-	// ModeProxy: the NIC writes a pinned host proxy; the proxy copies it to
+	// modeProxy: the NIC writes a pinned host proxy; the proxy copies it to
 	// the GPU.
-	ModeProxy Mode = iota
-	// ModeDirect: the NIC writes GPU memory itself (GPUDirect RDMA).
-	ModeDirect
+	modeProxy writeMode = iota
+	// modeDirect: the NIC writes GPU memory itself (GPUDirect RDMA).
+	modeDirect
 )
 
 // String names the mode.
-func (m Mode) String() string {
-	if m == ModeDirect {
+func (m writeMode) String() string {
+	if m == modeDirect {
 		return "direct"
 	}
 	return "proxy"
 }
 
-// Policy decides, per GPU ordinal, whether the NIC reaches the GPU directly.
-// Package gdr provides the real decision; a Proxy without one uses ModeProxy.
-type Policy interface {
-	Mode(gpu int) Mode
-}
-
-// PolicyFunc adapts a function to a Policy.
-type PolicyFunc func(gpu int) Mode
-
-// Mode implements Policy.
-func (f PolicyFunc) Mode(gpu int) Mode { return f(gpu) }
-
-// DefaultChunk is the default pipelining chunk: big enough that a copy's
+// defaultChunk is the default pipelining chunk: big enough that a copy's
 // fixed cost (a few microseconds) is small against its transfer time, small
 // enough that a 64 MiB tensor has 16 chunks to overlap.
-const DefaultChunk = 4 << 20
+const defaultChunk = 4 << 20
 
 type config struct {
 	chunk       int
-	policy      Policy
-	flush       FlushMode
+	direct      bool
+	flush       flushMode
 	flushSet    bool
 	ordered     bool
 	flusher     DirectFlusher
@@ -65,7 +53,9 @@ type config struct {
 type Option func(*config) error
 
 // WithChunk sets the chunk size the sender stages in and that receivers
-// advertise to transports (default DefaultChunk).
+// advertise to transports (default 4 MiB: big enough that a copy's fixed
+// cost is small against its transfer time, small enough that a 64 MiB
+// tensor has 16 chunks to overlap).
 func WithChunk(n int) Option {
 	return func(c *config) error {
 		if n <= 0 {
@@ -76,31 +66,29 @@ func WithChunk(n int) Option {
 	}
 }
 
-// WithPolicy sets the Direct/Proxy decision (from package gdr).
-func WithPolicy(p Policy) Option {
-	return func(c *config) error { c.policy = p; return nil }
+// WithDirect makes the proxy's receives land in the GPU's memory itself: the
+// NIC reaches the GPU (GPUDirect RDMA, as package gdr decides), so there is
+// no proxy tensor and no copy. Before a Direct receive completes, f makes the
+// NIC's writes visible to the GPU (a read through a loopback queue pair);
+// writesOrdered says that the GPU orders a NIC's writes before its own later
+// reads (CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING of 100 or
+// more), so that no flush is needed. GDRLINK_GDR_FLUSH overrides that
+// choice: 1 always flushes, 0 never does, auto (the default) flushes unless
+// writes are ordered. A Direct receive that needs a flush and has no f fails.
+func WithDirect(f DirectFlusher, writesOrdered bool) Option {
+	return func(c *config) error {
+		c.direct, c.flusher, c.ordered = true, f, writesOrdered
+		return nil
+	}
 }
 
-// WithFlush sets the flush mode, overriding GDRLINK_GDR_FLUSH.
-func WithFlush(m FlushMode) Option {
+// withFlush sets the flush mode, overriding GDRLINK_GDR_FLUSH.
+func withFlush(m flushMode) Option {
 	return func(c *config) error { c.flush, c.flushSet = m, true; return nil }
 }
 
-// WithWritesOrdered tells the proxy that the GPU orders a NIC's writes before
-// its own later reads (CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING
-// of 100 or more), so FlushAuto need not flush.
-func WithWritesOrdered(ordered bool) Option {
-	return func(c *config) error { c.ordered = ordered; return nil }
-}
-
-// WithFlusher sets what flushes Direct writes (a Flusher over a loopback
-// queue pair). Without one, Direct receives that need a flush fail.
-func WithFlusher(f DirectFlusher) Option {
-	return func(c *config) error { c.flusher = f; return nil }
-}
-
 // DirectFlusher makes a NIC's earlier writes to GPU memory at addr visible to
-// the GPU. Flusher implements it.
+// the GPU (see WithDirect).
 type DirectFlusher interface {
 	Flush(ctx context.Context, addr uintptr) error
 }
@@ -123,8 +111,8 @@ type Proxy struct {
 	receives, chunks atomic.Uint64
 }
 
-// Stats counts what a proxy did.
-type Stats struct {
+// proxyStats counts what a proxy did.
+type proxyStats struct {
 	// Receives is the number of receives started.
 	Receives uint64
 	// Chunks is the number of chunks reported through ChunkArrived: a
@@ -133,23 +121,23 @@ type Stats struct {
 	Chunks uint64
 }
 
-// Stats returns the proxy's counters.
-func (p *Proxy) Stats() Stats {
-	return Stats{Receives: p.receives.Load(), Chunks: p.chunks.Load()}
+// stats returns the proxy's counters.
+func (p *Proxy) stats() proxyStats {
+	return proxyStats{Receives: p.receives.Load(), Chunks: p.chunks.Load()}
 }
 
 // New makes a proxy for dev whose proxy tensors come from pool, which must
 // hand out pinned host memory (a pool over alloc's pinned source, or over a
-// host source with the cudahost visitor). GDRLINK_GDR_FLUSH sets the flush
-// mode unless WithFlush does.
+// host source with the cudahost visitor). GDRLINK_GDR_FLUSH says when Direct
+// receives flush (see WithDirect); a value other than 0, 1 or auto fails.
 func New(dev Device, pool *alloc.Pool, opts ...Option) (*Proxy, error) {
 	if dev == nil || pool == nil {
 		return nil, fmt.Errorf("%w: proxy needs a device and a pool", ErrWrongMemory)
 	}
 	if pool.Device().IsGPU() {
-		return nil, fmt.Errorf("%w: pool %s holds %s memory; proxy tensors must be pinned host memory", ErrWrongMemory, pool.Name(), pool.Device())
+		return nil, fmt.Errorf("%w: pool %s holds %s memory; proxy tensors must be pinned host memory", ErrWrongMemory, pool.Stats().Name, pool.Device())
 	}
-	cfg := config{chunk: DefaultChunk, flushTimout: 10 * time.Second, lookupEnv: os.LookupEnv}
+	cfg := config{chunk: defaultChunk, flushTimout: 10 * time.Second, lookupEnv: os.LookupEnv}
 	for _, o := range opts {
 		if o == nil {
 			continue
@@ -160,7 +148,7 @@ func New(dev Device, pool *alloc.Pool, opts ...Option) (*Proxy, error) {
 	}
 	if !cfg.flushSet {
 		if v, ok := cfg.lookupEnv("GDRLINK_GDR_FLUSH"); ok {
-			m, err := ParseFlushMode(v)
+			m, err := parseFlushMode(v)
 			if err != nil {
 				return nil, err
 			}
@@ -174,26 +162,20 @@ func New(dev Device, pool *alloc.Pool, opts ...Option) (*Proxy, error) {
 	return &Proxy{dev: dev, pool: pool, cfg: cfg, stream: s, poll: newPoller(), open: map[*Receiver]struct{}{}}, nil
 }
 
-// Device is the proxy's device.
-func (p *Proxy) Device() Device { return p.dev }
-
-// Mode is the policy's decision for the proxy's device.
-func (p *Proxy) Mode() Mode {
-	if p.cfg.policy == nil {
-		return ModeProxy
+// mode is where the proxy's receives land.
+func (p *Proxy) mode() writeMode {
+	if p.cfg.direct {
+		return modeDirect
 	}
-	return p.cfg.policy.Mode(p.dev.Info().Ordinal)
+	return modeProxy
 }
 
-// Chunk is the pipelining chunk size.
-func (p *Proxy) Chunk() int { return p.cfg.chunk }
-
-// NeedsFlush reports whether Direct receives flush before completing.
-func (p *Proxy) NeedsFlush() bool {
+// needsFlush reports whether Direct receives flush before completing.
+func (p *Proxy) needsFlush() bool {
 	switch p.cfg.flush {
-	case FlushOn:
+	case flushOn:
 		return true
-	case FlushOff:
+	case flushOff:
 		return false
 	}
 	return !p.cfg.ordered
@@ -210,11 +192,11 @@ func (p *Proxy) begin() error {
 }
 
 // Receiver is one tensor on its way to the device: the transport writes its
-// bytes at Addr (a pinned proxy in ModeProxy, the GPU memory itself in
-// ModeDirect) and calls ChunkArrived as each part lands.
+// bytes at Addr (a pinned proxy tensor, or the GPU memory itself for a Direct
+// proxy) and calls ChunkArrived as each part lands.
 type Receiver struct {
 	p    *Proxy
-	mode Mode
+	mode writeMode
 	dst  DevicePtr
 	n    int
 	blk  alloc.Block
@@ -239,9 +221,9 @@ type span struct{ off, end int }
 // the pool. A receive that fails before every byte has arrived (a copy that
 // cannot be queued) keeps its proxy tensor, and reports, only once the
 // transport has let go of it: every byte reported through ChunkArrived, or
-// Abort. A NIC may still be writing the rest of the tensor until then. In
-// ModeProxy dst must be device memory and the pool's block pinned host
-// memory, or Receive fails with ErrWrongMemory.
+// Abort. A NIC may still be writing the rest of the tensor until then. dst
+// must be device memory and the pool's block pinned host memory, or Receive
+// fails with ErrWrongMemory.
 func (p *Proxy) Receive(dst DevicePtr, n int, done func(error)) (*Receiver, error) {
 	if n <= 0 {
 		return nil, fmt.Errorf("%w: receive of %d bytes", ErrOutOfRange, n)
@@ -256,8 +238,8 @@ func (p *Proxy) Receive(dst DevicePtr, n int, done func(error)) (*Receiver, erro
 	if err := p.begin(); err != nil {
 		return nil, err
 	}
-	r := &Receiver{p: p, mode: p.Mode(), dst: dst, n: n, done: done, fin: make(chan struct{})}
-	if r.mode == ModeProxy {
+	r := &Receiver{p: p, mode: p.mode(), dst: dst, n: n, done: done, fin: make(chan struct{})}
+	if r.mode == modeProxy {
 		blk, err := p.pool.Alloc(n)
 		if err != nil {
 			p.wg.Done()
@@ -267,7 +249,7 @@ func (p *Proxy) Receive(dst DevicePtr, n int, done func(error)) (*Receiver, erro
 			_ = blk.Free()
 			p.wg.Done()
 			if err == nil {
-				err = fmt.Errorf("%w: pool %s hands out %s memory (%#x); proxy tensors must be pinned (use alloc's pinned source or the cudahost visitor)", ErrWrongMemory, p.pool.Name(), mt, blk.Addr())
+				err = fmt.Errorf("%w: pool %s hands out %s memory (%#x); proxy tensors must be pinned (use alloc's pinned source or the cudahost visitor)", ErrWrongMemory, p.pool.Stats().Name, mt, blk.Addr())
 			}
 			return nil, err
 		}
@@ -280,33 +262,25 @@ func (p *Proxy) Receive(dst DevicePtr, n int, done func(error)) (*Receiver, erro
 	return r, nil
 }
 
-// Mode is where the transport writes: a pinned proxy or the GPU itself.
-func (r *Receiver) Mode() Mode { return r.mode }
+// Direct reports whether the transport writes the GPU's memory itself
+// (WithDirect) rather than a pinned proxy tensor.
+func (r *Receiver) Direct() bool { return r.mode == modeDirect }
 
-// Addr is where the transport writes the tensor's bytes: the proxy tensor in
-// ModeProxy, the destination device memory in ModeDirect.
+// Addr is where the transport writes the tensor's bytes: the proxy tensor,
+// or the destination device memory for a Direct receive.
 func (r *Receiver) Addr() uintptr {
-	if r.mode == ModeDirect {
+	if r.mode == modeDirect {
 		return uintptr(r.dst)
 	}
 	return r.blk.Addr()
 }
 
-// Len is the tensor's size in bytes.
-func (r *Receiver) Len() int { return r.n }
-
-// Block is the proxy tensor (the zero Block in ModeDirect); its arena holds
-// the memory region whose rkey the transport sends.
+// Block is the proxy tensor (the zero Block for a Direct receive); its arena
+// holds the memory region whose rkey the transport sends.
 func (r *Receiver) Block() alloc.Block { return r.blk }
 
-// Chunk is the chunk size the proxy suggests for the transport's writes.
-func (r *Receiver) Chunk() int { return r.p.cfg.chunk }
-
-// Done is closed when the receive completed or failed.
-func (r *Receiver) Done() <-chan struct{} { return r.fin }
-
-// Err is the receive's outcome once Done is closed.
-func (r *Receiver) Err() error {
+// outcome is the receive's outcome once r.fin is closed.
+func (r *Receiver) outcome() error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.result
@@ -316,16 +290,16 @@ func (r *Receiver) Err() error {
 func (r *Receiver) Wait(ctx context.Context) error {
 	select {
 	case <-r.fin:
-		return r.Err()
+		return r.outcome()
 	case <-ctx.Done():
 		r.Abort(fmt.Errorf("%w: %w", ErrCanceled, ctx.Err()))
 		<-r.fin
-		return r.Err()
+		return r.outcome()
 	}
 }
 
-// ChunkArrived tells the receiver that [off, off+n) has landed at Addr. In
-// ModeProxy the chunk's host-to-device copy is queued at once; when the last
+// ChunkArrived tells the receiver that [off, off+n) has landed at Addr. For
+// a proxy tensor the chunk's host-to-device copy is queued at once; when the last
 // byte has arrived an event is recorded and the poller completes the
 // receive. Chunks may come in any order but must not overlap. After a
 // failure, chunks are still taken (and not copied) and return the failure:
@@ -340,7 +314,7 @@ func (r *Receiver) ChunkArrived(off, n int) error {
 		if r.err != nil {
 			return r.err
 		}
-		return fmt.Errorf("%w: chunk [%d, +%d) after the whole tensor arrived", ErrBadChunk, off, n)
+		return fmt.Errorf("%w: chunk [%d, +%d) after the whole tensor arrived", errBadChunk, off, n)
 	}
 	if err := r.addSpan(off, off+n); err != nil {
 		return err
@@ -351,7 +325,7 @@ func (r *Receiver) ChunkArrived(off, n int) error {
 		r.failLocked(r.err) // ends the receive if this was the last byte
 		return r.err
 	}
-	if r.mode == ModeProxy {
+	if r.mode == modeProxy {
 		if err := r.p.dev.CopyHtoDAsync(r.dst+DevicePtr(off), r.blk.Addr()+uintptr(off), n, r.p.stream); err != nil {
 			r.failLocked(err)
 			return err
@@ -362,7 +336,7 @@ func (r *Receiver) ChunkArrived(off, n int) error {
 		return nil
 	}
 	r.ending = true
-	if r.mode == ModeDirect {
+	if r.mode == modeDirect {
 		err := r.p.flushDirect(uintptr(r.dst))
 		go r.complete(err) // not under r.mu: done may call back into the receiver
 		return err
@@ -381,7 +355,7 @@ func (r *Receiver) ChunkArrived(off, n int) error {
 func (r *Receiver) addSpan(off, end int) error {
 	i := sort.Search(len(r.got), func(i int) bool { return r.got[i].off >= end })
 	if i > 0 && r.got[i-1].end > off {
-		return fmt.Errorf("%w: chunk [%d, %d) overlaps [%d, %d) that already arrived", ErrBadChunk, off, end, r.got[i-1].off, r.got[i-1].end)
+		return fmt.Errorf("%w: chunk [%d, %d) overlaps [%d, %d) that already arrived", errBadChunk, off, end, r.got[i-1].off, r.got[i-1].end)
 	}
 	r.got = append(r.got, span{})
 	copy(r.got[i+1:], r.got[i:])
@@ -429,7 +403,7 @@ func (r *Receiver) failLocked(err error) {
 	}
 	r.ending = true
 	err = r.err
-	if r.mode == ModeProxy && r.queued {
+	if r.mode == modeProxy && r.queued {
 		if ev, e2 := r.p.dev.RecordEvent(r.p.stream); e2 == nil {
 			r.p.poll.add(ev, func(error) { r.complete(err) })
 			return
@@ -447,7 +421,7 @@ func (r *Receiver) complete(err error) {
 		r.err = err
 	}
 	r.mu.Unlock()
-	if r.mode == ModeProxy {
+	if r.mode == modeProxy {
 		if ferr := r.blk.Free(); ferr != nil {
 			err = errors.Join(err, ferr)
 		}
@@ -466,7 +440,7 @@ func (r *Receiver) complete(err error) {
 }
 
 func (p *Proxy) flushDirect(addr uintptr) error {
-	if !p.NeedsFlush() {
+	if !p.needsFlush() {
 		return nil
 	}
 	if p.cfg.flusher == nil {
@@ -569,17 +543,12 @@ func (p *Proxy) Stage(src DevicePtr, n int, chunkReady func(off, n int), done fu
 	return s, nil
 }
 
-// Block is the proxy tensor holding the staged bytes.
+// Block is the proxy tensor holding the staged bytes: the NIC reads them at
+// its Addr, and its arena holds the memory region whose key it needs.
 func (s *Staged) Block() alloc.Block { return s.blk }
 
-// Addr is where the NIC reads the staged bytes.
-func (s *Staged) Addr() uintptr { return s.blk.Addr() }
-
-// Done is closed when staging completed or failed.
-func (s *Staged) Done() <-chan struct{} { return s.fin }
-
-// Wait blocks until staging completes or ctx ends.
-func (s *Staged) Wait(ctx context.Context) error {
+// wait blocks until staging completes or ctx ends.
+func (s *Staged) wait(ctx context.Context) error {
 	select {
 	case <-s.fin:
 		s.mu.Lock()
@@ -603,8 +572,8 @@ func (s *Staged) Release() error {
 	return s.blk.Free()
 }
 
-// Pending is the number of events the poller is waiting for.
-func (p *Proxy) Pending() int { return p.poll.len() }
+// pending is the number of events the poller is waiting for.
+func (p *Proxy) pending() int { return p.poll.len() }
 
 // Close aborts receives still open (their queued copies finish first), waits
 // for every receive and staging to complete, then stops the poller and

@@ -13,21 +13,22 @@ import (
 
 	"github.com/gdrlink/gdrlink/alloc"
 	"github.com/gdrlink/gdrlink/gpusim"
+	"github.com/gdrlink/gdrlink/internal/allocseam"
 	"github.com/gdrlink/gdrlink/proxy"
 )
 
 // rig is a simulated device, a pinned host pool registered with it, and a
 // proxy over both.
 type rig struct {
-	sim  *gpusim.Device
+	sim  gpusim.Device
 	pool *alloc.Pool
 	px   *proxy.Proxy
 }
 
 // newPinnedPool is a pool of host memory registered as pinned with sim.
-func newPinnedPool(sim *gpusim.Device) (*alloc.Pool, error) {
+func newPinnedPool(sim gpusim.Device) (*alloc.Pool, error) {
 	return alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}), alloc.WithName("pinned-proxy"),
-		alloc.WithVisitors(sim.HostRegisterVisitor()), alloc.WithInitialArena(8<<20), alloc.WithMaxArena(512<<20))
+		alloc.WithVisitors(sim.HostRegisterVisitor()), alloc.WithInitialArena(8<<20), allocseam.WithMaxArena.(func(int) alloc.Option)(512<<20))
 }
 
 func newRig(t *testing.T, cfg gpusim.Config, opts ...proxy.Option) *rig {
@@ -106,8 +107,8 @@ func TestPipelinedReceive256MiB(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if rc.Mode() != proxy.ModeProxy || rc.Addr() == uintptr(dst) {
-		t.Fatalf("mode %v, addr %#x: want a proxy tensor", rc.Mode(), rc.Addr())
+	if rc.Direct() || rc.Addr() == uintptr(dst) {
+		t.Fatalf("direct %v, addr %#x: want a proxy tensor", rc.Direct(), rc.Addr())
 	}
 	buf := host(rc.Addr(), size)
 	for off := 0; off < size; off += chunk {
@@ -423,7 +424,7 @@ func TestStageDeviceToHost(t *testing.T) {
 	if len(chunks) != 6 || chunks[0] != [2]int{0, 1 << 20} || chunks[5] != [2]int{5 << 20, 123} {
 		t.Fatalf("chunks ready: %v", chunks)
 	}
-	got := host(st.Addr(), n)
+	got := host(st.Block().Addr(), n)
 	for i := range got {
 		if got[i] != dev[i] {
 			t.Fatalf("staged byte %d: %d, want %d", i, got[i], dev[i])
@@ -456,7 +457,7 @@ func TestStageDeviceToHost(t *testing.T) {
 	if r.inUse() != 0 {
 		t.Fatal("failed staging kept its tensor")
 	}
-	if _, err := r.px.Stage(proxy.DevicePtr(st.Addr()), 10, nil, nil); !errors.Is(err, proxy.ErrWrongMemory) {
+	if _, err := r.px.Stage(proxy.DevicePtr(st.Block().Addr()), 10, nil, nil); !errors.Is(err, proxy.ErrWrongMemory) {
 		t.Fatalf("staging from host memory: %v", err)
 	}
 }
@@ -475,28 +476,28 @@ func (f *recordingFlusher) Flush(ctx context.Context, addr uintptr) error {
 }
 
 func TestDirectModeAndFlush(t *testing.T) {
-	direct := proxy.PolicyFunc(func(int) proxy.Mode { return proxy.ModeDirect })
 	cases := []struct {
 		name    string
-		opts    []proxy.Option
+		flush   proxy.FlushMode
+		ordered bool
 		flushes int
 	}{
-		{"on", []proxy.Option{proxy.WithFlush(proxy.FlushOn), proxy.WithWritesOrdered(true)}, 1},
-		{"off", []proxy.Option{proxy.WithFlush(proxy.FlushOff)}, 0},
-		{"auto-unordered", []proxy.Option{proxy.WithFlush(proxy.FlushAuto)}, 1},
-		{"auto-ordered", []proxy.Option{proxy.WithFlush(proxy.FlushAuto), proxy.WithWritesOrdered(true)}, 0},
+		{"on", proxy.FlushOn, true, 1},
+		{"off", proxy.FlushOff, false, 0},
+		{"auto-unordered", proxy.FlushAuto, false, 1},
+		{"auto-ordered", proxy.FlushAuto, true, 0},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			f := &recordingFlusher{}
-			r := newRig(t, gpusim.Config{}, append(c.opts, proxy.WithPolicy(direct), proxy.WithFlusher(f))...)
+			r := newRig(t, gpusim.Config{}, proxy.WithFlush(c.flush), proxy.WithDirect(f, c.ordered))
 			dst := r.alloc(t, 8192)
 			rc, err := r.px.Receive(dst, 8192, nil)
 			if err != nil {
 				t.Fatal(err)
 			}
-			if rc.Mode() != proxy.ModeDirect || rc.Addr() != uintptr(dst) {
-				t.Fatalf("Direct receive writes at %#x (mode %v), want the GPU tensor %#x", rc.Addr(), rc.Mode(), dst)
+			if !rc.Direct() || rc.Addr() != uintptr(dst) {
+				t.Fatalf("Direct receive writes at %#x (direct %v), want the GPU tensor %#x", rc.Addr(), rc.Direct(), dst)
 			}
 			if r.inUse() != 0 {
 				t.Fatal("Direct receive took a proxy tensor")
@@ -513,7 +514,7 @@ func TestDirectModeAndFlush(t *testing.T) {
 		})
 	}
 	t.Run("no-flusher", func(t *testing.T) {
-		r := newRig(t, gpusim.Config{}, proxy.WithPolicy(direct), proxy.WithFlush(proxy.FlushOn))
+		r := newRig(t, gpusim.Config{}, proxy.WithDirect(nil, false), proxy.WithFlush(proxy.FlushOn))
 		dst := r.alloc(t, 64)
 		rc, _ := r.px.Receive(dst, 64, nil)
 		if err := rc.ChunkArrived(0, 64); err == nil {

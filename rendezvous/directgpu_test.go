@@ -38,7 +38,7 @@ func TestGPUResultWrittenDirectly(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	mmap := alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode})
+	mmap := alloc.NewMmapSource(alloc.MmapOptions{})
 	hostPool, err := alloc.New(mmap, alloc.WithVisitors(registration(pd, 0)))
 	if err != nil {
 		t.Fatal(err)
@@ -73,7 +73,7 @@ func TestGPUResultWrittenDirectly(t *testing.T) {
 			t.Fatalf("step %d: path %s onto %s, want direct-gpu", step, tr.Path, got.Device())
 		}
 		p := *(*unsafe.Pointer)(unsafe.Pointer(&[]uintptr{got.Addr()}[0]))
-		if err := checkFill(unsafe.Slice((*byte)(p), got.ByteSize()), seedOf("w", step)); err != nil {
+		if err := checkFill(unsafe.Slice((*byte)(p), got.Meta().ByteSize), seedOf("w", step)); err != nil {
 			t.Fatalf("step %d: %v", step, err)
 		}
 		_ = got.Release()

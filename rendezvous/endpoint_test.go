@@ -227,7 +227,7 @@ func TestEndpointUnknownProvider(t *testing.T) {
 func TestEndpointBadPoolOption(t *testing.T) {
 	// A pool that cannot be built leaves nothing open: the device's close
 	// would report live children otherwise.
-	_, err := openEndpoint(endpointConfig{Provider: "tcp", Verbs: &verbsio.Config{}, Pool: []alloc.Option{alloc.WithAlignment(3)}})
+	_, err := openEndpoint(endpointConfig{Provider: "tcp", Verbs: &verbsio.Config{}, Pool: []alloc.Option{alloc.WithInitialArena(0)}})
 	if !errors.Is(err, alloc.ErrBadOption) {
 		t.Fatalf("err = %v, want alloc.ErrBadOption", err)
 	}
@@ -262,7 +262,7 @@ func Example_endpoint() {
 
 	meta, _ := tensor.MetaFor(tensor.Float32, tensor.Shape{4})
 	src, _ := sender.Pool.NewTensor(meta)
-	vals, _ := src.Float32s()
+	vals, _ := tensor.View[float32](src)
 	copy(vals, []float32{1, 2, 3, 4})
 	if err := sender.Channel.Send("grad", 7, src); err != nil {
 		panic(err)
@@ -272,7 +272,7 @@ func Example_endpoint() {
 		panic(err)
 	}
 	defer got.Release()
-	v, _ := got.Float32s()
+	v, _ := tensor.View[float32](got)
 	arena, _ := receiver.Pool.ArenaOf(got.Addr())
 	_, registered := visitor.MemoryRegionOf(arena)
 	fmt.Println(v, tr.Path, "registered:", registered)

@@ -26,7 +26,7 @@ func endpoint(name string) (*rendezvous.Channel, *alloc.Pool, func()) {
 		panic(err)
 	}
 	reg := visitor.NewMemoryRegistration(pd, verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite)
-	pool, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}), alloc.WithVisitors(reg))
+	pool, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}), alloc.WithVisitors(reg))
 	if err != nil {
 		panic(err)
 	}
@@ -62,7 +62,7 @@ func Example() {
 	for step := int64(0); step < 2; step++ {
 		meta, _ := tensor.MetaFor(tensor.Float32, tensor.Shape{2, 3})
 		src, _ := pool.NewTensor(meta)
-		vals, _ := src.Float32s()
+		vals, _ := tensor.View[float32](src)
 		for i := range vals {
 			vals[i] = float32(step*10) + float32(i)
 		}
@@ -74,7 +74,7 @@ func Example() {
 		if err != nil {
 			panic(err)
 		}
-		v, _ := got.Float32s()
+		v, _ := tensor.View[float32](got)
 		fmt.Println(tr.Meta, v, "path:", tr.Path, "meta-data round trip:", tr.MetaRoundTrip)
 		got.Release()
 	}

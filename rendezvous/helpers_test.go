@@ -75,25 +75,21 @@ type mrKey struct{ rail int }
 // is registered once with pd for local and remote access.
 func registration(pd verbsio.ProtectionDomain, rail int) alloc.Visitor {
 	key := mrKey{rail}
-	return alloc.VisitorFuncs{
-		VisitorName: fmt.Sprint("test-mr-", rail),
-		OnVisit: func(a *alloc.Arena) error {
-			mr, err := pd.RegisterMemory(a.Base(), a.Size(), verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite|verbsio.AccessRemoteRead)
-			if err != nil {
-				return err
-			}
-			a.SetHandle(key, mr)
+	return alloc.NewVisitor(fmt.Sprint("test-mr-", rail), func(a *alloc.Arena) error {
+		mr, err := pd.RegisterMemory(a.Base(), a.Size(), verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite|verbsio.AccessRemoteRead)
+		if err != nil {
+			return err
+		}
+		a.SetHandle(key, mr)
+		return nil
+	}, func(a *alloc.Arena) error {
+		v, ok := a.Handle(key)
+		if !ok {
 			return nil
-		},
-		OnRelease: func(a *alloc.Arena) error {
-			v, ok := a.Handle(key)
-			if !ok {
-				return nil
-			}
-			a.DeleteHandle(key)
-			return v.(verbsio.MemoryRegion).Close()
-		},
-	}
+		}
+		a.DeleteHandle(key)
+		return v.(verbsio.MemoryRegion).Close()
+	})
 }
 
 // regionIn finds an arena's region registered for rail.

@@ -42,7 +42,7 @@ var (
 // stubPool is the pool of the stub channels' memory, made once.
 func stubPool(t testing.TB) *alloc.Pool {
 	hostileOnce.Do(func() {
-		hostilePool, hostileErr = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}), alloc.WithLimit(64<<20))
+		hostilePool, hostileErr = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}), alloc.WithLimit(64<<20))
 	})
 	if hostileErr != nil {
 		t.Fatal(hostileErr)

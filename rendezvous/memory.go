@@ -50,10 +50,15 @@ func (m *poolMemory) Alloc(n int, dev tensor.Device) (tensor.Buffer, error) {
 func (m *poolMemory) Region(addr uintptr, n int) (verbsio.MemoryRegion, bool) {
 	for _, p := range m.pools {
 		a, ok := p.ArenaOf(addr)
-		if !ok || !a.Contains(addr, n) {
+		if !ok || !inArena(a, addr, n) {
 			continue
 		}
 		return m.regionOf(a)
 	}
 	return nil, false
+}
+
+// inArena reports whether [addr, addr+n) lies inside a.
+func inArena(a *alloc.Arena, addr uintptr, n int) bool {
+	return addr >= a.Base() && n >= 0 && uint64(addr-a.Base())+uint64(n) <= uint64(a.Size())
 }

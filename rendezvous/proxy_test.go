@@ -16,7 +16,7 @@ import (
 
 // simBuffer is device memory of the simulated GPU as a tensor.Buffer.
 type simBuffer struct {
-	gpu *gpusim.Device
+	gpu gpusim.Device
 	p   proxy.DevicePtr
 	n   int
 	dev tensor.Device
@@ -62,12 +62,12 @@ func TestGPUResultGoesThroughProxy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	hostPool, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}), alloc.WithVisitors(registration(pd, 0)))
+	hostPool, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}), alloc.WithVisitors(registration(pd, 0)))
 	if err != nil {
 		t.Fatal(err)
 	}
 	gpu := gpusim.New(gpusim.Config{})
-	pinned, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}),
+	pinned, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}),
 		alloc.WithVisitors(gpu.HostRegisterVisitor(), registration(pd, 0)), alloc.WithName("pinned"))
 	if err != nil {
 		t.Fatal(err)
@@ -108,7 +108,7 @@ func TestGPUResultGoesThroughProxy(t *testing.T) {
 		if tr.Path != PathProxy || !got.Device().IsGPU() {
 			t.Fatalf("step %d: path %s, result on %s; want proxy onto the GPU", step, tr.Path, got.Device())
 		}
-		onGPU, err := gpu.Peek(proxy.DevicePtr(got.Addr()), int(got.ByteSize()))
+		onGPU, err := gpu.Peek(proxy.DevicePtr(got.Addr()), int(got.Meta().ByteSize))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -158,7 +158,7 @@ func TestGPUSourceStagedThroughProxy(t *testing.T) {
 		t.Fatal(err)
 	}
 	gpu := gpusim.New(gpusim.Config{})
-	pinned, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}),
+	pinned, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}),
 		alloc.WithVisitors(gpu.HostRegisterVisitor(), registration(pd, 0)), alloc.WithName("pinned"))
 	if err != nil {
 		t.Fatal(err)

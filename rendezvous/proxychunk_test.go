@@ -87,7 +87,7 @@ func (l *watchedLanding) Landed(done func(*tensor.Tensor, error)) {
 // a simulated GPU the NIC cannot write.
 type proxySide struct {
 	*side
-	gpu    *gpusim.Device
+	gpu    gpusim.Device
 	pinned *alloc.Pool
 	px     *proxy.Proxy
 	watch  *landingWatch
@@ -112,12 +112,12 @@ func openProxySideOn(provider, name string, gcfg gpusim.Config, opts ...Option) 
 	if s.pd, err = s.dev.AllocPD(); err != nil {
 		return fail(err)
 	}
-	if s.pool, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}), alloc.WithVisitors(registration(s.pd, 0)), alloc.WithName(name)); err != nil {
+	if s.pool, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}), alloc.WithVisitors(registration(s.pd, 0)), alloc.WithName(name)); err != nil {
 		return fail(err)
 	}
 	ps.gpu = gpusim.New(gcfg)
 	s.after = append(s.after, ps.gpu.Close)
-	if ps.pinned, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}),
+	if ps.pinned, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}),
 		alloc.WithVisitors(ps.gpu.HostRegisterVisitor(), registration(s.pd, 0)), alloc.WithName(name+"-pinned")); err != nil {
 		return fail(err)
 	}
@@ -172,7 +172,7 @@ func (b *proxySide) checkOnGPU(t *testing.T, got *tensor.Tensor, key string, ste
 	if !got.Device().IsGPU() {
 		t.Fatalf("%s step %d: result on %s, want the GPU", key, step, got.Device())
 	}
-	onGPU, err := b.gpu.Peek(proxy.DevicePtr(got.Addr()), int(got.ByteSize()))
+	onGPU, err := b.gpu.Peek(proxy.DevicePtr(got.Addr()), int(got.Meta().ByteSize))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -207,7 +207,7 @@ func TestProxyPipelined64MiB(t *testing.T) {
 				ctx := recvCtx(t)
 				for step := int64(0); step < 2; step++ { // a meta-data round trip, then a cached request
 					b.watch.reset()
-					pxBefore, aBefore, bBefore := b.px.Stats(), a.ch.Stats(), b.ch.Stats()
+					gpuBefore, aBefore, bBefore := b.gpu.Stats(), a.ch.Stats(), b.ch.Stats()
 					src, err := makeTensor(a.pool, "float32", tensor.Shape{size / 4}, "big", step)
 					if err != nil {
 						t.Fatal(err)
@@ -224,9 +224,9 @@ func TestProxyPipelined64MiB(t *testing.T) {
 					}
 					b.checkOnGPU(t, got, "big", step)
 					_ = got.Release()
-					px := b.px.Stats()
-					if d := px.Chunks - pxBefore.Chunks; d != size/chunk {
-						t.Fatalf("step %d: the proxy got %d ChunkArrived calls, want %d", step, d, size/chunk)
+					// Each ChunkArrived queues one host-to-device copy.
+					if d := b.gpu.Stats().Copies - gpuBefore.Copies; d != size/chunk {
+						t.Fatalf("step %d: the proxy got %d ChunkArrived calls (copies), want %d", step, d, size/chunk)
 					}
 					if d := b.ch.Stats().ChunksIn - bBefore.ChunksIn; d != size/chunk {
 						t.Fatalf("step %d: %d chunks in, want %d", step, d, size/chunk)

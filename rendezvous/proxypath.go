@@ -66,24 +66,24 @@ var (
 // Bytes is the pinned proxy tensor the NIC writes, nil when the NIC writes
 // the GPU directly.
 func (l *landing) Bytes() []byte {
-	if l.rc.Mode() == proxy.ModeDirect {
+	if l.rc.Direct() {
 		return nil
 	}
 	return l.rc.Block().Bytes()
 }
 
 func (l *landing) Addr() uintptr { return l.rc.Addr() }
-func (l *landing) Len() int      { return l.rc.Len() }
+func (l *landing) Len() int      { return int(l.meta.ByteSize) }
 
 func (l *landing) Device() tensor.Device {
-	if l.rc.Mode() == proxy.ModeDirect {
+	if l.rc.Direct() {
 		return l.dst.Device()
 	}
 	return tensor.Device{Kind: tensor.PinnedHost}
 }
 
 // Direct reports whether the NIC writes the GPU itself.
-func (l *landing) Direct() bool { return l.rc.Mode() == proxy.ModeDirect }
+func (l *landing) Direct() bool { return l.rc.Direct() }
 
 // Free abandons the landing: the proxy tensor goes back, and so does the
 // device memory once the proxy is done with it.
@@ -178,7 +178,7 @@ type stagedBuffer struct {
 }
 
 func (b *stagedBuffer) Bytes() []byte         { return b.st.Block().Bytes() }
-func (b *stagedBuffer) Addr() uintptr         { return b.st.Addr() }
+func (b *stagedBuffer) Addr() uintptr         { return b.st.Block().Addr() }
 func (b *stagedBuffer) Len() int              { return b.n }
 func (b *stagedBuffer) Device() tensor.Device { return tensor.Device{Kind: tensor.PinnedHost} }
 func (b *stagedBuffer) Free() error           { return b.st.Release() }

@@ -61,11 +61,11 @@ func DTypes() []DType {
 }
 
 // Valid reports whether d is a known element type.
-func (d DType) Valid() bool { return d > Invalid && d < numDTypes }
+func (d DType) valid() bool { return d > Invalid && d < numDTypes }
 
 // Size is the size of one element in bytes; 0 for String and invalid types.
 func (d DType) Size() int {
-	if !d.Valid() {
+	if !d.valid() {
 		return 0
 	}
 	return dtypeInfo[d].size
@@ -73,7 +73,7 @@ func (d DType) Size() int {
 
 // DMAable reports whether tensors of this type are plain bytes that a NIC can
 // move as they are. String tensors are not: they are encoded first.
-func (d DType) DMAable() bool { return d.Valid() && d != String }
+func (d DType) DMAable() bool { return d.valid() && d != String }
 
 // String names the type as frameworks do ("float32", "bfloat16").
 func (d DType) String() string {

@@ -23,7 +23,8 @@ func ExampleMetaFor() {
 func ExampleAppendStrings() {
 	vals := []string{"ab", "", "c"}
 	enc := encodeSized(vals)
-	fmt.Println(len(enc) == tensor.StringsEncodedLen(vals))
+	t, _ := tensor.NewStrings(tensor.Shape{3}, vals)
+	fmt.Println(int64(len(enc)) == t.Meta().ByteSize)
 	fmt.Printf("% x\n", enc)
 	// Output:
 	// true
@@ -31,17 +32,28 @@ func ExampleAppendStrings() {
 }
 
 // encodeSized encodes into a buffer sized in advance, as a sender does into
-// the registered memory of the byte size it announced.
+// the registered memory of the byte size it announced (a String tensor's
+// ByteSize is the size of its encoding).
 func encodeSized(vals []string) []byte {
-	buf := make([]byte, 0, tensor.StringsEncodedLen(vals))
+	t, err := tensor.NewStrings(tensor.Shape{int64(len(vals))}, vals)
+	if err != nil {
+		panic(err)
+	}
+	buf := make([]byte, 0, t.Meta().ByteSize)
 	return tensor.AppendStrings(buf, vals)
 }
 
-func ExampleDecodeStrings() {
-	enc := tensor.AppendStrings(nil, []string{"alpha", "beta"})
-	vals, err := tensor.DecodeStrings(enc, 2, 1<<20)
-	fmt.Println(vals, err)
-	_, err = tensor.DecodeStrings(enc[:len(enc)-1], 2, 1<<20)
+func ExampleDecodeStringTensor() {
+	vals := []string{"alpha", "beta"}
+	t, _ := tensor.NewStrings(tensor.Shape{2}, vals)
+	enc := tensor.AppendStrings(nil, vals)
+	back, err := tensor.DecodeStringTensor(t.Meta(), enc, 1<<20)
+	got, _ := back.Strings()
+	fmt.Println(got, err)
+	// A peer that announces one byte less than its strings need.
+	short := t.Meta()
+	short.ByteSize--
+	_, err = tensor.DecodeStringTensor(short, enc[:len(enc)-1], 1<<20)
 	fmt.Println(errors.Is(err, tensor.ErrTruncated), err)
 	// Output:
 	// [alpha beta] <nil>

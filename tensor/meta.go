@@ -17,8 +17,8 @@ type Meta struct {
 // MetaFor returns the meta-data of a live DMAable tensor of the given type and
 // shape, with ByteSize computed.
 func MetaFor(dt DType, shape Shape) (Meta, error) {
-	m := Meta{DType: dt, Shape: shape.Clone()}
-	if !dt.Valid() {
+	m := Meta{DType: dt, Shape: shape.clone()}
+	if !dt.valid() {
 		return m, fmt.Errorf("%w: %d", ErrBadDType, uint8(dt))
 	}
 	if !dt.DMAable() {
@@ -40,7 +40,7 @@ func MetaFor(dt DType, shape Shape) (Meta, error) {
 // DMAable types or is at least the shortest encoding of that many strings
 // for String tensors, and a zero byte size for dead tensors.
 func (m Meta) Validate() error {
-	if !m.DType.Valid() {
+	if !m.DType.valid() {
 		return fmt.Errorf("%w: %d", ErrBadDType, uint8(m.DType))
 	}
 	n, err := m.Shape.NumElements()
@@ -71,10 +71,10 @@ func (m Meta) Validate() error {
 	return nil
 }
 
-// MetaForStrings returns the meta-data of a live String tensor of the given
+// metaForStrings returns the meta-data of a live String tensor of the given
 // shape holding vals, with ByteSize the size of their wire encoding.
-func MetaForStrings(shape Shape, vals []string) (Meta, error) {
-	m := Meta{DType: String, Shape: shape.Clone()}
+func metaForStrings(shape Shape, vals []string) (Meta, error) {
+	m := Meta{DType: String, Shape: shape.clone()}
 	n, err := shape.NumElements()
 	if err != nil {
 		return m, err
@@ -82,7 +82,7 @@ func MetaForStrings(shape Shape, vals []string) (Meta, error) {
 	if int64(len(vals)) != n {
 		return m, fmt.Errorf("%w: shape %v needs %d strings, got %d", ErrSizeMismatch, shape, n, len(vals))
 	}
-	m.ByteSize = int64(StringsEncodedLen(vals))
+	m.ByteSize = int64(stringsEncodedLen(vals))
 	return m, nil
 }
 
@@ -93,7 +93,7 @@ func minStringsLen(n int64) uint64 {
 
 // Equal reports whether two meta-data are the same.
 func (m Meta) Equal(o Meta) bool {
-	return m.DType == o.DType && m.IsDead == o.IsDead && m.ByteSize == o.ByteSize && m.Shape.Equal(o.Shape)
+	return m.DType == o.DType && m.IsDead == o.IsDead && m.ByteSize == o.ByteSize && m.Shape.equal(o.Shape)
 }
 
 // String prints the meta-data for people: "float32[2 3] 24 B".

@@ -35,7 +35,7 @@ func (s Shape) NumElements() (int64, error) {
 }
 
 // Equal reports whether two shapes have the same dimensions.
-func (s Shape) Equal(o Shape) bool {
+func (s Shape) equal(o Shape) bool {
 	if len(s) != len(o) {
 		return false
 	}
@@ -48,7 +48,7 @@ func (s Shape) Equal(o Shape) bool {
 }
 
 // Clone returns a copy that shares no memory with s.
-func (s Shape) Clone() Shape {
+func (s Shape) clone() Shape {
 	if s == nil {
 		return nil
 	}

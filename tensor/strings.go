@@ -6,13 +6,13 @@ import (
 	"math/bits"
 )
 
-// StringsVersion is the version byte that starts every string encoding this
+// stringsVersion is the version byte that starts every string encoding this
 // package writes. A decoder rejects any other version with ErrCorrupt.
-const StringsVersion = 1
+const stringsVersion = 1
 
 // The wire encoding of a String tensor's elements, version 1:
 //
-//	version  1 byte, StringsVersion
+//	version  1 byte, stringsVersion
 //	count    uvarint, the number of elements
 //	lengths  count uvarints, the byte length of each element
 //	data     the elements' bytes, concatenated, nothing after them
@@ -21,9 +21,9 @@ const StringsVersion = 1
 // padded ones, so every value has exactly one encoding and decoding then
 // re-encoding gives back the same bytes.
 
-// StringsEncodedLen is the exact size in bytes of the wire encoding of vals:
+// stringsEncodedLen is the exact size in bytes of the wire encoding of vals:
 // AppendStrings appends exactly this many bytes.
-func StringsEncodedLen(vals []string) int {
+func stringsEncodedLen(vals []string) int {
 	n := 1 + uvarintLen(uint64(len(vals)))
 	for _, s := range vals {
 		n += uvarintLen(uint64(len(s))) + len(s)
@@ -33,14 +33,15 @@ func StringsEncodedLen(vals []string) int {
 
 // AppendStrings appends the wire encoding of vals to b and returns the
 // extended slice. It allocates only when b lacks the capacity for
-// StringsEncodedLen(vals) more bytes.
+// the encoding's size more bytes: that size is the ByteSize of the
+// tensor NewStrings makes of vals.
 func AppendStrings(b []byte, vals []string) []byte {
-	if need := StringsEncodedLen(vals); cap(b)-len(b) < need {
+	if need := stringsEncodedLen(vals); cap(b)-len(b) < need {
 		nb := make([]byte, len(b), len(b)+need)
 		copy(nb, b)
 		b = nb
 	}
-	b = append(b, StringsVersion)
+	b = append(b, stringsVersion)
 	b = binary.AppendUvarint(b, uint64(len(vals)))
 	for _, s := range vals {
 		b = binary.AppendUvarint(b, uint64(len(s)))
@@ -51,7 +52,7 @@ func AppendStrings(b []byte, vals []string) []byte {
 	return b
 }
 
-// DecodeStrings decodes a wire encoding that must be the whole of b.
+// decodeStrings decodes a wire encoding that must be the whole of b.
 //
 // wantCount is the number of elements the tensor's shape holds; an encoding
 // with another count fails with ErrCorrupt. A negative wantCount accepts any
@@ -66,12 +67,12 @@ func AppendStrings(b []byte, vals []string) []byte {
 // other than wantCount, bytes after the data), and say at which offset. The
 // decoder allocates at most the result's slice (bounded by len(b) elements)
 // and one copy of the data section, never what a corrupt header claims.
-func DecodeStrings(b []byte, wantCount int64, maxBytes int) ([]string, error) {
+func decodeStrings(b []byte, wantCount int64, maxBytes int) ([]string, error) {
 	if len(b) == 0 {
 		return nil, fmt.Errorf("%w: no version byte at offset 0", ErrTruncated)
 	}
-	if b[0] != StringsVersion {
-		return nil, fmt.Errorf("%w: version %d at offset 0, want %d", ErrCorrupt, b[0], StringsVersion)
+	if b[0] != stringsVersion {
+		return nil, fmt.Errorf("%w: version %d at offset 0, want %d", ErrCorrupt, b[0], stringsVersion)
 	}
 	off := 1
 	count, err := readUvarint(b, &off, "element count")
@@ -128,7 +129,18 @@ func DecodeStrings(b []byte, wantCount int64, maxBytes int) ([]string, error) {
 
 // DecodeStringTensor decodes the wire encoding b of a String tensor whose
 // meta-data the receiver holds: b must be meta.ByteSize bytes and hold exactly
-// as many elements as meta.Shape. maxBytes is as for DecodeStrings.
+// as many elements as meta.Shape. maxBytes caps what the result may hold: at
+// most maxBytes elements and maxBytes bytes of strings in total; maxBytes <= 0
+// means no cap other than the input itself.
+//
+// A malformed encoding fails with an error wrapping ErrTruncated (the input
+// ends inside the header, or before the data its lengths announce),
+// ErrOversized (a count or length larger than the rest of the input could
+// hold, or beyond maxBytes) or ErrCorrupt (an unknown version, a padded or
+// overflowing uvarint, a count other than the shape's, bytes after the
+// data), saying at which offset. The decoder allocates at most the result's
+// slice (bounded by len(b) elements) and one copy of the data section, never
+// what a corrupt header claims.
 func DecodeStringTensor(meta Meta, b []byte, maxBytes int) (*Tensor, error) {
 	if meta.DType != String {
 		return nil, fmt.Errorf("%w: %s tensor has no string encoding", ErrBadDType, meta.DType)
@@ -143,7 +155,7 @@ func DecodeStringTensor(meta Meta, b []byte, maxBytes int) (*Tensor, error) {
 	if int64(len(b)) != meta.ByteSize {
 		return nil, fmt.Errorf("%w: encoding of %s has %d bytes", ErrSizeMismatch, meta, len(b))
 	}
-	vals, err := DecodeStrings(b, n, maxBytes)
+	vals, err := decodeStrings(b, n, maxBytes)
 	if err != nil {
 		return nil, err
 	}

@@ -20,7 +20,7 @@ func TestStringsRoundTrip(t *testing.T) {
 		{string([]byte{0, 1, 0xff})},
 		make([]string, 200), // a two-byte count
 	} {
-		n := StringsEncodedLen(vals)
+		n := stringsEncodedLen(vals)
 		prefix := []byte("pre")
 		enc := AppendStrings(prefix, vals)
 		if len(enc) != len(prefix)+n {
@@ -29,7 +29,7 @@ func TestStringsRoundTrip(t *testing.T) {
 		if !bytes.Equal(enc[:3], []byte("pre")) {
 			t.Fatalf("prefix overwritten: %q", enc[:3])
 		}
-		got, err := DecodeStrings(enc[3:], int64(len(vals)), 0)
+		got, err := decodeStrings(enc[3:], int64(len(vals)), 0)
 		if err != nil {
 			t.Fatalf("%q: %v", vals, err)
 		}
@@ -41,7 +41,7 @@ func TestStringsRoundTrip(t *testing.T) {
 				t.Fatalf("element %d = %q, want %q", i, got[i], vals[i])
 			}
 		}
-		if _, err := DecodeStrings(enc[3:], -1, 0); err != nil {
+		if _, err := decodeStrings(enc[3:], -1, 0); err != nil {
 			t.Fatalf("any count: %v", err)
 		}
 	}
@@ -49,7 +49,7 @@ func TestStringsRoundTrip(t *testing.T) {
 
 func TestStringsLayout(t *testing.T) {
 	got := AppendStrings(nil, []string{"ab", "", "c"})
-	want := []byte{StringsVersion, 3, 2, 0, 1, 'a', 'b', 'c'}
+	want := []byte{stringsVersion, 3, 2, 0, 1, 'a', 'b', 'c'}
 	if !bytes.Equal(got, want) {
 		t.Fatalf("encoding = %v, want %v", got, want)
 	}
@@ -57,7 +57,7 @@ func TestStringsLayout(t *testing.T) {
 
 func TestAppendStringsNoAlloc(t *testing.T) {
 	vals := []string{"one", "two", "three"}
-	buf := make([]byte, 0, StringsEncodedLen(vals))
+	buf := make([]byte, 0, stringsEncodedLen(vals))
 	allocs := testing.AllocsPerRun(100, func() { buf = AppendStrings(buf[:0], vals) })
 	if allocs != 0 {
 		t.Fatalf("AppendStrings into a large enough buffer allocated %v times", allocs)
@@ -67,7 +67,7 @@ func TestAppendStringsNoAlloc(t *testing.T) {
 func TestDecodeStringsErrors(t *testing.T) {
 	uv := func(v uint64) []byte { return binary.AppendUvarint(nil, v) }
 	cat := func(parts ...[]byte) []byte { return bytes.Join(parts, nil) }
-	v := []byte{StringsVersion}
+	v := []byte{stringsVersion}
 	tests := []struct {
 		name     string
 		in       []byte
@@ -99,7 +99,7 @@ func TestDecodeStringsErrors(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			got, err := DecodeStrings(tc.in, tc.want, tc.maxBytes)
+			got, err := decodeStrings(tc.in, tc.want, tc.maxBytes)
 			if !errors.Is(err, tc.err) {
 				t.Fatalf("DecodeStrings(%v) = %q, %v; want %v", tc.in, got, err, tc.err)
 			}
@@ -110,7 +110,7 @@ func TestDecodeStringsErrors(t *testing.T) {
 	}
 	// At exactly maxBytes it decodes.
 	enc := AppendStrings(nil, []string{"abc", "de"})
-	if _, err := DecodeStrings(enc, 2, 5); err != nil {
+	if _, err := decodeStrings(enc, 2, 5); err != nil {
 		t.Fatalf("at maxBytes: %v", err)
 	}
 }
@@ -120,13 +120,13 @@ func TestDecodeStringsDoesNotTrustCount(t *testing.T) {
 	// decoder allocating for them: 2^24 claimed strings would be 256 MiB of
 	// string headers if it trusted the count, 2^40 would not fit at all.
 	for _, claim := range []uint64{1 << 24, 1 << 40} {
-		in := binary.AppendUvarint([]byte{StringsVersion}, claim)
+		in := binary.AppendUvarint([]byte{stringsVersion}, claim)
 		in = append(in, make([]byte, 6)...)
 		var before, after runtime.MemStats
 		runtime.ReadMemStats(&before)
 		const runs = 10
 		for range runs {
-			if _, err := DecodeStrings(in, -1, 0); !errors.Is(err, ErrOversized) {
+			if _, err := decodeStrings(in, -1, 0); !errors.Is(err, ErrOversized) {
 				t.Fatalf("claim %d: err = %v", claim, err)
 			}
 		}
@@ -185,9 +185,9 @@ func TestUvarintLen(t *testing.T) {
 func FuzzDecodeStrings(f *testing.F) {
 	f.Add(AppendStrings(nil, nil))
 	f.Add(AppendStrings(nil, []string{"a", "", "hello"}))
-	f.Add([]byte{StringsVersion, 0x80, 0x00})
+	f.Add([]byte{stringsVersion, 0x80, 0x00})
 	f.Fuzz(func(t *testing.T, in []byte) {
-		vals, err := DecodeStrings(in, -1, 1<<20)
+		vals, err := decodeStrings(in, -1, 1<<20)
 		if err != nil {
 			if !errors.Is(err, ErrTruncated) && !errors.Is(err, ErrOversized) && !errors.Is(err, ErrCorrupt) {
 				t.Fatalf("untyped error: %v", err)
@@ -197,14 +197,14 @@ func FuzzDecodeStrings(f *testing.F) {
 			}
 			return
 		}
-		if n := StringsEncodedLen(vals); n != len(in) {
+		if n := stringsEncodedLen(vals); n != len(in) {
 			t.Fatalf("StringsEncodedLen = %d, input was %d bytes", n, len(in))
 		}
 		out := AppendStrings(nil, vals)
 		if !bytes.Equal(out, in) {
 			t.Fatalf("re-encoding differs:\n in %x\nout %x", in, out)
 		}
-		again, err := DecodeStrings(out, int64(len(vals)), 1<<20)
+		again, err := decodeStrings(out, int64(len(vals)), 1<<20)
 		if err != nil || len(again) != len(vals) {
 			t.Fatalf("decoding the re-encoding: %d strings, %v", len(again), err)
 		}
@@ -221,7 +221,7 @@ func benchStrings() []string {
 
 func BenchmarkAppendStrings(b *testing.B) {
 	vals := benchStrings()
-	buf := make([]byte, 0, StringsEncodedLen(vals))
+	buf := make([]byte, 0, stringsEncodedLen(vals))
 	b.SetBytes(int64(cap(buf)))
 	b.ReportAllocs()
 	for b.Loop() {
@@ -235,7 +235,7 @@ func BenchmarkDecodeStrings(b *testing.B) {
 	b.SetBytes(int64(len(enc)))
 	b.ReportAllocs()
 	for b.Loop() {
-		if _, err := DecodeStrings(enc, int64(len(vals)), 0); err != nil {
+		if _, err := decodeStrings(enc, int64(len(vals)), 0); err != nil {
 			b.Fatal(err)
 		}
 	}

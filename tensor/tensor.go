@@ -48,14 +48,14 @@ func New(meta Meta, buf Buffer) (*Tensor, error) {
 		}
 		return nil, fmt.Errorf("%w: %s needs %d bytes, buffer has %d", ErrSizeMismatch, meta, meta.ByteSize, have)
 	}
-	return &Tensor{meta: Meta{DType: meta.DType, Shape: meta.Shape.Clone(), IsDead: meta.IsDead, ByteSize: meta.ByteSize}, buf: buf}, nil
+	return &Tensor{meta: Meta{DType: meta.DType, Shape: meta.Shape.clone(), IsDead: meta.IsDead, ByteSize: meta.ByteSize}, buf: buf}, nil
 }
 
 // NewStrings returns a String tensor of the given shape holding vals, which
 // must have exactly as many elements as the shape. Its ByteSize is the size of
 // its wire encoding.
 func NewStrings(shape Shape, vals []string) (*Tensor, error) {
-	m, err := MetaForStrings(shape, vals)
+	m, err := metaForStrings(shape, vals)
 	if err != nil {
 		return nil, err
 	}
@@ -64,23 +64,13 @@ func NewStrings(shape Shape, vals []string) (*Tensor, error) {
 
 // Dead returns a dead tensor: meta-data with no value and no bytes.
 func Dead(dt DType, shape Shape) *Tensor {
-	return &Tensor{meta: Meta{DType: dt, Shape: shape.Clone(), IsDead: true}}
+	return &Tensor{meta: Meta{DType: dt, Shape: shape.clone(), IsDead: true}}
 }
 
-// Meta returns the tensor's meta-data.
+// Meta returns the tensor's meta-data: element type, shape, whether it is
+// dead, and the byte size a transfer of it carries. Its Shape is the
+// tensor's own; callers must not modify it.
 func (t *Tensor) Meta() Meta { return t.meta }
-
-// DType is the element type.
-func (t *Tensor) DType() DType { return t.meta.DType }
-
-// Shape is the tensor's shape; callers must not modify it.
-func (t *Tensor) Shape() Shape { return t.meta.Shape }
-
-// ByteSize is the number of bytes a transfer of this tensor carries.
-func (t *Tensor) ByteSize() int64 { return t.meta.ByteSize }
-
-// IsDead reports whether the tensor is a placeholder with no value.
-func (t *Tensor) IsDead() bool { return t.meta.IsDead }
 
 // Buffer is the memory under a DMAable tensor; nil for String and dead tensors.
 func (t *Tensor) Buffer() Buffer { return t.buf }
@@ -142,15 +132,3 @@ func (t *Tensor) Release() error {
 	}
 	return t.buf.Free()
 }
-
-// Float32s views a host float32 tensor as []float32 (View[float32]).
-func (t *Tensor) Float32s() ([]float32, error) { return View[float32](t) }
-
-// Float64s views a host float64 tensor as []float64 (View[float64]).
-func (t *Tensor) Float64s() ([]float64, error) { return View[float64](t) }
-
-// Int32s views a host int32 tensor as []int32 (View[int32]).
-func (t *Tensor) Int32s() ([]int32, error) { return View[int32](t) }
-
-// Int64s views a host int64 tensor as []int64 (View[int64]).
-func (t *Tensor) Int64s() ([]int64, error) { return View[int64](t) }

@@ -72,7 +72,7 @@ func TestDTypeTable(t *testing.T) {
 			if DTypes()[i] != tc.dt {
 				t.Errorf("DTypes()[%d] = %v, want %v", i, DTypes()[i], tc.dt)
 			}
-			if !tc.dt.Valid() {
+			if !tc.dt.valid() {
 				t.Errorf("%v not valid", tc.dt)
 			}
 			if got := tc.dt.String(); got != tc.name {
@@ -94,8 +94,8 @@ func TestDTypeTable(t *testing.T) {
 
 func TestDTypeInvalid(t *testing.T) {
 	for _, dt := range []DType{Invalid, numDTypes, 200, 255} {
-		if dt.Valid() || dt.DMAable() || dt.Size() != 0 {
-			t.Errorf("%v: Valid=%v DMAable=%v Size=%d, want false false 0", dt, dt.Valid(), dt.DMAable(), dt.Size())
+		if dt.valid() || dt.DMAable() || dt.Size() != 0 {
+			t.Errorf("%v: Valid=%v DMAable=%v Size=%d, want false false 0", dt, dt.valid(), dt.DMAable(), dt.Size())
 		}
 	}
 	if got := DType(200).String(); got != "DType(200)" {
@@ -146,18 +146,18 @@ func TestShapeNumElements(t *testing.T) {
 
 func TestShapeCloneEqualString(t *testing.T) {
 	s := Shape{2, 3, 4}
-	c := s.Clone()
+	c := s.clone()
 	c[0] = 9
 	if s[0] != 2 {
 		t.Fatal("Clone shares memory")
 	}
-	if !s.Equal(Shape{2, 3, 4}) || s.Equal(c) || s.Equal(Shape{2, 3}) {
+	if !s.equal(Shape{2, 3, 4}) || s.equal(c) || s.equal(Shape{2, 3}) {
 		t.Fatal("Equal is wrong")
 	}
-	if Shape(nil).Clone() != nil {
+	if Shape(nil).clone() != nil {
 		t.Fatal("Clone of nil is not nil")
 	}
-	if !Shape(nil).Equal(Shape{}) {
+	if !Shape(nil).equal(Shape{}) {
 		t.Fatal("nil and empty shapes differ")
 	}
 	if got := s.String(); got != "[2 3 4]" {
@@ -192,7 +192,7 @@ func TestMetaFor(t *testing.T) {
 				}
 				return
 			}
-			if err != nil || m.ByteSize != tc.size || m.DType != tc.dt || !m.Shape.Equal(tc.shape) || m.IsDead {
+			if err != nil || m.ByteSize != tc.size || m.DType != tc.dt || !m.Shape.equal(tc.shape) || m.IsDead {
 				t.Fatalf("MetaFor = %+v, %v; want %d bytes", m, err, tc.size)
 			}
 			if err := m.Validate(); err != nil {
@@ -209,7 +209,7 @@ func TestMetaFor(t *testing.T) {
 }
 
 func TestMetaValidate(t *testing.T) {
-	enc := int64(StringsEncodedLen([]string{"a", "bc"}))
+	enc := int64(stringsEncodedLen([]string{"a", "bc"}))
 	tests := []struct {
 		name string
 		m    Meta
@@ -331,17 +331,17 @@ func TestTensorBytesAndViews(t *testing.T) {
 		t.Fatal(err)
 	}
 	shape[0] = 5
-	if !x.Shape().Equal(Shape{2, 2}) {
+	if !x.Meta().Shape.equal(Shape{2, 2}) {
 		t.Fatal("New kept the caller's shape slice")
 	}
-	if x.DType() != Float32 || x.ByteSize() != 16 || x.IsDead() || x.Device() != Host || x.Buffer() != buf || x.Addr() != buf.Addr() {
-		t.Fatalf("accessors wrong: %v %d %v %v", x.DType(), x.ByteSize(), x.IsDead(), x.Device())
+	if x.Meta().DType != Float32 || x.Meta().ByteSize != 16 || x.Meta().IsDead || x.Device() != Host || x.Buffer() != buf || x.Addr() != buf.Addr() {
+		t.Fatalf("accessors wrong: %v %d %v %v", x.Meta().DType, x.Meta().ByteSize, x.Meta().IsDead, x.Device())
 	}
 	b, err := x.Bytes()
 	if err != nil || len(b) != 16 {
 		t.Fatalf("Bytes = %d bytes, %v; want 16", len(b), err)
 	}
-	f, err := x.Float32s()
+	f, err := View[float32](x)
 	if err != nil || len(f) != 4 {
 		t.Fatalf("Float32s = %v, %v", f, err)
 	}
@@ -349,7 +349,7 @@ func TestTensorBytesAndViews(t *testing.T) {
 	if got := *(*float32)(unsafe.Pointer(&buf.b[12])); got != 1.5 {
 		t.Fatalf("Float32s does not share the buffer: %v", got)
 	}
-	if _, err := x.Float64s(); !errors.Is(err, ErrBadDType) {
+	if _, err := View[float64](x); !errors.Is(err, ErrBadDType) {
 		t.Fatalf("Float64s of float32 = %v, want ErrBadDType", err)
 	}
 	if _, err := View[uint16](x); !errors.Is(err, ErrBadDType) {
@@ -370,7 +370,7 @@ func TestTensorBytesAndViews(t *testing.T) {
 	if _, err := x.Bytes(); !errors.Is(err, ErrReleased) {
 		t.Fatalf("Bytes after Release = %v", err)
 	}
-	if _, err := x.Float32s(); !errors.Is(err, ErrReleased) {
+	if _, err := View[float32](x); !errors.Is(err, ErrReleased) {
 		t.Fatalf("Float32s after Release = %v", err)
 	}
 }
@@ -391,9 +391,9 @@ func TestViewTypes(t *testing.T) {
 			t.Fatalf("%v view: %d elements, %v; want %d", dt, got, err, n)
 		}
 	}
-	check(t, Float64, 3, func(x *Tensor) (int, error) { v, err := x.Float64s(); return len(v), err })
-	check(t, Int32, 5, func(x *Tensor) (int, error) { v, err := x.Int32s(); return len(v), err })
-	check(t, Int64, 2, func(x *Tensor) (int, error) { v, err := x.Int64s(); return len(v), err })
+	check(t, Float64, 3, func(x *Tensor) (int, error) { v, err := View[float64](x); return len(v), err })
+	check(t, Int32, 5, func(x *Tensor) (int, error) { v, err := View[int32](x); return len(v), err })
+	check(t, Int64, 2, func(x *Tensor) (int, error) { v, err := View[int64](x); return len(v), err })
 	check(t, Complex128, 2, func(x *Tensor) (int, error) { v, err := View[complex128](x); return len(v), err })
 	check(t, Float16, 6, func(x *Tensor) (int, error) { v, err := View[uint16](x); return len(v), err })
 	check(t, BFloat16, 6, func(x *Tensor) (int, error) { v, err := View[uint16](x); return len(v), err })
@@ -415,7 +415,7 @@ func TestViewTypes(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := x.Float64s(); !errors.Is(err, ErrMisaligned) {
+	if _, err := View[float64](x); !errors.Is(err, ErrMisaligned) {
 		t.Fatalf("misaligned view = %v, want ErrMisaligned", err)
 	}
 	// Dead and empty tensors view as empty slices.
@@ -482,7 +482,7 @@ func TestStringsTensor(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if x.DType() != String || x.ByteSize() != int64(StringsEncodedLen(vals)) || x.Device() != Host || x.Buffer() != nil || x.Addr() != 0 {
+	if x.Meta().DType != String || x.Meta().ByteSize != int64(stringsEncodedLen(vals)) || x.Device() != Host || x.Buffer() != nil || x.Addr() != 0 {
 		t.Fatalf("string tensor: %v, device %v", x.Meta(), x.Device())
 	}
 	if err := x.Meta().Validate(); err != nil {
@@ -514,7 +514,7 @@ func TestStringsTensor(t *testing.T) {
 
 func TestDead(t *testing.T) {
 	x := Dead(Float32, Shape{3})
-	if !x.IsDead() || x.ByteSize() != 0 || x.Buffer() != nil {
+	if !x.Meta().IsDead || x.Meta().ByteSize != 0 || x.Buffer() != nil {
 		t.Fatalf("Dead: %v", x.Meta())
 	}
 	if err := x.Meta().Validate(); err != nil {

@@ -33,34 +33,34 @@ func (f *fakeRegistrar) name() string { return "gpu:0" }
 
 func TestCUDAHostRegisterLogic(t *testing.T) {
 	f := &fakeRegistrar{live: map[uintptr]int{}}
-	v := &CUDAHostRegister{reg: f}
-	a := alloc.NewArenaForTest(0, &alloc.Region{Base: 1 << 30, Size: 1 << 21, Device: tensor.Host, FD: -1})
+	v := &cudaHostRegister{reg: f}
+	a := NewTestArena(0, &alloc.Region{Base: 1 << 30, Size: 1 << 21, Device: tensor.Host, FD: -1})
 	if err := v.Visit(a); err != nil {
 		t.Fatal(err)
 	}
-	if f.live[1<<30] != 1<<21 || !v.CUDARegistered(a) {
+	if f.live[1<<30] != 1<<21 || !v.cudaRegistered(a) {
 		t.Fatalf("registrations %v", f.live)
 	}
-	if err := v.Visit(a); !errors.Is(err, ErrAlreadyVisited) {
+	if err := v.Visit(a); !errors.Is(err, errAlreadyVisited) {
 		t.Fatalf("second Visit: %v", err)
 	}
 	if err := v.Release(a); err != nil || len(f.live) != 0 {
 		t.Fatalf("Release: %v, %v left", err, f.live)
 	}
-	if err := v.Release(a); !errors.Is(err, ErrNotVisited) {
+	if err := v.Release(a); !errors.Is(err, errNotVisited) {
 		t.Fatalf("second Release: %v", err)
 	}
-	gpu := alloc.NewArenaForTest(1, &alloc.Region{Base: 1 << 31, Size: 1 << 21, Device: tensor.GPUDevice(0), FD: -1})
-	if err := v.Visit(gpu); !errors.Is(err, ErrNotHostMemory) {
+	gpu := NewTestArena(1, &alloc.Region{Base: 1 << 31, Size: 1 << 21, Device: tensor.GPUDevice(0), FD: -1})
+	if err := v.Visit(gpu); !errors.Is(err, errNotHostMemory) {
 		t.Fatalf("GPU arena: %v", err)
 	}
 	f.err = &cuda.Error{Op: "cuMemHostRegister_v2", Code: cuda.ErrorHostMemoryAlreadyRegistered}
 	err := v.Visit(a)
-	if !errors.Is(err, ErrCUDAHostRegister) || !errors.Is(err, cuda.ErrHostMemoryAlreadyRegistered) {
+	if !errors.Is(err, errCUDAHostRegister) || !errors.Is(err, cuda.ErrHostMemoryAlreadyRegistered) {
 		t.Fatalf("driver refusal: %v", err)
 	}
 	f.err = cuda.ErrWrongMemoryType
-	if err := v.Visit(a); !errors.Is(err, ErrNotHostMemory) {
+	if err := v.Visit(a); !errors.Is(err, errNotHostMemory) {
 		t.Fatalf("device pointer as host memory: %v", err)
 	}
 }
@@ -69,7 +69,7 @@ func TestCUDAHostRegisterLogic(t *testing.T) {
 // checks that its tensors become pinned memory.
 func TestCUDAHostRegisterReal(t *testing.T) {
 	ctx := cudatest.Context(t)
-	v := NewCUDAHostRegister(ctx)
+	v := NewCUDAHostRegister(ctx.Device().Ordinal())
 	pool, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}), alloc.WithVisitors(v))
 	if err != nil {
 		t.Fatal(err)

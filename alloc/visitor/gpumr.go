@@ -6,48 +6,53 @@ import (
 	"sync"
 
 	"github.com/gdrlink/gdrlink/alloc"
-	"github.com/gdrlink/gdrlink/internal/cuda"
+	"github.com/gdrlink/gdrlink/internal/nvml"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
 // Errors of the GPU memory-region visitor.
 var (
-	// ErrNotGPUMemory: an arena of host memory given to the GPU visitor.
-	ErrNotGPUMemory = errors.New("visitor: arena is not GPU memory")
 	// ErrBAR1Exhausted: registering the arena would map more GPU memory
 	// than the GPU's BAR1 aperture has free; the message gives the arena's
 	// size and BAR1's free and total bytes.
 	ErrBAR1Exhausted = errors.New("visitor: GPU BAR1 aperture exhausted")
-	// ErrBAR1Unknown: BAR1's size could not be read (no NVML, or built
-	// without cgo) and no limit was passed in.
-	ErrBAR1Unknown = errors.New("visitor: GPU BAR1 size unknown")
 	// ErrGPURegistration: neither dma-buf nor nvidia-peermem registration
-	// of a GPU arena worked; both reasons are wrapped.
+	// of a GPU arena worked; both reasons are wrapped. The GPU's tensors
+	// then need a CPU proxy.
 	ErrGPURegistration = errors.New("visitor: GPU memory registration failed")
 )
 
-// GPUMRMethod is how GPU memory is registered with the NIC.
-type GPUMRMethod int
+var (
+	// errNotGPUMemory: an arena of host memory, or of another GPU, given to
+	// the GPU visitor.
+	errNotGPUMemory = errors.New("visitor: arena is not GPU memory")
+	// errBAR1Unknown: BAR1's size could not be read (no NVML, or built
+	// without cgo) and no limit was passed in.
+	errBAR1Unknown = errors.New("visitor: GPU BAR1 size unknown")
+)
+
+// gpumrMethod is how GPU memory is registered with the NIC.
+type gpumrMethod int
 
 // Registration methods.
 const (
-	// GPUMRAuto tries dma-buf, then nvidia-peermem.
-	GPUMRAuto GPUMRMethod = iota
-	// GPUMRDMABuf uses only dma-buf: cuMemGetHandleForAddressRange then
+	// gpumrAuto tries dma-buf, then nvidia-peermem.
+	gpumrAuto gpumrMethod = iota
+	// gpumrDMABuf uses only dma-buf: cuMemGetHandleForAddressRange then
 	// ibv_reg_dmabuf_mr (kernel 5.12+, CUDA 11.7+, open GPU kernel modules).
-	GPUMRDMABuf
-	// GPUMRPeerMem uses only ibv_reg_mr on the device pointer, which the
+	gpumrDMABuf
+	// gpumrPeerMem uses only ibv_reg_mr on the device pointer, which the
 	// nvidia-peermem kernel module resolves.
-	GPUMRPeerMem
+	gpumrPeerMem
 )
 
 // String names the method.
-func (m GPUMRMethod) String() string {
+func (m gpumrMethod) String() string {
 	switch m {
-	case GPUMRDMABuf:
+	case gpumrDMABuf:
 		return "dma-buf"
-	case GPUMRPeerMem:
+	case gpumrPeerMem:
 		return "peermem"
 	}
 	return "auto"
@@ -58,35 +63,36 @@ type GPUMROptions struct {
 	// Access is the regions' access; 0 means local write, remote write and
 	// remote read.
 	Access verbsio.Access
-	// Method chooses dma-buf, nvidia-peermem, or both in that order.
-	Method GPUMRMethod
+	// method chooses dma-buf, nvidia-peermem, or both in that order (the
+	// default); tests force one.
+	method gpumrMethod
 	// BAR1Bytes is the BAR1 budget: > 0 caps the bytes this visitor maps;
 	// 0 asks NVML for the GPU's free BAR1 before each arena; < 0 skips the
 	// check.
 	BAR1Bytes int64
 }
 
-// GPUMR is what the GPU visitor attaches to an arena.
-type GPUMR struct {
+// gpuMR is what the GPU visitor attaches to an arena.
+type gpuMR struct {
 	// MR is the memory region: its rkey goes into requests for tensors
 	// landing in the arena.
 	MR verbsio.MemoryRegion
 	// Method is how it was registered ("dma-buf" or "peermem").
-	Method GPUMRMethod
+	Method gpumrMethod
 	// DMABufErr is why dma-buf was not used, when it was tried and failed.
 	DMABufErr error
 }
 
 type gpumrKey struct{}
 
-// GPUMemoryRegionOf returns the GPU memory region of an arena that a
-// GPUMemoryRegions visitor registered.
-func GPUMemoryRegionOf(a *alloc.Arena) (GPUMR, bool) {
+// gpuMemoryRegionOf returns the GPU memory region of an arena that a
+// NewGPUMemoryRegions visitor registered.
+func gpuMemoryRegionOf(a *alloc.Arena) (gpuMR, bool) {
 	h, ok := a.Handle(gpumrKey{})
 	if !ok {
-		return GPUMR{}, false
+		return gpuMR{}, false
 	}
-	return h.(GPUMR), true
+	return h.(gpuMR), true
 }
 
 // gpuExporter is what the visitor needs of a CUDA context; tests fake it.
@@ -96,29 +102,41 @@ type gpuExporter interface {
 	device() tensor.Device
 }
 
-type ctxExporter struct{ ctx *cuda.Context }
+// gpuExport exports through the primary context of one GPU, retained for
+// each call (and, for a dma-buf, until its descriptor is closed).
+type gpuExport struct{ pc *primaryContext }
 
-func (c ctxExporter) exportDMABuf(ptr uintptr, n int) (int, func() error, error) {
-	b, err := c.ctx.ExportDMABuf(ptr, n)
+func (g gpuExport) exportDMABuf(ptr uintptr, n int) (int, func() error, error) {
+	ctx, err := g.pc.acquire()
 	if err != nil {
 		return -1, nil, err
 	}
-	return b.FD, b.Close, nil
+	b, err := ctx.ExportDMABuf(ptr, n)
+	if err != nil {
+		if rerr := g.pc.release(); rerr != nil {
+			err = errors.Join(err, rerr)
+		}
+		return -1, nil, err
+	}
+	return b.FD, func() error { return errors.Join(b.Close(), g.pc.release()) }, nil
 }
 
-func (c ctxExporter) busID() (string, error) { return c.ctx.Device().PCIBusID() }
+func (g gpuExport) busID() (string, error) {
+	ctx, err := g.pc.acquire()
+	if err != nil {
+		return "", err
+	}
+	id, err := ctx.Device().PCIBusID()
+	if rerr := g.pc.release(); rerr != nil {
+		return "", errors.Join(err, rerr)
+	}
+	return id, err
+}
 
-func (c ctxExporter) device() tensor.Device { return tensor.GPUDevice(c.ctx.Device().Ordinal()) }
+func (g gpuExport) device() tensor.Device { return tensor.GPUDevice(g.pc.ordinal) }
 
-// GPUMemoryRegions is a visitor that registers every arena of a GPU pool
-// with a verbs protection domain, so a NIC reads and writes the GPU's
-// tensors directly (GPUDirect RDMA). It tries dma-buf first
-// (cuMemGetHandleForAddressRange, then ProtectionDomain.RegisterDMABuf) and
-// nvidia-peermem second (RegisterMemory on the device pointer), and checks
-// the GPU's BAR1 aperture before each arena: a NIC reaches GPU memory
-// through BAR1, and an arena larger than what is left of it fails with
-// ErrBAR1Exhausted rather than with an obscure driver error.
-type GPUMemoryRegions struct {
+// gpuMemoryRegions is the visitor NewGPUMemoryRegions returns.
+type gpuMemoryRegions struct {
 	exp    gpuExporter
 	pd     verbsio.ProtectionDomain
 	caps   verbsio.Caps
@@ -131,25 +149,37 @@ type GPUMemoryRegions struct {
 	mapped int64
 }
 
-// NewGPUMemoryRegions returns the visitor for GPU arenas of ctx's device,
-// registering them with pd of dev. A provider whose Caps do not list GPU
-// memory and cannot register dma-bufs fails with verbsio.ErrNotSupported;
-// nvidia-peermem registration is tried only with a provider whose Caps list
-// GPU memory (or with Method GPUMRPeerMem).
-func NewGPUMemoryRegions(ctx *cuda.Context, dev verbsio.Device, pd verbsio.ProtectionDomain, opts GPUMROptions) (*GPUMemoryRegions, error) {
-	return newGPUMemoryRegions(ctxExporter{ctx}, dev, pd, opts, nvmlBAR1)
+// NewGPUMemoryRegions returns a visitor that registers every arena of a GPU
+// pool of the GPU with CUDA ordinal gpu with pd of dev, so that a NIC reads
+// and writes the GPU's tensors directly (GPUDirect RDMA). It tries dma-buf
+// first (cuMemGetHandleForAddressRange, then ProtectionDomain.RegisterDMABuf)
+// and nvidia-peermem second (RegisterMemory on the device pointer), and checks
+// the GPU's BAR1 aperture before each arena: a NIC reaches GPU memory through
+// BAR1, and an arena larger than what is left of it fails with
+// ErrBAR1Exhausted rather than with an obscure driver error. The visitor
+// retains the GPU's primary context only while it exports an arena.
+//
+// A provider whose Caps do not list GPU memory and cannot register dma-bufs
+// fails with verbsio.ErrNotSupported; nvidia-peermem registration is tried
+// only with a provider whose Caps list GPU memory.
+func NewGPUMemoryRegions(gpu int, dev verbsio.Device, pd verbsio.ProtectionDomain, opts GPUMROptions) (alloc.Visitor, error) {
+	v, err := newGPUMemoryRegions(gpuExport{newPrimaryContext(gpu)}, dev, pd, opts, nvml.BAR1)
+	if err != nil {
+		return nil, err
+	}
+	return v, nil
 }
 
-func newGPUMemoryRegions(exp gpuExporter, dev verbsio.Device, pd verbsio.ProtectionDomain, opts GPUMROptions, bar1 func(string) (int64, int64, error)) (*GPUMemoryRegions, error) {
+func newGPUMemoryRegions(exp gpuExporter, dev verbsio.Device, pd verbsio.ProtectionDomain, opts GPUMROptions, bar1 func(string) (int64, int64, error)) (*gpuMemoryRegions, error) {
 	caps := dev.Caps()
 	gpuOK := false
 	for _, k := range caps.MemoryTypes {
 		gpuOK = gpuOK || k == tensor.GPU
 	}
 	switch {
-	case opts.Method == GPUMRDMABuf && !caps.DMABuf:
+	case opts.method == gpumrDMABuf && !caps.DMABuf:
 		return nil, fmt.Errorf("%w: provider %s has no dma-buf registration", verbsio.ErrNotSupported, caps.Provider)
-	case opts.Method == GPUMRAuto && !gpuOK && !caps.DMABuf:
+	case opts.method == gpumrAuto && !gpuOK && !caps.DMABuf:
 		return nil, fmt.Errorf("%w: provider %s can register neither dma-bufs nor GPU memory (its memory types: %v)", verbsio.ErrNotSupported, caps.Provider, caps.MemoryTypes)
 	}
 	acc := opts.Access
@@ -158,24 +188,24 @@ func newGPUMemoryRegions(exp gpuExporter, dev verbsio.Device, pd verbsio.Protect
 	}
 	// nvidia-peermem is tried when the provider lists GPU memory among what
 	// it registers, or when the caller asks for it by name.
-	peer := opts.Method == GPUMRPeerMem || (opts.Method == GPUMRAuto && gpuOK)
-	return &GPUMemoryRegions{exp: exp, pd: pd, caps: caps, opts: opts, bar1: bar1, access: acc, peer: peer}, nil
+	peer := opts.method == gpumrPeerMem || (opts.method == gpumrAuto && gpuOK)
+	return &gpuMemoryRegions{exp: exp, pd: pd, caps: caps, opts: opts, bar1: bar1, access: acc, peer: peer}, nil
 }
 
 // Name implements alloc.Visitor.
-func (v *GPUMemoryRegions) Name() string {
-	return fmt.Sprintf("gpu-mr:%s:%s", v.exp.device(), v.opts.Method)
+func (v *gpuMemoryRegions) Name() string {
+	return fmt.Sprintf("gpu-mr:%s:%s", v.exp.device(), v.opts.method)
 }
 
-// Mapped is the number of bytes of GPU memory this visitor has registered.
-func (v *GPUMemoryRegions) Mapped() int64 {
+// mappedBytes is the number of bytes of GPU memory this visitor has registered.
+func (v *gpuMemoryRegions) mappedBytes() int64 {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	return v.mapped
 }
 
 // checkBAR1 refuses an arena that BAR1 cannot hold; called with v.mu held.
-func (v *GPUMemoryRegions) checkBAR1(a *alloc.Arena) error {
+func (v *gpuMemoryRegions) checkBAR1(a *alloc.Arena) error {
 	size := int64(a.Size())
 	switch {
 	case v.opts.BAR1Bytes < 0:
@@ -188,11 +218,11 @@ func (v *GPUMemoryRegions) checkBAR1(a *alloc.Arena) error {
 	}
 	bus, err := v.exp.busID()
 	if err != nil {
-		return fmt.Errorf("%w: PCI bus id of %s: %w", ErrBAR1Unknown, v.exp.device(), err)
+		return fmt.Errorf("%w: PCI bus id of %s: %w", errBAR1Unknown, v.exp.device(), err)
 	}
 	free, total, err := v.bar1(bus)
 	if err != nil {
-		return fmt.Errorf("%w: %s (%s): %w; pass GPUMROptions.BAR1Bytes (or -1 to skip the check)", ErrBAR1Unknown, v.exp.device(), bus, err)
+		return fmt.Errorf("%w: %s (%s): %w; pass GPUMROptions.BAR1Bytes (or -1 to skip the check)", errBAR1Unknown, v.exp.device(), bus, err)
 	}
 	if size > free {
 		return fmt.Errorf("%w: %s needs %d bytes of BAR1; %s (%s) has %d free of %d", ErrBAR1Exhausted, a, size, v.exp.device(), bus, free, total)
@@ -201,30 +231,30 @@ func (v *GPUMemoryRegions) checkBAR1(a *alloc.Arena) error {
 }
 
 // Visit implements alloc.Visitor.
-func (v *GPUMemoryRegions) Visit(a *alloc.Arena) error {
+func (v *gpuMemoryRegions) Visit(a *alloc.Arena) error {
 	if !a.Device().IsGPU() {
-		return fmt.Errorf("%w: %s", ErrNotGPUMemory, a)
+		return fmt.Errorf("%w: %s", errNotGPUMemory, a)
 	}
 	if a.Device() != v.exp.device() {
-		return fmt.Errorf("%w: %s is memory of %s, the visitor registers %s", ErrNotGPUMemory, a, a.Device(), v.exp.device())
+		return fmt.Errorf("%w: %s is memory of %s, the visitor registers %s", errNotGPUMemory, a, a.Device(), v.exp.device())
 	}
 	if _, ok := a.Handle(gpumrKey{}); ok {
-		return fmt.Errorf("%w: %s by %s", ErrAlreadyVisited, a, v.Name())
+		return fmt.Errorf("%w: %s by %s", errAlreadyVisited, a, v.Name())
 	}
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	if err := v.checkBAR1(a); err != nil {
 		return err
 	}
-	h := GPUMR{}
+	h := gpuMR{}
 	var peerErr error
-	if v.opts.Method != GPUMRPeerMem {
+	if v.opts.method != gpumrPeerMem {
 		h.DMABufErr = v.viaDMABuf(a, &h)
 	}
 	if h.MR == nil && v.peer {
 		mr, err := v.pd.RegisterMemory(a.Base(), a.Size(), v.access)
 		if err == nil {
-			h.MR, h.Method = mr, GPUMRPeerMem
+			h.MR, h.Method = mr, gpumrPeerMem
 		}
 		peerErr = err
 	}
@@ -247,7 +277,7 @@ func wrapIf(what string, err error) error {
 // viaDMABuf exports the arena as a dma-buf and registers it; the file
 // descriptor is closed afterwards either way (the region holds its own
 // reference to the buffer).
-func (v *GPUMemoryRegions) viaDMABuf(a *alloc.Arena, h *GPUMR) error {
+func (v *gpuMemoryRegions) viaDMABuf(a *alloc.Arena, h *gpuMR) error {
 	if !v.caps.DMABuf {
 		return fmt.Errorf("%w: provider %s has no dma-buf registration", verbsio.ErrNotSupported, v.caps.Provider)
 	}
@@ -263,15 +293,15 @@ func (v *GPUMemoryRegions) viaDMABuf(a *alloc.Arena, h *GPUMR) error {
 	if err != nil {
 		return err
 	}
-	h.MR, h.Method = mr, GPUMRDMABuf
+	h.MR, h.Method = mr, gpumrDMABuf
 	return nil
 }
 
 // Release implements alloc.Visitor: the region is deregistered.
-func (v *GPUMemoryRegions) Release(a *alloc.Arena) error {
-	h, ok := GPUMemoryRegionOf(a)
+func (v *gpuMemoryRegions) Release(a *alloc.Arena) error {
+	h, ok := gpuMemoryRegionOf(a)
 	if !ok {
-		return fmt.Errorf("%w: %s by %s", ErrNotVisited, a, v.Name())
+		return fmt.Errorf("%w: %s by %s", errNotVisited, a, v.Name())
 	}
 	a.DeleteHandle(gpumrKey{})
 	v.mu.Lock()

@@ -81,7 +81,7 @@ func (e *fakeExporter) busID() (string, error) { return "0000:3b:00.0", nil }
 func (e *fakeExporter) device() tensor.Device  { return tensor.GPUDevice(0) }
 
 func gpuArena(id int, size int) *alloc.Arena {
-	return alloc.NewArenaForTest(id, &alloc.Region{Base: uintptr(id+1) << 30, Size: size, Device: tensor.GPUDevice(0), FD: -1})
+	return NewTestArena(id, &alloc.Region{Base: uintptr(id+1) << 30, Size: size, Device: tensor.GPUDevice(0), FD: -1})
 }
 
 func gpuCaps(dmabuf bool) verbsio.Caps {
@@ -95,23 +95,23 @@ func TestGPUMRPrefersDMABufThenPeerMem(t *testing.T) {
 		caps      verbsio.Caps
 		expErr    error
 		dmabufErr error
-		method    GPUMRMethod
-		want      GPUMRMethod
+		method    gpumrMethod
+		want      gpumrMethod
 		wantErr   error
 	}{
-		{"dma-buf works", gpuCaps(true), nil, nil, GPUMRAuto, GPUMRDMABuf, nil},
-		{"provider lacks dma-buf", gpuCaps(false), nil, nil, GPUMRAuto, GPUMRPeerMem, nil},
-		{"dma-buf only provider refuses", verbsio.Caps{Provider: "fake", MemoryTypes: []tensor.DeviceKind{tensor.CPU}, DMABuf: true}, nil, verbsio.ErrNotSupported, GPUMRAuto, 0, ErrGPURegistration},
-		{"driver refuses export", gpuCaps(true), cuda.ErrNotSupported, nil, GPUMRAuto, GPUMRPeerMem, nil},
-		{"provider refuses dma-buf", gpuCaps(true), nil, verbsio.ErrNotSupported, GPUMRAuto, GPUMRPeerMem, nil},
-		{"peermem forced", gpuCaps(true), nil, nil, GPUMRPeerMem, GPUMRPeerMem, nil},
-		{"dma-buf forced and refused", gpuCaps(true), cuda.ErrNotSupported, nil, GPUMRDMABuf, 0, ErrGPURegistration},
+		{"dma-buf works", gpuCaps(true), nil, nil, gpumrAuto, gpumrDMABuf, nil},
+		{"provider lacks dma-buf", gpuCaps(false), nil, nil, gpumrAuto, gpumrPeerMem, nil},
+		{"dma-buf only provider refuses", verbsio.Caps{Provider: "fake", MemoryTypes: []tensor.DeviceKind{tensor.CPU}, DMABuf: true}, nil, verbsio.ErrNotSupported, gpumrAuto, 0, ErrGPURegistration},
+		{"driver refuses export", gpuCaps(true), cuda.ErrNotSupported, nil, gpumrAuto, gpumrPeerMem, nil},
+		{"provider refuses dma-buf", gpuCaps(true), nil, verbsio.ErrNotSupported, gpumrAuto, gpumrPeerMem, nil},
+		{"peermem forced", gpuCaps(true), nil, nil, gpumrPeerMem, gpumrPeerMem, nil},
+		{"dma-buf forced and refused", gpuCaps(true), cuda.ErrNotSupported, nil, gpumrDMABuf, 0, ErrGPURegistration},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			f := &fakeVerbs{caps: c.caps, dmabufErr: c.dmabufErr}
 			exp := &fakeExporter{err: c.expErr}
-			v, err := newGPUMemoryRegions(exp, f, f, GPUMROptions{Method: c.method, BAR1Bytes: -1}, noBAR1)
+			v, err := newGPUMemoryRegions(exp, f, f, GPUMROptions{method: c.method, BAR1Bytes: -1}, noBAR1)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -121,7 +121,7 @@ func TestGPUMRPrefersDMABufThenPeerMem(t *testing.T) {
 				if !errors.Is(err, c.wantErr) {
 					t.Fatalf("Visit: %v, want %v", err, c.wantErr)
 				}
-				if _, ok := GPUMemoryRegionOf(a); ok || f.live != 0 {
+				if _, ok := gpuMemoryRegionOf(a); ok || f.live != 0 {
 					t.Fatal("a failed visit left a registration")
 				}
 				return
@@ -129,26 +129,26 @@ func TestGPUMRPrefersDMABufThenPeerMem(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			h, ok := GPUMemoryRegionOf(a)
+			h, ok := gpuMemoryRegionOf(a)
 			if !ok || h.Method != c.want {
 				t.Fatalf("registered via %v (%v), want %v; registrations %v", h.Method, ok, c.want, f.regs)
 			}
 			if exp.open != exp.closed {
 				t.Fatalf("dma-buf fds: %d exported, %d closed", exp.open, exp.closed)
 			}
-			if v.Mapped() != 4<<20 {
-				t.Fatalf("Mapped = %d", v.Mapped())
+			if v.mappedBytes() != 4<<20 {
+				t.Fatalf("Mapped = %d", v.mappedBytes())
 			}
-			if err := v.Visit(a); !errors.Is(err, ErrAlreadyVisited) {
+			if err := v.Visit(a); !errors.Is(err, errAlreadyVisited) {
 				t.Fatalf("second Visit: %v", err)
 			}
 			if err := v.Release(a); err != nil {
 				t.Fatal(err)
 			}
-			if f.live != 0 || v.Mapped() != 0 {
-				t.Fatalf("after Release: %d live regions, %d mapped", f.live, v.Mapped())
+			if f.live != 0 || v.mappedBytes() != 0 {
+				t.Fatalf("after Release: %d live regions, %d mapped", f.live, v.mappedBytes())
 			}
-			if err := v.Release(a); !errors.Is(err, ErrNotVisited) {
+			if err := v.Release(a); !errors.Is(err, errNotVisited) {
 				t.Fatalf("second Release: %v", err)
 			}
 		})
@@ -213,7 +213,7 @@ func TestGPUMRBAR1(t *testing.T) {
 		t.Fatalf("NVML says 1 MiB free: %v", err)
 	}
 	v, _ = newGPUMemoryRegions(&fakeExporter{}, f, f, GPUMROptions{}, nv(0, errors.New("NVML unavailable")))
-	if err := v.Visit(gpuArena(6, 2<<20)); !errors.Is(err, ErrBAR1Unknown) {
+	if err := v.Visit(gpuArena(6, 2<<20)); !errors.Is(err, errBAR1Unknown) {
 		t.Fatalf("unreadable BAR1: %v", err)
 	}
 	v, _ = newGPUMemoryRegions(&fakeExporter{}, f, f, GPUMROptions{}, nv(64<<20, nil))
@@ -229,12 +229,12 @@ func TestGPUMRRefusals(t *testing.T) {
 	}
 	f := &fakeVerbs{caps: gpuCaps(true)}
 	v, _ := newGPUMemoryRegions(&fakeExporter{}, f, f, GPUMROptions{BAR1Bytes: -1}, nil)
-	host := alloc.NewArenaForTest(1, &alloc.Region{Base: 1 << 30, Size: 4096, Device: tensor.Host, FD: -1})
-	if err := v.Visit(host); !errors.Is(err, ErrNotGPUMemory) {
+	host := NewTestArena(1, &alloc.Region{Base: 1 << 30, Size: 4096, Device: tensor.Host, FD: -1})
+	if err := v.Visit(host); !errors.Is(err, errNotGPUMemory) {
 		t.Fatalf("host arena: %v", err)
 	}
-	other := alloc.NewArenaForTest(2, &alloc.Region{Base: 1 << 30, Size: 4096, Device: tensor.GPUDevice(3), FD: -1})
-	if err := v.Visit(other); !errors.Is(err, ErrNotGPUMemory) {
+	other := NewTestArena(2, &alloc.Region{Base: 1 << 30, Size: 4096, Device: tensor.GPUDevice(3), FD: -1})
+	if err := v.Visit(other); !errors.Is(err, errNotGPUMemory) {
 		t.Fatalf("arena of another GPU: %v", err)
 	}
 }
@@ -272,7 +272,7 @@ func TestGPUMRRealDevice(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pd.Close()
-	v, err := NewGPUMemoryRegions(ctx, dev, pd, GPUMROptions{})
+	v, err := NewGPUMemoryRegions(ctx.Device().Ordinal(), dev, pd, GPUMROptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -289,8 +289,8 @@ func TestGPUMRRealDevice(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	a, _ := b.Arena()
-	h, ok := GPUMemoryRegionOf(a)
+	a, _ := pool.ArenaOf(b.Addr())
+	h, ok := gpuMemoryRegionOf(a)
 	if !ok || h.MR.RKey() == 0 && h.MR.LKey() == 0 {
 		t.Fatalf("arena %v has no GPU memory region", a)
 	}

@@ -11,14 +11,10 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// IPCExporter is a visitor for arenas of a memfd source (alloc.NewMemfdSource):
-// it duplicates each arena's file descriptor and attaches an IPCExport, which
-// an on-node peer uses to map the same memory (the descriptor travels over a
-// unix socket with SCM_RIGHTS, or is opened as /proc/PID/fd/N). Arenas with
-// no descriptor fail with ErrNotShareable.
-type IPCExporter struct{}
+// ipcExporter is the visitor NewIPCExport returns.
+type ipcExporter struct{}
 
-// IPCExport is the handle IPCExporter attaches to an arena. The visitor owns
+// IPCExport is the handle the IPC-export visitor attaches to an arena. The visitor owns
 // FD and closes it when the arena is released: a user that keeps it longer
 // duplicates it.
 type IPCExport struct {
@@ -28,8 +24,8 @@ type IPCExport struct {
 	Size int
 	// Name is the memfd's name ("gdrlink.3"), for logs and peers.
 	Name string
-	// Base is the arena's address in this process; a peer translates an
-	// address to an offset with Offset.
+	// Base is the arena's address in this process: an address addr of the
+	// arena is at offset addr-Base of the exported memory.
 	Base uintptr
 	// ArenaID is the arena's ID in its pool.
 	ArenaID int
@@ -37,43 +33,49 @@ type IPCExport struct {
 
 type ipcKey struct{}
 
-// NewIPCExport returns the IPC-export visitor.
-func NewIPCExport() *IPCExporter { return &IPCExporter{} }
+// NewIPCExport returns a visitor for arenas of a memfd source
+// (alloc.NewMemfdSource): it duplicates each arena's file descriptor and
+// attaches an IPCExport (IPCExportOf), which an on-node peer uses to map the
+// same memory with MapExport (the descriptor travels over a unix socket with
+// SCM_RIGHTS, or is opened as /proc/PID/fd/N). Arenas with no descriptor
+// fail.
+func NewIPCExport() alloc.Visitor { return &ipcExporter{} }
 
 // Name is "ipc-export".
-func (*IPCExporter) Name() string { return "ipc-export" }
+func (*ipcExporter) Name() string { return "ipc-export" }
 
 // Visit duplicates the arena's descriptor and attaches an IPCExport.
-func (*IPCExporter) Visit(a *alloc.Arena) error {
+func (*ipcExporter) Visit(a *alloc.Arena) error {
 	if _, ok := a.Handle(ipcKey{}); ok {
-		return fmt.Errorf("%w: ipc export of %s", ErrAlreadyVisited, a)
+		return fmt.Errorf("%w: ipc export of %s", errAlreadyVisited, a)
 	}
 	r := a.Region()
 	if r.FD < 0 || r.Device.IsGPU() {
-		return fmt.Errorf("%w: %s comes from a source without a memfd (use alloc.NewMemfdSource)", ErrNotShareable, a)
+		return fmt.Errorf("%w: %s comes from a source without a memfd (use alloc.NewMemfdSource)", errNotShareable, a)
 	}
 	fd, err := unix.FcntlInt(uintptr(r.FD), unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
-		return fmt.Errorf("%w: dup of fd %d of %s: %w", ErrExport, r.FD, a, err)
+		return fmt.Errorf("%w: dup of fd %d of %s: %w", errExport, r.FD, a, err)
 	}
 	a.SetHandle(ipcKey{}, IPCExport{FD: fd, Size: a.Size(), Name: memfdName(fd, a.ID), Base: a.Base(), ArenaID: a.ID})
 	return nil
 }
 
 // Release closes the duplicated descriptor.
-func (*IPCExporter) Release(a *alloc.Arena) error {
+func (*ipcExporter) Release(a *alloc.Arena) error {
 	e, ok := IPCExportOf(a)
 	if !ok {
-		return fmt.Errorf("%w: ipc export of %s", ErrNotVisited, a)
+		return fmt.Errorf("%w: ipc export of %s", errNotVisited, a)
 	}
 	a.DeleteHandle(ipcKey{})
 	if err := unix.Close(e.FD); err != nil {
-		return fmt.Errorf("%w: close of fd %d of %s: %w", ErrExport, e.FD, a, err)
+		return fmt.Errorf("%w: close of fd %d of %s: %w", errExport, e.FD, a, err)
 	}
 	return nil
 }
 
-// IPCExportOf returns the IPCExport of an arena, if IPCExporter visited it.
+// IPCExportOf returns the IPCExport of an arena, if the IPC-export visitor
+// visited it.
 func IPCExportOf(a *alloc.Arena) (IPCExport, bool) {
 	h, ok := a.Handle(ipcKey{})
 	if !ok {
@@ -83,9 +85,9 @@ func IPCExportOf(a *alloc.Arena) (IPCExport, bool) {
 	return e, ok
 }
 
-// Offset is the offset of [addr, addr+n) in the exported memory, false when
+// offset is the offset of [addr, addr+n) in the exported memory, false when
 // the range is not inside the arena.
-func (e IPCExport) Offset(addr uintptr, n int) (int64, bool) {
+func (e IPCExport) offset(addr uintptr, n int) (int64, bool) {
 	if addr < e.Base || n < 0 || uint64(addr-e.Base)+uint64(n) > uint64(e.Size) {
 		return 0, false
 	}
@@ -116,18 +118,18 @@ type Mapped struct {
 // mapping exists.
 func MapExport(fd, size int) (*Mapped, error) {
 	if fd < 0 || size <= 0 {
-		return nil, fmt.Errorf("%w: map of fd %d, %d bytes", ErrExport, fd, size)
+		return nil, fmt.Errorf("%w: map of fd %d, %d bytes", errExport, fd, size)
 	}
 	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil {
-		return nil, fmt.Errorf("%w: fstat of fd %d: %w", ErrExport, fd, err)
+		return nil, fmt.Errorf("%w: fstat of fd %d: %w", errExport, fd, err)
 	}
 	if st.Size < int64(size) {
-		return nil, fmt.Errorf("%w: fd %d holds %d bytes, %d asked", ErrExport, fd, st.Size, size)
+		return nil, fmt.Errorf("%w: fd %d holds %d bytes, %d asked", errExport, fd, st.Size, size)
 	}
 	p, err := unix.MmapPtr(fd, 0, nil, uintptr(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
-		return nil, fmt.Errorf("%w: mmap of fd %d, %d bytes: %w", ErrExport, fd, size, err)
+		return nil, fmt.Errorf("%w: mmap of fd %d, %d bytes: %w", errExport, fd, size, err)
 	}
 	return &Mapped{mem: unsafe.Slice((*byte)(p), size)}, nil
 }
@@ -149,7 +151,7 @@ func (m *Mapped) Close() error {
 	mem := m.mem
 	m.mem = nil
 	if err := unix.MunmapPtr(unsafe.Pointer(&mem[0]), uintptr(len(mem))); err != nil {
-		return fmt.Errorf("%w: munmap: %w", ErrExport, err)
+		return fmt.Errorf("%w: munmap: %w", errExport, err)
 	}
 	return nil
 }

@@ -14,7 +14,7 @@ import (
 
 func newIPCPool(t *testing.T) *alloc.Pool {
 	t.Helper()
-	p, err := alloc.New(alloc.NewMemfdSource("ipc-test", alloc.MmapOptions{NUMANode: alloc.NoNUMANode}),
+	p, err := alloc.New(alloc.NewMemfdSource("ipc-test", alloc.MmapOptions{}),
 		alloc.WithVisitors(NewIPCExport()), alloc.WithInitialArena(1<<20))
 	if err != nil {
 		t.Fatal(err)
@@ -48,11 +48,11 @@ func TestIPCExport(t *testing.T) {
 	if !strings.HasPrefix(e.Name, "ipc-test.") {
 		t.Errorf("export name %q", e.Name)
 	}
-	off, ok := e.Offset(b.Addr(), b.Len())
+	off, ok := e.offset(b.Addr(), b.Len())
 	if !ok || off != int64(b.Addr()-a.Base()) {
 		t.Errorf("Offset = %d, %v", off, ok)
 	}
-	if _, ok := e.Offset(a.Base()+uintptr(a.Size())-10, 11); ok {
+	if _, ok := e.offset(a.Base()+uintptr(a.Size())-10, 11); ok {
 		t.Error("Offset accepted a range past the arena")
 	}
 	mem := b.Bytes()
@@ -79,7 +79,7 @@ func TestIPCExport(t *testing.T) {
 	if err := m.Close(); err != nil || m.Bytes() != nil {
 		t.Errorf("second Close = %v", err)
 	}
-	if _, err := MapExport(e.FD, e.Size*2); !errors.Is(err, ErrExport) {
+	if _, err := MapExport(e.FD, e.Size*2); !errors.Is(err, errExport) {
 		t.Errorf("MapExport beyond the memfd = %v", err)
 	}
 }
@@ -96,9 +96,9 @@ func TestIPCExportOtherProcess(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer b.Free()
-			a, _ := b.Arena()
+			a, _ := p.ArenaOf(b.Addr())
 			e, _ := IPCExportOf(a)
-			off, _ := e.Offset(b.Addr(), b.Len())
+			off, _ := e.offset(b.Addr(), b.Len())
 			mem := b.Bytes()
 			for i := range mem {
 				mem[i] = byte(i * 13)
@@ -162,7 +162,7 @@ func helperMapExport() error {
 }
 
 func TestIPCExportRefusesAnonymous(t *testing.T) {
-	src := alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode})
+	src := alloc.NewMmapSource(alloc.MmapOptions{})
 	stats := NewStats(nil)
 	p, err := alloc.New(src, alloc.WithVisitors(stats, NewIPCExport()))
 	if err != nil {
@@ -170,10 +170,10 @@ func TestIPCExportRefusesAnonymous(t *testing.T) {
 	}
 	defer p.Close()
 	_, err = p.Alloc(100)
-	if !errors.Is(err, ErrNotShareable) || !errors.Is(err, alloc.ErrVisitor) || !strings.Contains(err.Error(), `"ipc-export"`) {
+	if !errors.Is(err, errNotShareable) || !errors.Is(err, alloc.ErrVisitor) || !strings.Contains(err.Error(), `"ipc-export"`) {
 		t.Fatalf("Alloc = %v, want ErrVisitor wrapping ErrNotShareable", err)
 	}
-	if s := stats.Snapshot(); s.Visits != 1 || s.Releases != 1 || s.Live() != 0 {
+	if s := stats.snapshot(); s.Visits != 1 || s.Releases != 1 || s.live() != 0 {
 		t.Errorf("stats visitor not rolled back: %v", s)
 	}
 	if st := p.Stats(); st.Arenas != 0 || st.Reserved != 0 {
@@ -182,18 +182,18 @@ func TestIPCExportRefusesAnonymous(t *testing.T) {
 }
 
 func TestIPCExportClosesFD(t *testing.T) {
-	src := alloc.NewMemfdSource("close-test", alloc.MmapOptions{NUMANode: alloc.NoNUMANode})
+	src := alloc.NewMemfdSource("close-test", alloc.MmapOptions{})
 	r, err := src.Alloc(4096)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer src.Free(r)
-	a := alloc.NewArenaForTest(0, r)
+	a := NewTestArena(0, r)
 	x := NewIPCExport()
 	if err := x.Visit(a); err != nil {
 		t.Fatal(err)
 	}
-	if err := x.Visit(a); !errors.Is(err, ErrAlreadyVisited) {
+	if err := x.Visit(a); !errors.Is(err, errAlreadyVisited) {
 		t.Errorf("second Visit = %v", err)
 	}
 	e, _ := IPCExportOf(a)
@@ -203,7 +203,7 @@ func TestIPCExportClosesFD(t *testing.T) {
 	if _, err := unix.FcntlInt(uintptr(e.FD), unix.F_GETFD, 0); !errors.Is(err, unix.EBADF) {
 		t.Errorf("exported fd %d still open after Release (%v)", e.FD, err)
 	}
-	if err := x.Release(a); !errors.Is(err, ErrNotVisited) {
+	if err := x.Release(a); !errors.Is(err, errNotVisited) {
 		t.Errorf("second Release = %v", err)
 	}
 }

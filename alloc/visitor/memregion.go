@@ -14,20 +14,12 @@ import (
 // memory-registration visitor registered.
 var ErrNoRegion = errors.New("visitor: address not in a registered arena")
 
-// GPURegisterFunc registers a GPU arena with a protection domain (with
-// dma-buf, or a peer-memory driver); MemoryRegistration calls it for arenas
-// whose device is a GPU.
-type GPURegisterFunc func(pd verbsio.ProtectionDomain, a *alloc.Arena, access verbsio.Access) (verbsio.MemoryRegion, error)
-
-// MemoryRegistrationOption configures NewMemoryRegistration.
-type MemoryRegistrationOption func(*MemoryRegistration)
-
-// WithGPURegistration sets how GPU arenas are registered. Without it a GPU
-// arena fails its Visit with an error wrapping ErrNotHostMemory (use the
-// GPUMemoryRegions visitor for GPU pools).
-func WithGPURegistration(f GPURegisterFunc) MemoryRegistrationOption {
-	return func(m *MemoryRegistration) { m.gpu = f }
-}
+// gpuRegisterFunc registers a GPU arena with a protection domain (with
+// dma-buf, or a peer-memory driver); a MemoryRegistration given one calls it
+// for arenas whose device is a GPU. Without one, a GPU arena fails its Visit
+// with an error wrapping errNotHostMemory (NewGPUMemoryRegions is the visitor
+// for GPU pools).
+type gpuRegisterFunc func(pd verbsio.ProtectionDomain, a *alloc.Arena, access verbsio.Access) (verbsio.MemoryRegion, error)
 
 // MemoryRegistration is the visitor that makes every tensor of a pool
 // RDMA-ready: it registers each arena once with a verbs protection domain
@@ -37,7 +29,7 @@ func WithGPURegistration(f GPURegisterFunc) MemoryRegistrationOption {
 type MemoryRegistration struct {
 	pd     verbsio.ProtectionDomain
 	access verbsio.Access
-	gpu    GPURegisterFunc
+	gpu    gpuRegisterFunc
 	name   string
 
 	mu     sync.Mutex
@@ -50,14 +42,15 @@ type MemoryRegistration struct {
 // an arena is found by MemoryRegionOf.
 type regionKey struct{}
 
-// NewMemoryRegistration returns a visitor registering arenas in pd with
-// access.
-func NewMemoryRegistration(pd verbsio.ProtectionDomain, access verbsio.Access, opts ...MemoryRegistrationOption) *MemoryRegistration {
-	m := &MemoryRegistration{pd: pd, access: access, name: "verbs-mr", live: map[*alloc.Arena]verbsio.MemoryRegion{}}
-	for _, o := range opts {
-		o(m)
-	}
-	return m
+// NewMemoryRegistration returns a visitor registering the host arenas of
+// pools in pd with access. GPU arenas are refused: NewGPUMemoryRegions is the
+// visitor for GPU pools.
+func NewMemoryRegistration(pd verbsio.ProtectionDomain, access verbsio.Access) *MemoryRegistration {
+	return newMemoryRegistration(pd, access, nil)
+}
+
+func newMemoryRegistration(pd verbsio.ProtectionDomain, access verbsio.Access, gpu gpuRegisterFunc) *MemoryRegistration {
+	return &MemoryRegistration{pd: pd, access: access, gpu: gpu, name: "verbs-mr", live: map[*alloc.Arena]verbsio.MemoryRegion{}}
 }
 
 // Name implements alloc.Visitor.
@@ -68,13 +61,13 @@ func (m *MemoryRegistration) Visit(a *alloc.Arena) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if _, dup := m.live[a]; dup {
-		return fmt.Errorf("%w: %v by %s", ErrAlreadyVisited, a, m.name)
+		return fmt.Errorf("%w: %v by %s", errAlreadyVisited, a, m.name)
 	}
 	var mr verbsio.MemoryRegion
 	var err error
 	if a.Device().IsGPU() {
 		if m.gpu == nil {
-			return fmt.Errorf("%w: %v: %s registers host arenas; give WithGPURegistration or use GPUMemoryRegions", ErrNotHostMemory, a, m.name)
+			return fmt.Errorf("%w: %v: %s registers host arenas; use NewGPUMemoryRegions for GPU pools", errNotHostMemory, a, m.name)
 		}
 		mr, err = m.gpu(m.pd, a, m.access)
 	} else {
@@ -99,7 +92,7 @@ func (m *MemoryRegistration) Release(a *alloc.Arena) error {
 	delete(m.live, a)
 	m.mu.Unlock()
 	if !ok {
-		return fmt.Errorf("%w: %v by %s", ErrNotVisited, a, m.name)
+		return fmt.Errorf("%w: %v by %s", errNotVisited, a, m.name)
 	}
 	a.DeleteHandle(m)
 	if h, ok := a.Handle(regionKey{}); ok && h == mr {
@@ -112,11 +105,11 @@ func (m *MemoryRegistration) Release(a *alloc.Arena) error {
 	return nil
 }
 
-// Registrations is how many arenas the visitor has registered, in all.
-func (m *MemoryRegistration) Registrations() int { return int(m.regs.Load()) }
+// registrations is how many arenas the visitor has registered, in all.
+func (m *MemoryRegistration) registrations() int { return int(m.regs.Load()) }
 
-// Deregistrations is how many arenas the visitor has deregistered, in all.
-func (m *MemoryRegistration) Deregistrations() int { return int(m.deregs.Load()) }
+// deregistrations is how many arenas the visitor has deregistered, in all.
+func (m *MemoryRegistration) deregistrations() int { return int(m.deregs.Load()) }
 
 // RegionOf returns the memory region this visitor attached to a.
 func (m *MemoryRegistration) RegionOf(a *alloc.Arena) (verbsio.MemoryRegion, bool) {
@@ -128,28 +121,23 @@ func (m *MemoryRegistration) RegionOf(a *alloc.Arena) (verbsio.MemoryRegion, boo
 }
 
 // MemoryRegionOf returns the memory region of an arena: the first one a
-// MemoryRegistration attached, else the one a GPUMemoryRegions visitor
+// MemoryRegistration attached, else the one a NewGPUMemoryRegions visitor
 // attached.
 func MemoryRegionOf(a *alloc.Arena) (verbsio.MemoryRegion, bool) {
 	if h, ok := a.Handle(regionKey{}); ok {
 		return h.(verbsio.MemoryRegion), true
 	}
-	if g, ok := GPUMemoryRegionOf(a); ok && g.MR != nil {
+	if g, ok := gpuMemoryRegionOf(a); ok && g.MR != nil {
 		return g.MR, true
 	}
 	return nil, false
 }
 
-// ArenaFinder finds the arena holding an address; *alloc.Pool is one.
-type ArenaFinder interface {
-	ArenaOf(addr uintptr) (*alloc.Arena, bool)
-}
-
 // SGEOf returns the scatter/gather entry for [addr, addr+n) of a pool's
 // memory: the lkey of the arena's region. The range must lie in one arena,
 // which it does for any block of the pool.
-func SGEOf(f ArenaFinder, addr uintptr, n int) (verbsio.SGE, verbsio.MemoryRegion, error) {
-	mr, err := regionFor(f, addr, n)
+func SGEOf(p *alloc.Pool, addr uintptr, n int) (verbsio.SGE, verbsio.MemoryRegion, error) {
+	mr, err := regionFor(p, addr, n)
 	if err != nil {
 		return verbsio.SGE{}, nil, err
 	}
@@ -158,23 +146,23 @@ func SGEOf(f ArenaFinder, addr uintptr, n int) (verbsio.SGE, verbsio.MemoryRegio
 
 // RemoteKeyOf returns the rkey a peer needs to write or read [addr, addr+n)
 // of a pool's memory.
-func RemoteKeyOf(f ArenaFinder, addr uintptr, n int) (uint32, error) {
-	mr, err := regionFor(f, addr, n)
+func RemoteKeyOf(p *alloc.Pool, addr uintptr, n int) (uint32, error) {
+	mr, err := regionFor(p, addr, n)
 	if err != nil {
 		return 0, err
 	}
 	return mr.RKey(), nil
 }
 
-func regionFor(f ArenaFinder, addr uintptr, n int) (verbsio.MemoryRegion, error) {
+func regionFor(p *alloc.Pool, addr uintptr, n int) (verbsio.MemoryRegion, error) {
 	if n < 0 || uint64(n) > 1<<32-1 {
 		return nil, fmt.Errorf("%w: length %d", ErrNoRegion, n)
 	}
-	a, ok := f.ArenaOf(addr)
+	a, ok := p.ArenaOf(addr)
 	if !ok {
 		return nil, fmt.Errorf("%w: %#x is in no arena", ErrNoRegion, addr)
 	}
-	if !a.Contains(addr, n) {
+	if !inArena(a, addr, n) {
 		return nil, fmt.Errorf("%w: [%#x+%d) runs past the end of %v", ErrNoRegion, addr, n, a)
 	}
 	mr, ok := MemoryRegionOf(a)
@@ -182,4 +170,9 @@ func regionFor(f ArenaFinder, addr uintptr, n int) (verbsio.MemoryRegion, error)
 		return nil, fmt.Errorf("%w: %v has no memory region (no MemoryRegistration visitor in its pool)", ErrNoRegion, a)
 	}
 	return mr, nil
+}
+
+// inArena reports whether [addr, addr+n) lies inside a.
+func inArena(a *alloc.Arena, addr uintptr, n int) bool {
+	return addr >= a.Base() && n >= 0 && uint64(addr-a.Base())+uint64(n) <= uint64(a.Size())
 }

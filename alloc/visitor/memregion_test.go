@@ -1,4 +1,4 @@
-package visitor_test
+package visitor
 
 import (
 	"bytes"
@@ -7,7 +7,6 @@ import (
 	"testing"
 
 	"github.com/gdrlink/gdrlink/alloc"
-	"github.com/gdrlink/gdrlink/alloc/visitor"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
 	"github.com/gdrlink/gdrlink/verbsio/tcp"
@@ -18,7 +17,7 @@ const rwAccess = verbsio.AccessLocalWrite | verbsio.AccessRemoteWrite | verbsio.
 type mrSide struct {
 	dev  verbsio.Device
 	pd   verbsio.ProtectionDomain
-	reg  *visitor.MemoryRegistration
+	reg  *MemoryRegistration
 	pool *alloc.Pool
 }
 
@@ -32,8 +31,8 @@ func newMRSide(t *testing.T) *mrSide {
 	if s.pd, err = dev.AllocPD(); err != nil {
 		t.Fatal(err)
 	}
-	s.reg = visitor.NewMemoryRegistration(s.pd, rwAccess)
-	s.pool, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}),
+	s.reg = NewMemoryRegistration(s.pd, rwAccess)
+	s.pool, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}),
 		alloc.WithName("mr-test"), alloc.WithVisitors(s.reg), alloc.WithInitialArena(1<<20))
 	if err != nil {
 		t.Fatal(err)
@@ -42,8 +41,8 @@ func newMRSide(t *testing.T) *mrSide {
 		if err := s.pool.Close(); err != nil {
 			t.Errorf("closing the pool: %v", err)
 		}
-		if s.reg.Deregistrations() != s.reg.Registrations() {
-			t.Errorf("%d registrations, %d deregistrations after the pool closed", s.reg.Registrations(), s.reg.Deregistrations())
+		if s.reg.deregistrations() != s.reg.registrations() {
+			t.Errorf("%d registrations, %d deregistrations after the pool closed", s.reg.registrations(), s.reg.deregistrations())
 		}
 		// The domain closes only if every region was deregistered.
 		if err := s.pd.Close(); err != nil {
@@ -66,20 +65,20 @@ func TestMemoryRegistrationOncePerArena(t *testing.T) {
 		}
 		blocks = append(blocks, b)
 	}
-	arenas := s.pool.Arenas()
+	arenas := ArenasOf(s.pool, blocks)
 	if len(arenas) < 3 {
 		t.Fatalf("only %d arenas: the test wants several", len(arenas))
 	}
-	if got := s.reg.Registrations(); got != len(arenas) {
+	if got := s.reg.registrations(); got != len(arenas) {
 		t.Errorf("%d registrations for %d arenas and %d blocks, want one per arena", got, len(arenas), len(blocks))
 	}
 	for _, b := range blocks {
-		sge, mr, err := visitor.SGEOf(s.pool, b.Addr(), b.Len())
+		sge, mr, err := SGEOf(s.pool, b.Addr(), b.Len())
 		if err != nil {
 			t.Fatalf("SGEOf block %#x+%d: %v", b.Addr(), b.Len(), err)
 		}
 		a, _ := s.pool.ArenaOf(b.Addr())
-		want, ok := visitor.MemoryRegionOf(a)
+		want, ok := MemoryRegionOf(a)
 		if !ok || want != mr || sge.LKey != want.LKey() || sge.Addr != b.Addr() || int(sge.Length) != b.Len() {
 			t.Fatalf("SGE %+v of block %#x+%d does not match its arena's region", sge, b.Addr(), b.Len())
 		}
@@ -89,7 +88,7 @@ func TestMemoryRegistrationOncePerArena(t *testing.T) {
 		if mr.Addr() != a.Base() || mr.Len() != a.Size() || mr.Access() != rwAccess {
 			t.Fatalf("region [%#x+%d %v] for %v", mr.Addr(), mr.Len(), mr.Access(), a)
 		}
-		rkey, err := visitor.RemoteKeyOf(s.pool, b.Addr(), b.Len())
+		rkey, err := RemoteKeyOf(s.pool, b.Addr(), b.Len())
 		if err != nil || rkey != mr.RKey() {
 			t.Fatalf("RemoteKeyOf = %#x, %v; want %#x", rkey, err, mr.RKey())
 		}
@@ -99,11 +98,11 @@ func TestMemoryRegistrationOncePerArena(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if _, _, err := visitor.SGEOf(s.pool, 0x10, 8); !errors.Is(err, visitor.ErrNoRegion) {
+	if _, _, err := SGEOf(s.pool, 0x10, 8); !errors.Is(err, ErrNoRegion) {
 		t.Errorf("SGEOf of an address in no arena: %v, want ErrNoRegion", err)
 	}
 	a := arenas[0]
-	if _, _, err := visitor.SGEOf(s.pool, a.Base()+uintptr(a.Size())-8, 16); !errors.Is(err, visitor.ErrNoRegion) {
+	if _, _, err := SGEOf(s.pool, a.Base()+uintptr(a.Size())-8, 16); !errors.Is(err, ErrNoRegion) {
 		t.Errorf("SGEOf of a range past an arena's end: %v, want ErrNoRegion", err)
 	}
 }
@@ -147,11 +146,11 @@ func TestMemoryRegistrationTransfer(t *testing.T) {
 	if err := <-errc; err != nil {
 		t.Fatal(err)
 	}
-	sge, _, err := visitor.SGEOf(a.pool, src.Addr(), len(sb))
+	sge, _, err := SGEOf(a.pool, src.Addr(), len(sb))
 	if err != nil {
 		t.Fatal(err)
 	}
-	rkey, err := visitor.RemoteKeyOf(z.pool, dst.Addr(), len(db))
+	rkey, err := RemoteKeyOf(z.pool, dst.Addr(), len(db))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -165,7 +164,7 @@ func TestMemoryRegistrationTransfer(t *testing.T) {
 	if !bytes.Equal(sb, db) {
 		t.Error("the tensor written differs from its source")
 	}
-	if a.reg.Registrations() != len(a.pool.Arenas()) || z.reg.Registrations() != len(z.pool.Arenas()) {
+	if a.reg.registrations() != a.pool.Stats().Arenas || z.reg.registrations() != z.pool.Stats().Arenas {
 		t.Error("tensors caused registrations beyond one per arena")
 	}
 	for _, x := range []*tensor.Tensor{src, dst} {
@@ -195,42 +194,42 @@ func mrQP(t *testing.T, s *mrSide) (verbsio.QueuePair, verbsio.CompletionQueue) 
 
 func TestMemoryRegistrationErrors(t *testing.T) {
 	s := newMRSide(t)
-	src := alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode})
+	src := alloc.NewMmapSource(alloc.MmapOptions{})
 	mem, err := src.Alloc(1 << 16)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer src.Free(mem)
-	a := alloc.NewArenaForTest(1, mem)
-	reg := visitor.NewMemoryRegistration(s.pd, rwAccess)
-	if err := reg.Release(a); !errors.Is(err, visitor.ErrNotVisited) {
+	a := NewTestArena(1, mem)
+	reg := NewMemoryRegistration(s.pd, rwAccess)
+	if err := reg.Release(a); !errors.Is(err, errNotVisited) {
 		t.Errorf("Release before Visit: %v, want ErrNotVisited", err)
 	}
 	if err := reg.Visit(a); err != nil {
 		t.Fatal(err)
 	}
-	if err := reg.Visit(a); !errors.Is(err, visitor.ErrAlreadyVisited) {
+	if err := reg.Visit(a); !errors.Is(err, errAlreadyVisited) {
 		t.Errorf("second Visit: %v, want ErrAlreadyVisited", err)
 	}
 	if err := reg.Release(a); err != nil {
 		t.Fatal(err)
 	}
-	if _, ok := visitor.MemoryRegionOf(a); ok {
+	if _, ok := MemoryRegionOf(a); ok {
 		t.Error("the arena still has a memory region after Release")
 	}
-	gpu := alloc.NewArenaForTest(2, &alloc.Region{Base: 0x7f0000000000, Size: 1 << 20, Device: tensor.GPUDevice(0), FD: -1})
-	if err := reg.Visit(gpu); !errors.Is(err, visitor.ErrNotHostMemory) {
+	gpu := NewTestArena(2, &alloc.Region{Base: 0x7f0000000000, Size: 1 << 20, Device: tensor.GPUDevice(0), FD: -1})
+	if err := reg.Visit(gpu); !errors.Is(err, errNotHostMemory) {
 		t.Errorf("Visit of a GPU arena without a GPU hook: %v, want ErrNotHostMemory", err)
 	}
 	called := false
-	withHook := visitor.NewMemoryRegistration(s.pd, rwAccess, visitor.WithGPURegistration(func(pd verbsio.ProtectionDomain, a *alloc.Arena, acc verbsio.Access) (verbsio.MemoryRegion, error) {
+	withHook := newMemoryRegistration(s.pd, rwAccess, func(pd verbsio.ProtectionDomain, a *alloc.Arena, acc verbsio.Access) (verbsio.MemoryRegion, error) {
 		called = true
 		return pd.RegisterDMABuf(-1, 0, a.Size(), uint64(a.Base()), acc)
-	}))
+	})
 	if err := withHook.Visit(gpu); !called || !errors.Is(err, verbsio.ErrNotSupported) {
 		t.Errorf("Visit of a GPU arena through the hook: called %v, %v; want the provider's ErrNotSupported", called, err)
 	}
-	unmapped := alloc.NewArenaForTest(3, &alloc.Region{Base: 0x10000, Size: 1 << 16, Device: tensor.Host, FD: -1})
+	unmapped := NewTestArena(3, &alloc.Region{Base: 0x10000, Size: 1 << 16, Device: tensor.Host, FD: -1})
 	if err := reg.Visit(unmapped); !errors.Is(err, verbsio.ErrBadAddress) {
 		t.Errorf("Visit of unmapped memory: %v, want ErrBadAddress", err)
 	}

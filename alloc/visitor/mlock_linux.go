@@ -6,67 +6,69 @@ import (
 
 	"github.com/dustin/go-humanize"
 	"github.com/gdrlink/gdrlink/alloc"
+	"github.com/gdrlink/gdrlink/internal/offheap"
 	"golang.org/x/sys/unix"
 )
 
-// Mlock is a visitor that locks every page of each arena in RAM (mlock) when
-// the arena is created and unlocks it (munlock) before it is released, so
-// that the kernel never swaps or migrates memory a NIC or a GPU copy engine
-// may be reading. It attaches a Locked handle. Locking counts against
-// RLIMIT_MEMLOCK unless the process has CAP_IPC_LOCK.
-type Mlock struct{}
+// mlock is the visitor NewMlock returns. It attaches a locked handle.
+type mlock struct{}
 
-// Locked is the handle Mlock attaches to an arena.
-type Locked struct {
+// locked is the handle mlock attaches to an arena.
+type locked struct {
 	// Bytes is the number of bytes locked.
 	Bytes int
 }
 
 type lockedKey struct{}
 
-// NewMlock returns the page-locking visitor.
-func NewMlock() *Mlock { return &Mlock{} }
+// NewMlock returns a visitor that locks every page of each arena in RAM
+// (mlock) when the arena is created and unlocks it (munlock) before it is
+// released, so that the kernel never swaps or migrates memory a NIC or a GPU
+// copy engine may be reading. Locking counts against RLIMIT_MEMLOCK unless
+// the process has CAP_IPC_LOCK: an arena beyond the limit fails with an
+// error wrapping ErrMemlockLimit and the errno.
+func NewMlock() alloc.Visitor { return &mlock{} }
 
 // Name is "mlock".
-func (*Mlock) Name() string { return "mlock" }
+func (*mlock) Name() string { return "mlock" }
 
 // Visit locks the arena's pages.
-func (*Mlock) Visit(a *alloc.Arena) error {
+func (*mlock) Visit(a *alloc.Arena) error {
 	if _, ok := a.Handle(lockedKey{}); ok {
-		return fmt.Errorf("%w: mlock of %s", ErrAlreadyVisited, a)
+		return fmt.Errorf("%w: mlock of %s", errAlreadyVisited, a)
 	}
-	mem := a.Region().HostBytes()
+	mem := hostBytes(a)
 	if mem == nil {
-		return fmt.Errorf("%w: cannot mlock %s", ErrNotHostMemory, a)
+		return fmt.Errorf("%w: cannot mlock %s", errNotHostMemory, a)
 	}
 	if err := unix.Mlock(mem); err != nil {
 		return mlockError(a, err)
 	}
-	a.SetHandle(lockedKey{}, Locked{Bytes: len(mem)})
+	a.SetHandle(lockedKey{}, locked{Bytes: len(mem)})
 	return nil
 }
 
 // Release unlocks the arena's pages.
-func (*Mlock) Release(a *alloc.Arena) error {
+func (*mlock) Release(a *alloc.Arena) error {
 	h, ok := a.Handle(lockedKey{})
 	if !ok {
-		return fmt.Errorf("%w: munlock of %s", ErrNotVisited, a)
+		return fmt.Errorf("%w: munlock of %s", errNotVisited, a)
 	}
 	a.DeleteHandle(lockedKey{})
-	mem := a.Region().HostBytes()
-	if err := unix.Munlock(mem[:h.(Locked).Bytes]); err != nil {
-		return fmt.Errorf("%w: munlock of %s: %w", ErrMlock, a, err)
+	mem := hostBytes(a)
+	if err := unix.Munlock(mem[:h.(locked).Bytes]); err != nil {
+		return fmt.Errorf("%w: munlock of %s: %w", errMlock, a, err)
 	}
 	return nil
 }
 
-// LockedOf returns the Mlock handle of an arena, if Mlock visited it.
-func LockedOf(a *alloc.Arena) (Locked, bool) {
+// lockedOf returns the mlock handle of an arena, if Mlock visited it.
+func lockedOf(a *alloc.Arena) (locked, bool) {
 	h, ok := a.Handle(lockedKey{})
 	if !ok {
-		return Locked{}, false
+		return locked{}, false
 	}
-	l, ok := h.(Locked)
+	l, ok := h.(locked)
 	return l, ok
 }
 
@@ -74,7 +76,7 @@ func LockedOf(a *alloc.Arena) (Locked, bool) {
 // locked-memory limit: the error names it with its values.
 func mlockError(a *alloc.Arena, err error) error {
 	if !errors.Is(err, unix.ENOMEM) && !errors.Is(err, unix.EPERM) {
-		return fmt.Errorf("%w: mlock of %s: %w", ErrMlock, a, err)
+		return fmt.Errorf("%w: mlock of %s: %w", errMlock, a, err)
 	}
 	var lim unix.Rlimit
 	limits := "unknown"
@@ -92,4 +94,12 @@ func rlimitString(v uint64) string {
 		return "unlimited"
 	}
 	return fmt.Sprintf("%s (%d bytes)", humanize.IBytes(v), v)
+}
+
+// hostBytes is the memory of a host arena, nil for GPU memory.
+func hostBytes(a *alloc.Arena) []byte {
+	if a.Device().IsGPU() || a.Size() == 0 {
+		return nil
+	}
+	return offheap.Bytes(a.Base(), a.Size())
 }

@@ -40,7 +40,7 @@ func vmLocked(t *testing.T) int {
 func TestMlockLocksPages(t *testing.T) {
 	const arena = 1 << 20 // within the default 8 MiB RLIMIT_MEMLOCK
 	before := vmLocked(t)
-	p, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}),
+	p, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}),
 		alloc.WithVisitors(NewMlock()), alloc.WithInitialArena(arena))
 	if err != nil {
 		t.Fatal(err)
@@ -53,8 +53,8 @@ func TestMlockLocksPages(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	a, _ := b.Arena()
-	l, ok := LockedOf(a)
+	a, _ := p.ArenaOf(b.Addr())
+	l, ok := lockedOf(a)
 	if !ok || l.Bytes != a.Size() {
 		t.Errorf("LockedOf = %+v, %v; want %d bytes", l, ok, a.Size())
 	}
@@ -81,7 +81,7 @@ func TestMlockLocksPages(t *testing.T) {
 	if after := vmLocked(t); after > before {
 		t.Errorf("VmLck %d kB after Close, %d kB before", after, before)
 	}
-	if _, ok := LockedOf(a); ok {
+	if _, ok := lockedOf(a); ok {
 		t.Error("Locked handle left after release")
 	}
 }
@@ -125,18 +125,18 @@ func helperMlockLimit() error {
 	if err := dropIPCLock(); err != nil {
 		return err
 	}
-	src := alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode})
+	src := alloc.NewMmapSource(alloc.MmapOptions{})
 	r, err := src.Alloc(1 << 20)
 	if err != nil {
 		return err
 	}
 	defer src.Free(r)
-	a := alloc.NewArenaForTest(7, r)
+	a := NewTestArena(7, r)
 	verr := NewMlock().Visit(a)
 	if verr == nil {
 		return errors.New("mlock of 1 MiB succeeded under a 64 KiB limit")
 	}
-	if _, ok := LockedOf(a); ok {
+	if _, ok := lockedOf(a); ok {
 		return errors.New("failed Visit left a handle")
 	}
 	return json.NewEncoder(os.Stdout).Encode(mlockLimitResult{
@@ -161,18 +161,18 @@ func dropIPCLock() error {
 
 func TestMlockMisuse(t *testing.T) {
 	m := NewMlock()
-	gpu := alloc.NewArenaForTest(1, &alloc.Region{Base: 1 << 40, Size: 1 << 20, Device: tensor.GPUDevice(0), FD: -1})
-	if err := m.Visit(gpu); !errors.Is(err, ErrNotHostMemory) {
+	gpu := NewTestArena(1, &alloc.Region{Base: 1 << 40, Size: 1 << 20, Device: tensor.GPUDevice(0), FD: -1})
+	if err := m.Visit(gpu); !errors.Is(err, errNotHostMemory) {
 		t.Errorf("Visit of a GPU arena = %v", err)
 	}
-	src := alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode})
+	src := alloc.NewMmapSource(alloc.MmapOptions{})
 	r, err := src.Alloc(64 << 10)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer src.Free(r)
-	a := alloc.NewArenaForTest(2, r)
-	if err := m.Release(a); !errors.Is(err, ErrNotVisited) {
+	a := NewTestArena(2, r)
+	if err := m.Release(a); !errors.Is(err, errNotVisited) {
 		t.Errorf("Release before Visit = %v", err)
 	}
 	if err := m.Visit(a); errors.Is(err, ErrMemlockLimit) {
@@ -180,13 +180,13 @@ func TestMlockMisuse(t *testing.T) {
 	} else if err != nil {
 		t.Fatal(err)
 	}
-	if err := m.Visit(a); !errors.Is(err, ErrAlreadyVisited) {
+	if err := m.Visit(a); !errors.Is(err, errAlreadyVisited) {
 		t.Errorf("second Visit = %v", err)
 	}
 	if err := m.Release(a); err != nil {
 		t.Fatal(err)
 	}
-	if err := m.Release(a); !errors.Is(err, ErrNotVisited) {
+	if err := m.Release(a); !errors.Is(err, errNotVisited) {
 		t.Errorf("second Release = %v", err)
 	}
 }

@@ -13,8 +13,8 @@ import (
 func TestStatsVisitor(t *testing.T) {
 	var logs bytes.Buffer
 	s := NewStats(slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug})))
-	p, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode}),
-		alloc.WithVisitors(s), alloc.WithInitialArena(1<<20), alloc.WithMaxArena(1<<20))
+	p, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}),
+		alloc.WithVisitors(s), alloc.WithInitialArena(1<<20), WithMaxArena(1<<20))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -26,12 +26,12 @@ func TestStatsVisitor(t *testing.T) {
 		}
 		blocks = append(blocks, b)
 	}
-	snap := s.Snapshot()
-	if snap.Visits != 3 || snap.BytesVisited != 3<<20 || snap.Releases != 0 || snap.Live() != 3 {
+	snap := s.snapshot()
+	if snap.Visits != 3 || snap.BytesVisited != 3<<20 || snap.Releases != 0 || snap.live() != 3 {
 		t.Errorf("after 3 arenas: %v", snap)
 	}
-	for i, a := range p.Arenas() {
-		rec, ok := StatsOf(a)
+	for i, a := range ArenasOf(p, blocks) {
+		rec, ok := statsOf(a)
 		if !ok || rec.Seq < 1 || rec.Seq > 3 || rec.Visited.IsZero() {
 			t.Errorf("arena %d record %+v, %v", i, rec, ok)
 		}
@@ -44,8 +44,8 @@ func TestStatsVisitor(t *testing.T) {
 	if err := p.Close(); err != nil {
 		t.Fatal(err)
 	}
-	snap = s.Snapshot()
-	if snap.Releases != 3 || snap.LiveBytes() != 0 {
+	snap = s.snapshot()
+	if snap.Releases != 3 || snap.liveBytes() != 0 {
 		t.Errorf("after Close: %v", snap)
 	}
 	if got := snap.String(); got != "3 arenas visited (3.0 MiB), 3 released (3.0 MiB), 0 live (0 B)" {
@@ -60,17 +60,17 @@ func TestStatsVisitor(t *testing.T) {
 func TestStatsQuietAboveDebug(t *testing.T) {
 	var logs bytes.Buffer
 	s := NewStats(slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelInfo})))
-	a := alloc.NewArenaForTest(0, &alloc.Region{Base: 1 << 30, Size: 4096, FD: -1})
+	a := NewTestArena(0, &alloc.Region{Base: 1 << 30, Size: 4096, FD: -1})
 	if err := s.Visit(a); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Visit(a); !errors.Is(err, ErrAlreadyVisited) {
+	if err := s.Visit(a); !errors.Is(err, errAlreadyVisited) {
 		t.Errorf("second Visit = %v", err)
 	}
 	if err := s.Release(a); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Release(a); !errors.Is(err, ErrNotVisited) {
+	if err := s.Release(a); !errors.Is(err, errNotVisited) {
 		t.Errorf("second Release = %v", err)
 	}
 	if logs.Len() != 0 {

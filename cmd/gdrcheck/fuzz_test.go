@@ -10,7 +10,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/gdrlink/gdrlink/gdr"
+	"github.com/gdrlink/gdrlink/internal/sysfs"
 )
 
 func tarGz(entries ...tar.Header) []byte {
@@ -47,7 +47,7 @@ func FuzzExtract(f *testing.F) {
 			t.Fatal(err)
 		}
 		err := extract(archive, dir)
-		if err != nil && !errors.Is(err, gdr.ErrMalformed) {
+		if err != nil && !errors.Is(err, sysfs.ErrMalformed) {
 			t.Fatalf("error %v does not wrap ErrMalformed", err)
 		}
 		ents, _ := os.ReadDir(base)

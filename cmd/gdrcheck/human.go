@@ -6,6 +6,7 @@ import (
 	"strings"
 
 	"github.com/dustin/go-humanize"
+
 	"github.com/gdrlink/gdrlink/gdr"
 )
 
@@ -64,7 +65,7 @@ func numaStr(n *int) string {
 }
 
 func limitStr(v int64) string {
-	if v == gdr.Unlimited {
+	if v < 0 { // unbounded
 		return "unlimited"
 	}
 	return humanize.IBytes(uint64(v))
@@ -89,7 +90,7 @@ func writeHuman(w io.Writer, r *Report, color bool) {
 	for _, g := range f.GPUs {
 		name := g.Name
 		if name == "" {
-			if d := f.PCI[g.PCIBusID]; d != nil {
+			if d := r.pci[g.PCIBusID]; d != nil {
 				name = fmt.Sprintf("NVIDIA [%04x:%04x]", d.Vendor, d.Device)
 			}
 		}
@@ -117,7 +118,7 @@ func writeHuman(w io.Writer, r *Report, color bool) {
 				mtu = fmt.Sprint(*pt.ActiveMTU)
 			}
 			state := pt.State
-			if pt.Active() {
+			if pt.State == "ACTIVE" {
 				state = p.paint("32", state)
 			} else {
 				state = p.paint("31", orDash(state))
@@ -143,7 +144,7 @@ func writeHuman(w io.Writer, r *Report, color bool) {
 	fmt.Fprintf(w, "  peer memory module: %s\n", p.check(f.PeerMem))
 	fmt.Fprintf(w, "  dma-buf (kernel): %s\n", p.check(f.Kernel.DMABuf))
 	fmt.Fprintf(w, "  dma-buf (rdma-core): %s\n", p.check(f.LibIBVerbs))
-	if f.Memlock.Check.OK() {
+	if f.Memlock.Check.Status == gdr.StatusAvailable {
 		src := "/proc/self/limits"
 		if f.Memlock.Live {
 			src = "getrlimit"

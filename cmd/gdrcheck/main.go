@@ -11,7 +11,8 @@ import (
 	"time"
 
 	"github.com/gdrlink/gdrlink/gdr"
-	"github.com/gdrlink/gdrlink/internal/nvml"
+	"github.com/gdrlink/gdrlink/internal/gdrseam"
+	"github.com/gdrlink/gdrlink/internal/sysfs"
 )
 
 func main() {
@@ -54,7 +55,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs.StringVar(&o.root, "root", "", "read sysfs and procfs from this directory or snapshot archive (.tar.gz) instead of /")
 	fs.StringVar(&o.gpus, "gpu", "", "only these GPUs: indices or PCI addresses, comma-separated")
 	fs.StringVar(&o.nics, "nic", "", "only these RDMA devices: names or PCI addresses, comma-separated")
-	fs.StringVar(&o.level, "level", "", "policy level: farthest path for GPUDirect (LOC, PIX, PXB, PHB, NODE, SYS or NCCL's 0..5); default $"+gdr.EnvLevel+" or PXB")
+	fs.StringVar(&o.level, "level", "", "policy level: farthest path for GPUDirect (LOC, PIX, PXB, PHB, NODE, SYS or NCCL's 0..5); default $"+gdrseam.EnvLevel+" or PXB")
 	fs.StringVar(&o.color, "color", "auto", "color the human report: auto (on a terminal), always, never")
 	fs.BoolVar(&o.selftest, "selftest", false, "also move a pattern through every verbs provider available here and report bandwidth")
 	fs.IntVar(&o.size, "selftest-size", 4<<20, "bytes per selftest transfer")
@@ -77,7 +78,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return exitNotReady
 	}
 	if o.level != "" {
-		l, err := gdr.ParseLevel(o.level)
+		l, err := parseLevel(o.level)
 		if err != nil {
 			fmt.Fprintf(stderr, "gdrcheck: --level: %v\n", err)
 			return exitNotReady
@@ -90,7 +91,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return exitNotReady
 	}
 	defer cleanup()
-	facts, err := gdr.Collect(ctx, root, gdr.CollectOptions{GPUSources: gpuSources()})
+	facts, pci, err := collect(ctx, root)
 	if err != nil {
 		fmt.Fprintf(stderr, "gdrcheck: %v\n", err)
 		return exitNotReady
@@ -99,7 +100,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "gdrcheck: %v\n", err)
 		return exitNotReady
 	}
-	r := buildReport(facts, policy, o.root)
+	r := buildReport(facts, pci, policy, o.root)
 	r.Process = readProcess(root)
 	if o.root != "" {
 		r.Facts.Root = o.root
@@ -125,8 +126,16 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	return r.ExitCode
 }
 
-// gpuSources are asked in order: NVML lists the GPUs, the CUDA driver adds
-// the GPUDirect and dma-buf attributes (either alone lists them too).
-func gpuSources() []gdr.GPUSource {
-	return []gdr.GPUSource{&nvml.Source{}, cudaSource{}}
+// collect is gdr.Collect through root, which gdrcheck opened (and may
+// record, for a snapshot), with the PCI devices read on the way. On the
+// node itself gdr asks NVML, then the CUDA driver, for the GPUs.
+func collect(ctx context.Context, root *sysfs.Root) (*gdr.Facts, map[string]*sysfs.PCIDevice, error) {
+	c := gdrseam.Collect.(func(context.Context, *sysfs.Root, gdr.CollectOptions) (*gdr.Facts, map[string]*sysfs.PCIDevice, error))
+	return c(ctx, root, gdr.CollectOptions{})
+}
+
+// parseLevel reads a policy level as GDRLINK_NET_GDR_LEVEL is read: a path
+// type name or one of NCCL's integers.
+func parseLevel(s string) (gdr.PathType, error) {
+	return gdrseam.ParseLevel.(func(string) (gdr.PathType, error))(s)
 }

@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	"github.com/gdrlink/gdrlink/gdr"
+	"github.com/gdrlink/gdrlink/internal/sysfs"
 )
 
 // SchemaVersion is the version of the JSON report (schema.json). It changes
@@ -36,6 +37,9 @@ type Report struct {
 	Topology  Topology       `json:"topology"`
 	Decisions []gdr.Decision `json:"decisions"`
 	Selftest  *Selftest      `json:"selftest,omitempty"`
+
+	// pci holds the PCI devices read from sysfs, by address.
+	pci map[string]*sysfs.PCIDevice
 }
 
 // ProcessFacts is where this process may run.
@@ -72,7 +76,7 @@ func filter(f *gdr.Facts, gpus, nics string) error {
 		want := map[string]bool{}
 		for _, s := range strings.Split(gpus, ",") {
 			s = strings.TrimSpace(s)
-			if a, err := gdr.ParsePCIAddress(s); err == nil && strings.Contains(s, ":") {
+			if a, err := sysfs.ParsePCIAddress(s); err == nil && strings.Contains(s, ":") {
 				s = a
 			}
 			want[s] = true
@@ -106,7 +110,7 @@ func filter(f *gdr.Facts, gpus, nics string) error {
 	}
 	var pairs []gdr.PairPath
 	for _, p := range f.Pairs {
-		if f.GPU(p.GPU) != nil && hasNIC(f, p.NIC) {
+		if gpuOf(f, p.GPU) != nil && hasNIC(f, p.NIC) {
 			pairs = append(pairs, p)
 		}
 	}
@@ -167,17 +171,18 @@ func nonNil(f *gdr.Facts) {
 }
 
 // buildReport decides for every GPU and sums up.
-func buildReport(f *gdr.Facts, p gdr.Policy, source string) *Report {
+func buildReport(f *gdr.Facts, pci map[string]*sysfs.PCIDevice, p gdr.Policy, source string) *Report {
 	nonNil(f)
 	r := &Report{SchemaVersion: SchemaVersion, Source: source, Policy: p, Facts: f, Decisions: []gdr.Decision{}, ACS: []ACSFinding{}}
 	for _, g := range f.GPUs {
 		r.Decisions = append(r.Decisions, gdr.DecideGPU(f, g.Index, p))
 	}
-	r.Topology = topology(f)
-	r.ACS = acsFindings(f)
+	r.pci = pci
+	r.Topology = topology(f, pci)
+	r.ACS = acsFindings(f, pci)
 	usable := 0
 	for i := range f.NICs {
-		if f.NICs[i].ActivePort() != nil {
+		if activePort(&f.NICs[i]) != nil {
 			usable++
 		}
 	}
@@ -192,7 +197,7 @@ func buildReport(f *gdr.Facts, p gdr.Policy, source string) *Report {
 	case len(f.GPUs) == 0:
 		r.Verdict, r.ExitCode = "not-ready", exitNotReady
 		why := f.RDMA.Detail
-		if f.RDMA.OK() {
+		if f.RDMA.Status == gdr.StatusAvailable {
 			why = "no RDMA device has an active port"
 		}
 		r.Summary = fmt.Sprintf("no GPU (%s) and no usable RDMA (%s)", f.GPUSource.Detail, why)
@@ -211,7 +216,7 @@ func buildReport(f *gdr.Facts, p gdr.Policy, source string) *Report {
 
 func gpuLabel(i int) string { return "GPU" + strconv.Itoa(i) }
 
-func topology(f *gdr.Facts) Topology {
+func topology(f *gdr.Facts, pci map[string]*sysfs.PCIDevice) Topology {
 	t := Topology{Devices: []string{}, Matrix: [][]string{}, CPUAffinity: []string{}, NUMAAffinity: []*int{}}
 	type dev struct {
 		name string
@@ -232,7 +237,7 @@ func topology(f *gdr.Facts) Topology {
 	for i, a := range devs {
 		t.Devices = append(t.Devices, a.name)
 		cpus := ""
-		if d := f.PCI[a.addr]; d != nil {
+		if d := pci[a.addr]; d != nil {
 			cpus = d.LocalCPUs
 		}
 		t.CPUAffinity = append(t.CPUAffinity, cpus)
@@ -255,27 +260,26 @@ func topology(f *gdr.Facts) Topology {
 					}
 				}
 			}
-			da, db := f.PCI[a.addr], f.PCI[b.addr]
+			da, db := pci[a.addr], pci[b.addr]
 			if da == nil || db == nil {
 				row[j] = "?"
 				continue
 			}
-			p, _ := gdr.ClassifyPath(da.Path, db.Path, a.numa, b.numa, f.NUMANodes)
-			row[j] = p.String()
+			row[j], _ = sysfs.ClassifyPath(da.Path, db.Path, a.numa, b.numa, f.NUMANodes)
 		}
 		t.Matrix = append(t.Matrix, row)
 	}
 	return t
 }
 
-func acsFindings(f *gdr.Facts) []ACSFinding {
+func acsFindings(f *gdr.Facts, pci map[string]*sysfs.PCIDevice) []ACSFinding {
 	by := map[string]*ACSFinding{}
 	for _, p := range f.Pairs {
 		for _, b := range p.Bridges {
 			a := by[b]
 			if a == nil {
 				a = &ACSFinding{Bridge: b, Between: []string{}}
-				if d := f.PCI[b]; d != nil && d.ACS != nil {
+				if d := pci[b]; d != nil && d.ACS != nil {
 					c := d.ACS.Control
 					a.Control, a.Redirects = &c, d.ACS.RedirectsP2P()
 				} else if d != nil && d.ACSErr != "" {
@@ -296,7 +300,7 @@ func acsFindings(f *gdr.Facts) []ACSFinding {
 
 // readProcess reads the process's allowed CPUs and memory nodes from
 // /proc/self/status under the root.
-func readProcess(root *gdr.Root) *ProcessFacts {
+func readProcess(root *sysfs.Root) *ProcessFacts {
 	s, err := root.ReadString("/proc/self/status")
 	if err != nil {
 		return nil
@@ -312,4 +316,24 @@ func readProcess(root *gdr.Root) *ProcessFacts {
 		}
 	}
 	return p
+}
+
+// gpuOf returns the GPU with the index, or nil.
+func gpuOf(f *gdr.Facts, index int) *gdr.GPUFacts {
+	for i := range f.GPUs {
+		if f.GPUs[i].Index == index {
+			return &f.GPUs[i]
+		}
+	}
+	return nil
+}
+
+// activePort returns the NIC's first port that can carry traffic, or nil.
+func activePort(n *gdr.NICFacts) *gdr.PortFacts {
+	for i := range n.Ports {
+		if n.Ports[i].State == "ACTIVE" {
+			return &n.Ports[i]
+		}
+	}
+	return nil
 }

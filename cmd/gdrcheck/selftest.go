@@ -41,6 +41,10 @@ type SelftestRun struct {
 	GBps float64 `json:"gbps"`
 }
 
+// poolAlignment is the alignment of the blocks of the selftest's pool:
+// alloc's default, 256 bytes.
+const poolAlignment = 256
+
 // selftestPaths are the memory a selftest writes from and to.
 var selftestPaths = []string{"mmap", "memfd", "gpu"}
 
@@ -85,9 +89,9 @@ func selftestOne(ctx context.Context, name, path string, size int) (r SelftestRu
 	var src alloc.Source
 	switch path {
 	case "mmap":
-		src = alloc.NewMmapSource(alloc.MmapOptions{NUMANode: alloc.NoNUMANode})
+		src = alloc.NewMmapSource(alloc.MmapOptions{})
 	case "memfd":
-		src = alloc.NewMemfdSource("gdrcheck-selftest", alloc.MmapOptions{NUMANode: alloc.NoNUMANode})
+		src = alloc.NewMemfdSource("gdrcheck-selftest", alloc.MmapOptions{})
 	case "gpu":
 		cs, err := alloc.NewCUDADeviceSource(0)
 		if err != nil {
@@ -95,9 +99,7 @@ func selftestOne(ctx context.Context, name, path string, size int) (r SelftestRu
 		}
 		// Checking bytes in GPU memory needs device copies that this
 		// version of the selftest does not make.
-		if c, ok := any(cs).(io.Closer); ok {
-			c.Close()
-		}
+		cs.Close()
 		return skip("GPU memory path not exercised by this selftest version; see bench scenarios")
 	}
 	cfg := verbsio.DefaultConfig()
@@ -122,7 +124,7 @@ func selftestOne(ctx context.Context, name, path string, size int) (r SelftestRu
 	}
 	defer pd.Close()
 	reg := visitor.NewMemoryRegistration(pd, verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite|verbsio.AccessRemoteRead)
-	arena := 2*size + 2*alloc.DefaultAlignment
+	arena := 2*size + 2*poolAlignment
 	pool, err := alloc.New(src, alloc.WithVisitors(reg), alloc.WithInitialArena(arena), alloc.WithName("gdrcheck-selftest"))
 	if err != nil {
 		return fail("pool", err)

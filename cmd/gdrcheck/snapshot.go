@@ -8,7 +8,6 @@ import (
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -20,6 +19,8 @@ import (
 	"time"
 
 	"github.com/gdrlink/gdrlink/gdr"
+	"github.com/gdrlink/gdrlink/internal/gdrseam"
+	"github.com/gdrlink/gdrlink/internal/sysfs"
 )
 
 // Limits on a snapshot archive read with --root.
@@ -43,7 +44,7 @@ func newCapture() *capture {
 	return &capture{salt: salt, files: map[string][]byte{}, links: map[string]string{}, dirs: map[string]bool{}}
 }
 
-// Link implements gdr.Recorder. Links to shared libraries are left out
+// Link implements sysfs.Recorder. Links to shared libraries are left out
 // with the libraries.
 func (c *capture) Link(name, target string) {
 	if !strings.Contains(path.Base(name), ".so") {
@@ -51,10 +52,10 @@ func (c *capture) Link(name, target string) {
 	}
 }
 
-// Dir implements gdr.Recorder.
+// Dir implements sysfs.Recorder.
 func (c *capture) Dir(name string) { c.dirs[name] = true }
 
-// File implements gdr.Recorder. Shared libraries are left out (the snapshot
+// File implements sysfs.Recorder. Shared libraries are left out (the snapshot
 // keeps what was learned from them in facts.json); GIDs are hashed (they
 // hold IP and MAC addresses); the kernel command line, kernel config and
 // process status keep only the lines the checks use.
@@ -181,22 +182,17 @@ func snapshot(ctx context.Context, rootArg, out string) error {
 	defer cleanup()
 	c := newCapture()
 	root.SetRecorder(c)
-	facts, err := gdr.Collect(ctx, root, gdr.CollectOptions{GPUSources: gpuSources()})
+	facts, _, err := collect(ctx, root)
 	if err != nil {
 		return err
 	}
 	_, _ = root.ReadFile("/proc/self/limits")
 	_ = readProcess(root)
-	why := gdr.Missing("%s", facts.GPUSourceWhy)
-	sf := gdr.SnapshotFacts{Version: gdr.SnapshotFactsVersion, GPUSource: &why, LibIBVerbs: &facts.LibIBVerbs}
-	if len(facts.GPUs) > 0 && facts.GPUs[0].Source != "pci" {
-		sf.GPUs = &gdr.GPUInventory{Driver: facts.Driver, GPUs: facts.GPUs, Topology: facts.GPUTopology}
-	}
-	b, err := json.MarshalIndent(sf, "", "  ")
+	name, b, err := gdrseam.SnapshotFacts.(func(*gdr.Facts) (string, []byte, error))(facts)
 	if err != nil {
 		return err
 	}
-	c.files[gdr.SnapshotFactsFile] = append(b, '\n')
+	c.files[name] = b
 	return c.writeArchive(out)
 }
 
@@ -275,9 +271,9 @@ func sortedKeys[V any](m map[string]V) []string {
 
 // openRootArg opens --root: "" is /, a directory is used as is, a file is a
 // snapshot archive extracted to a temporary directory that cleanup removes.
-func openRootArg(arg string) (*gdr.Root, func(), error) {
+func openRootArg(arg string) (*sysfs.Root, func(), error) {
 	if arg == "" {
-		r, err := gdr.OpenRoot("/")
+		r, err := sysfs.OpenRoot("/")
 		if err != nil {
 			return nil, nil, err
 		}
@@ -288,7 +284,7 @@ func openRootArg(arg string) (*gdr.Root, func(), error) {
 		return nil, nil, fmt.Errorf("--root: %w", err)
 	}
 	if st.IsDir() {
-		r, err := gdr.OpenRoot(arg)
+		r, err := sysfs.OpenRoot(arg)
 		if err != nil {
 			return nil, nil, err
 		}
@@ -302,7 +298,7 @@ func openRootArg(arg string) (*gdr.Root, func(), error) {
 		os.RemoveAll(dir)
 		return nil, nil, err
 	}
-	r, err := gdr.OpenRoot(dir)
+	r, err := sysfs.OpenRoot(dir)
 	if err != nil {
 		os.RemoveAll(dir)
 		return nil, nil, err
@@ -316,7 +312,7 @@ func openRootArg(arg string) (*gdr.Root, func(), error) {
 // outside dir.
 func extract(archive, dir string) error {
 	bad := func(format string, a ...any) error {
-		return fmt.Errorf("%w: snapshot %s: %s", gdr.ErrMalformed, archive, fmt.Sprintf(format, a...))
+		return fmt.Errorf("%w: snapshot %s: %s", sysfs.ErrMalformed, archive, fmt.Sprintf(format, a...))
 	}
 	f, err := os.Open(archive)
 	if err != nil {

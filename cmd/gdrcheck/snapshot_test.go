@@ -13,7 +13,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/gdrlink/gdrlink/gdr"
+	"github.com/gdrlink/gdrlink/internal/sysfs"
 )
 
 // dropLines removes the lines that legitimately differ between a tree and
@@ -213,7 +213,7 @@ func TestHostileArchives(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			p := writeTar(t, hdrs)
 			_, _, err := openRootArg(p)
-			if !errors.Is(err, gdr.ErrMalformed) {
+			if !errors.Is(err, sysfs.ErrMalformed) {
 				t.Fatalf("openRootArg: %v, want ErrMalformed", err)
 			}
 			if _, err := os.Stat(outside); err == nil {
@@ -223,7 +223,7 @@ func TestHostileArchives(t *testing.T) {
 	}
 	notGzip := filepath.Join(t.TempDir(), "x.tar.gz")
 	os.WriteFile(notGzip, []byte("plain"), 0o644)
-	if _, _, err := openRootArg(notGzip); !errors.Is(err, gdr.ErrMalformed) {
+	if _, _, err := openRootArg(notGzip); !errors.Is(err, sysfs.ErrMalformed) {
 		t.Fatalf("not gzip: %v", err)
 	}
 	if _, _, code := runArgs(t, "--root", notGzip); code != exitNotReady {

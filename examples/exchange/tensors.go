@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"fmt"
 	"hash/fnv"
+	"slices"
 	"strings"
 
 	"github.com/gdrlink/gdrlink/tensor"
@@ -63,7 +64,7 @@ func makeTensor(newTensor func(tensor.DType, ...int64) (*tensor.Tensor, error), 
 
 func checkTensor(t *tensor.Tensor, kind string, shape tensor.Shape, key string, step int64) error {
 	if d, ok := strings.CutPrefix(kind, "dead:"); ok {
-		if !t.IsDead() || t.DType().String() != d || !t.Shape().Equal(shape) {
+		if !t.Meta().IsDead || t.Meta().DType.String() != d || !slices.Equal(t.Meta().Shape, shape) {
 			return fmt.Errorf("got %v, want a dead %s%v", t.Meta(), d, shape)
 		}
 		return nil
@@ -75,7 +76,7 @@ func checkTensor(t *tensor.Tensor, kind string, shape tensor.Shape, key string, 
 		}
 		n, _ := shape.NumElements()
 		want := stringsOf(n, key, step)
-		if len(got) != len(want) || !t.Shape().Equal(shape) {
+		if len(got) != len(want) || !slices.Equal(t.Meta().Shape, shape) {
 			return fmt.Errorf("got %v, want string%v", t.Meta(), shape)
 		}
 		for i := range want {

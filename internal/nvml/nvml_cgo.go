@@ -6,7 +6,7 @@ import (
 	"fmt"
 
 	gonvml "github.com/NVIDIA/go-nvml/pkg/nvml"
-	"github.com/gdrlink/gdrlink/gdr"
+	"github.com/gdrlink/gdrlink/internal/sysfs"
 )
 
 func cstr(b []uint8) string {
@@ -18,11 +18,11 @@ func cstr(b []uint8) string {
 	return string(b)
 }
 
-func (s *Source) gpus() (gdr.GPUInventory, error) {
-	var inv gdr.GPUInventory
+func gpus(libraryPath string) (Inventory, error) {
+	var inv Inventory
 	var opts []gonvml.LibraryOption
-	if s.LibraryPath != "" {
-		opts = append(opts, gonvml.WithLibraryPath(s.LibraryPath))
+	if libraryPath != "" {
+		opts = append(opts, gonvml.WithLibraryPath(libraryPath))
 	}
 	lib := gonvml.New(opts...)
 	switch ret := lib.Init(); ret {
@@ -36,10 +36,10 @@ func (s *Source) gpus() (gdr.GPUInventory, error) {
 	}
 	defer lib.Shutdown()
 	if v, ret := lib.SystemGetDriverVersion(); ret == gonvml.SUCCESS {
-		inv.Driver.DriverVersion = v
+		inv.DriverVersion = v
 	}
 	if v, ret := lib.SystemGetCudaDriverVersion(); ret == gonvml.SUCCESS {
-		inv.Driver.CUDAVersion = cudaVersion(v)
+		inv.CUDAVersion = cudaVersion(v)
 	}
 	n, ret := lib.DeviceGetCount()
 	if ret != gonvml.SUCCESS {
@@ -52,12 +52,12 @@ func (s *Source) gpus() (gdr.GPUInventory, error) {
 			return inv, fmt.Errorf("nvml: device %d: %s", i, ret.Error())
 		}
 		devs = append(devs, d)
-		g := gdr.GPUFacts{Index: i, Source: "nvml"}
+		g := GPU{Index: i}
 		if v, ret := d.GetName(); ret == gonvml.SUCCESS {
 			g.Name = v
 		}
 		if p, ret := d.GetPciInfo(); ret == gonvml.SUCCESS {
-			if a, err := gdr.ParsePCIAddress(cstr(p.BusId[:])); err == nil {
+			if a, err := sysfs.ParsePCIAddress(cstr(p.BusId[:])); err == nil {
 				g.PCIBusID = a
 			}
 		}
@@ -76,7 +76,7 @@ func (s *Source) gpus() (gdr.GPUInventory, error) {
 	}
 	for a := 0; a < n; a++ {
 		for b := a + 1; b < n; b++ {
-			t := gdr.GPUTopology{A: a, B: b}
+			t := Link{A: a, B: b, Path: "?"}
 			if lvl, ret := devs[a].GetTopologyCommonAncestor(devs[b]); ret == gonvml.SUCCESS {
 				t.Path = topologyPath(int(lvl))
 			}
@@ -86,13 +86,32 @@ func (s *Source) gpus() (gdr.GPUInventory, error) {
 					continue
 				}
 				if p, ret := devs[a].GetNvLinkRemotePciInfo(l); ret == gonvml.SUCCESS {
-					if addr, err := gdr.ParsePCIAddress(cstr(p.BusId[:])); err == nil && addr == inv.GPUs[b].PCIBusID {
+					if addr, err := sysfs.ParsePCIAddress(cstr(p.BusId[:])); err == nil && addr == inv.GPUs[b].PCIBusID {
 						t.NVLinks++
 					}
 				}
 			}
-			inv.Topology = append(inv.Topology, t)
+			inv.Links = append(inv.Links, t)
 		}
 	}
 	return inv, nil
+}
+
+// BAR1 reads the BAR1 aperture of the GPU at a PCI address
+// (nvmlDeviceGetBAR1MemoryInfo): the bytes of it free and in all. A NIC
+// reaches GPU memory through BAR1.
+func BAR1(busID string) (free, total int64, err error) {
+	if r := gonvml.Init(); r != gonvml.SUCCESS {
+		return 0, 0, fmt.Errorf("nvmlInit: %s", gonvml.ErrorString(r))
+	}
+	defer gonvml.Shutdown()
+	dev, r := gonvml.DeviceGetHandleByPciBusId(busID)
+	if r != gonvml.SUCCESS {
+		return 0, 0, fmt.Errorf("nvmlDeviceGetHandleByPciBusId(%s): %s", busID, gonvml.ErrorString(r))
+	}
+	m, r := dev.GetBAR1MemoryInfo()
+	if r != gonvml.SUCCESS {
+		return 0, 0, fmt.Errorf("nvmlDeviceGetBAR1MemoryInfo(%s): %s", busID, gonvml.ErrorString(r))
+	}
+	return int64(m.Bar1Free), int64(m.Bar1Total), nil
 }

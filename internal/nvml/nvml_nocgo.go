@@ -2,12 +2,13 @@
 
 package nvml
 
-import (
-	"fmt"
+import "fmt"
 
-	"github.com/gdrlink/gdrlink/gdr"
-)
+func gpus(string) (Inventory, error) {
+	return Inventory{}, fmt.Errorf("%w: built without cgo", ErrNotAvailable)
+}
 
-func (s *Source) gpus() (gdr.GPUInventory, error) {
-	return gdr.GPUInventory{}, fmt.Errorf("%w: built without cgo", ErrNotAvailable)
+// BAR1 cannot ask NVML in a build without cgo (go-nvml needs it).
+func BAR1(busID string) (free, total int64, err error) {
+	return 0, 0, fmt.Errorf("%w: built without cgo", ErrNotAvailable)
 }

@@ -5,14 +5,13 @@ import (
 	"os"
 	"testing"
 
-	"github.com/gdrlink/gdrlink/gdr"
+	"github.com/gdrlink/gdrlink/internal/sysfs"
 )
 
-func TestSource(t *testing.T) {
-	var s Source
-	inv, err := s.GPUs()
+func TestGPUs(t *testing.T) {
+	inv, err := GPUs("")
 	if errors.Is(err, ErrNotAvailable) {
-		if !errors.Is(err, gdr.ErrNotSupported) {
+		if !errors.Is(err, sysfs.ErrNotSupported) {
 			t.Fatalf("%v does not wrap gdr.ErrNotSupported", err)
 		}
 		if os.Getenv("GDRLINK_REQUIRE_GPU") == "1" {
@@ -24,7 +23,7 @@ func TestSource(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, g := range inv.GPUs {
-		if _, err := gdr.ParsePCIAddress(g.PCIBusID); err != nil {
+		if _, err := sysfs.ParsePCIAddress(g.PCIBusID); err != nil {
 			t.Errorf("GPU%d: bus id %q: %v", g.Index, g.PCIBusID, err)
 		}
 	}
@@ -32,8 +31,7 @@ func TestSource(t *testing.T) {
 }
 
 func TestMissingLibrary(t *testing.T) {
-	s := Source{LibraryPath: "/nonexistent/libnvidia-ml.so.1"}
-	if _, err := s.GPUs(); !errors.Is(err, ErrNotAvailable) {
+	if _, err := GPUs("/nonexistent/libnvidia-ml.so.1"); !errors.Is(err, ErrNotAvailable) {
 		t.Fatalf("GPUs with a missing library: %v, want ErrNotAvailable", err)
 	}
 }
@@ -45,16 +43,15 @@ func TestConversions(t *testing.T) {
 	if v := cudaVersion(0); v != "" {
 		t.Fatal(v)
 	}
-	for lvl, want := range map[int]gdr.PathType{0: gdr.PathLOC, 10: gdr.PathPIX, 20: gdr.PathPXB, 30: gdr.PathPHB, 40: gdr.PathNODE, 50: gdr.PathSYS, 7: gdr.PathUnknown} {
+	for lvl, want := range map[int]string{0: "LOC", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS", 7: "?"} {
 		if got := topologyPath(lvl); got != want {
 			t.Errorf("level %d: %s, want %s", lvl, got, want)
 		}
 	}
 }
 
-func ExampleSource() {
-	var s Source
-	if _, err := s.GPUs(); errors.Is(err, gdr.ErrNotSupported) {
+func ExampleGPUs() {
+	if _, err := GPUs(""); errors.Is(err, ErrNotAvailable) {
 		// No NVML here: fall back to the PCI tree.
 		return
 	}

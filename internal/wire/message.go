@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"math"
+	"slices"
 
 	"github.com/gdrlink/gdrlink/tensor"
 )
@@ -187,12 +188,12 @@ func (w *Meta) Shape() tensor.Shape { return tensor.Shape(w.Dims[:w.Rank]) }
 
 // Tensor returns the meta-data as a tensor.Meta with its own shape.
 func (w *Meta) Tensor() tensor.Meta {
-	return tensor.Meta{DType: w.DType, IsDead: w.Dead, ByteSize: w.ByteSize, Shape: w.Shape().Clone()}
+	return tensor.Meta{DType: w.DType, IsDead: w.Dead, ByteSize: w.ByteSize, Shape: slices.Clone(w.Shape())}
 }
 
 // Equal reports whether w describes m, without allocating.
 func (w *Meta) Equal(m tensor.Meta) bool {
-	return w.DType == m.DType && w.Dead == m.IsDead && w.ByteSize == m.ByteSize && w.Shape().Equal(m.Shape)
+	return w.DType == m.DType && w.Dead == m.IsDead && w.ByteSize == m.ByteSize && slices.Equal(w.Shape(), m.Shape)
 }
 
 func (w *Meta) len() int { return 3 + 8*int(w.Rank) + 8 }

@@ -1,4 +1,4 @@
-package proxy_test
+package flush
 
 import (
 	"context"
@@ -48,7 +48,7 @@ func TestFlusherLoopbackRead(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	f, err := proxy.NewFlusher(ctx, dev, pd, keyOf)
+	f, err := New(ctx, dev, pd, keyOf)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,4 +1,4 @@
-package gdr
+package sysfs
 
 import (
 	"encoding/binary"

@@ -1,4 +1,7 @@
-package proxy
+// Package flush makes a NIC's writes into GPU memory visible to the GPU, the
+// way NCCL does, for the proxy's Direct receives (proxy.WithDirect): a small
+// RDMA READ through a queue pair connected to itself.
+package flush
 
 import (
 	"context"
@@ -9,6 +12,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/gdrlink/gdrlink/proxy"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
@@ -34,15 +38,15 @@ type Flusher struct {
 	closed bool
 }
 
-var _ DirectFlusher = (*Flusher)(nil)
+var _ proxy.DirectFlusher = (*Flusher)(nil)
 
-// NewFlusher makes a loopback queue pair on pd (with a completion queue of
+// New makes a loopback queue pair on pd (with a completion queue of
 // dev) and registers a 4-byte host buffer. keyOf returns the rkey of the
 // memory region covering a GPU address (the gpumr visitor's region of the
 // arena holding it).
-func NewFlusher(ctx context.Context, dev verbsio.Device, pd verbsio.ProtectionDomain, keyOf func(addr uintptr) (uint32, bool)) (*Flusher, error) {
+func New(ctx context.Context, dev verbsio.Device, pd verbsio.ProtectionDomain, keyOf func(addr uintptr) (uint32, bool)) (*Flusher, error) {
 	if dev == nil || pd == nil || keyOf == nil {
-		return nil, fmt.Errorf("%w: flusher needs a device, a protection domain and a key lookup", ErrWrongMemory)
+		return nil, fmt.Errorf("%w: flusher needs a device, a protection domain and a key lookup", proxy.ErrWrongMemory)
 	}
 	f := &Flusher{keyOf: keyOf}
 	ok := false
@@ -81,7 +85,7 @@ func (f *Flusher) Flush(ctx context.Context, addr uintptr) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.closed {
-		return fmt.Errorf("%w: flusher", ErrClosed)
+		return fmt.Errorf("%w: flusher", proxy.ErrClosed)
 	}
 	f.wrid++
 	id := f.wrid

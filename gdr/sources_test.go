@@ -1,16 +1,14 @@
-package main
+package gdr
 
 import (
 	"errors"
 	"os"
 	"testing"
-
-	"github.com/gdrlink/gdrlink/gdr"
 )
 
 func TestCUDASource(t *testing.T) {
 	inv, err := cudaSource{}.GPUs()
-	if errors.Is(err, gdr.ErrNotSupported) {
+	if errors.Is(err, ErrNotSupported) {
 		if os.Getenv("GDRLINK_REQUIRE_GPU") == "1" {
 			t.Fatalf("GDRLINK_REQUIRE_GPU=1 but no CUDA driver: %v", err)
 		}
@@ -24,7 +22,7 @@ func TestCUDASource(t *testing.T) {
 			t.Errorf("GPU%d without attributes: %+v", g.Index, g)
 		}
 	}
-	if _, err := (cudaSource{path: "/nonexistent/libcuda.so.1"}).GPUs(); !errors.Is(err, gdr.ErrNotSupported) {
+	if _, err := (cudaSource{path: "/nonexistent/libcuda.so.1"}).GPUs(); !errors.Is(err, ErrNotSupported) {
 		t.Fatalf("missing libcuda: %v", err)
 	}
 }

@@ -1,4 +1,4 @@
-package gdr
+package sysfs
 
 import (
 	"errors"
@@ -13,10 +13,10 @@ import (
 	"sync/atomic"
 )
 
-// maxFileSize bounds every file a Root reads: sysfs and procfs files are
+// MaxFileSize bounds every file a Root reads: sysfs and procfs files are
 // small, and a snapshot from elsewhere must not make a reader swallow a
 // huge file.
-const maxFileSize = 4 << 20
+const MaxFileSize = 4 << 20
 
 // Root is the directory that stands for "/" when gdr reads sysfs and procfs:
 // "/" on the node itself, /host in a container that mounts the host there,
@@ -157,12 +157,12 @@ func (r *Root) ReadFile(name string) ([]byte, error) {
 		return nil, r.wrap("read", name, err)
 	}
 	defer f.Close()
-	b, err := io.ReadAll(io.LimitReader(f, maxFileSize+1))
+	b, err := io.ReadAll(io.LimitReader(f, MaxFileSize+1))
 	if err != nil {
 		return nil, r.wrap("read", name, err)
 	}
-	if len(b) > maxFileSize {
-		return nil, fmt.Errorf("%w: %s is larger than %d bytes", ErrMalformed, filepath.Join(r.dir, name), maxFileSize)
+	if len(b) > MaxFileSize {
+		return nil, fmt.Errorf("%w: %s is larger than %d bytes", ErrMalformed, filepath.Join(r.dir, name), MaxFileSize)
 	}
 	if r.rec != nil {
 		r.rec.File(r.resolve(name), b)
