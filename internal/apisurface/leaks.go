@@ -3,11 +3,7 @@ package apisurface
 import (
 	"fmt"
 	"go/ast"
-	"go/parser"
 	"go/token"
-	"io/fs"
-	"os"
-	"path/filepath"
 	"sort"
 	"strconv"
 	"strings"
@@ -43,37 +39,8 @@ func (l Leak) String() string {
 // element counts.
 func FindLeaks(root string) ([]Leak, error) {
 	var leaks []Leak
-	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
-		if err != nil {
-			return err
-		}
-		if d.IsDir() {
-			if p != root && (skipped[d.Name()] || strings.HasPrefix(d.Name(), ".")) {
-				return filepath.SkipDir
-			}
-			if p != root {
-				if _, err := os.Stat(filepath.Join(p, "go.mod")); err == nil {
-					return filepath.SkipDir
-				}
-			}
-			return nil
-		}
-		if !strings.HasSuffix(p, ".go") || strings.HasSuffix(p, "_test.go") {
-			return nil
-		}
-		fset := token.NewFileSet()
-		f, err := parser.ParseFile(fset, p, nil, parser.SkipObjectResolution)
-		if err != nil {
-			return err
-		}
-		if f.Name.Name == "main" {
-			return nil
-		}
-		rel, err := filepath.Rel(root, p)
-		if err != nil {
-			return err
-		}
-		leaks = append(leaks, fileLeaks(fset, f, filepath.ToSlash(rel))...)
+	err := walkPublic(root, func(fset *token.FileSet, f *ast.File, rel string) error {
+		leaks = append(leaks, fileLeaks(fset, f, rel)...)
 		return nil
 	})
 	sort.Slice(leaks, func(i, j int) bool { return leaks[i].Pos < leaks[j].Pos })

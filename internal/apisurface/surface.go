@@ -37,7 +37,32 @@ var skipped = map[string]bool{"internal": true, "cmd": true, "bench": true, "exa
 // main packages are left out.
 func CountModule(root string) ([]Count, error) {
 	counts := map[string]*Count{}
-	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+	err := walkPublic(root, func(_ *token.FileSet, f *ast.File, rel string) error {
+		pkg := filepath.Dir(rel)
+		c := counts[pkg]
+		if c == nil {
+			c = &Count{Package: pkg}
+			counts[pkg] = c
+		}
+		countFile(f, c)
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	out := make([]Count, 0, len(counts))
+	for _, c := range counts {
+		out = append(out, *c)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Package < out[j].Package })
+	return out, nil
+}
+
+// walkPublic parses every non-test Go file of the public packages under
+// root (skipping internal, commands, programs, test data, other modules and
+// main packages) and calls fn with the file and its path relative to root.
+func walkPublic(root string, fn func(fset *token.FileSet, f *ast.File, rel string) error) error {
+	return filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
 			return err
 		}
@@ -55,34 +80,20 @@ func CountModule(root string) ([]Count, error) {
 		if !strings.HasSuffix(p, ".go") || strings.HasSuffix(p, "_test.go") {
 			return nil
 		}
-		f, err := parser.ParseFile(token.NewFileSet(), p, nil, parser.SkipObjectResolution)
+		fset := token.NewFileSet()
+		f, err := parser.ParseFile(fset, p, nil, parser.SkipObjectResolution)
 		if err != nil {
 			return err
 		}
 		if f.Name.Name == "main" {
 			return nil
 		}
-		rel, err := filepath.Rel(root, filepath.Dir(p))
+		rel, err := filepath.Rel(root, p)
 		if err != nil {
 			return err
 		}
-		c := counts[rel]
-		if c == nil {
-			c = &Count{Package: rel}
-			counts[rel] = c
-		}
-		countFile(f, c)
-		return nil
+		return fn(fset, f, filepath.ToSlash(rel))
 	})
-	if err != nil {
-		return nil, err
-	}
-	out := make([]Count, 0, len(counts))
-	for _, c := range counts {
-		out = append(out, *c)
-	}
-	sort.Slice(out, func(i, j int) bool { return out[i].Package < out[j].Package })
-	return out, nil
 }
 
 func countFile(f *ast.File, c *Count) {
