@@ -96,3 +96,35 @@ func TestJob64(t *testing.T) {
 		t.Errorf("connections %v (counted at both ends), want 62 onnode and 2 tcp pairs", total)
 	}
 }
+
+// TestOtherPIDNamespace: two processes of one kernel and one network
+// namespace, one of them in a PID namespace of its own (as two containers
+// of one pod-less node may be), cannot trust each other's process ids, so
+// the pair uses tcp, not onnode.
+func TestOtherPIDNamespace(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("unshare --pid needs root")
+	}
+	unshare, err := exec.LookPath("unshare")
+	if err != nil {
+		t.Skip("the unshare command is not installed (Debian package util-linux)")
+	}
+	if out, err := exec.Command(unshare, "--pid", "--fork", "true").CombinedOutput(); err != nil {
+		t.Skipf("cannot make a PID namespace here: %v: %s", err, out)
+	}
+	j := startJob(t, "pair", 2, "127.0.0.1", func(r int) []string {
+		if r == 1 {
+			return []string{unshare, "--pid", "--fork"}
+		}
+		return nil
+	}, func(int) []string { return nil })
+	reps := j.wait(2 * time.Minute)
+	for r, rep := range reps {
+		if fmt.Sprint(rep.Connections) != "map[tcp:1]" {
+			t.Errorf("rank %d connections %v, want one over tcp", r, rep.Connections)
+		}
+	}
+	if reps[1].Received != 15 {
+		t.Errorf("rank 1 received %d tensors, want 15", reps[1].Received)
+	}
+}
