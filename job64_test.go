@@ -99,8 +99,11 @@ func TestJob64(t *testing.T) {
 
 // TestOtherPIDNamespace: two processes of one kernel and one network
 // namespace, one of them in a PID namespace of its own (as two containers
-// of one pod-less node may be), cannot trust each other's process ids, so
-// the pair uses tcp, not onnode.
+// of one node may be), cannot trust each other's process ids, so the pair
+// ends on tcp, not onnode. The host cards leave onnode out; with that check
+// removed, onnode's own peer check fails the attempt and the pair falls
+// back to tcp all the same (tried: the test passes either way, which is
+// the point: it never fails).
 func TestOtherPIDNamespace(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("unshare --pid needs root")
