@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"runtime"
 	"sync"
 	"testing"
 	"time"
@@ -149,5 +150,61 @@ func TestGiveUp(t *testing.T) {
 		if err := g.Close(); err != nil {
 			t.Errorf("rank %d Close: %v", r, err)
 		}
+	}
+}
+
+// stuckPD makes queue pairs whose Connect waits until its context ends: a
+// peer that never answers.
+type stuckPD struct{ verbsio.ProtectionDomain }
+
+func (s stuckPD) CreateQP(cfg verbsio.QPConfig) (verbsio.QueuePair, error) {
+	qp, err := s.ProtectionDomain.CreateQP(cfg)
+	return stuckQP{qp}, err
+}
+
+type stuckQP struct{ verbsio.QueuePair }
+
+func (stuckQP) Connect(ctx context.Context, _ verbsio.Endpoint) error {
+	<-ctx.Done()
+	return fmt.Errorf("%w: %w", verbsio.ErrTimeout, ctx.Err())
+}
+
+// TestCloseWhileConnecting: closing both ranks while their connection hangs
+// ends the waiting Recv with ErrClosed and returns at once, without waiting
+// out the connect timeout, and leaves no goroutine behind.
+func TestCloseWhileConnecting(t *testing.T) {
+	before := runtime.NumGoroutine()
+	gs := joinPair(t, WithProvider("onnode"), WithConnectTimeout(time.Minute))
+	gs[0].devs["onnode"].pd = stuckPD{gs[0].devs["onnode"].pd}
+	errc := make(chan error, 1)
+	go func() {
+		_, _, err := gs[1].Recv(context.Background(), 0, "never", 0)
+		errc <- err
+	}()
+	time.Sleep(200 * time.Millisecond) // the attempt is under way
+	start := time.Now()
+	for r, g := range gs {
+		if err := g.Close(); err != nil {
+			t.Errorf("rank %d Close: %v", r, err)
+		}
+	}
+	select {
+	case err := <-errc:
+		if !errors.Is(err, ErrClosed) {
+			t.Errorf("the waiting Recv: %v, want ErrClosed", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the waiting Recv did not end after Close")
+	}
+	if took := time.Since(start); took > 5*time.Second {
+		t.Errorf("Close took %v while a connection hung", took)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for runtime.NumGoroutine() > before && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	if n := runtime.NumGoroutine(); n > before {
+		buf := make([]byte, 1<<16)
+		t.Errorf("%d goroutines after Close, %d before:\n%s", n, before, buf[:runtime.Stack(buf, true)])
 	}
 }
