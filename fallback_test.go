@@ -173,9 +173,15 @@ func (stuckQP) Connect(ctx context.Context, _ verbsio.Endpoint) error {
 // ends the waiting Recv with ErrClosed and returns at once, without waiting
 // out the connect timeout, and leaves no goroutine behind.
 func TestCloseWhileConnecting(t *testing.T) {
+	for _, prov := range []string{"onnode", "tcp"} {
+		t.Run(prov, func(t *testing.T) { closeWhileConnecting(t, prov) })
+	}
+}
+
+func closeWhileConnecting(t *testing.T, prov string) {
 	before := runtime.NumGoroutine()
-	gs := joinPair(t, WithProvider("onnode"), WithConnectTimeout(time.Minute))
-	gs[0].devs["onnode"].pd = stuckPD{gs[0].devs["onnode"].pd}
+	gs := joinPair(t, WithProvider(prov), WithConnectTimeout(time.Minute))
+	gs[0].devs[prov].pd = stuckPD{gs[0].devs[prov].pd}
 	errc := make(chan error, 1)
 	go func() {
 		_, _, err := gs[1].Recv(context.Background(), 0, "never", 0)

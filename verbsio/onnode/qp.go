@@ -103,6 +103,10 @@ type qp struct {
 	backlog   int
 	compBuf   []verbsio.Completion
 	closeOnce sync.Once
+	// connMu is held by Connect from start to end, so that Close (which
+	// ends a Connect in progress through done) releases nothing a
+	// handshake still uses.
+	connMu sync.Mutex
 }
 
 // pendingComp is a send completion held back to keep completions in post
@@ -243,6 +247,23 @@ func lastError(qpair verbsio.QueuePair) error {
 // Connect implements verbsio.QueuePair. Both sides call it with the other's
 // endpoint; the one with the smaller socket name dials, the other accepts.
 func (q *qp) Connect(ctx context.Context, remote verbsio.Endpoint) error {
+	q.connMu.Lock()
+	defer q.connMu.Unlock()
+	select {
+	case <-q.done:
+		return fmt.Errorf("%w: Connect of a closed queue pair", verbsio.ErrQPState)
+	default:
+	}
+	// Close ends the attempt: it closes done, and this context with it.
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
+		select {
+		case <-q.done:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
 	if remote.Provider != Name {
 		return fmt.Errorf("%w: onnode cannot connect to a %q endpoint", verbsio.ErrBadConfig, remote.Provider)
 	}
@@ -326,6 +347,8 @@ func (q *qp) handshake(ctx context.Context, conn *net.UnixConn, peer string) (he
 		conn.SetDeadline(dl)
 		defer conn.SetDeadline(time.Time{})
 	}
+	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Unix(1, 0)) })
+	defer stop()
 	mine := hello{PID: uint32(os.Getpid()), Probe: uint64(offheap.Addr(q.inMem[offProbe:])), RingSize: ringData, Name: q.name, PeerName: peer}
 	oob := unix.UnixRights(q.inFD, q.efd, q.pd.tableFD)
 	if _, _, err := conn.WriteMsgUnix(mine.Append(nil), oob, nil); err != nil {
@@ -901,6 +924,8 @@ func (q *qp) PostRecv(wrs []verbsio.RecvWR) error {
 func (q *qp) Close() error {
 	q.closeOnce.Do(func() {
 		close(q.done)
+		q.connMu.Lock() // a Connect in progress ends, its context cancelled
+		defer q.connMu.Unlock()
 		q.sendMu.Lock()
 		q.consMu.Lock()
 		q.failLocked(verbsio.StatusFlushed, fmt.Errorf("%w: queue pair closed", verbsio.ErrFlushed))
