@@ -123,5 +123,4 @@ func newLoneArena(id int, r *Region) *Arena { return &Arena{ID: id, region: r} }
 
 func init() {
 	allocseam.NewArena = newLoneArena
-	allocseam.WithMaxArena = withMaxArena
 }

@@ -24,8 +24,3 @@ func ArenasOf(p *alloc.Pool, blocks []alloc.Block) []*alloc.Arena {
 	}
 	return out
 }
-
-// WithMaxArena sets the size at which a pool's arenas stop doubling.
-func WithMaxArena(bytes int) alloc.Option {
-	return allocseam.WithMaxArena.(func(int) alloc.Option)(bytes)
-}

@@ -8,8 +8,3 @@ package allocseam
 // region in an arena outside any pool, so that a visitor can be tested on its
 // own.
 var NewArena any
-
-// WithMaxArena is alloc's func(bytes int) alloc.Option: it sets the size at
-// which arenas stop doubling (default 1 GiB). Without WithInitialArena, the
-// first arena is no larger than this.
-var WithMaxArena any
