@@ -77,8 +77,6 @@ func snapshotFactsOf(f *Facts) (string, []byte, error) {
 func init() {
 	gdrseam.Collect = collect
 	gdrseam.SnapshotFacts = snapshotFactsOf
-	gdrseam.ParseLevel = parseLevel
-	gdrseam.EnvLevel = envLevel
 }
 
 // CollectOptions says where Collect reads a node from.

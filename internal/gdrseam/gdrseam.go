@@ -1,9 +1,9 @@
 // Package gdrseam lets gdrcheck reach what package gdr keeps out of its
 // public API: collecting through a Root that gdrcheck opened (and records,
 // for snapshots), with the PCI devices read on the way; the snapshot-facts
-// file; the policy level's parser. Package gdr fills the variables when it
-// is initialized; code that imports gdr can then use them (gdr cannot be
-// imported here: it imports this package).
+// file. Package gdr fills the variables when it is initialized; code that
+// imports gdr can then use them (gdr cannot be imported here: it imports
+// this package).
 package gdrseam
 
 // Collect is gdr's func(ctx context.Context, root *sysfs.Root, opts
@@ -17,11 +17,3 @@ var Collect any
 // files in (NVML's answers, the libibverbs probe), relative to the root, and
 // its content.
 var SnapshotFacts any
-
-// ParseLevel is gdr's func(s string) (gdr.PathType, error): a policy level
-// as a name (LOC, PIX, PXB, PHB, NODE, SYS, any case) or one of
-// NCCL_NET_GDR_LEVEL's integers.
-var ParseLevel any
-
-// EnvLevel is the environment variable that overrides the policy level.
-var EnvLevel string
