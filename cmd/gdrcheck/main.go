@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/gdrlink/gdrlink/gdr"
-	"github.com/gdrlink/gdrlink/internal/gdrseam"
 	"github.com/gdrlink/gdrlink/internal/sysfs"
 )
 
@@ -126,10 +125,16 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	return r.ExitCode
 }
 
-// collect is gdr.Collect through root, which gdrcheck opened (and may
-// record, for a snapshot), with the PCI devices read on the way. On the
-// node itself gdr asks NVML, then the CUDA driver, for the GPUs.
+// collect is gdr.Collect of the node under root, which gdrcheck opened, and
+// the PCI devices under root by address, which gdrcheck's topology and ACS
+// tables show (gdr.Collect read them too, and noted in the facts those it
+// could not read). On the node itself gdr asks NVML, then the CUDA driver,
+// for the GPUs.
 func collect(ctx context.Context, root *sysfs.Root) (*gdr.Facts, map[string]*sysfs.PCIDevice, error) {
-	c := gdrseam.Collect.(func(context.Context, *sysfs.Root, gdr.CollectOptions) (*gdr.Facts, map[string]*sysfs.PCIDevice, error))
-	return c(ctx, root, gdr.CollectOptions{})
+	f, err := gdr.Collect(ctx, gdr.CollectOptions{Root: root.Dir()})
+	if err != nil {
+		return nil, nil, err
+	}
+	pci, _, _ := sysfs.ReadPCIDevices(root)
+	return f, pci, nil
 }
