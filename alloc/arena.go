@@ -5,7 +5,6 @@ import (
 	"sync"
 	"unsafe"
 
-	"github.com/gdrlink/gdrlink/internal/allocseam"
 	"github.com/gdrlink/gdrlink/tensor"
 )
 
@@ -115,13 +114,4 @@ func (a *Arena) DeleteHandle(key any) {
 // String prints the arena for people.
 func (a *Arena) String() string {
 	return fmt.Sprintf("arena %d [%#x+%d %s]", a.ID, a.region.Base, a.region.Size, a.region.Device)
-}
-
-// newLoneArena wraps a region in an arena outside any pool, so that visitors
-// can be tested on their own (through internal/allocseam).
-func newLoneArena(id int, r *Region) *Arena { return &Arena{ID: id, region: r} }
-
-func init() {
-	allocseam.NewArena = newLoneArena
-	allocseam.WithMaxArena = withMaxArena
 }

@@ -102,7 +102,7 @@ func BenchmarkAllocFree(b *testing.B) {
 
 // BenchmarkArenaOf measures the lock-free address lookup over 16 arenas.
 func BenchmarkArenaOf(b *testing.B) {
-	p := newTestPool(b, NewMmapSource(MmapOptions{}), WithInitialArena(1<<20), withMaxArena(1<<20))
+	p := newTestPool(b, NewMmapSource(MmapOptions{}), WithInitialArena(1<<20), WithMaxArena(1<<20))
 	var blocks []Block
 	for range 16 {
 		blocks = append(blocks, mustAlloc(b, p, 1<<20))

@@ -15,7 +15,8 @@
 // sorted by size and address; an allocation takes the smallest chunk that
 // fits, splits off the rest, and a free merges the chunk with free
 // neighbours. When no chunk fits the pool grows by a new arena, doubling the
-// arena size from WithInitialArena up to 1 GiB, within WithLimit.
+// arena size from WithInitialArena up to WithMaxArena (1 GiB by default),
+// within WithLimit.
 //
 // Chunks are integer indices into one slice, not pointers, so the garbage
 // collector has nothing to scan; a Block remembers its chunk's index and

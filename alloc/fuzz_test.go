@@ -18,7 +18,7 @@ func FuzzPoolOps(f *testing.F) {
 		if len(prog) > 512 {
 			prog = prog[:512]
 		}
-		p := newTestPool(t, newCountingSource(), WithInitialArena(64<<10), withMaxArena(256<<10), WithLimit(2<<20), withAlignment(64))
+		p := newTestPool(t, newCountingSource(), WithInitialArena(64<<10), WithMaxArena(256<<10), WithLimit(2<<20), withAlignment(64))
 		var live []modelBlock
 		var stale []Block
 		for pc := 0; pc+1 < len(prog); pc += 2 {

@@ -34,7 +34,7 @@ func TestRandomAgainstModel(t *testing.T) {
 			if seed%2 == 0 {
 				limit = 24 << 20
 			}
-			p := newTestPool(t, newCountingSource(), withAlignment(align), WithInitialArena(256<<10), withMaxArena(4<<20), WithLimit(limit))
+			p := newTestPool(t, newCountingSource(), withAlignment(align), WithInitialArena(256<<10), WithMaxArena(4<<20), WithLimit(limit))
 			var live []modelBlock
 			var inUse int64
 			for step := range steps {

@@ -71,9 +71,12 @@ func WithInitialArena(bytes int) Option {
 	}
 }
 
-// withMaxArena sets the size at which arenas stop doubling (default 1 GiB).
-// Without WithInitialArena, the first arena is no larger than this.
-func withMaxArena(bytes int) Option {
+// WithMaxArena sets the size at which arenas stop doubling (default 1 GiB):
+// a larger maximum means fewer arenas, so fewer registrations, for a pool
+// that grows large. A request larger than the maximum still gets an arena
+// of its own. Without WithInitialArena, the first arena is no larger than
+// this.
+func WithMaxArena(bytes int) Option {
 	return func(c *config) error {
 		if bytes <= 0 || bytes > maxAlloc {
 			return fmt.Errorf("%w: maximum arena of %d bytes", ErrBadOption, bytes)

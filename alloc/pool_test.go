@@ -72,11 +72,11 @@ func TestBadOptions(t *testing.T) {
 		"alignment 3":     withAlignment(3),
 		"alignment 4MiB":  withAlignment(4 << 20),
 		"initial 0":       WithInitialArena(0),
-		"max -1":          withMaxArena(-1),
+		"max -1":          WithMaxArena(-1),
 		"limit -1":        WithLimit(-1),
 		"nil visitor":     WithVisitors(nil),
 		"max below start": func(c *config) error { c.initArena, c.initSet, c.maxArena = 4<<20, true, 1<<20; return nil },
-		"huge max":        withMaxArena(maxAlloc + 1),
+		"huge max":        WithMaxArena(maxAlloc + 1),
 		"huge initial":    WithInitialArena(maxAlloc + 1),
 	} {
 		if p, err := New(src, o); !errors.Is(err, ErrBadOption) {
@@ -84,7 +84,7 @@ func TestBadOptions(t *testing.T) {
 		}
 	}
 	// A small maximum alone lowers the first arena to it.
-	p, err := New(src, withMaxArena(64<<10))
+	p, err := New(src, WithMaxArena(64<<10))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -141,7 +141,7 @@ func TestBestFitSplitCoalesce(t *testing.T) {
 }
 
 func TestFragmentationStat(t *testing.T) {
-	p := newTestPool(t, NewMmapSource(MmapOptions{}), WithInitialArena(1<<20), withMaxArena(1<<20))
+	p := newTestPool(t, NewMmapSource(MmapOptions{}), WithInitialArena(1<<20), WithMaxArena(1<<20))
 	var blocks []Block
 	for range 4096 / 4 {
 		blocks = append(blocks, mustAlloc(t, p, 1024))
@@ -168,7 +168,7 @@ func TestFragmentationStat(t *testing.T) {
 
 func TestGrowthPolicy(t *testing.T) {
 	src := newCountingSource()
-	p := newTestPool(t, src, WithInitialArena(1<<20), withMaxArena(8<<20))
+	p := newTestPool(t, src, WithInitialArena(1<<20), WithMaxArena(8<<20))
 	// Each 1 MiB block fills an arena's worth of the doubling sequence.
 	var blocks []Block
 	for range 1 + 2 + 4 + 8 + 8 {
@@ -188,7 +188,7 @@ func TestGrowthPolicy(t *testing.T) {
 		t.Errorf("oversized block %#x in %v", big.Addr(), a)
 	}
 	// A request larger than the next size doubles until it fits.
-	p2 := newTestPool(t, newCountingSource(), WithInitialArena(1<<20), withMaxArena(64<<20))
+	p2 := newTestPool(t, newCountingSource(), WithInitialArena(1<<20), WithMaxArena(64<<20))
 	b2 := mustAlloc(t, p2, 5<<20)
 	if a2, _ := arenaOf(b2); a2.Size() != 8<<20 {
 		t.Errorf("5 MiB request made an arena of %d bytes, want 8 MiB", a2.Size())
@@ -272,7 +272,7 @@ func TestForeignPointers(t *testing.T) {
 func TestArenaOf(t *testing.T) {
 	var order []string
 	v := newCountingVisitor("handles", &order)
-	p := newTestPool(t, NewMmapSource(MmapOptions{}), WithVisitors(v), WithInitialArena(1<<20), withMaxArena(1<<20))
+	p := newTestPool(t, NewMmapSource(MmapOptions{}), WithVisitors(v), WithInitialArena(1<<20), WithMaxArena(1<<20))
 	var blocks []Block
 	for range 5 {
 		blocks = append(blocks, mustAlloc(t, p, 1<<20))
@@ -703,7 +703,7 @@ func newBlockingVisitor() *blockingVisitor {
 // up allocations that fit in the arenas already there.
 func TestAllocDuringSlowVisit(t *testing.T) {
 	v := newBlockingVisitor()
-	p := newTestPool(t, newCountingSource(), WithVisitors(v), WithInitialArena(1<<20), withMaxArena(1<<20))
+	p := newTestPool(t, newCountingSource(), WithVisitors(v), WithInitialArena(1<<20), WithMaxArena(1<<20))
 	first := mustAlloc(t, p, 512<<10)
 	grown := make(chan error, 2)
 	var big []Block
@@ -742,7 +742,7 @@ func TestAllocDuringSlowVisit(t *testing.T) {
 func TestCloseDuringGrowth(t *testing.T) {
 	v := newBlockingVisitor()
 	src := newCountingSource()
-	p, err := New(src, WithVisitors(v), WithInitialArena(1<<20), withMaxArena(1<<20))
+	p, err := New(src, WithVisitors(v), WithInitialArena(1<<20), WithMaxArena(1<<20))
 	if err != nil {
 		t.Fatal(err)
 	}

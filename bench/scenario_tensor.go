@@ -15,7 +15,6 @@ import (
 
 	"github.com/gdrlink/gdrlink/alloc"
 	"github.com/gdrlink/gdrlink/alloc/visitor"
-	"github.com/gdrlink/gdrlink/internal/allocseam"
 	"github.com/gdrlink/gdrlink/internal/bootstrap"
 	"github.com/gdrlink/gdrlink/rendezvous"
 	"github.com/gdrlink/gdrlink/tensor"
@@ -117,7 +116,7 @@ func openTensorSide(ctx context.Context, provider string, cfg bootstrap.Config, 
 	// Arenas big enough that the largest tensor, its result and the fixed
 	// buffer each fit one.
 	if s.pool, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}), alloc.WithVisitors(s.reg),
-		alloc.WithInitialArena(max(64<<20, 2*maxSize)), allocseam.WithMaxArena.(func(int) alloc.Option)(max(1<<30, 2*maxSize))); err != nil {
+		alloc.WithInitialArena(max(64<<20, 2*maxSize)), alloc.WithMaxArena(max(1<<30, 2*maxSize))); err != nil {
 		return s, ph, err
 	}
 	if s.ch, err = rendezvous.New(s.dev, s.pd, rendezvous.PoolMemory(s.reg.RegionOf, s.pool), rendezvous.WithName(fmt.Sprint("rank-", cfg.Rank))); err != nil {

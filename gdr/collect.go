@@ -14,7 +14,6 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/gdrlink/gdrlink/internal/gdrseam"
 	"github.com/gdrlink/gdrlink/internal/sysfs"
 )
 
@@ -74,13 +73,6 @@ func snapshotFactsOf(f *Facts) (string, []byte, error) {
 	return snapshotFactsFile, append(b, '\n'), nil
 }
 
-func init() {
-	gdrseam.Collect = collect
-	gdrseam.SnapshotFacts = snapshotFactsOf
-	gdrseam.ParseLevel = parseLevel
-	gdrseam.EnvLevel = envLevel
-}
-
 // CollectOptions says where Collect reads a node from.
 type CollectOptions struct {
 	// Root is the directory that stands for the node's "/": "" or "/" for
@@ -90,9 +82,30 @@ type CollectOptions struct {
 	// NoLive skips live probes of this process and node (getrlimit,
 	// libibverbs) even when the root is "/".
 	NoLive bool
+	// Recorder, when not nil, is told everything Collect reads under the
+	// root, to copy the node.
+	Recorder Recorder
 
 	// sources replace the GPU sources asked on this node (tests).
 	sources []gpuSource
+}
+
+// Recorder is told what Collect reads under the root, so that the node can
+// be copied (gdrcheck's snapshot command archives what it was told). Names
+// are absolute paths inside the root with symbolic links resolved; each
+// link followed or read on the way is reported with its target. When
+// collection ends, a Recorder is also told one file that was not read,
+// /gdrlink/facts.json: what Collect learned other than from files (the
+// answers of NVML and the CUDA driver, the libibverbs probe), which Collect
+// reads back from a root that has it. Collect calls a Recorder from one
+// goroutine.
+type Recorder interface {
+	// File is a regular file that was read, and its content.
+	File(name string, data []byte)
+	// Link is a symbolic link that was followed or read, and its target.
+	Link(name, target string)
+	// Dir is a directory that was listed.
+	Dir(name string)
 }
 
 // interestingModules are the kernel modules Collect reports.
@@ -109,8 +122,19 @@ func Collect(ctx context.Context, opts CollectOptions) (*Facts, error) {
 		return nil, err
 	}
 	defer root.Close()
+	if opts.Recorder != nil {
+		root.SetRecorder(opts.Recorder)
+	}
 	f, _, err := collect(ctx, root, opts)
-	return f, err
+	if err != nil || opts.Recorder == nil {
+		return f, err
+	}
+	name, b, err := snapshotFactsOf(f)
+	if err != nil {
+		return nil, fmt.Errorf("gdr: snapshot facts: %w", err)
+	}
+	opts.Recorder.File(name, b)
+	return f, nil
 }
 
 // collect reads the facts of the node under root, and returns the PCI

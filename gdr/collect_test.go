@@ -1,11 +1,14 @@
 package gdr
 
 import (
+	"bytes"
 	"context"
 	"errors"
-	"github.com/gdrlink/gdrlink/internal/sysfs"
+	"reflect"
 	"strings"
 	"testing"
+
+	"github.com/gdrlink/gdrlink/internal/sysfs"
 )
 
 func collectFixture(t testing.TB, name string) *Facts {
@@ -154,6 +157,45 @@ func TestCollectCanceled(t *testing.T) {
 	cancel()
 	if _, err := Collect(ctx, CollectOptions{Root: "testdata/nodes/dgx"}); !errors.Is(err, context.Canceled) {
 		t.Fatalf("Collect with a canceled context: %v", err)
+	}
+}
+
+// recording is a Recorder that keeps what it is told.
+type recording struct {
+	files map[string][]byte
+	links map[string]string
+	dirs  map[string]bool
+}
+
+func (r *recording) File(name string, data []byte) { r.files[name] = data }
+func (r *recording) Link(name, target string)      { r.links[name] = target }
+func (r *recording) Dir(name string)               { r.dirs[name] = true }
+
+func TestCollectRecorder(t *testing.T) {
+	rec := &recording{files: map[string][]byte{}, links: map[string]string{}, dirs: map[string]bool{}}
+	f, err := Collect(context.Background(), CollectOptions{Root: "testdata/nodes/dgx", Recorder: rec})
+	if err != nil {
+		t.Fatal(err)
+	}
+	plain, err := Collect(context.Background(), CollectOptions{Root: "testdata/nodes/dgx"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(f, plain) {
+		t.Errorf("facts with a recorder differ:\n%+v\n%+v", f, plain)
+	}
+	if _, ok := rec.files["/proc/modules"]; !ok || !rec.dirs["/sys/bus/pci/devices"] || rec.links["/sys/bus/pci/devices/0000:1a:00.0"] == "" {
+		t.Errorf("recorded %d files, %d links, %d directories; /proc/modules, /sys/bus/pci/devices or GPU0's link missing", len(rec.files), len(rec.links), len(rec.dirs))
+	}
+	name, want, err := snapshotFactsOf(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := rec.files[name]; !bytes.Equal(got, want) {
+		t.Errorf("recorded %s:\n%s\nwant\n%s", name, got, want)
+	}
+	if _, err := parseSnapshotFacts(rec.files[name]); err != nil {
+		t.Error(err)
 	}
 }
 

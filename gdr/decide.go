@@ -207,7 +207,7 @@ func decide(pf pairFacts, p Policy) Decision {
 			if eff == PathSYS {
 				fix("the NIC is on the other socket (GPU%d on NUMA node %s, %s on %s): use a NIC on the GPU's socket, or place the GPU's work there", g.Index, numa(g.NUMANode), n.Name, numa(n.NUMANode))
 			}
-			fix("or allow it: %s=%s (peer traffic through the CPU is often slower than the proxy)", envLevel, eff)
+			fix("or allow it: %s=%s (peer traffic through the CPU is often slower than the proxy)", EnvLevel, eff)
 		}
 	}
 	if pf.IOMMUMode == "translated" {

@@ -16,7 +16,7 @@ func FuzzParseLevel(f *testing.F) {
 	f.Add("3")
 	f.Add("?")
 	f.Fuzz(func(t *testing.T, s string) {
-		if _, err := parseLevel(s); err != nil && !errors.Is(err, errBadLevel) {
+		if _, err := ParseLevel(s); err != nil && !errors.Is(err, errBadLevel) {
 			t.Fatal(err)
 		}
 	})

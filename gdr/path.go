@@ -51,7 +51,7 @@ func (p *PathType) UnmarshalText(b []byte) error {
 		*p = PathUnknown
 		return nil
 	}
-	v, err := parseLevel(string(b))
+	v, err := ParseLevel(string(b))
 	if err != nil {
 		return err
 	}
@@ -59,12 +59,14 @@ func (p *PathType) UnmarshalText(b []byte) error {
 	return nil
 }
 
-// parseLevel reads a policy level: a name (LOC, PIX, PXB, PHB, NODE, SYS,
-// any case) or one of NCCL_NET_GDR_LEVEL's legacy integers (0 LOC, 1 PIX,
-// 2 PXB, 3 PHB, 4 and 5 SYS). NCCL has no NODE level: its PHB covers both
-// PHB and NODE paths, so a policy written "3" allows up to PHB here and one
-// wanting NCCL's behaviour across host bridges of a socket says NODE.
-func parseLevel(s string) (PathType, error) {
+// ParseLevel reads a policy level as PolicyFromEnv reads EnvLevel, for a
+// program that takes the level from elsewhere (a flag, a configuration
+// file): a name (LOC, PIX, PXB, PHB, NODE, SYS, any case) or one of
+// NCCL_NET_GDR_LEVEL's legacy integers (0 LOC, 1 PIX, 2 PXB, 3 PHB, 4 and 5
+// SYS). NCCL has no NODE level: its PHB covers both PHB and NODE paths, so a
+// policy written "3" allows up to PHB here and one wanting NCCL's behaviour
+// across host bridges of a socket says NODE.
+func ParseLevel(s string) (PathType, error) {
 	t := strings.ToUpper(strings.TrimSpace(s))
 	for i := PathLOC; i <= PathSYS; i++ {
 		if pathNames[i] == t {
@@ -88,8 +90,9 @@ func parseLevel(s string) (PathType, error) {
 	return PathUnknown, fmt.Errorf("%w: %q (want LOC, PIX, PXB, PHB, NODE, SYS or 0..5)", errBadLevel, s)
 }
 
-// envLevel is the environment variable that overrides the policy level.
-const envLevel = "GDRLINK_NET_GDR_LEVEL"
+// EnvLevel is the environment variable that overrides the policy level
+// (PolicyFromEnv).
+const EnvLevel = "GDRLINK_NET_GDR_LEVEL"
 
 // Policy is the user's say in the decision.
 type Policy struct {
@@ -111,15 +114,15 @@ func PolicyFromEnv() (Policy, error) { return policyFromLookup(os.LookupEnv) }
 
 func policyFromLookup(lookup func(string) (string, bool)) (Policy, error) {
 	p := defaultPolicy()
-	v, ok := lookup(envLevel)
+	v, ok := lookup(EnvLevel)
 	if !ok || v == "" {
 		return p, nil
 	}
-	l, err := parseLevel(v)
+	l, err := ParseLevel(v)
 	if err != nil {
-		return p, fmt.Errorf("%s: %w", envLevel, err)
+		return p, fmt.Errorf("%s: %w", EnvLevel, err)
 	}
-	p.Level, p.LevelSource = l, "env "+envLevel
+	p.Level, p.LevelSource = l, "env "+EnvLevel
 	return p, nil
 }
 

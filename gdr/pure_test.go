@@ -10,21 +10,21 @@ import (
 func TestParseLevel(t *testing.T) {
 	for in, want := range map[string]PathType{"PIX": PathPIX, "pxb": PathPXB, " PHB ": PathPHB, "NODE": PathNODE, "SYS": PathSYS, "LOC": PathLOC,
 		"0": PathLOC, "1": PathPIX, "2": PathPXB, "3": PathPHB, "4": PathSYS, "5": PathSYS} {
-		if got, err := parseLevel(in); err != nil || got != want {
+		if got, err := ParseLevel(in); err != nil || got != want {
 			t.Errorf("%q: %s, %v; want %s", in, got, err, want)
 		}
 	}
 	for _, bad := range []string{"", "6", "-1", "NV1", "?"} {
-		if _, err := parseLevel(bad); !errors.Is(err, errBadLevel) {
+		if _, err := ParseLevel(bad); !errors.Is(err, errBadLevel) {
 			t.Errorf("%q: %v, want ErrBadLevel", bad, err)
 		}
 	}
-	env := map[string]string{envLevel: "sys"}
+	env := map[string]string{EnvLevel: "sys"}
 	p, err := policyFromLookup(func(k string) (string, bool) { v, ok := env[k]; return v, ok })
-	if err != nil || p.Level != PathSYS || p.LevelSource != "env "+envLevel {
+	if err != nil || p.Level != PathSYS || p.LevelSource != "env "+EnvLevel {
 		t.Errorf("env policy %+v %v", p, err)
 	}
-	env[envLevel] = "bogus"
+	env[EnvLevel] = "bogus"
 	if _, err := policyFromLookup(func(k string) (string, bool) { v, ok := env[k]; return v, ok }); !errors.Is(err, errBadLevel) {
 		t.Errorf("bad env level: %v", err)
 	}

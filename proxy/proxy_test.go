@@ -13,7 +13,6 @@ import (
 
 	"github.com/gdrlink/gdrlink/alloc"
 	"github.com/gdrlink/gdrlink/gpusim"
-	"github.com/gdrlink/gdrlink/internal/allocseam"
 	"github.com/gdrlink/gdrlink/proxy"
 )
 
@@ -28,7 +27,7 @@ type rig struct {
 // newPinnedPool is a pool of host memory registered as pinned with sim.
 func newPinnedPool(sim gpusim.Device) (*alloc.Pool, error) {
 	return alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}), alloc.WithName("pinned-proxy"),
-		alloc.WithVisitors(sim.HostRegisterVisitor()), alloc.WithInitialArena(8<<20), allocseam.WithMaxArena.(func(int) alloc.Option)(512<<20))
+		alloc.WithVisitors(sim.HostRegisterVisitor()), alloc.WithInitialArena(8<<20), alloc.WithMaxArena(512<<20))
 }
 
 func newRig(t *testing.T, cfg gpusim.Config, opts ...proxy.Option) *rig {

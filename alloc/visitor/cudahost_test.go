@@ -34,7 +34,7 @@ func (f *fakeRegistrar) name() string { return "gpu:0" }
 func TestCUDAHostRegisterLogic(t *testing.T) {
 	f := &fakeRegistrar{live: map[uintptr]int{}}
 	v := &cudaHostRegister{reg: f}
-	a := NewTestArena(0, &alloc.Region{Base: 1 << 30, Size: 1 << 21, Device: tensor.Host, FD: -1})
+	a := testArena(t, 0, &alloc.Region{Base: 1 << 30, Size: 1 << 21, Device: tensor.Host, FD: -1})
 	if err := v.Visit(a); err != nil {
 		t.Fatal(err)
 	}
@@ -50,7 +50,7 @@ func TestCUDAHostRegisterLogic(t *testing.T) {
 	if err := v.Release(a); !errors.Is(err, errNotVisited) {
 		t.Fatalf("second Release: %v", err)
 	}
-	gpu := NewTestArena(1, &alloc.Region{Base: 1 << 31, Size: 1 << 21, Device: tensor.GPUDevice(0), FD: -1})
+	gpu := testArena(t, 1, &alloc.Region{Base: 1 << 31, Size: 1 << 21, Device: tensor.GPUDevice(0), FD: -1})
 	if err := v.Visit(gpu); !errors.Is(err, errNotHostMemory) {
 		t.Fatalf("GPU arena: %v", err)
 	}

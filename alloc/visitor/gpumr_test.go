@@ -80,8 +80,10 @@ func (e *fakeExporter) exportDMABuf(ptr uintptr, n int) (int, func() error, erro
 func (e *fakeExporter) busID() (string, error) { return "0000:3b:00.0", nil }
 func (e *fakeExporter) device() tensor.Device  { return tensor.GPUDevice(0) }
 
-func gpuArena(id int, size int) *alloc.Arena {
-	return NewTestArena(id, &alloc.Region{Base: uintptr(id+1) << 30, Size: size, Device: tensor.GPUDevice(0), FD: -1})
+// gpuArena is a GPU arena of size bytes, with its own base address for each
+// id.
+func gpuArena(t testing.TB, id int, size int) *alloc.Arena {
+	return testArena(t, id, &alloc.Region{Base: uintptr(id+1) << 30, Size: size, Device: tensor.GPUDevice(0), FD: -1})
 }
 
 func gpuCaps(dmabuf bool) verbsio.Caps {
@@ -115,7 +117,7 @@ func TestGPUMRPrefersDMABufThenPeerMem(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			a := gpuArena(0, 4<<20)
+			a := gpuArena(t, 0, 4<<20)
 			err = v.Visit(a)
 			if c.wantErr != nil {
 				if !errors.Is(err, c.wantErr) {
@@ -161,7 +163,7 @@ func TestGPUMRBothMethodsFail(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	err = v.Visit(gpuArena(0, 2<<20))
+	err = v.Visit(gpuArena(t, 0, 2<<20))
 	if !errors.Is(err, ErrGPURegistration) || !errors.Is(err, cuda.ErrNotSupported) || !errors.Is(err, verbsio.ErrNotSupported) {
 		t.Fatalf("Visit: %v", err)
 	}
@@ -177,7 +179,7 @@ func TestGPUMRBAR1(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	a0, a1, a2 := gpuArena(0, 2<<20), gpuArena(1, 2<<20), gpuArena(2, 4<<20)
+	a0, a1, a2 := gpuArena(t, 0, 2<<20), gpuArena(t, 1, 2<<20), gpuArena(t, 2, 4<<20)
 	if err := v.Visit(a0); err != nil {
 		t.Fatal(err)
 	}
@@ -209,15 +211,15 @@ func TestGPUMRBAR1(t *testing.T) {
 		}
 	}
 	v, _ = newGPUMemoryRegions(&fakeExporter{}, f, f, GPUMROptions{}, nv(1<<20, nil))
-	if err := v.Visit(gpuArena(5, 2<<20)); !errors.Is(err, ErrBAR1Exhausted) || !strings.Contains(err.Error(), "0000:3b:00.0") {
+	if err := v.Visit(gpuArena(t, 5, 2<<20)); !errors.Is(err, ErrBAR1Exhausted) || !strings.Contains(err.Error(), "0000:3b:00.0") {
 		t.Fatalf("NVML says 1 MiB free: %v", err)
 	}
 	v, _ = newGPUMemoryRegions(&fakeExporter{}, f, f, GPUMROptions{}, nv(0, errors.New("NVML unavailable")))
-	if err := v.Visit(gpuArena(6, 2<<20)); !errors.Is(err, errBAR1Unknown) {
+	if err := v.Visit(gpuArena(t, 6, 2<<20)); !errors.Is(err, errBAR1Unknown) {
 		t.Fatalf("unreadable BAR1: %v", err)
 	}
 	v, _ = newGPUMemoryRegions(&fakeExporter{}, f, f, GPUMROptions{}, nv(64<<20, nil))
-	if err := v.Visit(gpuArena(7, 2<<20)); err != nil {
+	if err := v.Visit(gpuArena(t, 7, 2<<20)); err != nil {
 		t.Fatalf("BAR1 with room: %v", err)
 	}
 }
@@ -229,11 +231,11 @@ func TestGPUMRRefusals(t *testing.T) {
 	}
 	f := &fakeVerbs{caps: gpuCaps(true)}
 	v, _ := newGPUMemoryRegions(&fakeExporter{}, f, f, GPUMROptions{BAR1Bytes: -1}, nil)
-	host := NewTestArena(1, &alloc.Region{Base: 1 << 30, Size: 4096, Device: tensor.Host, FD: -1})
+	host := testArena(t, 1, &alloc.Region{Base: 1 << 30, Size: 4096, Device: tensor.Host, FD: -1})
 	if err := v.Visit(host); !errors.Is(err, errNotGPUMemory) {
 		t.Fatalf("host arena: %v", err)
 	}
-	other := NewTestArena(2, &alloc.Region{Base: 1 << 30, Size: 4096, Device: tensor.GPUDevice(3), FD: -1})
+	other := testArena(t, 2, &alloc.Region{Base: 1 << 30, Size: 4096, Device: tensor.GPUDevice(3), FD: -1})
 	if err := v.Visit(other); !errors.Is(err, errNotGPUMemory) {
 		t.Fatalf("arena of another GPU: %v", err)
 	}

@@ -188,7 +188,7 @@ func TestIPCExportClosesFD(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer src.Free(r)
-	a := NewTestArena(0, r)
+	a := testArena(t, 0, r)
 	x := NewIPCExport()
 	if err := x.Visit(a); err != nil {
 		t.Fatal(err)

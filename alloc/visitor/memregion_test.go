@@ -200,7 +200,7 @@ func TestMemoryRegistrationErrors(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer src.Free(mem)
-	a := NewTestArena(1, mem)
+	a := testArena(t, 1, mem)
 	reg := NewMemoryRegistration(s.pd, rwAccess)
 	if err := reg.Release(a); !errors.Is(err, errNotVisited) {
 		t.Errorf("Release before Visit: %v, want ErrNotVisited", err)
@@ -217,7 +217,7 @@ func TestMemoryRegistrationErrors(t *testing.T) {
 	if _, ok := MemoryRegionOf(a); ok {
 		t.Error("the arena still has a memory region after Release")
 	}
-	gpu := NewTestArena(2, &alloc.Region{Base: 0x7f0000000000, Size: 1 << 20, Device: tensor.GPUDevice(0), FD: -1})
+	gpu := testArena(t, 2, &alloc.Region{Base: 0x7f0000000000, Size: 1 << 20, Device: tensor.GPUDevice(0), FD: -1})
 	if err := reg.Visit(gpu); !errors.Is(err, errNotHostMemory) {
 		t.Errorf("Visit of a GPU arena without a GPU hook: %v, want ErrNotHostMemory", err)
 	}
@@ -229,7 +229,7 @@ func TestMemoryRegistrationErrors(t *testing.T) {
 	if err := withHook.Visit(gpu); !called || !errors.Is(err, verbsio.ErrNotSupported) {
 		t.Errorf("Visit of a GPU arena through the hook: called %v, %v; want the provider's ErrNotSupported", called, err)
 	}
-	unmapped := NewTestArena(3, &alloc.Region{Base: 0x10000, Size: 1 << 16, Device: tensor.Host, FD: -1})
+	unmapped := testArena(t, 3, &alloc.Region{Base: 0x10000, Size: 1 << 16, Device: tensor.Host, FD: -1})
 	if err := reg.Visit(unmapped); !errors.Is(err, verbsio.ErrBadAddress) {
 		t.Errorf("Visit of unmapped memory: %v, want ErrBadAddress", err)
 	}

@@ -131,7 +131,11 @@ func helperMlockLimit() error {
 		return err
 	}
 	defer src.Free(r)
-	a := NewTestArena(7, r)
+	a, done, err := loneArena(7, r)
+	if err != nil {
+		return err
+	}
+	defer done()
 	verr := NewMlock().Visit(a)
 	if verr == nil {
 		return errors.New("mlock of 1 MiB succeeded under a 64 KiB limit")
@@ -161,7 +165,7 @@ func dropIPCLock() error {
 
 func TestMlockMisuse(t *testing.T) {
 	m := NewMlock()
-	gpu := NewTestArena(1, &alloc.Region{Base: 1 << 40, Size: 1 << 20, Device: tensor.GPUDevice(0), FD: -1})
+	gpu := testArena(t, 1, &alloc.Region{Base: 1 << 40, Size: 1 << 20, Device: tensor.GPUDevice(0), FD: -1})
 	if err := m.Visit(gpu); !errors.Is(err, errNotHostMemory) {
 		t.Errorf("Visit of a GPU arena = %v", err)
 	}
@@ -171,7 +175,7 @@ func TestMlockMisuse(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer src.Free(r)
-	a := NewTestArena(2, r)
+	a := testArena(t, 2, r)
 	if err := m.Release(a); !errors.Is(err, errNotVisited) {
 		t.Errorf("Release before Visit = %v", err)
 	}

@@ -14,7 +14,7 @@ func TestStatsVisitor(t *testing.T) {
 	var logs bytes.Buffer
 	s := NewStats(slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug})))
 	p, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}),
-		alloc.WithVisitors(s), alloc.WithInitialArena(1<<20), WithMaxArena(1<<20))
+		alloc.WithVisitors(s), alloc.WithInitialArena(1<<20), alloc.WithMaxArena(1<<20))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -60,7 +60,7 @@ func TestStatsVisitor(t *testing.T) {
 func TestStatsQuietAboveDebug(t *testing.T) {
 	var logs bytes.Buffer
 	s := NewStats(slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelInfo})))
-	a := NewTestArena(0, &alloc.Region{Base: 1 << 30, Size: 4096, FD: -1})
+	a := testArena(t, 0, &alloc.Region{Base: 1 << 30, Size: 4096, FD: -1})
 	if err := s.Visit(a); err != nil {
 		t.Fatal(err)
 	}

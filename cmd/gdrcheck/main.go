@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/gdrlink/gdrlink/gdr"
-	"github.com/gdrlink/gdrlink/internal/gdrseam"
 	"github.com/gdrlink/gdrlink/internal/sysfs"
 )
 
@@ -55,7 +54,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs.StringVar(&o.root, "root", "", "read sysfs and procfs from this directory or snapshot archive (.tar.gz) instead of /")
 	fs.StringVar(&o.gpus, "gpu", "", "only these GPUs: indices or PCI addresses, comma-separated")
 	fs.StringVar(&o.nics, "nic", "", "only these RDMA devices: names or PCI addresses, comma-separated")
-	fs.StringVar(&o.level, "level", "", "policy level: farthest path for GPUDirect (LOC, PIX, PXB, PHB, NODE, SYS or NCCL's 0..5); default $"+gdrseam.EnvLevel+" or PXB")
+	fs.StringVar(&o.level, "level", "", "policy level: farthest path for GPUDirect (LOC, PIX, PXB, PHB, NODE, SYS or NCCL's 0..5); default $"+gdr.EnvLevel+" or PXB")
 	fs.StringVar(&o.color, "color", "auto", "color the human report: auto (on a terminal), always, never")
 	fs.BoolVar(&o.selftest, "selftest", false, "also move a pattern through every verbs provider available here and report bandwidth")
 	fs.IntVar(&o.size, "selftest-size", 4<<20, "bytes per selftest transfer")
@@ -78,7 +77,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return exitNotReady
 	}
 	if o.level != "" {
-		l, err := parseLevel(o.level)
+		l, err := gdr.ParseLevel(o.level)
 		if err != nil {
 			fmt.Fprintf(stderr, "gdrcheck: --level: %v\n", err)
 			return exitNotReady
@@ -126,16 +125,16 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	return r.ExitCode
 }
 
-// collect is gdr.Collect through root, which gdrcheck opened (and may
-// record, for a snapshot), with the PCI devices read on the way. On the
-// node itself gdr asks NVML, then the CUDA driver, for the GPUs.
+// collect is gdr.Collect of the node under root, which gdrcheck opened, and
+// the PCI devices under root by address, which gdrcheck's topology and ACS
+// tables show (gdr.Collect read them too, and noted in the facts those it
+// could not read). On the node itself gdr asks NVML, then the CUDA driver,
+// for the GPUs.
 func collect(ctx context.Context, root *sysfs.Root) (*gdr.Facts, map[string]*sysfs.PCIDevice, error) {
-	c := gdrseam.Collect.(func(context.Context, *sysfs.Root, gdr.CollectOptions) (*gdr.Facts, map[string]*sysfs.PCIDevice, error))
-	return c(ctx, root, gdr.CollectOptions{})
-}
-
-// parseLevel reads a policy level as GDRLINK_NET_GDR_LEVEL is read: a path
-// type name or one of NCCL's integers.
-func parseLevel(s string) (gdr.PathType, error) {
-	return gdrseam.ParseLevel.(func(string) (gdr.PathType, error))(s)
+	f, err := gdr.Collect(ctx, gdr.CollectOptions{Root: root.Dir()})
+	if err != nil {
+		return nil, nil, err
+	}
+	pci, _, _ := sysfs.ReadPCIDevices(root)
+	return f, pci, nil
 }

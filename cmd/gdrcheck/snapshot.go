@@ -19,7 +19,6 @@ import (
 	"time"
 
 	"github.com/gdrlink/gdrlink/gdr"
-	"github.com/gdrlink/gdrlink/internal/gdrseam"
 	"github.com/gdrlink/gdrlink/internal/sysfs"
 )
 
@@ -44,21 +43,21 @@ func newCapture() *capture {
 	return &capture{salt: salt, files: map[string][]byte{}, links: map[string]string{}, dirs: map[string]bool{}}
 }
 
-// Link implements sysfs.Recorder. Links to shared libraries are left out
-// with the libraries.
+// Link implements gdr.Recorder and sysfs.Recorder. Links to shared
+// libraries are left out with the libraries.
 func (c *capture) Link(name, target string) {
 	if !strings.Contains(path.Base(name), ".so") {
 		c.links[name] = target
 	}
 }
 
-// Dir implements sysfs.Recorder.
+// Dir implements gdr.Recorder and sysfs.Recorder.
 func (c *capture) Dir(name string) { c.dirs[name] = true }
 
-// File implements sysfs.Recorder. Shared libraries are left out (the snapshot
-// keeps what was learned from them in facts.json); GIDs are hashed (they
-// hold IP and MAC addresses); the kernel command line, kernel config and
-// process status keep only the lines the checks use.
+// File implements gdr.Recorder and sysfs.Recorder. Shared libraries are left
+// out (the snapshot keeps what was learned from them in facts.json); GIDs are
+// hashed (they hold IP and MAC addresses); the kernel command line, kernel
+// config and process status keep only the lines the checks use.
 func (c *capture) File(name string, data []byte) {
 	base := path.Base(name)
 	switch {
@@ -182,17 +181,13 @@ func snapshot(ctx context.Context, rootArg, out string) error {
 	defer cleanup()
 	c := newCapture()
 	root.SetRecorder(c)
-	facts, _, err := collect(ctx, root)
-	if err != nil {
+	// gdr records what it reads, and the facts it learned other than from
+	// files; gdrcheck records what it reads itself.
+	if _, err := gdr.Collect(ctx, gdr.CollectOptions{Root: root.Dir(), Recorder: c}); err != nil {
 		return err
 	}
 	_, _ = root.ReadFile("/proc/self/limits")
 	_ = readProcess(root)
-	name, b, err := gdrseam.SnapshotFacts.(func(*gdr.Facts) (string, []byte, error))(facts)
-	if err != nil {
-		return err
-	}
-	c.files[name] = b
 	return c.writeArchive(out)
 }
 
