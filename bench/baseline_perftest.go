@@ -118,6 +118,9 @@ func perftestWriteBW(ctx context.Context, dev string, gidIndex int, size int64, 
 	if err != nil {
 		return 0, err
 	}
+	if !(mibs > 0) {
+		return 0, fmt.Errorf("ib_write_bw reported %v MB/s for %d writes of %d bytes:\n%s", mibs, iters, size, out)
+	}
 	return mibs * (1 << 20) / 1e9, nil
 }
 
