@@ -25,6 +25,12 @@
 //	t, err := g.NewTensor(tensor.Float32, 512, 512)
 //	w, _ := tensor.View[float32](t) // fill w
 //
+// A group joined WithGPU(ordinal) (GDRLINK_GPU) also allocates on that GPU
+// and in page-locked host memory (NewTensorOn), and receives onto the GPU
+// (RecvOn). GPU tensors travel through a pinned host proxy registered with
+// every provider: a received tensor is copied to the GPU chunk by chunk as
+// it lands, and a sent one is staged first.
+//
 // # Sending and receiving
 //
 // A tensor is named by a key and a step. Send offers it to one peer and
@@ -55,7 +61,7 @@
 // # Configuration
 //
 // Every option has an environment variable, and an option given in Go wins:
-// GDRLINK_PROVIDER, GDRLINK_POOL_LIMIT, GDRLINK_CHECKSUM,
+// GDRLINK_PROVIDER, GDRLINK_POOL_LIMIT, GDRLINK_CHECKSUM, GDRLINK_GPU,
 // GDRLINK_CONNECT_TIMEOUT, GDRLINK_LOG, and the verbs device's RDMA_*
 // variables (WithVerbsConfig).
 //

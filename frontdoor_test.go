@@ -56,6 +56,9 @@ func runChild(job string) error {
 		}
 		opts = append(opts, WithRootListener(ln))
 	}
+	if os.Getenv("GDRLINK_TEST_SIMGPU") == "1" {
+		opts = append(opts, withSimulatedGPU())
+	}
 	g, err := Join(ctx, opts...)
 	if err != nil {
 		return err
@@ -67,6 +70,8 @@ func runChild(job string) error {
 		err = pairJob(ctx, g, &rep)
 	case "ring":
 		err = ringJob(ctx, g, &rep)
+	case "gpu":
+		err = gpuJob(ctx, g, &rep)
 	default:
 		err = fmt.Errorf("unknown job %q", job)
 	}

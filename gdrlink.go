@@ -57,6 +57,7 @@ type Group struct {
 	// each of them.
 	devs map[string]*device
 	pool *alloc.Pool
+	gpu  *gpuSide // nil without WithGPU
 
 	ready   chan struct{} // closed when Join has finished setting up
 	ctx     context.Context
@@ -222,6 +223,13 @@ func (g *Group) setup(ctx context.Context) error {
 	if g.pool, err = alloc.New(src, popts...); err != nil {
 		return fmt.Errorf("tensor pool: %w", err)
 	}
+	if g.cfg.gpu >= 0 {
+		psrc := alloc.NewMmapSource(alloc.MmapOptions{})
+		if need["onnode"] {
+			psrc = alloc.NewMemfdSource(fmt.Sprintf("gdrlink-rank%d-pinned", g.Rank()), alloc.MmapOptions{})
+		}
+		return g.setupGPU(psrc, visitors)
+	}
 	return nil
 }
 
@@ -245,14 +253,38 @@ func (g *Group) Size() int { return g.boot.Size() }
 // or a registration. Its contents are not zeroed. Give it to Send, or
 // Release it.
 func (g *Group) NewTensor(dtype tensor.DType, shape ...int64) (*tensor.Tensor, error) {
+	return g.NewTensorOn(tensor.Host, dtype, shape...)
+}
+
+// NewTensorOn is NewTensor on a device: host memory (tensor.Host), or,
+// in a group joined WithGPU, page-locked host memory (tensor.PinnedHost)
+// or the GPU's memory (tensor.GPUDevice). Tensors of strings live in host
+// memory only.
+func (g *Group) NewTensorOn(dev tensor.Device, dtype tensor.DType, shape ...int64) (*tensor.Tensor, error) {
 	if err := g.usable(); err != nil {
 		return nil, err
+	}
+	if dev != tensor.Host && !dtype.DMAable() {
+		return nil, fmt.Errorf("gdrlink: %w: %s tensors on %s: they live in host memory", verbsio.ErrNotSupported, dtype, dev)
 	}
 	m, err := tensor.MetaFor(dtype, tensor.Shape(shape))
 	if err != nil {
 		return nil, fmt.Errorf("gdrlink: %w", err)
 	}
-	t, err := g.pool.NewTensor(m)
+	var t *tensor.Tensor
+	switch {
+	case dev == tensor.Host:
+		t, err = g.pool.NewTensor(m)
+	case dev.Kind == tensor.PinnedHost && g.gpu != nil:
+		t, err = g.gpu.pinned.NewTensor(m)
+	default:
+		var b tensor.Buffer
+		if b, err = g.allocGPU(int(m.ByteSize), dev); err == nil {
+			if t, err = tensor.New(m, b); err != nil {
+				_ = b.Free()
+			}
+		}
+	}
 	if err != nil {
 		return nil, fmt.Errorf("gdrlink: %w", err)
 	}
@@ -290,6 +322,13 @@ func (g *Group) Send(peer int, key string, step int64, t *tensor.Tensor) error {
 // with a peer connects first. Release the tensor when done with it.
 // Transfer says how it came. ctx bounds the wait.
 func (g *Group) Recv(ctx context.Context, peer int, key string, step int64) (*tensor.Tensor, Transfer, error) {
+	return g.RecvOn(ctx, tensor.Host, peer, key, step)
+}
+
+// RecvOn is Recv with the result on dev: host memory, or in a group joined
+// WithGPU its GPU, where the tensor lands in a pinned proxy and is copied
+// to the GPU as its chunks arrive (Transfer.Path is proxy).
+func (g *Group) RecvOn(ctx context.Context, dev tensor.Device, peer int, key string, step int64) (*tensor.Tensor, Transfer, error) {
 	p, err := g.peer(peer)
 	if err != nil {
 		return nil, Transfer{}, err
@@ -298,7 +337,10 @@ func (g *Group) Recv(ctx context.Context, peer int, key string, step int64) (*te
 	if err != nil {
 		return nil, Transfer{}, err
 	}
-	return ch.Recv(ctx, key, step)
+	if dev == tensor.Host {
+		return ch.Recv(ctx, key, step)
+	}
+	return ch.Recv(ctx, key, step, rendezvous.OnDevice(dev))
 }
 
 // Barrier returns once every rank of the job has called it, or when ctx
@@ -393,6 +435,9 @@ func (g *Group) Close() error {
 	g.wg.Wait()
 	if g.boot != nil {
 		errs = append(errs, g.boot.Close())
+	}
+	if g.gpu != nil {
+		errs = append(errs, g.gpu.close()...)
 	}
 	if g.pool != nil {
 		errs = append(errs, g.pool.Close())

@@ -11,6 +11,8 @@ import (
 
 	"github.com/dustin/go-humanize"
 
+	"github.com/gdrlink/gdrlink/alloc"
+	"github.com/gdrlink/gdrlink/proxy"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
@@ -30,6 +32,9 @@ type config struct {
 	connectTimeout time.Duration
 	log            *slog.Logger
 	verbs          *verbsio.Config
+	gpu            int // -1: none
+	// openGPU opens the GPU (openCUDA unless a test gives a simulated one).
+	openGPU func(ordinal int) (proxy.Device, alloc.Visitor, error)
 }
 
 // WithRank sets this process's rank and the job's size
@@ -141,7 +146,7 @@ func WithVerbsConfig(vc verbsio.Config) Option {
 // fromEnv reads the variables behind the options. Rank, size and root are
 // left to the bootstrap's reading of the launchers unless given.
 func fromEnv(lookup func(string) (string, bool)) (config, error) {
-	c := config{connectTimeout: verbsio.DefaultConfig().ConnectTimeout}
+	c := config{connectTimeout: verbsio.DefaultConfig().ConnectTimeout, gpu: -1}
 	get := func(k string) string { v, _ := lookup(k); return strings.TrimSpace(v) }
 	if v := get("GDRLINK_PROVIDER"); v != "" {
 		if err := WithProvider(v)(&c); err != nil {
@@ -168,6 +173,13 @@ func fromEnv(lookup func(string) (string, bool)) (config, error) {
 			return c, fmt.Errorf("%w: GDRLINK_CONNECT_TIMEOUT=%q is not a positive duration", verbsio.ErrBadConfig, v)
 		}
 		c.connectTimeout = d
+	}
+	if v := get("GDRLINK_GPU"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 0 {
+			return c, fmt.Errorf("%w: GDRLINK_GPU=%q is not a GPU ordinal", verbsio.ErrBadConfig, v)
+		}
+		c.gpu = n
 	}
 	if v := get("GDRLINK_LOG"); v != "" {
 		var lvl slog.Level

@@ -167,7 +167,7 @@ func (g *Group) newChannel(provider string, rank int) (*rendezvous.Channel, erro
 		rendezvous.WithLogger(g.log),
 		rendezvous.WithChecksum(g.cfg.checksum),
 	}
-	return rendezvous.New(d.dev, d.pd, rendezvous.PoolMemory(d.reg.RegionOf, g.pool), opts...)
+	return rendezvous.New(d.dev, d.pd, g.channelMemory(d), append(opts, g.gpuOptions()...)...)
 }
 
 // onCall answers the connection messages of other ranks.
