@@ -81,9 +81,22 @@ func TestUCXBaseline(t *testing.T) {
 		{Label: "bw", Test: "tag_bw", Size: 65536, Iters: 50},
 		{Label: "lat", Test: "tag_lat", Size: 8, Iters: 200},
 	}
-	rows, err := runUCX(ctx, "tcp", tests, 2*time.Minute)
-	if err != nil {
-		t.Fatal(err)
+	// UCX's tcp transport now and then loses a run of a batch (no row for
+	// it, seen about once in five `make test` runs on this machine; the
+	// xfer scenario tries a case up to three times for the same reason),
+	// so a batch missing a row is run again, up to three times in all.
+	var rows map[string]ucxRow
+	for try := 1; ; try++ {
+		var err error
+		if rows, err = runUCX(ctx, "tcp", tests, 2*time.Minute); err != nil {
+			t.Fatal(err)
+		}
+		_, bw := rows["bw"]
+		_, lat := rows["lat"]
+		if bw && lat || try == 3 {
+			break
+		}
+		t.Logf("try %d: ucx_perftest gave rows %+v, want bw and lat: running the batch again", try, rows)
 	}
 	if rows["bw"].GBs() <= 0 || rows["lat"].MedianLatU <= 0 || rows["bw"].Iters != 50 {
 		t.Fatalf("rows %+v", rows)
