@@ -43,8 +43,9 @@
 //	r, tr, err := g.Recv(ctx, 0, "layer0/out", step)  // rank 1
 //	defer r.Release()
 //
-// Transfer says how the bytes came (tr.Path: direct, serialized for string
-// tensors, none for dead and empty ones) and over which provider.
+// Transfer says how the bytes came (tr.Path: direct, proxy for a GPU
+// result through the pinned proxy, serialized for string tensors, none for
+// dead and empty ones) and over which provider.
 //
 // # Connections and providers
 //
