@@ -59,6 +59,9 @@ type Group struct {
 	pool *alloc.Pool
 	gpu  *gpuSide // nil without WithGPU
 
+	metrics    *metrics
+	metricsSrv *metricsServer // nil without WithMetricsAddr
+
 	ready   chan struct{} // closed when Join has finished setting up
 	ctx     context.Context
 	cancel  context.CancelFunc
@@ -108,6 +111,7 @@ func Join(ctx context.Context, opts ...Option) (*Group, error) {
 	}
 	g := &Group{cfg: cfg, log: cfg.log, devs: map[string]*device{}, peers: map[int]*peer{}, unusable: map[string]error{}, ready: make(chan struct{})}
 	g.ctx, g.cancel = context.WithCancel(context.Background())
+	g.metrics = newMetrics(g)
 	bc.OnCall = g.onCall
 	var usable []string
 	for _, name := range builtin {
@@ -131,6 +135,11 @@ func Join(ctx context.Context, opts ...Option) (*Group, error) {
 	}
 	if err := g.setup(ctx); err != nil {
 		return nil, errors.Join(fmt.Errorf("gdrlink: rank %d: %w", g.boot.Rank(), err), g.Close())
+	}
+	if cfg.metricsAddr != "" {
+		if g.metricsSrv, err = g.serveMetrics(cfg.metricsAddr); err != nil {
+			return nil, errors.Join(fmt.Errorf("gdrlink: rank %d: %w", g.boot.Rank(), err), g.Close())
+		}
 	}
 	g.joinDur = time.Since(start)
 	close(g.ready)
@@ -329,6 +338,12 @@ func (g *Group) Recv(ctx context.Context, peer int, key string, step int64) (*te
 // WithGPU its GPU, where the tensor lands in a pinned proxy and is copied
 // to the GPU as its chunks arrive (Transfer.Path is proxy).
 func (g *Group) RecvOn(ctx context.Context, dev tensor.Device, peer int, key string, step int64) (*tensor.Tensor, Transfer, error) {
+	t, tr, err := g.recvOn(ctx, dev, peer, key, step)
+	g.metrics.recv(tr, err)
+	return t, tr, err
+}
+
+func (g *Group) recvOn(ctx context.Context, dev tensor.Device, peer int, key string, step int64) (*tensor.Tensor, Transfer, error) {
 	p, err := g.peer(peer)
 	if err != nil {
 		return nil, Transfer{}, err
@@ -429,6 +444,9 @@ func (g *Group) Close() error {
 	g.mu.Unlock()
 	g.cancel()
 	var errs []error
+	if g.metricsSrv != nil {
+		errs = append(errs, g.metricsSrv.close())
+	}
 	for _, p := range peers {
 		errs = append(errs, p.close())
 	}

@@ -33,6 +33,7 @@ type config struct {
 	log            *slog.Logger
 	verbs          *verbsio.Config
 	gpu            int // -1: none
+	metricsAddr    string
 	// openGPU opens the GPU (openCUDA unless a test gives a simulated one).
 	openGPU func(ordinal int) (proxy.Device, alloc.Visitor, error)
 }
@@ -143,6 +144,20 @@ func WithVerbsConfig(vc verbsio.Config) Option {
 	return func(c *config) error { c.verbs = &vc; return nil }
 }
 
+// WithMetricsAddr makes Join serve Prometheus metrics at /metrics on addr
+// ("host:port", port 0 for any; GDRLINK_METRICS_ADDR; default: not
+// served), from a registry of the group's own that Close shuts down. The
+// metrics are those of Group.Collector.
+func WithMetricsAddr(addr string) Option {
+	return func(c *config) error {
+		if _, _, err := net.SplitHostPort(addr); err != nil {
+			return fmt.Errorf("%w: metrics address %q: %w", verbsio.ErrBadConfig, addr, err)
+		}
+		c.metricsAddr = addr
+		return nil
+	}
+}
+
 // fromEnv reads the variables behind the options. Rank, size and root are
 // left to the bootstrap's reading of the launchers unless given.
 func fromEnv(lookup func(string) (string, bool)) (config, error) {
@@ -180,6 +195,11 @@ func fromEnv(lookup func(string) (string, bool)) (config, error) {
 			return c, fmt.Errorf("%w: GDRLINK_GPU=%q is not a GPU ordinal", verbsio.ErrBadConfig, v)
 		}
 		c.gpu = n
+	}
+	if v := get("GDRLINK_METRICS_ADDR"); v != "" {
+		if err := WithMetricsAddr(v)(&c); err != nil {
+			return c, fmt.Errorf("GDRLINK_METRICS_ADDR=%q: %w", v, err)
+		}
 	}
 	if v := get("GDRLINK_LOG"); v != "" {
 		var lvl slog.Level

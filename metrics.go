@@ -1,0 +1,247 @@
+package gdrlink
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/gdrlink/gdrlink/alloc"
+	"github.com/gdrlink/gdrlink/rendezvous"
+	"github.com/gdrlink/gdrlink/verbsio"
+)
+
+// durationBuckets are the transfer latency buckets: 10µs to about 10s,
+// ×4 apart.
+var durationBuckets = prometheus.ExponentialBuckets(10e-6, 4, 11)
+
+// errorKinds are the values of the kind label of gdrlink_errors_total,
+// each with the sentinel it stands for, first match wins; other is the
+// rest.
+var errorKinds = []struct {
+	kind string
+	err  error
+}{
+	{"closed", ErrClosed},
+	{"timeout", context.DeadlineExceeded},
+	{"cancelled", context.Canceled},
+	{"cancelled", rendezvous.ErrCancelled},
+	{"peer_lost", verbsio.ErrPeerLost},
+	{"remote_access", verbsio.ErrRemoteAccess},
+	{"remote", rendezvous.ErrRemote},
+	{"checksum", rendezvous.ErrChecksum},
+	{"pool_exhausted", alloc.ErrPoolExhausted},
+}
+
+// errorKind names err's kind for gdrlink_errors_total.
+func errorKind(err error) string {
+	for _, k := range errorKinds {
+		if errors.Is(err, k.err) {
+			return k.kind
+		}
+	}
+	return "other"
+}
+
+// series are the transfer counters of one path, provider and device.
+type series struct {
+	transfers, bytes prometheus.Counter
+	took             prometheus.Observer
+}
+
+// seriesKey is what the transfer counters are labelled by.
+type seriesKey struct {
+	path             rendezvous.Path
+	provider, device string
+}
+
+// metrics is a group's Prometheus collector: the transfer and error
+// counters Recv keeps, and the group's Stats read at each scrape.
+type metrics struct {
+	g *Group
+
+	transfers *prometheus.CounterVec
+	bytes     *prometheus.CounterVec
+	took      *prometheus.HistogramVec
+	errs      *prometheus.CounterVec
+
+	mu     sync.RWMutex
+	series map[seriesKey]*series
+
+	connections, requests, reRequests, metaResponses, writes,
+	checksumFailures, keepalives, poolInUse, poolReserved, poolArenas,
+	poolFragmentation *prometheus.Desc
+}
+
+func newMetrics(g *Group) *metrics {
+	tl := []string{"path", "provider", "device"}
+	m := &metrics{
+		g: g,
+		transfers: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "gdrlink_transfers_total", Help: "Tensors received, by path, provider and device.",
+		}, tl),
+		bytes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "gdrlink_transfer_bytes_total", Help: "Tensor bytes received, by path, provider and device.",
+		}, tl),
+		took: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "gdrlink_transfer_duration_seconds", Help: "Time from a tensor's request to its arrival, by path, provider and device.",
+			Buckets: durationBuckets,
+		}, tl),
+		errs: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "gdrlink_errors_total", Help: "Receives that failed, by kind of error.",
+		}, []string{"kind"}),
+		series: map[seriesKey]*series{},
+
+		connections:       prometheus.NewDesc("gdrlink_connections", "Peers connected, by provider.", []string{"provider"}, nil),
+		requests:          prometheus.NewDesc("gdrlink_protocol_requests_total", "TENSOR_REQUESTs sent, over every connection.", nil, nil),
+		reRequests:        prometheus.NewDesc("gdrlink_protocol_rerequests_total", "TENSOR_RE_REQUESTs sent, over every connection.", nil, nil),
+		metaResponses:     prometheus.NewDesc("gdrlink_protocol_meta_responses_total", "META_DATA_RESPONSEs received that asked for a re-request, over every connection.", nil, nil),
+		writes:            prometheus.NewDesc("gdrlink_protocol_writes_total", "Writes with immediate completed here (in) and posted (out), over every connection.", []string{"direction"}, nil),
+		checksumFailures:  prometheus.NewDesc("gdrlink_protocol_checksum_failures_total", "Arrivals that failed checksum verification, over every connection.", nil, nil),
+		keepalives:        prometheus.NewDesc("gdrlink_protocol_keepalives_total", "Keepalive frames sent to silent peers, over every connection.", nil, nil),
+		poolInUse:         prometheus.NewDesc("gdrlink_pool_in_use_bytes", "Bytes of the tensor pool's allocated blocks.", nil, nil),
+		poolReserved:      prometheus.NewDesc("gdrlink_pool_reserved_bytes", "Bytes of the tensor pool's arenas.", nil, nil),
+		poolArenas:        prometheus.NewDesc("gdrlink_pool_arenas", "Arenas of the tensor pool.", nil, nil),
+		poolFragmentation: prometheus.NewDesc("gdrlink_pool_fragmentation_ratio", "1 - largest free chunk / free bytes of the tensor pool.", nil, nil),
+	}
+	for _, k := range errorKinds {
+		m.errs.WithLabelValues(k.kind)
+	}
+	m.errs.WithLabelValues("other")
+	return m
+}
+
+// recv counts what one Recv did.
+func (m *metrics) recv(tr Transfer, err error) {
+	if err != nil {
+		m.errs.WithLabelValues(errorKind(err)).Inc()
+		return
+	}
+	k := seriesKey{tr.Path, tr.Provider, tr.Device}
+	m.mu.RLock()
+	s := m.series[k]
+	m.mu.RUnlock()
+	if s == nil {
+		s = m.newSeries(k)
+	}
+	s.transfers.Inc()
+	s.bytes.Add(float64(tr.Bytes))
+	s.took.Observe(tr.Took.Seconds())
+}
+
+func (m *metrics) newSeries(k seriesKey) *series {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if s := m.series[k]; s != nil {
+		return s
+	}
+	lv := []string{k.path.String(), k.provider, k.device}
+	s := &series{transfers: m.transfers.WithLabelValues(lv...), bytes: m.bytes.WithLabelValues(lv...), took: m.took.WithLabelValues(lv...)}
+	m.series[k] = s
+	return s
+}
+
+// Describe sends the descriptions of every metric.
+func (m *metrics) Describe(ch chan<- *prometheus.Desc) {
+	m.transfers.Describe(ch)
+	m.bytes.Describe(ch)
+	m.took.Describe(ch)
+	m.errs.Describe(ch)
+	for _, d := range []*prometheus.Desc{m.connections, m.requests, m.reRequests, m.metaResponses, m.writes,
+		m.checksumFailures, m.keepalives, m.poolInUse, m.poolReserved, m.poolArenas, m.poolFragmentation} {
+		ch <- d
+	}
+}
+
+// Collect sends the counters and the group's Stats as of now.
+func (m *metrics) Collect(ch chan<- prometheus.Metric) {
+	m.transfers.Collect(ch)
+	m.bytes.Collect(ch)
+	m.took.Collect(ch)
+	m.errs.Collect(ch)
+	s := m.g.Stats()
+	for prov, n := range s.Connections {
+		ch <- prometheus.MustNewConstMetric(m.connections, prometheus.GaugeValue, float64(n), prov)
+	}
+	counter := func(d *prometheus.Desc, v uint64, lv ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), lv...)
+	}
+	p := s.Protocol
+	counter(m.requests, p.Requests)
+	counter(m.reRequests, p.ReRequests)
+	counter(m.metaResponses, p.MetaResponses)
+	counter(m.writes, p.WritesIn, "in")
+	counter(m.writes, p.WritesOut, "out")
+	counter(m.checksumFailures, p.ChecksumFailures)
+	counter(m.keepalives, p.Keepalives)
+	gauge := func(d *prometheus.Desc, v float64) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v)
+	}
+	gauge(m.poolInUse, float64(s.Pool.InUse))
+	gauge(m.poolReserved, float64(s.Pool.Reserved))
+	gauge(m.poolArenas, float64(s.Pool.Arenas))
+	gauge(m.poolFragmentation, s.Pool.Fragmentation)
+}
+
+// Collector is the group's Prometheus collector, to register in a
+// registry of the caller's: what this rank received (gdrlink_transfers_total,
+// gdrlink_transfer_bytes_total and gdrlink_transfer_duration_seconds by
+// path, provider and device; gdrlink_errors_total by kind), its
+// connections, protocol counters and tensor pool. The README lists every
+// metric. WithMetricsAddr serves the same on its own.
+func (g *Group) Collector() prometheus.Collector { return g.metrics }
+
+// metricsServer serves /metrics from a registry holding the group's
+// collector alone.
+type metricsServer struct {
+	ln  net.Listener
+	srv *http.Server
+	wg  sync.WaitGroup
+}
+
+func (g *Group) serveMetrics(addr string) (*metricsServer, error) {
+	reg := prometheus.NewRegistry()
+	if err := reg.Register(g.metrics); err != nil {
+		return nil, fmt.Errorf("metrics registry: %w", err)
+	}
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("metrics address: %w", err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	s := &metricsServer{ln: ln, srv: &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}}
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		if err := s.srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			g.log.Warn("gdrlink: metrics server stopped", "addr", ln.Addr().String(), "err", err)
+		}
+	}()
+	g.log.Info("gdrlink: serving metrics", "addr", ln.Addr().String())
+	return s, nil
+}
+
+// close stops the server and waits for it.
+func (s *metricsServer) close() error {
+	err := s.srv.Close()
+	s.wg.Wait()
+	if err != nil {
+		return fmt.Errorf("gdrlink: metrics server: %w", err)
+	}
+	return nil
+}
+
+// metricsAddr is where the group serves /metrics, nil when it does not.
+func (g *Group) metricsAddr() net.Addr {
+	if g.metricsSrv == nil {
+		return nil
+	}
+	return g.metricsSrv.ln.Addr()
+}

@@ -1,0 +1,180 @@
+package gdrlink
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+
+	"github.com/gdrlink/gdrlink/tensor"
+)
+
+// TestMetrics: rank 0 sends 15 tensors (12 with bytes, 3 empty) to rank
+// 1, which receives them and one key never sent; rank 1's /metrics, read
+// over HTTP, counts each transfer by path with its bytes, the timeout, the
+// connection and the protocol's requests, and a registry of the caller's
+// gathers the same from Collector.
+func TestMetrics(t *testing.T) {
+	gs := joinPair(t, WithMetricsAddr("127.0.0.1:0"))
+	defer func() {
+		for r, g := range gs {
+			if err := g.Close(); err != nil {
+				t.Errorf("rank %d Close: %v", r, err)
+			}
+		}
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	const full, empty = 12, 3
+	var wantBytes int64
+	for i := range full + empty {
+		n := int64(100 * (i + 1))
+		if i >= full {
+			n = 0
+		}
+		src, err := gs[0].NewTensor(tensor.Float32, n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		wantBytes += src.Meta().ByteSize
+		if err := gs[0].Send(1, "w", int64(i), src); err != nil {
+			t.Fatal(err)
+		}
+		got, tr, err := gs[1].Recv(ctx, 0, "w", int64(i))
+		if err != nil {
+			t.Fatal(err)
+		}
+		got.Release()
+		if want := map[bool]string{true: "none", false: "direct"}[n == 0]; tr.Path.String() != want {
+			t.Errorf("step %d: path %s, want %s", i, tr.Path, want)
+		}
+	}
+	short, cancelShort := context.WithTimeout(ctx, 50*time.Millisecond)
+	_, _, err := gs[1].Recv(short, 0, "never", 0)
+	cancelShort()
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Recv of a key never sent: %v, want a timeout", err)
+	}
+
+	addr := gs[1].metricsAddr()
+	if addr == nil {
+		t.Fatal("rank 1 serves no metrics")
+	}
+	resp, err := http.Get(fmt.Sprintf("http://%s/metrics", addr))
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := expfmt.NewTextParser(model.UTF8Validation)
+	fams, err := p.TextToMetricFamilies(resp.Body)
+	resp.Body.Close()
+	if err != nil {
+		t.Fatalf("parsing /metrics: %v", err)
+	}
+	prov := gs[1].Stats().Connections
+	if len(prov) != 1 {
+		t.Fatalf("connections %v, want one", prov)
+	}
+	var provider string
+	for provider = range prov {
+	}
+	check := func(name string, labels map[string]string, want float64) {
+		t.Helper()
+		if got, ok := value(fams[name], labels); !ok || got != want {
+			t.Errorf("%s%v = %v (found %v), want %v", name, labels, got, ok, want)
+		}
+	}
+	direct := map[string]string{"path": "direct", "provider": provider}
+	none := map[string]string{"path": "none", "provider": provider}
+	check("gdrlink_transfers_total", direct, full)
+	check("gdrlink_transfers_total", none, empty)
+	check("gdrlink_transfer_bytes_total", direct, float64(wantBytes))
+	check("gdrlink_transfer_bytes_total", none, 0)
+	check("gdrlink_transfer_duration_seconds", direct, full) // the sample count
+	check("gdrlink_errors_total", map[string]string{"kind": "timeout"}, 1)
+	check("gdrlink_errors_total", map[string]string{"kind": "peer_lost"}, 0)
+	check("gdrlink_connections", map[string]string{"provider": provider}, 1)
+	check("gdrlink_protocol_requests_total", nil, full+empty+1)
+	check("gdrlink_protocol_checksum_failures_total", nil, 0)
+	for _, name := range []string{"gdrlink_protocol_rerequests_total", "gdrlink_protocol_meta_responses_total",
+		"gdrlink_protocol_keepalives_total", "gdrlink_pool_in_use_bytes", "gdrlink_pool_reserved_bytes",
+		"gdrlink_pool_arenas", "gdrlink_pool_fragmentation_ratio"} {
+		if _, ok := value(fams[name], nil); !ok {
+			t.Errorf("%s missing from /metrics", name)
+		}
+	}
+	if _, ok := value(fams["gdrlink_protocol_writes_total"], map[string]string{"direction": "in"}); !ok {
+		t.Error("gdrlink_protocol_writes_total{direction=in} missing from /metrics")
+	}
+	if v, _ := value(fams["gdrlink_pool_reserved_bytes"], nil); v <= 0 {
+		t.Errorf("gdrlink_pool_reserved_bytes = %v, want the pool's arenas", v)
+	}
+
+	// The sender counted no transfers; a registry of the caller's gathers
+	// the same families from Collector.
+	reg := prometheus.NewRegistry()
+	if err := reg.Register(gs[0].Collector()); err != nil {
+		t.Fatal(err)
+	}
+	got, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	byName := map[string]*dto.MetricFamily{}
+	for _, f := range got {
+		byName[f.GetName()] = f
+	}
+	if _, ok := value(byName["gdrlink_transfers_total"], nil); ok {
+		t.Error("rank 0 counted transfers it only sent")
+	}
+	if v, ok := value(byName["gdrlink_protocol_writes_total"], map[string]string{"direction": "out"}); !ok || v != full {
+		t.Errorf("rank 0 gdrlink_protocol_writes_total{direction=out} = %v, want %d", v, full)
+	}
+}
+
+// value is the value of the metric of f whose labels include labels
+// (a histogram's sample count), and whether there is one.
+func value(f *dto.MetricFamily, labels map[string]string) (float64, bool) {
+	if f == nil {
+		return 0, false
+	}
+next:
+	for _, m := range f.GetMetric() {
+		have := map[string]string{}
+		for _, l := range m.GetLabel() {
+			have[l.GetName()] = l.GetValue()
+		}
+		for k, v := range labels {
+			if have[k] != v {
+				continue next
+			}
+		}
+		switch {
+		case m.Counter != nil:
+			return m.GetCounter().GetValue(), true
+		case m.Gauge != nil:
+			return m.GetGauge().GetValue(), true
+		case m.Histogram != nil:
+			return float64(m.GetHistogram().GetSampleCount()), true
+		}
+	}
+	return 0, false
+}
+
+// TestErrorKind: each sentinel has its kind, wrapped or not.
+func TestErrorKind(t *testing.T) {
+	for _, k := range errorKinds {
+		if got := errorKind(fmt.Errorf("gdrlink: rank 1: %w", k.err)); got != k.kind {
+			t.Errorf("%v: kind %s, want %s", k.err, got, k.kind)
+		}
+	}
+	if got := errorKind(errors.New("something")); got != "other" {
+		t.Errorf("unknown error: kind %s, want other", got)
+	}
+}
