@@ -42,6 +42,10 @@ type childReport struct {
 	Paths       []string       `json:"paths"`
 	Received    int            `json:"received"`
 	Unusable    map[string]string
+	// Scraped is what the child read from its own /metrics (with
+	// GDRLINK_METRICS_ADDR): each sample named "name{label=value,...}" with
+	// the provider and device labels left out and their samples summed.
+	Scraped map[string]float64 `json:"scraped"`
 }
 
 func runChild(job string) error {
@@ -81,6 +85,11 @@ func runChild(job string) error {
 	if err := g.Barrier(ctx); err != nil {
 		return err
 	}
+	if addr := g.metricsAddr(); addr != nil {
+		if rep.Scraped, err = scrape(addr.String()); err != nil {
+			return err
+		}
+	}
 	s := g.Stats()
 	rep.JoinMS = float64(s.Join.Microseconds()) / 1000
 	rep.Connections = s.Connections
@@ -95,17 +104,20 @@ func fill(b []byte, seed int) {
 	}
 }
 
+// pairItems are the tensors the pair job sends at each of pairSteps steps.
+var pairItems = []struct {
+	key   string
+	dt    tensor.DType
+	shape []int64
+}{{"small", tensor.Float32, []int64{2, 3}}, {"ids", tensor.Int64, []int64{1000}}, {"weights", tensor.BFloat16, []int64{1024, 1024}}, {"big", tensor.Float32, []int64{4 << 20}}, {"empty", tensor.Float32, []int64{0, 5}}}
+
+const pairSteps = 3
+
 // pairJob: rank 0 sends tensors of several kinds and sizes, rank 1
 // receives and checks every byte.
 func pairJob(ctx context.Context, g *Group, rep *childReport) error {
-	type item struct {
-		key   string
-		dt    tensor.DType
-		shape []int64
-	}
-	items := []item{{"small", tensor.Float32, []int64{2, 3}}, {"ids", tensor.Int64, []int64{1000}}, {"weights", tensor.BFloat16, []int64{1024, 1024}}, {"big", tensor.Float32, []int64{4 << 20}}, {"empty", tensor.Float32, []int64{0, 5}}}
-	for step := int64(0); step < 3; step++ {
-		for i, it := range items {
+	for step := int64(0); step < pairSteps; step++ {
+		for i, it := range pairItems {
 			seed := int(step)*10 + i
 			if g.Rank() == 0 {
 				t, err := g.NewTensor(it.dt, it.shape...)
@@ -293,7 +305,7 @@ func TestTwoProcesses(t *testing.T) {
 				}
 			}
 			j := startJob(t, "pair", 2, "127.0.0.1", func(int) []string { return nil }, func(int) []string {
-				return []string{"GDRLINK_PROVIDER=" + tc.provider}
+				return []string{"GDRLINK_PROVIDER=" + tc.provider, "GDRLINK_METRICS_ADDR=127.0.0.1:0"}
 			})
 			reps := j.wait(2 * time.Minute)
 			if reps[1].Received != 15 {
@@ -309,6 +321,7 @@ func TestTwoProcesses(t *testing.T) {
 					t.Errorf("a transfer went %s, want %s/direct (or none for the empty tensor)", p, tc.want)
 				}
 			}
+			checkPairMetrics(t, reps[1].Scraped)
 			t.Logf("%s: join %.1f ms and %.1f ms; %v", tc.name, reps[0].JoinMS, reps[1].JoinMS, reps[1].Paths[:5])
 		})
 	}

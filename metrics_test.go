@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"strings"
 	"testing"
 	"time"
 
@@ -187,5 +188,75 @@ func TestMetricsNoAllocs(t *testing.T) {
 	m.recv(tr, nil)
 	if n := testing.AllocsPerRun(100, func() { m.recv(tr, nil) }); n != 0 {
 		t.Errorf("counting a transfer: %v allocations, want 0", n)
+	}
+}
+
+// scrape reads http://addr/metrics and sums its samples by name and the
+// labels other than provider and device (a histogram by its count).
+func scrape(addr string) (map[string]float64, error) {
+	resp, err := http.Get("http://" + addr + "/metrics")
+	if err != nil {
+		return nil, fmt.Errorf("scraping: %w", err)
+	}
+	defer resp.Body.Close()
+	p := expfmt.NewTextParser(model.UTF8Validation)
+	fams, err := p.TextToMetricFamilies(resp.Body)
+	if err != nil {
+		return nil, fmt.Errorf("parsing /metrics: %w", err)
+	}
+	out := map[string]float64{}
+	for name, f := range fams {
+		for _, m := range f.GetMetric() {
+			var ls []string
+			for _, l := range m.GetLabel() {
+				if l.GetName() != "provider" && l.GetName() != "device" {
+					ls = append(ls, l.GetName()+"="+l.GetValue())
+				}
+			}
+			v, _ := value(&dto.MetricFamily{Metric: []*dto.Metric{m}}, nil)
+			out[name+"{"+strings.Join(ls, ",")+"}"] += v
+		}
+	}
+	return out, nil
+}
+
+// checkPairMetrics checks what rank 1 of the pair job scraped from its own
+// /metrics against what rank 0 sent.
+func checkPairMetrics(t *testing.T, got map[string]float64) {
+	t.Helper()
+	var direct, none, bytes float64
+	for _, it := range pairItems {
+		m, err := tensor.MetaFor(it.dt, tensor.Shape(it.shape))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if m.ByteSize == 0 {
+			none += pairSteps
+			continue
+		}
+		direct += pairSteps
+		bytes += pairSteps * float64(m.ByteSize)
+	}
+	want := map[string]float64{
+		"gdrlink_transfers_total{path=direct}":           direct,
+		"gdrlink_transfers_total{path=none}":             none,
+		"gdrlink_transfer_bytes_total{path=direct}":      bytes,
+		"gdrlink_transfer_bytes_total{path=none}":        0,
+		"gdrlink_transfer_duration_seconds{path=direct}": direct,
+		"gdrlink_errors_total{kind=timeout}":             0,
+		"gdrlink_errors_total{kind=peer_lost}":           0,
+		"gdrlink_errors_total{kind=other}":               0,
+		"gdrlink_connections{}":                          1,
+		"gdrlink_protocol_requests_total{}":              direct + none,
+		"gdrlink_protocol_checksum_failures_total{}":     0,
+		"gdrlink_protocol_writes_total{direction=out}":   0,
+	}
+	for k, v := range want {
+		if g, ok := got[k]; !ok || g != v {
+			t.Errorf("rank 1 scraped %s = %v (present %v), want %v", k, g, ok, v)
+		}
+	}
+	if got["gdrlink_pool_reserved_bytes{}"] <= 0 {
+		t.Errorf("rank 1 scraped gdrlink_pool_reserved_bytes = %v, want the pool's arenas", got["gdrlink_pool_reserved_bytes{}"])
 	}
 }
