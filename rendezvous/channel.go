@@ -357,9 +357,13 @@ func (c *Channel) Provider() string { return c.provider }
 func (c *Channel) Device() string { return c.devName }
 
 // Stats returns the channel's counters, and what its sending side holds at
-// the time of the call.
+// the time of the call: one snapshot, taken under the channel's lock, so a
+// write that completed is never missing from both WritesInFlight and
+// WritesOut.
 func (c *Channel) Stats() Stats {
 	r, s, ch := &c.rcv.stats, &c.snd.stats, &c.stats
+	c.mu.Lock()
+	defer c.mu.Unlock()
 	st := Stats{
 		Requests: r.requests.Load(), MetaResponses: r.metaResponses.Load(), MetaInPlace: r.metaInPlace.Load(), ReRequests: r.reRequests.Load(), Finals: r.finals.Load(),
 		WritesIn: r.writesIn.Load(), WritesOut: s.writesOut.Load(), BytesIn: r.bytesIn.Load(), BytesOut: s.bytesOut.Load(),
@@ -368,9 +372,7 @@ func (c *Channel) Stats() Stats {
 		ChunksIn: r.chunksIn.Load(), ChunksOut: s.chunksOut.Load(),
 		RequestsIn: s.requestsIn.Load(), ReRequestsIn: s.reRequestsIn.Load(),
 	}
-	c.mu.Lock()
 	c.snd.statsLocked(&st)
-	c.mu.Unlock()
 	return st
 }
 
