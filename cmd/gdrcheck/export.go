@@ -245,7 +245,8 @@ func promEscape(s string) string {
 var syncFile = (*os.File).Sync
 
 // writeAtomic replaces dir/name with data: it writes a hidden temporary
-// file in dir (neither NFD nor node_exporter reads it), syncs it and
+// file in dir (node_exporter reads only *.prom, NFD's local source skips
+// hidden files), syncs it and
 // renames it over name, so readers see the old file or the new one, never
 // a part. On failure the old file is left as it was.
 func writeAtomic(dir, name string, data []byte) (err error) {
