@@ -14,6 +14,7 @@
 // Usage:
 //
 //	gdrcheck [--json] [--root DIR|FILE.tar.gz] [--gpu 0,1] [--nic mlx5_0] [--level PXB] [--selftest]
+//	         [--nfd DIR [--nfd-expiry 2h]] [--textfile DIR]
 //	gdrcheck snapshot [--root DIR] FILE.tar.gz
 //
 // Exit status: 0 ready (every GPU Direct, or no GPU and RDMA usable), 1
@@ -27,6 +28,11 @@
 // serial number or MAC address. --selftest allocates from the pool,
 // registers through each verbs provider available here, writes a pattern
 // over a loopback connection, verifies it and reports the bandwidth.
+//
+// --nfd writes the verdict as node labels, a node-feature-discovery feature
+// file DIR/gdrcheck; --textfile writes it as Prometheus metrics,
+// DIR/gdrcheck.prom, for node_exporter's textfile collector. Both replace
+// their file atomically.
 //
 // README.md in this directory is the operators' guide: a sample report and
 // what each verdict means.

@@ -29,7 +29,13 @@ type options struct {
 	selftest bool
 	size     int
 	timeout  time.Duration
+	nfd      string
+	textfile string
+	expiry   time.Duration
 }
+
+// now is the clock of --nfd-expiry; tests set it.
+var now = time.Now
 
 func usage(fs *flag.FlagSet) func() {
 	return func() {
@@ -59,6 +65,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs.BoolVar(&o.selftest, "selftest", false, "also move a pattern through every verbs provider available here and report bandwidth")
 	fs.IntVar(&o.size, "selftest-size", 4<<20, "bytes per selftest transfer")
 	fs.DurationVar(&o.timeout, "timeout", 60*time.Second, "give up after this long")
+	fs.StringVar(&o.nfd, "nfd", "", "also write node labels as a node-feature-discovery feature file DIR/"+nfdFile+" (DIR is usually /etc/kubernetes/node-feature-discovery/features.d)")
+	fs.DurationVar(&o.expiry, "nfd-expiry", 0, "with --nfd, labels expire this long after the run (# +expiry-time); 0: never")
+	fs.StringVar(&o.textfile, "textfile", "", "also write the facts as Prometheus metrics DIR/"+textfileFile+" for node_exporter's textfile collector")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return exitReady
@@ -111,6 +120,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			r.Summary += fmt.Sprintf("; selftest: %d of %d paths failed", r.Selftest.Failed, len(r.Selftest.Runs))
 		}
 	}
+	if code := export(o, r, stderr); code != 0 {
+		return code
+	}
 	if o.json {
 		enc := json.NewEncoder(stdout)
 		enc.SetIndent("", "  ")
@@ -137,4 +149,31 @@ func collect(ctx context.Context, root *sysfs.Root) (*gdr.Facts, map[string]*sys
 	}
 	pci, _, _ := sysfs.ReadPCIDevices(root)
 	return f, pci, nil
+}
+
+// export writes the --nfd and --textfile files; it returns exitNotReady
+// when one could not be written (the old file stays), 0 otherwise.
+func export(o options, r *Report, stderr io.Writer) int {
+	if o.nfd == "" && o.textfile == "" {
+		return 0
+	}
+	n := nodeFactsOf(r)
+	code := 0
+	if o.nfd != "" {
+		var exp time.Time
+		if o.expiry > 0 {
+			exp = now().Add(o.expiry)
+		}
+		if err := writeAtomic(o.nfd, nfdFile, nfdFeatures(n, exp)); err != nil {
+			fmt.Fprintf(stderr, "gdrcheck: --nfd: %v\n", err)
+			code = exitNotReady
+		}
+	}
+	if o.textfile != "" {
+		if err := writeAtomic(o.textfile, textfileFile, promText(n)); err != nil {
+			fmt.Fprintf(stderr, "gdrcheck: --textfile: %v\n", err)
+			code = exitNotReady
+		}
+	}
+	return code
 }
