@@ -33,21 +33,8 @@ type cudaSource struct {
 var _ Source = (*cudaSource)(nil)
 
 func openCUDA(ordinal int) (*cuda.Driver, *cuda.Context, error) {
-	drv, err := cuda.Open("")
-	if err != nil {
-		return nil, nil, err
-	}
-	d, err := drv.Device(ordinal)
-	if err != nil {
-		drv.Close()
-		return nil, nil, err
-	}
-	ctx, err := d.RetainPrimaryContext()
-	if err != nil {
-		drv.Close()
-		return nil, nil, err
-	}
-	return drv, ctx, nil
+	drv, _, ctx, err := cuda.OpenPrimary(ordinal)
+	return drv, ctx, err
 }
 
 // NewCUDADeviceSource returns a source of device memory of GPU ordinal:

@@ -143,21 +143,8 @@ func newProxyRig(env *Env, chunk int) (*proxyRig, error) {
 // retainPrimary opens the CUDA driver and retains the primary context of GPU
 // ordinal.
 func retainPrimary(ordinal int) (*cuda.Driver, *cuda.Context, error) {
-	drv, err := cuda.Open("")
-	if err != nil {
-		return nil, nil, err
-	}
-	d, err := drv.Device(ordinal)
-	if err != nil {
-		drv.Close()
-		return nil, nil, err
-	}
-	ctx, err := d.RetainPrimaryContext()
-	if err != nil {
-		drv.Close()
-		return nil, nil, err
-	}
-	return drv, ctx, nil
+	drv, _, ctx, err := cuda.OpenPrimary(ordinal)
+	return drv, ctx, err
 }
 
 // rawHtoD is the baseline copy: one asynchronous host-to-device copy of n

@@ -28,24 +28,13 @@ var _ Device = (*cudaDevice)(nil)
 // the GPU's primary context (the context the CUDA runtime and every library
 // on the device share) until Close. Without a driver the error says so.
 func NewCUDADevice(ordinal int) (Device, error) {
-	drv, err := cuda.Open("")
+	drv, d, ctx, err := cuda.OpenPrimary(ordinal)
 	if err != nil {
-		return nil, err
-	}
-	d, err := drv.Device(ordinal)
-	if err != nil {
-		drv.Close()
 		return nil, err
 	}
 	name, err := d.Name()
 	if err != nil {
-		drv.Close()
-		return nil, err
-	}
-	ctx, err := d.RetainPrimaryContext()
-	if err != nil {
-		drv.Close()
-		return nil, err
+		return nil, errors.Join(err, ctx.Close(), drv.Close())
 	}
 	return &cudaDevice{drv: drv, ctx: ctx, info: DeviceInfo{Name: name, Ordinal: ordinal}, allocs: map[DevicePtr]*cuda.DeviceMemory{}}, nil
 }

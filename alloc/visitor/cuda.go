@@ -31,17 +31,9 @@ func (p *primaryContext) acquire() (*cuda.Context, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.users == 0 {
-		drv, err := cuda.Open("")
+		drv, _, ctx, err := cuda.OpenPrimary(p.ordinal)
 		if err != nil {
 			return nil, err
-		}
-		d, err := drv.Device(p.ordinal)
-		if err != nil {
-			return nil, errors.Join(err, drv.Close())
-		}
-		ctx, err := d.RetainPrimaryContext()
-		if err != nil {
-			return nil, errors.Join(err, drv.Close())
 		}
 		p.drv, p.ctx = drv, ctx
 	}

@@ -1,6 +1,7 @@
 package cuda
 
 import (
+	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -118,4 +119,23 @@ func (h *closer) check(what string) error {
 		return fmt.Errorf("%w: %s", ErrClosed, what)
 	}
 	return nil
+}
+
+// OpenPrimary opens the driver at its default path (GDRLINK_LIBCUDA or
+// libcuda.so.1), finds GPU ordinal and retains its primary context: what
+// every user of one GPU starts with. On error nothing stays open.
+func OpenPrimary(ordinal int) (*Driver, Device, *Context, error) {
+	drv, err := Open("")
+	if err != nil {
+		return nil, Device{}, nil, err
+	}
+	d, err := drv.Device(ordinal)
+	if err != nil {
+		return nil, Device{}, nil, errors.Join(err, drv.Close())
+	}
+	ctx, err := d.RetainPrimaryContext()
+	if err != nil {
+		return nil, Device{}, nil, errors.Join(err, drv.Close())
+	}
+	return drv, d, ctx, nil
 }
