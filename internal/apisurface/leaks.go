@@ -106,7 +106,7 @@ func fileLeaks(fset *token.FileSet, f *ast.File, rel string) []Leak {
 			}
 			where := "func " + d.Name.Name
 			if d.Recv != nil {
-				if !receiverExported(d.Recv.List[0].Type) {
+				if !typeNameExported(d.Recv.List[0].Type) {
 					continue
 				}
 				where = "method " + d.Name.Name
@@ -144,7 +144,7 @@ func typeLeaks(s *ast.TypeSpec, check func(string, ast.Node)) {
 	case *ast.StructType:
 		for _, fld := range t.Fields.List {
 			if len(fld.Names) == 0 { // embedded: exported when its type name is
-				if embeddedExported(fld.Type) {
+				if typeNameExported(fld.Type) {
 					check("embedded field of "+name, fld.Type)
 				}
 				continue
@@ -165,24 +165,5 @@ func typeLeaks(s *ast.TypeSpec, check func(string, ast.Node)) {
 		}
 	default:
 		check("type "+name, s.Type)
-	}
-}
-
-func embeddedExported(t ast.Expr) bool {
-	for {
-		switch x := t.(type) {
-		case *ast.StarExpr:
-			t = x.X
-		case *ast.IndexExpr:
-			t = x.X
-		case *ast.IndexListExpr:
-			t = x.X
-		case *ast.SelectorExpr:
-			return x.Sel.IsExported()
-		case *ast.Ident:
-			return x.IsExported()
-		default:
-			return false
-		}
 	}
 }

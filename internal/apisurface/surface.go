@@ -105,7 +105,7 @@ func countFile(f *ast.File, c *Count) {
 			}
 			if d.Recv == nil {
 				c.TopLevel++
-			} else if receiverExported(d.Recv.List[0].Type) {
+			} else if typeNameExported(d.Recv.List[0].Type) {
 				c.Methods++
 			}
 		case *ast.GenDecl:
@@ -127,7 +127,9 @@ func countFile(f *ast.File, c *Count) {
 	}
 }
 
-func receiverExported(t ast.Expr) bool {
+// typeNameExported reports whether the type named by t (a receiver, or an
+// embedded field: T, *T, pkg.T, T[P]) has an exported name.
+func typeNameExported(t ast.Expr) bool {
 	for {
 		switch x := t.(type) {
 		case *ast.StarExpr:
@@ -136,6 +138,8 @@ func receiverExported(t ast.Expr) bool {
 			t = x.X
 		case *ast.IndexListExpr:
 			t = x.X
+		case *ast.SelectorExpr:
+			return x.Sel.IsExported()
 		case *ast.Ident:
 			return x.IsExported()
 		default:
