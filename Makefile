@@ -1,13 +1,5 @@
 # gdrlink: the two commands are `make run` and `make test`.
 GO      ?= go
-CC      ?= cc
-# The ibverbs provider's cgo half needs rdma-core's headers; build it in
-# (tag gdrlink_ibverbs) only where they are installed, so `make test` passes
-# on a machine with Go alone (the ibverbs tests then skip and say why).
-IBVERBS_TAG := $(shell printf '\043include <infiniband/verbs.h>\n' | $(CC) -E -x c - >/dev/null 2>&1 && echo gdrlink_ibverbs)
-ifneq ($(IBVERBS_TAG),)
-export GOFLAGS := $(strip $(GOFLAGS) -tags=$(IBVERBS_TAG))
-endif
 # Packages whose tests run under the race detector (all of them).
 PKGS    ?= ./...
 

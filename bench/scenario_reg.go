@@ -18,12 +18,12 @@ import (
 // (ibv_reg_mr and ibv_dereg_mr around every tensor, what a transport without
 // the pool must do) against allocating from a pool whose arenas the visitor
 // registered once (amortised: no registration per tensor). It also counts
-// the cgo crossings of chained writes. It needs a real verbs device
+// the crossings into libibverbs of chained writes. It needs a real verbs device
 // (Soft-RoCE counts); without one it reports a note saying why.
 func init() {
 	register(Scenario{
 		Name: "reg",
-		Doc:  "memory registration per tensor (ibv_reg_mr+dereg) vs a pool registered once per arena; cgo crossings per chained write (ibverbs)",
+		Doc:  "memory registration per tensor (ibv_reg_mr+dereg) vs a pool registered once per arena; crossings into libibverbs per chained write (ibverbs)",
 		Run:  runReg,
 		Plots: []Plot{
 			{File: "reg-per-tensor.svg", Title: "registration cost per tensor", Unit: "us", CasePrefix: "pool-registered-once"},
@@ -144,7 +144,7 @@ func regMeasure(env *Env, pd verbsio.ProtectionDomain, size int) (perTensor, poo
 }
 
 // regCrossings posts chains of regChain writes between two queue pairs of
-// this process (pool memory registered once) and reports the cgo crossings
+// this process (pool memory registered once) and reports the crossings into libibverbs
 // per write: posting, polling and completion-channel calls included.
 func regCrossings(ctx context.Context, env *Env, dev verbsio.Device, pd verbsio.ProtectionDomain) error {
 	mrv := visitor.NewMemoryRegistration(pd, regAccess)
@@ -222,7 +222,7 @@ func regCrossings(ctx context.Context, env *Env, dev verbsio.Device, pd verbsio.
 		}
 		after, _ := ibvdiag.StatsOf(dev)
 		writes := float64(reps * regChain)
-		r := newResult("reg", fmt.Sprintf("cgo-crossings-per-write-chain%d", regChain), int64(size),
+		r := newResult("reg", fmt.Sprintf("crossings-per-write-chain%d", regChain), int64(size),
 			float64(after.Crossings-before.Crossings)/writes, "crossings/write", 0, "")
 		r.Note = fmt.Sprintf("%d chains of %d writes: %d post, %d poll, %d notify crossings", reps, regChain,
 			after.PostSend-before.PostSend, after.Poll-before.Poll, after.Notify-before.Notify)

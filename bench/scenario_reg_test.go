@@ -44,7 +44,7 @@ func TestRegScenario(t *testing.T) {
 		}
 		seen[r.Case] = true
 	}
-	for _, c := range []string{"ibv_reg_mr-per-tensor", "pool-registered-once", "cgo-crossings-per-write-chain16"} {
+	for _, c := range []string{"ibv_reg_mr-per-tensor", "pool-registered-once", "crossings-per-write-chain16"} {
 		if !seen[c] {
 			t.Errorf("no %s result in %+v", c, rs)
 		}

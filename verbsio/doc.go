@@ -4,7 +4,7 @@
 // WITH IMMEDIATE), implemented by providers that register themselves like
 // database/sql drivers.
 //
-// Providers: "ibverbs" (verbsio/ibverbs, cgo over rdma-core's libibverbs),
+// Providers: "ibverbs" (verbsio/ibverbs, rdma-core's libibverbs loaded at run time),
 // "onnode" (verbsio/onnode, one copy between processes of one host) and
 // "tcp" (verbsio/tcp, for hosts without RDMA). Code above this package cannot
 // tell them apart: the conformance suite in verbsio/verbstest runs against

@@ -3,19 +3,23 @@
 // ibv_reg_dmabuf_mr), completion queues with their completion channels, and
 // reliable-connected queue pairs with their state transitions.
 //
-// All cgo of the project for libibverbs lives here. The data-path verbs that
-// libibverbs defines as static inline functions (ibv_post_send, ibv_post_recv,
-// ibv_poll_cq, ibv_req_notify_cq) are reached through small C shims that
-// take a whole chain of work requests, or fill a whole batch of completions,
-// in one cgo call. Every cgo call is counted per device context (Counters),
-// so callers can report crossings per transfer.
-//
-// The cgo half is built only with the build tag gdrlink_ibverbs (and cgo),
-// because it needs rdma-core's headers (Debian's libibverbs-dev): a plain
-// `go build ./...` must work on any machine. The Makefile and
-// scripts/test-rdma.sh set the tag when the headers are there. Without it
-// the package keeps its API and every entry point returns an error wrapping
-// ErrUnavailable, whose message says how to build it in.
+// The package loads libibverbs.so.1 at run time (Load), as NCCL, UCX and
+// libfabric do, so building needs no C toolchain and no rdma-core headers
+// (CGO_ENABLED=0 works), and one binary runs on RDMA and non-RDMA nodes:
+// where the library is missing or too old, every entry point returns an
+// error wrapping ErrUnavailable that says why. The exported functions are
+// resolved by name, the optional ones (ibv_reg_dmabuf_mr,
+// ibv_query_gid_ex, ibv_query_gid_table) separately, so an older rdma-core
+// still works without them. The data-path verbs, which verbs.h defines as
+// static inline functions (ibv_post_send, ibv_post_recv, ibv_poll_cq,
+// ibv_req_notify_cq), are called through the device context's ops table, as
+// the inline functions do. Work requests and completions are built in
+// memory off the Go heap, so libibverbs never holds a Go pointer, and a whole
+// chain of work requests, or a whole batch of completions, takes one
+// crossing. Every crossing is counted per device context (Counters), so
+// callers can report crossings per transfer. The C structures the package
+// touches are declared once (layout.go) and checked against the installed
+// headers by a test.
 //
 // Errors of failed verbs are *Error values: they name the verb and the
 // device, and match their errno with errors.Is (unix.EOPNOTSUPP,
@@ -31,9 +35,9 @@ import (
 	"syscall"
 )
 
-// ErrUnavailable: the package was built without libibverbs (no cgo, or no
-// gdrlink_ibverbs build tag).
-var ErrUnavailable = errors.New("ibv: built without libibverbs (needs cgo, Debian's libibverbs-dev and -tags gdrlink_ibverbs; make sets the tag when the headers are installed)")
+// ErrUnavailable: libibverbs could not be loaded (not installed, or too old);
+// the error that wraps it says which.
+var ErrUnavailable = errors.New("libibverbs unavailable")
 
 // Error is a failed verb.
 type Error struct {
@@ -230,7 +234,7 @@ type GIDEntry struct {
 	Netdev string
 }
 
-// Counters counts cgo crossings of one device context, by kind. Its
+// Counters counts crossings into libibverbs of one device context, by kind. Its
 // fields are updated atomically; read them with Snapshot.
 type Counters struct {
 	postSend, postRecv, poll, notify, control atomic.Uint64
@@ -247,7 +251,7 @@ type CounterSnapshot struct {
 	SendWRs, RecvWRs, Completions uint64
 }
 
-// Crossings is the total number of cgo calls.
+// Crossings is the total number of calls into libibverbs.
 func (s CounterSnapshot) Crossings() uint64 {
 	return s.PostSend + s.PostRecv + s.Poll + s.Notify + s.Control
 }
@@ -330,7 +334,7 @@ const (
 
 // SendWR is one work request of a send chain, flat (no pointers): its
 // scatter/gather entries are SGEs[SGEOff : SGEOff+NumSGE] of the chain's SGE
-// slice. The layout matches the C shim's gdr_send_wr.
+// slice. PostSend builds struct ibv_send_wr from it.
 type SendWR struct {
 	WRID       uint64
 	RemoteAddr uint64
@@ -342,7 +346,7 @@ type SendWR struct {
 	SGEOff     uint32
 }
 
-// RecvWR is one work request of a receive chain (layout of gdr_recv_wr).
+// RecvWR is one work request of a receive chain.
 type RecvWR struct {
 	WRID   uint64
 	NumSGE uint32
@@ -356,7 +360,7 @@ type SGE struct {
 	LKey   uint32
 }
 
-// WC is a completion, flat (layout of the C shim's gdr_wc).
+// WC is a completion, flat, its immediate in host byte order.
 type WC struct {
 	WRID      uint64
 	Status    uint32
@@ -415,7 +419,7 @@ const (
 )
 
 // checkSGEs verifies that every work request's entries lie inside the SGE
-// slice, so the C shims never read past it.
+// slice, so a post never reads past it.
 func checkSGEs(nsge int, span func(i int) (off, num uint32), nwr int) error {
 	for i := 0; i < nwr; i++ {
 		off, num := span(i)

@@ -3,6 +3,8 @@ package ibv
 import (
 	"errors"
 	"os"
+	"os/exec"
+	"strings"
 	"syscall"
 	"testing"
 	"unsafe"
@@ -81,8 +83,8 @@ func testDevice(t *testing.T) *Context {
 		}
 		t.Skipf("skipping: "+why, args...)
 	}
-	if !Available {
-		skip("built without libibverbs")
+	if err := Load(); err != nil {
+		skip("%v", err)
 	}
 	if _, err := os.Stat("/sys/class/infiniband"); err != nil {
 		skip("no RDMA device (/sys/class/infiniband: %v)", err)
@@ -240,4 +242,62 @@ func TestDeviceVerbs(t *testing.T) {
 	if _, err := qp.State(); !errors.Is(err, syscall.EBADF) {
 		t.Errorf("state of a destroyed queue pair: %v", err)
 	}
+}
+
+// TestLoadMissing: a library that is not there leaves the package
+// unavailable with the loader's reason and the path.
+func TestLoadMissing(t *testing.T) {
+	_, err := open("/nonexistent/libibverbs.so.1")
+	if !errors.Is(err, ErrUnavailable) || !strings.Contains(err.Error(), "/nonexistent/libibverbs.so.1") || !strings.Contains(err.Error(), "install rdma-core") {
+		t.Fatalf("open of a missing library: %v", err)
+	}
+}
+
+// TestLoadTooOld: a library without the verbs (libc stands in for a
+// libibverbs too old to have them) is refused, naming what it lacks.
+func TestLoadTooOld(t *testing.T) {
+	_, err := open("libc.so.6")
+	if !errors.Is(err, ErrUnavailable) || !strings.Contains(err.Error(), "lacks ibv_get_device_list") {
+		t.Fatalf("open of a library without the verbs: %v", err)
+	}
+}
+
+// TestLoadEnv runs this test binary again with GDRLINK_LIBIBVERBS naming a
+// missing file: Load, and every verb, fail with that path.
+func TestLoadEnv(t *testing.T) {
+	if os.Getenv("IBV_TEST_CHILD") == "1" {
+		err := Load()
+		_, derr := Devices()
+		_, oerr := Open("rxe0")
+		for _, e := range []error{err, derr, oerr} {
+			if !errors.Is(e, ErrUnavailable) || !strings.Contains(e.Error(), "/nonexistent/libibverbs.so") {
+				t.Fatalf("with %s=/nonexistent/libibverbs.so: %v", LibraryEnv, e)
+			}
+		}
+		return
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^TestLoadEnv$", "-test.v")
+	cmd.Env = append(os.Environ(), "IBV_TEST_CHILD=1", LibraryEnv+"=/nonexistent/libibverbs.so")
+	out, err := cmd.CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "--- PASS: TestLoadEnv") {
+		t.Fatalf("child: %v\n%s", err, out)
+	}
+}
+
+// TestLoadHere loads the system's libibverbs where it is installed and
+// reports what it lacks; without it the test skips and says so.
+func TestLoadHere(t *testing.T) {
+	path, missing, err := LibraryInfo()
+	if err != nil {
+		if os.Getenv("GDRLINK_REQUIRE_RDMA") == "1" {
+			t.Fatalf("GDRLINK_REQUIRE_RDMA=1 but %v", err)
+		}
+		t.Skipf("skipping: %v", err)
+	}
+	t.Logf("loaded %s; optional verbs missing: %v", path, missing)
+	devs, err := Devices()
+	if _, serr := os.Stat("/sys/class/infiniband"); serr == nil && err != nil {
+		t.Errorf("Devices with libibverbs loaded and /sys/class/infiniband present: %v", err)
+	}
+	t.Logf("devices %v, err %v", devs, err)
 }

@@ -1,15 +1,15 @@
 // Package ibvdiag reads what an open device of the ibverbs provider knows
-// beyond verbsio.Device, for the module's own benchmarks and tools: its cgo
-// crossing counters, the GID index it routes with, and why it lacks GPU
+// beyond verbsio.Device, for the module's own benchmarks and tools: its
+// counters of crossings into libibverbs, the GID index it routes with, and why it lacks GPU
 // memory or dma-buf registration. The provider's device type is unexported;
 // its devices implement Device.
 package ibvdiag
 
 import "github.com/gdrlink/gdrlink/verbsio"
 
-// Stats are a device's cgo crossings and work counts.
+// Stats are a device's crossings into libibverbs and work counts.
 type Stats struct {
-	// Crossings is the number of cgo calls into libibverbs.
+	// Crossings is the number of calls into libibverbs.
 	Crossings uint64
 	// PostSend, PostRecv, Poll and Notify are crossings by kind (chains
 	// posted, batches polled, notification calls); Control is the rest.

@@ -149,7 +149,7 @@ func (d *device) String() string {
 	return fmt.Sprintf("ibverbs %s port %d gid[%d] %s (%s) mtu %d", d.ch.Device, d.ch.Port.Num, d.ch.GID.Index, d.ch.GID.GID, d.ch.GID.Type, d.ch.MTU)
 }
 
-// Stats reads the device's cgo crossing counters. It implements
+// Stats reads the device's crossing counters (calls into libibverbs). It implements
 // ibvdiag.Device.
 func (d *device) Stats() ibvdiag.Stats {
 	s := d.c.Counters().Snapshot()
@@ -491,7 +491,7 @@ func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 		// Spin briefly before sleeping: a completion due within the spin
 		// time (a ping-pong's answer) is found without the sleep's wake-up
 		// latency. The polls back off exponentially, so a long spin still
-		// makes only a handful of cgo calls.
+		// makes only a handful of calls into libibverbs.
 		if n, err := c.spinPoll(out); n > 0 || err != nil {
 			return n, err
 		}

@@ -14,12 +14,14 @@
 // RoCE, a RoCE v2 GID (IPv4-mapped first). A name that does not exist is an
 // error wrapping verbsio.ErrBadConfig that lists what does.
 //
-// On a host without RDMA (no /sys/class/infiniband, no libibverbs provider
-// for the device, or a build without cgo), Devices returns an error wrapping
+// libibverbs is loaded at run time (internal/ibv), so the provider builds
+// with CGO_ENABLED=0 and no rdma-core headers. On a host without RDMA (no
+// libibverbs.so.1 or one too old, no /sys/class/infiniband, no libibverbs
+// provider for the device), Devices returns an error wrapping
 // verbsio.ErrNoDevice that says which, so verbsio.Choose falls back to
 // another provider.
 //
-// The package is pure Go; all cgo lives in internal/ibv. Work request chains
-// and completion batches cross into C once per chain and once per batch;
-// the module's benchmarks count the crossings through internal/ibvdiag.
+// The package is pure Go. Work request chains and completion batches cross
+// into libibverbs once per chain and once per batch; the module's
+// benchmarks count the crossings through internal/ibvdiag.
 package ibverbs

@@ -116,11 +116,12 @@ func (p *provider) memoryTypes(dev, pci string) (kinds []tensor.DeviceKind, gpuW
 	return append(kinds, tensor.GPU), ""
 }
 
-// deviceNames asks sysfs first, so a host without kernel RDMA support gets
-// a clear reason and libibverbs is not even loaded, then libibverbs.
+// deviceNames loads libibverbs (missing or too old: the provider is absent,
+// and the error says so), asks sysfs, so a host without kernel RDMA support
+// gets a clear reason, then asks libibverbs.
 func (p *provider) deviceNames() ([]string, error) {
-	if !ibv.Available {
-		return nil, fmt.Errorf("%w: ibverbs provider built without libibverbs: build with cgo, Debian's libibverbs-dev and -tags gdrlink_ibverbs (make adds the tag when the headers are installed)", verbsio.ErrNoDevice)
+	if err := ibv.Load(); err != nil {
+		return nil, fmt.Errorf("%w: %w", verbsio.ErrNoDevice, err)
 	}
 	s := p.sys()
 	sysNames, err := s.devices()
