@@ -7,6 +7,9 @@
 //	go run ./bench -json -quick
 //	go run ./bench -svg bench/out
 //
+// While it runs, a status line on stderr names the scenario and the row last
+// measured, when stderr is a terminal (-progress auto|always|never).
+//
 // A scenario that fails prints its error and the next one runs; the exit
 // status is 1 when any failed, 2 for a bad command line.
 package main
@@ -58,6 +61,7 @@ type options struct {
 	maxSize   int64
 	args      map[string]string
 	verbose   bool
+	progress  progressMode
 }
 
 // quickReps is the repetition count of -quick when -reps is not given.
@@ -84,6 +88,11 @@ func parseArgs(args []string, stderr io.Writer) (options, error) {
 		return nil
 	})
 	fs.BoolVar(&o.verbose, "v", false, "log debug messages")
+	fs.Func("progress", "status line on stderr: `auto|always|never` (auto: when stderr is a terminal)", func(s string) error {
+		m, err := parseProgressMode(s)
+		o.progress = m
+		return err
+	})
 	if err := fs.Parse(args); err != nil {
 		return o, fmt.Errorf("%w: %w", errUsage, err)
 	}
@@ -168,6 +177,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 		return exitOK
 	}
+	prog := newProgress(stderr, o.progress.draws(stderr))
+	prog.width = terminalWidth(stderr)
+	defer prog.done()
+	stdout, stderr = prog.wrap(stdout), prog.wrap(stderr)
+
 	level := slog.LevelInfo
 	if o.verbose {
 		level = slog.LevelDebug
@@ -180,14 +194,15 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	code := exitOK
 	var all []Result
-	for _, name := range o.scenarios {
+	for i, name := range o.scenarios {
 		s, _ := lookupScenario(name)
 		if err := ctx.Err(); err != nil {
 			fmt.Fprintf(stderr, "bench: scenario %s not run: %v\n", name, err)
 			code = exitFailed
 			continue
 		}
-		results, err := runScenario(ctx, s, o, log, out)
+		prog.start(name, i+1, len(o.scenarios))
+		results, err := runScenario(ctx, s, o, log, out, prog)
 		all = append(all, results...)
 		if err != nil {
 			fmt.Fprintf(stderr, "bench: scenario %s failed: %v\n", name, err)
@@ -198,6 +213,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			return exitFailed
 		}
 	}
+	prog.done()
 	if o.svgDir != "" {
 		if err := drawPlots(o.svgDir, o.scenarios, all, log); err != nil {
 			fmt.Fprintln(stderr, "bench:", err)
@@ -207,10 +223,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	return code
 }
 
-// runScenario runs one scenario, passes each valid result to out as it
-// comes, and returns them. A panic in the scenario becomes its error, and
-// so does a result that cannot be printed (which is dropped).
-func runScenario(ctx context.Context, s Scenario, o options, log *slog.Logger, out resultWriter) (results []Result, err error) {
+// runScenario runs one scenario, passes each valid result to out and to
+// prog as it comes, and returns them. A panic in the scenario becomes its
+// error, and so does a result that cannot be printed (which is dropped).
+func runScenario(ctx context.Context, s Scenario, o options, log *slog.Logger, out resultWriter, prog *progress) (results []Result, err error) {
 	var (
 		mu      sync.Mutex
 		invalid []error
@@ -240,6 +256,7 @@ func runScenario(ctx context.Context, s Scenario, o options, log *slog.Logger, o
 		if err := out.Write(r); err != nil {
 			invalid = append(invalid, err)
 		}
+		prog.row(r)
 	}
 	env.Log.Info("running", "reps", o.reps, "quick", o.quick)
 	defer func() {
