@@ -301,3 +301,64 @@ func TestLoadHere(t *testing.T) {
 	}
 	t.Logf("devices %v, err %v", devs, err)
 }
+
+// TestOlderLibrary runs the verbs as they run on a libibverbs that predates
+// the optional functions (rdma-core before 32 has no _ibv_query_gid_ex or
+// _ibv_query_gid_table, before 34 no ibv_reg_dmabuf_mr): the device's
+// context is given a copy of the library with those symbols cleared. GIDs
+// still read (through ibv_query_gid, type unknown), the table and dma-buf
+// registration fail with EOPNOTSUPP naming the library, and the rest works.
+func TestOlderLibrary(t *testing.T) {
+	c := testDevice(t)
+	old := *c.l
+	for _, s := range []sym{symQueryGIDEx, symQueryGIDTable, symRegDMABufMR} {
+		if !symbols[s].optional {
+			t.Fatalf("%s is not optional", symbols[s].name)
+		}
+		old.fn[s] = 0
+	}
+	real := c.l
+	c.l = &old
+	defer func() { c.l = real }()
+	pa, err := c.QueryPort(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	valid := 0
+	for i := 0; i < pa.GIDTblLen; i++ {
+		e, err := c.QueryGID(1, i)
+		if err != nil || e.GID.IsZero() {
+			continue
+		}
+		valid++
+		if e.Type != GIDTypeUnknown {
+			t.Errorf("gid %d: type %s without ibv_query_gid_ex", i, e.Type)
+		}
+	}
+	if pa.LinkLayer == LinkLayerEthernet && valid == 0 {
+		t.Error("no GID read through ibv_query_gid")
+	}
+	if _, err := c.GIDTable(pa.GIDTblLen); !errors.Is(err, syscall.EOPNOTSUPP) || !strings.Contains(err.Error(), "rdma-core 32") {
+		t.Errorf("GIDTable without _ibv_query_gid_table: %v", err)
+	}
+	pd, err := c.AllocPD()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pd.Close()
+	if _, err := pd.RegDMABufMR(0, 4096, 0, 0, AccessLocalWrite); !errors.Is(err, syscall.EOPNOTSUPP) || !strings.Contains(err.Error(), "rdma-core 34") {
+		t.Errorf("RegDMABufMR without ibv_reg_dmabuf_mr: %v", err)
+	}
+	mem, err := unix.Mmap(-1, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(mem)
+	mr, err := pd.RegMR(uintptr(unsafe.Pointer(&mem[0])), len(mem), AccessLocalWrite)
+	if err != nil {
+		t.Fatalf("RegMR on the older library: %v", err)
+	}
+	if err := mr.Close(); err != nil {
+		t.Error(err)
+	}
+}
