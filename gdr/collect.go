@@ -10,10 +10,12 @@ import (
 	"io"
 	"io/fs"
 	"path"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
 
+	"github.com/gdrlink/gdrlink/internal/ibv"
 	"github.com/gdrlink/gdrlink/internal/sysfs"
 )
 
@@ -33,6 +35,37 @@ type snapshotFacts struct {
 	GPUSource *Check `json:"gpu_source,omitempty"`
 	// LibIBVerbs is the outcome of the libibverbs dma-buf probe.
 	LibIBVerbs *Check `json:"libibverbs_dmabuf,omitempty"`
+	// Verbs is whether libibverbs.so.1 was installed (Facts.Verbs). A
+	// snapshot taken before gdrcheck had this fact lacks it;
+	// snapshotLibIBVerbs then derives it from LibIBVerbs.
+	Verbs *Check `json:"libibverbs,omitempty"`
+}
+
+// snapshotLibIBVerbs returns the two libibverbs checks a snapshot records,
+// Facts.Verbs and Facts.LibIBVerbs, and false when it records neither (the
+// root is then probed). A snapshot that has one of them only gets the other
+// derived:
+//   - no Verbs (gdrcheck before it): the library was there when the dma-buf
+//     check found ibv_reg_dmabuf_mr in it; any other dma-buf outcome does
+//     not tell, since "not supported" is either no library or an rdma-core
+//     older than 34, so Verbs is unknown.
+//   - no LibIBVerbs (written by hand): no library means no
+//     ibv_reg_dmabuf_mr either; a library says nothing of its symbols, so
+//     the dma-buf check is unknown.
+func snapshotLibIBVerbs(s *snapshotFacts) (verbs, dmabuf Check, ok bool) {
+	switch {
+	case s == nil || s.Verbs == nil && s.LibIBVerbs == nil:
+		return Check{}, Check{}, false
+	case s.Verbs != nil && s.LibIBVerbs != nil:
+		return *s.Verbs, *s.LibIBVerbs, true
+	case s.Verbs == nil && s.LibIBVerbs.ok():
+		return available("the snapshot's dma-buf check found " + s.LibIBVerbs.Detail), *s.LibIBVerbs, true
+	case s.Verbs == nil:
+		return Check{Status: StatusUnknown, Detail: fmt.Sprintf("the snapshot predates this check, and its dma-buf check does not tell (%s: %s)", s.LibIBVerbs.Status, s.LibIBVerbs.Detail)}, *s.LibIBVerbs, true
+	case s.Verbs.Status == StatusNotSupported:
+		return *s.Verbs, *s.Verbs, true
+	}
+	return *s.Verbs, Check{Status: StatusUnknown, Detail: "the snapshot records libibverbs but not whether it has ibv_reg_dmabuf_mr"}, true
 }
 
 // parseSnapshotFacts decodes snapshotFactsFile's content.
@@ -62,7 +95,7 @@ func parseSnapshotFacts(b []byte) (*snapshotFacts, error) {
 // the snapshot-facts file's name under the root and its content.
 func snapshotFactsOf(f *Facts) (string, []byte, error) {
 	why := missing("%s", f.GPUSourceWhy)
-	sf := snapshotFacts{Version: snapshotFactsVersion, GPUSource: &why, LibIBVerbs: &f.LibIBVerbs}
+	sf := snapshotFacts{Version: snapshotFactsVersion, GPUSource: &why, LibIBVerbs: &f.LibIBVerbs, Verbs: &f.Verbs}
 	if len(f.GPUs) > 0 && f.GPUs[0].Source != "pci" {
 		sf.GPUs = &gpuInventory{Driver: f.Driver, GPUs: f.GPUs, Topology: f.GPUTopology}
 	}
@@ -165,11 +198,9 @@ func collect(ctx context.Context, root *sysfs.Root, opts CollectOptions) (*Facts
 		func() { f.Kernel = readKernel(root) },
 		func() { f.Modules, f.PeerMem = readModules(root) },
 		func() {
-			switch {
-			case snap != nil && snap.LibIBVerbs != nil:
-				f.LibIBVerbs = *snap.LibIBVerbs
-			default:
-				f.LibIBVerbs = probeLibIBVerbs(root)
+			var ok bool
+			if f.Verbs, f.LibIBVerbs, ok = snapshotLibIBVerbs(snap); !ok {
+				f.Verbs, f.LibIBVerbs = probeLibIBVerbs(root)
 			}
 			f.DMABuf = combineDMABuf(f.Kernel.DMABuf, f.LibIBVerbs)
 		},
@@ -276,29 +307,73 @@ func readModules(root *sysfs.Root) ([]ModuleFacts, Check) {
 // libDirs are where libibverbs.so.1 is looked for, under the root.
 var libDirs = []string{"/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/lib/x86_64-linux-gnu", "/lib/aarch64-linux-gnu", "/lib64", "/usr/lib", "/lib"}
 
-// probeLibIBVerbs looks for ibv_reg_dmabuf_mr (rdma-core 34 and later) in
-// the dynamic symbols of libibverbs.so.1 under the root.
-func probeLibIBVerbs(root *sysfs.Root) Check {
+// probeLibIBVerbs looks for libibverbs.so.1 in libDirs under the root and
+// reads the first it finds once, for both checks that hang on it: whether
+// the library is installed (Facts.Verbs), and whether its dynamic symbols
+// have ibv_reg_dmabuf_mr, rdma-core 34 and later (Facts.LibIBVerbs). When
+// none is found but one could not be read (unreadable, or behind an
+// absolute symbolic link, which a Root does not follow), both checks are
+// unknown rather than missing. Not finding the library is conclusive only
+// on this node's own root: a copy of another node leaves shared libraries
+// out and records the checks in its snapshot facts instead.
+func probeLibIBVerbs(root *sysfs.Root) (verbs, dmabuf Check) {
+	var unreadable error
 	for _, d := range libDirs {
 		p := d + "/libibverbs.so.1"
 		b, err := root.ReadFile(p)
-		if err != nil {
+		switch {
+		case errors.Is(err, fs.ErrNotExist):
+			continue
+		case err != nil:
+			if unreadable == nil {
+				unreadable = err
+			}
 			continue
 		}
-		has, err := sysfs.ELFExports(b, "ibv_reg_dmabuf_mr")
-		switch {
-		case err != nil:
-			return Check{Status: StatusUnknown, Detail: fmt.Sprintf("%s: %v", p, err)}
-		case has:
-			return available("ibv_reg_dmabuf_mr in " + p)
-		default:
-			return missing("%s has no ibv_reg_dmabuf_mr (rdma-core older than 34)", p)
-		}
+		return libIBVerbsChecks(p, b)
 	}
-	if !root.IsHost() {
-		return Check{Status: StatusUnknown, Detail: "no libibverbs.so.1 under the root and no snapshot facts about it"}
+	switch {
+	case unreadable != nil:
+		c := Check{Status: StatusUnknown, Detail: "libibverbs.so.1 could not be read: " + unreadable.Error()}
+		return c, c
+	case !root.IsHost():
+		c := Check{Status: StatusUnknown, Detail: "no libibverbs.so.1 under the root and no snapshot facts about it"}
+		return c, c
 	}
-	return missing("libibverbs.so.1 not found (rdma-core's libibverbs is not installed)")
+	return liveLibIBVerbs()
+}
+
+// liveLibIBVerbs asks this process's dynamic loader, on the live host, for
+// the libibverbs the standard directories lack: one found through
+// ld.so.conf, LD_LIBRARY_PATH or $GDRLINK_LIBIBVERBS is what gdrlink would
+// load, so it counts as installed.
+func liveLibIBVerbs() (verbs, dmabuf Check) {
+	path, lacks, err := ibv.LibraryInfo()
+	if err != nil {
+		c := missing("libibverbs.so.1 not found (rdma-core's libibverbs is not installed): %v", err)
+		return c, c
+	}
+	verbs = available(path + " loaded by the dynamic loader (outside the standard directories)")
+	if slices.Contains(lacks, "ibv_reg_dmabuf_mr") {
+		return verbs, missing("%s has no ibv_reg_dmabuf_mr (rdma-core older than 34)", path)
+	}
+	return verbs, available("ibv_reg_dmabuf_mr in " + path + " (loaded)")
+}
+
+// libIBVerbsChecks are the checks that libibverbs.so.1, read at path p
+// with content image, answers: the library is installed unless the file is
+// not a shared library with dynamic symbols (the loader could not use it
+// either, so both checks are unknown); and it has ibv_reg_dmabuf_mr or not.
+func libIBVerbsChecks(p string, image []byte) (verbs, dmabuf Check) {
+	has, err := sysfs.ELFExports(image, "ibv_reg_dmabuf_mr")
+	switch {
+	case err != nil:
+		c := Check{Status: StatusUnknown, Detail: fmt.Sprintf("%s: %v", p, err)}
+		return c, c
+	case has:
+		return available("libibverbs.so.1 at " + p), available("ibv_reg_dmabuf_mr in " + p)
+	}
+	return available("libibverbs.so.1 at " + p), missing("%s has no ibv_reg_dmabuf_mr (rdma-core older than 34)", p)
 }
 
 func combineDMABuf(kernel, lib Check) Check {

@@ -4,6 +4,9 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"github.com/gdrlink/gdrlink/internal/ibv"
+	"os"
+	"path/filepath"
 	"reflect"
 	"strings"
 	"testing"
@@ -54,7 +57,7 @@ func TestFixtureDecisions(t *testing.T) {
 		"no-gpu":  {},
 		"no-rdma": {{Unavailable, "", PathUnknown, []string{"no RDMA device"}}},
 		"broken": {
-			{Unavailable, "mlx5_0", PathPIX, []string{"port 1 is DOWN", "RLIMIT_MEMLOCK is 64 KiB", "load nvidia_peermem", "disable ACS on bridge 0000:19:00.0", "older than 5.12"}},
+			{Unavailable, "mlx5_0", PathPIX, []string{"libibverbs: libibverbs.so.1 not found", fixVerbs, "port 1 is DOWN", "RLIMIT_MEMLOCK is 64 KiB", "load nvidia_peermem", "disable ACS on bridge 0000:19:00.0", "older than 5.12"}},
 			{Unavailable, "mlx5_0", PathPXB, nil},
 		},
 	}
@@ -123,6 +126,142 @@ func TestCollectFacts(t *testing.T) {
 	nr := collectFixture(t, "no-rdma")
 	if nr.RDMA.Status != StatusNotSupported || len(nr.NICs) != 0 {
 		t.Errorf("no-rdma: %v %v", nr.RDMA, nr.NICs)
+	}
+
+	// libibverbs: from the tree's library file, from snapshot facts, from
+	// an old snapshot's dma-buf check, or not known.
+	const lib = "/usr/lib/x86_64-linux-gnu/libibverbs.so.1"
+	for _, c := range []struct {
+		node          string
+		verbs, dmabuf Status
+		detail        string
+	}{
+		{"dgx", StatusAvailable, StatusAvailable, "libibverbs.so.1 at " + lib},
+		{"two-socket", StatusAvailable, StatusAvailable, "libibverbs.so.1 at " + lib},
+		{"no-gpu", StatusAvailable, StatusNotSupported, "libibverbs.so.1 at " + lib},
+		{"cloud-vm", StatusAvailable, StatusAvailable, "the snapshot's dma-buf check found ibv_reg_dmabuf_mr in " + lib},
+		{"broken", StatusNotSupported, StatusNotSupported, "libibverbs.so.1 not found (rdma-core's libibverbs is not installed)"},
+		{"no-rdma", StatusUnknown, StatusUnknown, "no libibverbs.so.1 under the root and no snapshot facts about it"},
+	} {
+		f := collectFixture(t, c.node)
+		if f.Verbs.Status != c.verbs || f.Verbs.Detail != c.detail || f.LibIBVerbs.Status != c.dmabuf {
+			t.Errorf("%s: libibverbs %v, dma-buf %v; want %s (%s), dma-buf %s", c.node, f.Verbs, f.LibIBVerbs, c.verbs, c.detail, c.dmabuf)
+		}
+	}
+}
+
+// TestProbeLibIBVerbs probes roots with and without libibverbs.so.1: one
+// read of the file answers both checks.
+func TestProbeLibIBVerbs(t *testing.T) {
+	const lib = "/usr/lib64/libibverbs.so.1"
+	cases := []struct {
+		name string
+		// file is the content of lib, link its target; neither: no file.
+		file, link    []byte
+		verbs, dmabuf Check
+	}{
+		{name: "no library",
+			verbs:  Check{Status: StatusUnknown, Detail: "no libibverbs.so.1 under the root and no snapshot facts about it"},
+			dmabuf: Check{Status: StatusUnknown, Detail: "no libibverbs.so.1 under the root and no snapshot facts about it"}},
+		{name: "rdma-core 34+", file: fakeELF("ibv_open_device", "ibv_reg_dmabuf_mr"),
+			verbs: available("libibverbs.so.1 at " + lib), dmabuf: available("ibv_reg_dmabuf_mr in " + lib)},
+		{name: "rdma-core 33", file: fakeELF("ibv_open_device"),
+			verbs: available("libibverbs.so.1 at " + lib), dmabuf: missing("%s has no ibv_reg_dmabuf_mr (rdma-core older than 34)", lib)},
+		{name: "not a shared library", file: []byte("not elf")},
+		{name: "absolute link", link: []byte("/usr/lib64/libibverbs.so.1.14.44.0")},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			dir := t.TempDir()
+			p := filepath.Join(dir, filepath.FromSlash(lib))
+			if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			var err error
+			switch {
+			case c.file != nil:
+				err = os.WriteFile(p, c.file, 0o644)
+			case c.link != nil:
+				if err = os.WriteFile(p+".14.44.0", fakeELF("ibv_open_device"), 0o644); err == nil {
+					err = os.Symlink(string(c.link), p)
+				}
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			root, err := sysfs.OpenRoot(dir)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer root.Close()
+			rec := &recording{files: map[string][]byte{}, links: map[string]string{}, dirs: map[string]bool{}}
+			root.SetRecorder(rec)
+			verbs, dmabuf := probeLibIBVerbs(root)
+			if c.verbs.Detail == "" {
+				// The file is there but unusable: neither check can tell,
+				// and both say why.
+				if verbs.Status != StatusUnknown || dmabuf.Status != StatusUnknown || !strings.Contains(verbs.Detail, "libibverbs.so.1") || verbs != dmabuf {
+					t.Fatalf("libibverbs %v, dma-buf %v; want both unknown", verbs, dmabuf)
+				}
+				return
+			}
+			if verbs != c.verbs || dmabuf != c.dmabuf {
+				t.Fatalf("libibverbs %v, dma-buf %v; want %v, %v", verbs, dmabuf, c.verbs, c.dmabuf)
+			}
+			if n := len(rec.files); c.file != nil && n != 1 {
+				t.Errorf("%d files read, want the library once", n)
+			}
+		})
+	}
+}
+
+func TestSnapshotLibIBVerbs(t *testing.T) {
+	dmabuf := available("ibv_reg_dmabuf_mr in /usr/lib/x86_64-linux-gnu/libibverbs.so.1")
+	old := missing("/usr/lib/x86_64-linux-gnu/libibverbs.so.1 has no ibv_reg_dmabuf_mr (rdma-core older than 34)")
+	present := available("libibverbs.so.1 at /usr/lib/x86_64-linux-gnu/libibverbs.so.1")
+	unknown := Check{Status: StatusUnknown, Detail: "no libibverbs.so.1 under the root and no snapshot facts about it"}
+	cases := []struct {
+		name          string
+		snap          *snapshotFacts
+		ok            bool
+		verbs, dmabuf Status
+	}{
+		{"no snapshot", nil, false, 0, 0},
+		{"neither check", &snapshotFacts{Version: 1}, false, 0, 0},
+		{"both", &snapshotFacts{Version: 1, Verbs: &noVerbs, LibIBVerbs: &noVerbs}, true, StatusNotSupported, StatusNotSupported},
+		{"old snapshot, dma-buf available", &snapshotFacts{Version: 1, LibIBVerbs: &dmabuf}, true, StatusAvailable, StatusAvailable},
+		{"old snapshot, rdma-core 33", &snapshotFacts{Version: 1, LibIBVerbs: &old}, true, StatusUnknown, StatusNotSupported},
+		{"old snapshot, no library", &snapshotFacts{Version: 1, LibIBVerbs: &noVerbs}, true, StatusUnknown, StatusNotSupported},
+		{"old snapshot, unknown", &snapshotFacts{Version: 1, LibIBVerbs: &unknown}, true, StatusUnknown, StatusUnknown},
+		{"only libibverbs, missing", &snapshotFacts{Version: 1, Verbs: &noVerbs}, true, StatusNotSupported, StatusNotSupported},
+		{"only libibverbs, present", &snapshotFacts{Version: 1, Verbs: &present}, true, StatusAvailable, StatusUnknown},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			verbs, dmabuf, ok := snapshotLibIBVerbs(c.snap)
+			if ok != c.ok || ok && (verbs.Status != c.verbs || dmabuf.Status != c.dmabuf) {
+				t.Fatalf("%v, %v, %v; want %s, %s, %v", verbs, dmabuf, ok, c.verbs, c.dmabuf, c.ok)
+			}
+			if ok && (verbs.Detail == "" || dmabuf.Detail == "") {
+				t.Errorf("a check without a detail: %v, %v", verbs, dmabuf)
+			}
+		})
+	}
+	// Collect reads an old snapshot's facts the same way.
+	dir := t.TempDir()
+	if err := os.MkdirAll(filepath.Join(dir, "gdrlink"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	old1 := `{"version":1,"libibverbs_dmabuf":{"status":"available","detail":"ibv_reg_dmabuf_mr in /usr/lib64/libibverbs.so.1"}}`
+	if err := os.WriteFile(filepath.Join(dir, "gdrlink", "facts.json"), []byte(old1), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	f, err := Collect(context.Background(), CollectOptions{Root: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := available("the snapshot's dma-buf check found ibv_reg_dmabuf_mr in /usr/lib64/libibverbs.so.1"); f.Verbs != want {
+		t.Errorf("libibverbs from an old snapshot: %v, want %v", f.Verbs, want)
 	}
 }
 
@@ -194,8 +333,12 @@ func TestCollectRecorder(t *testing.T) {
 	if got := rec.files[name]; !bytes.Equal(got, want) {
 		t.Errorf("recorded %s:\n%s\nwant\n%s", name, got, want)
 	}
-	if _, err := parseSnapshotFacts(rec.files[name]); err != nil {
-		t.Error(err)
+	sf, err := parseSnapshotFacts(rec.files[name])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sf.Verbs == nil || *sf.Verbs != f.Verbs || sf.LibIBVerbs == nil || *sf.LibIBVerbs != f.LibIBVerbs {
+		t.Errorf("snapshot facts libibverbs %v, dma-buf %v; want %v, %v", sf.Verbs, sf.LibIBVerbs, f.Verbs, f.LibIBVerbs)
 	}
 }
 
@@ -245,5 +388,20 @@ func BenchmarkDecideGPU(b *testing.B) {
 		for _, g := range f.GPUs {
 			_ = DecideGPU(f, g.Index, p)
 		}
+	}
+}
+
+// TestLiveLibIBVerbs: on the live host, a libibverbs outside the standard
+// directories counts as installed exactly when this process can load it.
+func TestLiveLibIBVerbs(t *testing.T) {
+	verbs, dmabuf := liveLibIBVerbs()
+	if err := ibv.Load(); err != nil {
+		if verbs.Status != StatusNotSupported || dmabuf.Status != StatusNotSupported || !strings.Contains(verbs.Detail, "not installed") {
+			t.Errorf("libibverbs does not load (%v), yet the checks are %+v, %+v", err, verbs, dmabuf)
+		}
+		return
+	}
+	if verbs.Status != StatusAvailable || dmabuf.Status == StatusUnknown {
+		t.Errorf("libibverbs loads, yet the checks are %+v, %+v", verbs, dmabuf)
 	}
 }

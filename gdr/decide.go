@@ -14,8 +14,8 @@ type Mode uint8
 
 // Modes, worst first.
 const (
-	// Unavailable: no RDMA path at all (no usable NIC, memory cannot be
-	// registered).
+	// Unavailable: no RDMA path at all (no usable NIC, no libibverbs,
+	// memory cannot be registered).
 	Unavailable Mode = iota
 	// Proxy: the NIC writes a pinned host buffer and a copy moves the bytes
 	// to the GPU.
@@ -49,12 +49,16 @@ const minMemlock = 64 << 20
 // MiB).
 const minBAR1 = 1 << 30
 
+// fixVerbs is the fix for a node without libibverbs.so.1.
+const fixVerbs = "install rdma-core's libibverbs and its providers (Debian/Ubuntu: libibverbs1 ibverbs-providers; RHEL: libibverbs)"
+
 // pairFacts is what decide needs about one GPU and one NIC.
 type pairFacts struct {
 	GPU  GPUFacts
 	NIC  NICFacts
 	Path PairPath
-	// PeerMem, DMABuf and Memlock are the node's.
+	// Verbs, PeerMem, DMABuf and Memlock are the node's.
+	Verbs   Check
 	PeerMem Check
 	DMABuf  Check
 	Memlock MemlockFacts
@@ -92,7 +96,7 @@ func pairFactsOf(f *Facts, gpu int, nic string) (pairFacts, bool) {
 	if g == nil || n == nil || pp == nil {
 		return pairFacts{}, false
 	}
-	return pairFacts{GPU: *g, NIC: *n, Path: *pp, PeerMem: f.PeerMem, DMABuf: f.DMABuf, Memlock: f.Memlock, IOMMUMode: f.IOMMU.Mode, NUMANodes: f.NUMANodes}, true
+	return pairFacts{GPU: *g, NIC: *n, Path: *pp, Verbs: f.Verbs, PeerMem: f.PeerMem, DMABuf: f.DMABuf, Memlock: f.Memlock, IOMMUMode: f.IOMMU.Mode, NUMANodes: f.NUMANodes}, true
 }
 
 // decide turns the facts about one GPU and one NIC and a policy into a
@@ -107,6 +111,14 @@ func decide(pf pairFacts, p Policy) Decision {
 	// What rules out RDMA altogether. Every check runs even when an
 	// earlier one has decided, so a person sees every fix at once.
 	unavailable := false
+	switch v := pf.Verbs; v.Status {
+	case StatusNotSupported:
+		unavailable = true
+		reason("libibverbs: %s", v.Detail)
+		fix("%s", fixVerbs)
+	case StatusUnknown:
+		reason("could not tell whether libibverbs is installed: %s", v.Detail)
+	}
 	if port := n.activePort(); port == nil {
 		unavailable = true
 		if len(n.Ports) == 0 {

@@ -14,6 +14,7 @@ func goodPair() pairFacts {
 		NIC: NICFacts{Name: "mlx5_0", PCIAddress: "0000:1b:00.0", NUMANode: intp(0), Ports: []PortFacts{{Port: 1, State: "ACTIVE", PhysState: "LinkUp"}}},
 		Path: PairPath{GPU: 0, NIC: "mlx5_0", Path: PathPIX, Detail: "share the PCIe switch at 0000:18:00.0",
 			Bridges: []string{"0000:18:00.0", "0000:19:00.0", "0000:19:01.0"}},
+		Verbs:     available("libibverbs.so.1 at /usr/lib/x86_64-linux-gnu/libibverbs.so.1"),
 		PeerMem:   available("nvidia_peermem is loaded"),
 		DMABuf:    available("kernel 6.8 with CONFIG_DMA_SHARED_BUFFER=y; ibv_reg_dmabuf_mr"),
 		Memlock:   MemlockFacts{Check: available("getrlimit"), Soft: unlimited, Hard: unlimited},
@@ -61,6 +62,19 @@ func TestDecide(t *testing.T) {
 		{"small BAR1", func(p *pairFacts) { p.GPU.BAR1Total = u64p(256 << 20) }, defaultPolicy(), Direct, "nvidia_peermem", []string{"BAR1 aperture of only 256 MiB", "Resizable BAR"}},
 		{"persistence off", func(p *pairFacts) { p.GPU.PersistenceMode = boolp(false) }, defaultPolicy(), Direct, "nvidia_peermem", []string{"nvidia-smi -pm 1"}},
 		{"iommu translated", func(p *pairFacts) { p.IOMMUMode = "translated" }, defaultPolicy(), Direct, "nvidia_peermem", []string{"iommu=pt"}},
+		{"no libibverbs", func(p *pairFacts) { p.Verbs = noVerbs }, defaultPolicy(), Unavailable, "nvidia_peermem", []string{"libibverbs: " + noVerbs.Detail, fixVerbs}},
+		{"no libibverbs, port down, small memlock", func(p *pairFacts) {
+			p.Verbs = noVerbs
+			p.NIC.Ports[0].State = "DOWN"
+			p.Memlock.Soft = 64 << 10
+		}, defaultPolicy(), Unavailable, "nvidia_peermem", []string{"libibverbs: " + noVerbs.Detail, fixVerbs, "bring mlx5_0 port 1 up", "raise memlock to unlimited"}},
+		{"no libibverbs, no peermem, soft-roce", func(p *pairFacts) {
+			p.Verbs, p.DMABuf = noVerbs, noVerbs
+			p.PeerMem = missing("neither nvidia_peermem nor nv_peer_mem is loaded")
+			p.NIC.Software, p.NIC.Driver, p.NIC.PCIAddress = true, "rxe", ""
+			p.Path = PairPath{Detail: "software"}
+		}, defaultPolicy(), Unavailable, "", []string{fixVerbs, "load nvidia_peermem", "use a hardware RDMA NIC"}},
+		{"libibverbs unknown", func(p *pairFacts) { p.Verbs = Check{Detail: "no libibverbs.so.1 under the root"} }, defaultPolicy(), Direct, "nvidia_peermem", []string{"could not tell whether libibverbs is installed: no libibverbs.so.1 under the root"}},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -82,6 +96,54 @@ func TestDecide(t *testing.T) {
 			// Pure: the same facts give the same decision.
 			if again := decide(pf, c.policy); fmt.Sprint(again) != fmt.Sprint(d) {
 				t.Errorf("not deterministic: %v then %v", d, again)
+			}
+		})
+	}
+}
+
+// noVerbs is the libibverbs check of a node without rdma-core.
+var noVerbs = missing("libibverbs.so.1 not found (rdma-core's libibverbs is not installed)")
+
+// TestDecideLibIBVerbs checks that only a missing libibverbs, and only on a
+// node with RDMA devices, takes every GPU's RDMA away.
+func TestDecideLibIBVerbs(t *testing.T) {
+	base := collectFixture(t, "dgx")
+	cases := []struct {
+		name   string
+		verbs  Check
+		noNICs bool
+		mode   Mode
+		in     []string // among the reasons and fixes of every GPU
+		out    []string // among none of them
+	}{
+		{"present", available("libibverbs.so.1 at /usr/lib64/libibverbs.so.1"), false, Direct, nil, []string{"libibverbs", fixVerbs}},
+		{"missing", noVerbs, false, Unavailable, []string{"libibverbs: " + noVerbs.Detail, fixVerbs}, nil},
+		{"unknown", Check{Detail: "no libibverbs.so.1 under the root and no snapshot facts about it"}, false, Direct, []string{"could not tell whether libibverbs is installed"}, []string{fixVerbs}},
+		{"missing without NICs", noVerbs, true, Unavailable, []string{"no RDMA device", "install an RDMA NIC"}, []string{fixVerbs}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			f := *base
+			f.Verbs = c.verbs
+			if c.noNICs {
+				f.NICs, f.Pairs, f.RDMA = nil, nil, missing("no /sys/class/infiniband")
+			}
+			for _, g := range f.GPUs {
+				d := DecideGPU(&f, g.Index, defaultPolicy())
+				if d.Mode != c.mode {
+					t.Errorf("GPU%d: %s, want %s; reasons %q", g.Index, d.Mode, c.mode, d.Reasons)
+				}
+				all := strings.Join(append(append([]string{}, d.Reasons...), d.Fixes...), "\n")
+				for _, w := range c.in {
+					if !strings.Contains(all, w) {
+						t.Errorf("GPU%d: %q not in\n%s", g.Index, w, all)
+					}
+				}
+				for _, w := range c.out {
+					if strings.Contains(all, w) {
+						t.Errorf("GPU%d: %q in\n%s", g.Index, w, all)
+					}
+				}
 			}
 		})
 	}

@@ -5,8 +5,8 @@
 // It keeps facts apart from decisions. Collect reads the machine under a
 // root directory (the live "/", /host in a container, or a copy of another
 // node's tree) and returns Facts: GPUs, RDMA devices, the PCIe hierarchy
-// between them, kernel modules, dma-buf support, the memlock limit, IOMMU
-// and hugepages. Every probe has three outcomes, kept in a Check: available;
+// between them, kernel modules, rdma-core's libibverbs, dma-buf support,
+// the memlock limit, IOMMU and hugepages. Every probe has three outcomes, kept in a Check: available;
 // not supported (the reason wraps ErrNotSupported and says what is missing);
 // or could not tell. DecideGPU is a pure function from facts and a Policy to
 // a Decision for one GPU: Direct, Proxy or Unavailable, through which NIC,

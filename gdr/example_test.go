@@ -37,6 +37,7 @@ func ExampleDecideGPU() {
 		GPUs:    []gdr.GPUFacts{{Index: 0, PCIBusID: "0000:3b:00.0"}},
 		NICs:    []gdr.NICFacts{{Name: "mlx5_0", Ports: []gdr.PortFacts{{Port: 1, State: "ACTIVE"}}}},
 		Pairs:   []gdr.PairPath{{GPU: 0, NIC: "mlx5_0", Path: gdr.PathPHB, Detail: "no common PCIe bridge below host bridge pci0000:3a"}},
+		Verbs:   available("libibverbs.so.1 at /usr/lib64/libibverbs.so.1"),
 		PeerMem: available("nvidia_peermem is loaded"),
 		Memlock: gdr.MemlockFacts{Check: available("getrlimit"), Soft: -1},
 	}

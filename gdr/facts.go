@@ -189,12 +189,16 @@ type PairPath struct {
 type Facts struct {
 	// Root is the directory the files were read from ("/" for this node).
 	Root string `json:"root"`
-	// Kernel, Modules, PeerMem, LibIBVerbs and DMABuf are what GPUDirect
-	// needs from the host software.
+	// Kernel, Modules, PeerMem, Verbs, LibIBVerbs and DMABuf are what
+	// RDMA and GPUDirect need from the host software.
 	Kernel  KernelFacts   `json:"kernel"`
 	Modules []ModuleFacts `json:"modules"`
 	// PeerMem: nvidia_peermem or nv_peer_mem is loaded.
 	PeerMem Check `json:"peermem"`
+	// Verbs: rdma-core's libibverbs.so.1 is installed under the root. Every
+	// RDMA transfer needs it, and gdrlink loads it at run time, so a node
+	// without it runs gdrlink with no RDMA provider at all.
+	Verbs Check `json:"libibverbs"`
 	// LibIBVerbs: rdma-core's libibverbs has ibv_reg_dmabuf_mr.
 	LibIBVerbs Check `json:"libibverbs_dmabuf"`
 	// DMABuf: kernel and rdma-core both support dma-buf registration (each

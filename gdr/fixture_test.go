@@ -2,6 +2,7 @@ package gdr
 
 import (
 	"bytes"
+	"debug/elf"
 	"encoding/binary"
 	"encoding/json"
 	"flag"
@@ -70,6 +71,53 @@ type fxNode struct {
 	facts   *snapshotFacts
 	cmdline string
 	noIBDir bool
+	// verbs are the dynamic symbols of the libibverbs.so.1 installed under
+	// /usr/lib/x86_64-linux-gnu (a link to the versioned file, as rdma-core
+	// installs it); nil: no library file.
+	verbs []string
+}
+
+// libibverbsDir is where a fixture installs libibverbs.so.1.
+const libibverbsDir = "usr/lib/x86_64-linux-gnu"
+
+// fakeELF returns a little-endian ELF64 shared object that holds only what
+// sysfs.ELFExports reads: a dynamic symbol table defining syms (functions
+// in the table's own section, which is enough for "defined") and its
+// string table.
+func fakeELF(syms ...string) []byte {
+	le := binary.LittleEndian
+	dynstr := []byte{0}
+	var dynsym bytes.Buffer
+	binary.Write(&dynsym, le, elf.Sym64{}) // the null symbol
+	for _, s := range syms {
+		binary.Write(&dynsym, le, elf.Sym64{Name: uint32(len(dynstr)), Info: elf.ST_INFO(elf.STB_GLOBAL, elf.STT_FUNC), Shndx: 1, Value: 0x1000, Size: 16})
+		dynstr = append(append(dynstr, s...), 0)
+	}
+	shstr := []byte("\x00.dynsym\x00.dynstr\x00.shstrtab\x00")
+	const ehsize, shentsize = 64, 64
+	symOff := uint64(ehsize)
+	strOff := symOff + uint64(dynsym.Len())
+	shstrOff := strOff + uint64(len(dynstr))
+	shoff := (shstrOff + uint64(len(shstr)) + 7) &^ 7
+	var b bytes.Buffer
+	h := elf.Header64{Type: uint16(elf.ET_DYN), Machine: uint16(elf.EM_X86_64), Version: uint32(elf.EV_CURRENT),
+		Shoff: shoff, Ehsize: ehsize, Phentsize: 56, Shentsize: shentsize, Shnum: 4, Shstrndx: 3}
+	copy(h.Ident[:], elf.ELFMAG)
+	h.Ident[elf.EI_CLASS], h.Ident[elf.EI_DATA], h.Ident[elf.EI_VERSION] = byte(elf.ELFCLASS64), byte(elf.ELFDATA2LSB), byte(elf.EV_CURRENT)
+	binary.Write(&b, le, h)
+	b.Write(dynsym.Bytes())
+	b.Write(dynstr)
+	b.Write(shstr)
+	b.Write(make([]byte, shoff-uint64(b.Len())))
+	for _, sh := range []elf.Section64{
+		{},
+		{Name: 1, Type: uint32(elf.SHT_DYNSYM), Flags: uint64(elf.SHF_ALLOC), Off: symOff, Size: uint64(dynsym.Len()), Link: 2, Info: 1, Addralign: 8, Entsize: 24},
+		{Name: 9, Type: uint32(elf.SHT_STRTAB), Flags: uint64(elf.SHF_ALLOC), Off: strOff, Size: uint64(len(dynstr)), Addralign: 1},
+		{Name: 17, Type: uint32(elf.SHT_STRTAB), Off: shstrOff, Size: uint64(len(shstr)), Addralign: 1},
+	} {
+		binary.Write(&b, le, sh)
+	}
+	return b.Bytes()
 }
 
 func intp(v int) *int       { return &v }
@@ -148,11 +196,15 @@ func fixtureSpecs() []fxNode {
 		}}
 	}
 	brokenDevs := dgxHalf("pci0000:15", 0x15, 0, "0-31", 0x001d)
+	lib := "/" + libibverbsDir + "/libibverbs.so.1"
+	dmabufLib := &Check{Status: StatusAvailable, Detail: "ibv_reg_dmabuf_mr in " + lib}
+	noLib := &Check{Status: StatusNotSupported, Detail: "libibverbs.so.1 not found (rdma-core's libibverbs is not installed)"}
 	return []fxNode{
 		{
 			name: "dgx", release: "5.15.0-105-generic", dmabufY: true, modules: append(base, "nvidia_peermem"), memlock: "unlimited",
 			numa: "0-1", iommu: "identity", groups: 4, huge: [3]uint64{0, 0, 2048}, devs: dgxDevs, nics: dgxNICs,
-			facts: &snapshotFacts{Version: snapshotFactsVersion, GPUs: dgxGPUs, LibIBVerbs: &Check{Status: StatusAvailable, Detail: "ibv_reg_dmabuf_mr in /usr/lib/x86_64-linux-gnu/libibverbs.so.1"}},
+			facts: &snapshotFacts{Version: snapshotFactsVersion, GPUs: dgxGPUs, LibIBVerbs: dmabufLib,
+				Verbs: &Check{Status: StatusAvailable, Detail: "libibverbs.so.1 at " + lib}},
 		},
 		{
 			name: "two-socket", release: "6.1.0-18-amd64", dmabufY: true, modules: append(base, "nvidia_peermem"), memlock: "unlimited",
@@ -162,7 +214,8 @@ func fixtureSpecs() []fxNode {
 				rootPort("pci0000:3a/0000:3a:00.0", 0, 0), gpuDev("pci0000:3a/0000:3a:00.0/0000:3b:00.0", 0, 0x20b5, "0-23,48-71"),
 				rootPort("pci0000:d7/0000:d7:00.0", 1, 0), nicDev("pci0000:d7/0000:d7:00.0/0000:d8:00.0", 1, "24-47,72-95"),
 			},
-			nics: []fxNIC{{name: "mlx5_0", addr: "0000:d8:00.0", fw: "20.38.1900", ports: []fxPort{roce("ens5f0np0", 9000, "0a00:0005")}}},
+			nics:  []fxNIC{{name: "mlx5_0", addr: "0000:d8:00.0", fw: "20.38.1900", ports: []fxPort{roce("ens5f0np0", 9000, "0a00:0005")}}},
+			verbs: []string{"ibv_open_device", "ibv_reg_mr", "ibv_reg_dmabuf_mr"},
 		},
 		{
 			name: "cloud-vm", release: "6.8.0-1015-aws", dmabufY: true, modules: base, memlock: "unlimited",
@@ -173,7 +226,9 @@ func fixtureSpecs() []fxNode {
 				gpuDev("pci0000:10/0000:10:00.0", -1, 0x2237, "0-47"),
 			},
 			nics: []fxNIC{{name: "mlx5_0", addr: "0000:00:06.0", fw: "16.35.2000", ports: []fxPort{roce("eth1", 1500, "ac1f:0a0b")}}},
-			facts: &snapshotFacts{Version: snapshotFactsVersion, LibIBVerbs: &Check{Status: StatusAvailable, Detail: "ibv_reg_dmabuf_mr in /usr/lib/x86_64-linux-gnu/libibverbs.so.1"},
+			// A snapshot from before the libibverbs fact: Collect derives
+			// it from the dma-buf check.
+			facts: &snapshotFacts{Version: snapshotFactsVersion, LibIBVerbs: dmabufLib,
 				GPUSource: &Check{Status: StatusNotSupported, Detail: "NVML not available: libnvidia-ml.so.1 not found"}},
 		},
 		{
@@ -181,6 +236,8 @@ func fixtureSpecs() []fxNode {
 			numa: "0", iommu: "DMA-FQ", groups: 2, huge: [3]uint64{0, 0, 2048},
 			devs: []fxDev{rootPort("pci0000:00/0000:00:02.0", 0, 0), nicDev("pci0000:00/0000:00:02.0/0000:01:00.0", 0, "0-15")},
 			nics: []fxNIC{{name: "mlx5_0", addr: "0000:01:00.0", fw: "22.36.1010", ports: []fxPort{roce("ens1np0", 4200, "0a00:0009")}}},
+			// rdma-core older than 34: libibverbs without ibv_reg_dmabuf_mr.
+			verbs: []string{"ibv_open_device", "ibv_reg_mr"},
 		},
 		{
 			name: "no-rdma", release: "6.1.0-18-amd64", dmabufY: true, modules: []string{"nvidia", "nvidia_uvm"}, memlock: "8388608",
@@ -193,6 +250,8 @@ func fixtureSpecs() []fxNode {
 			nics: []fxNIC{
 				{name: "mlx5_0", addr: "0000:1b:00.0", fw: "28.39.1002", ports: []fxPort{ibPort("1: DOWN", "3: Disabled")}},
 			},
+			// rdma-core is not installed: a snapshot of the node records it.
+			facts: &snapshotFacts{Version: snapshotFactsVersion, LibIBVerbs: noLib, Verbs: noLib},
 		},
 	}
 }
@@ -303,6 +362,11 @@ func (n fxNode) render() map[string]fxEntry {
 		for g := 0; g < n.groups; g++ {
 			file(fmt.Sprintf("sys/kernel/iommu_groups/%d/type", g), n.iommu)
 		}
+	}
+	if n.verbs != nil {
+		file := libibverbsDir + "/libibverbs.so.1.14.44.0"
+		out[file] = fxEntry{data: fakeELF(n.verbs...)}
+		link(libibverbsDir+"/libibverbs.so.1", path.Base(file))
 	}
 	if n.facts != nil {
 		b, _ := json.MarshalIndent(n.facts, "", "  ")

@@ -24,6 +24,7 @@ func FuzzParseLevel(f *testing.F) {
 
 func FuzzParseSnapshotFacts(f *testing.F) {
 	f.Add([]byte(`{"version":1,"gpus":{"driver":{"driver_version":"550","cuda_version":"12.4"},"gpus":[{"index":0,"name":"x","pci_bus_id":"3b:00.0","numa_node":0,"bar1_total":null,"bar1_free":null,"persistence_mode":null,"gdr_supported":true,"dmabuf_supported":null,"source":"nvml"}],"topology":[{"a":0,"b":1,"path":"PXB","nvlinks":0}]}}`))
+	f.Add([]byte(`{"version":1,"libibverbs_dmabuf":{"status":"not-supported","detail":"x"},"libibverbs":{"status":"not-supported","detail":"x"}}`))
 	f.Add([]byte(`{"version":2}`))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		s, err := parseSnapshotFacts(b)

@@ -5,7 +5,8 @@
 // from the PCI tree), the RDMA devices (/sys/class/infiniband: ports, state,
 // rate, active MTU, GIDs with their RoCE version, the netdev behind each
 // port), the kernel modules (nvidia_peermem or nv_peer_mem, ib_uverbs,
-// rdma_rxe), dma-buf support, RLIMIT_MEMLOCK, huge pages, the IOMMU mode,
+// rdma_rxe), rdma-core's libibverbs (without which no RDMA device is usable),
+// dma-buf support, RLIMIT_MEMLOCK, huge pages, the IOMMU mode,
 // PCIe ACS on the bridges between GPUs and NICs, and CPU and NUMA affinity;
 // prints the topology matrix in the layout of `nvidia-smi topo -m`; and gives
 // a verdict per GPU (package gdr decides): Direct, Proxy through a named NIC,

@@ -30,6 +30,9 @@ type nodeFacts struct {
 	// ready: the node has GPUs and every one can use GPUDirect RDMA.
 	ready bool
 	gpus  []gpuFact
+	// verbs: rdma-core's libibverbs.so.1 is installed; nil when gdrcheck
+	// could not tell.
+	verbs *bool
 	// peerMem is "nvidia_peermem", "nv_peer_mem", "none" or "unknown".
 	peerMem string
 	// modules are the peer-memory modules and whether each is loaded;
@@ -68,6 +71,7 @@ func nodeFactsOf(r *Report) nodeFacts {
 		n.gpus = append(n.gpus, g)
 	}
 	n.ready = len(n.gpus) > 0 && direct == len(n.gpus) && r.ExitCode == exitReady
+	n.verbs = known(r.Verbs)
 	switch r.PeerMem.Status {
 	case gdr.StatusAvailable:
 		n.peerMem = "unknown"
@@ -91,15 +95,30 @@ func nodeFactsOf(r *Report) nodeFacts {
 			}
 		}
 	}
-	switch r.DMABuf.Status {
-	case gdr.StatusAvailable, gdr.StatusNotSupported:
-		ok := r.DMABuf.Status == gdr.StatusAvailable
-		n.dmaBuf = &ok
-	}
+	n.dmaBuf = known(r.DMABuf)
 	for i := range r.NICs {
 		n.nics = append(n.nics, nicFact{name: r.NICs[i].Name, active: activePort(&r.NICs[i]) != nil})
 	}
 	return n
+}
+
+// known is whether a check found what it looked for, nil when it could not
+// tell.
+func known(c gdr.Check) *bool {
+	switch c.Status {
+	case gdr.StatusAvailable, gdr.StatusNotSupported:
+		ok := c.Status == gdr.StatusAvailable
+		return &ok
+	}
+	return nil
+}
+
+// triLabel is "true", "false" or, for nil, "unknown".
+func triLabel(b *bool) string {
+	if b == nil {
+		return "unknown"
+	}
+	return boolLabel(*b)
 }
 
 // labelValue makes s a valid Kubernetes label value: at most 63
@@ -160,12 +179,9 @@ func nfdFeatures(n nodeFacts, expiry time.Time) []byte {
 			label("gpu-"+i+".nic", g.nic)
 		}
 	}
+	label("libibverbs", triLabel(n.verbs))
 	label("peermem", n.peerMem)
-	dma := "unknown"
-	if n.dmaBuf != nil {
-		dma = boolLabel(*n.dmaBuf)
-	}
-	label("dmabuf", dma)
+	label("dmabuf", triLabel(n.dmaBuf))
 	label("rdma.count", strconv.Itoa(len(n.nics)))
 	for _, c := range n.nics {
 		label("rdma-"+labelName(c.name), boolLabel(c.active))
@@ -211,6 +227,10 @@ func promText(n nodeFacts) []byte {
 		for _, g := range n.gpus {
 			sample("gdrlink_gpu_direct", bit(g.mode == gdr.Direct.String()), "gpu", strconv.Itoa(g.index), "bus_id", g.busID, "mode", g.mode, "nic", g.nic)
 		}
+	}
+	if n.verbs != nil {
+		metric("gdrlink_libibverbs_installed", "1 when rdma-core's libibverbs.so.1 is installed, which every RDMA transfer needs; absent when gdrcheck could not tell.")
+		sample("gdrlink_libibverbs_installed", bit(*n.verbs))
 	}
 	if n.modules != nil {
 		metric("gdrlink_peer_memory_module_loaded", "1 when the peer-memory kernel module is loaded.")

@@ -188,9 +188,16 @@ func TestExportLayouts(t *testing.T) {
 			default:
 				t.Errorf("peermem %q", pm)
 			}
-			v, ok := value(samples, "gdrlink_dmabuf_supported")
-			if want := map[string]string{"true": "1", "false": "0", "unknown": ""}[labels["gdrlink.io/dmabuf"]]; want == "" && ok || want != "" && (!ok || strconv.Itoa(int(v)) != want) {
-				t.Errorf("dmabuf label %q, metric %v (%v)", labels["gdrlink.io/dmabuf"], v, ok)
+			for label, metric := range map[string]string{"dmabuf": "gdrlink_dmabuf_supported", "libibverbs": "gdrlink_libibverbs_installed"} {
+				l, ok := labels["gdrlink.io/"+label]
+				want, known := map[string]string{"true": "1", "false": "0", "unknown": ""}[l]
+				if !ok || !known {
+					t.Errorf("%s label %q (%v)", label, l, ok)
+				}
+				v, ok := value(samples, metric)
+				if want == "" && ok || want != "" && (!ok || strconv.Itoa(int(v)) != want) {
+					t.Errorf("%s label %q, %s %v (%v)", label, l, metric, v, ok)
+				}
 			}
 		})
 	}

@@ -141,6 +141,7 @@ func writeHuman(w io.Writer, r *Report, color bool) {
 		}
 	}
 	fmt.Fprintf(w, "  modules loaded: %s; not loaded: %s\n", orDash(strings.Join(on, " ")), orDash(strings.Join(off, " ")))
+	fmt.Fprintf(w, "  libibverbs: %s\n", p.check(f.Verbs))
 	fmt.Fprintf(w, "  peer memory module: %s\n", p.check(f.PeerMem))
 	fmt.Fprintf(w, "  dma-buf (kernel): %s\n", p.check(f.Kernel.DMABuf))
 	fmt.Fprintf(w, "  dma-buf (rdma-core): %s\n", p.check(f.LibIBVerbs))

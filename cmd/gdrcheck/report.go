@@ -190,17 +190,26 @@ func buildReport(f *gdr.Facts, pci map[string]*sysfs.PCIDevice, p gdr.Policy, so
 	for _, d := range r.Decisions {
 		count[d.Mode]++
 	}
+	noVerbs := f.Verbs.Status == gdr.StatusNotSupported
 	switch {
-	case len(f.GPUs) == 0 && usable > 0:
+	case len(f.GPUs) == 0 && usable > 0 && !noVerbs:
 		r.Verdict, r.ExitCode = "ready", exitReady
 		r.Summary = fmt.Sprintf("no GPU (%s); %d RDMA device(s) with an active port: host-memory RDMA only", f.GPUSource.Detail, usable)
 	case len(f.GPUs) == 0:
+		// Without libibverbs no RDMA device is usable, whatever its ports
+		// say: gdrlink has no RDMA provider then.
 		r.Verdict, r.ExitCode = "not-ready", exitNotReady
-		why := f.RDMA.Detail
-		if f.RDMA.Status == gdr.StatusAvailable {
-			why = "no RDMA device has an active port"
+		var why []string
+		switch {
+		case f.RDMA.Status != gdr.StatusAvailable:
+			why = append(why, f.RDMA.Detail)
+		case usable == 0:
+			why = append(why, "no RDMA device has an active port")
 		}
-		r.Summary = fmt.Sprintf("no GPU (%s) and no usable RDMA (%s)", f.GPUSource.Detail, why)
+		if noVerbs {
+			why = append(why, "libibverbs: "+f.Verbs.Detail)
+		}
+		r.Summary = fmt.Sprintf("no GPU (%s) and RDMA is unusable (%s)", f.GPUSource.Detail, strings.Join(why, "; "))
 	case count[gdr.Unavailable] > 0:
 		r.Verdict, r.ExitCode = "not-ready", exitNotReady
 		r.Summary = fmt.Sprintf("%d of %d GPUs have no RDMA path", count[gdr.Unavailable], len(f.GPUs))
