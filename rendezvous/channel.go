@@ -107,6 +107,9 @@ type Channel struct {
 	outq      []outItem
 	orphans   []tensor.Buffer
 	byeWRID   uint64
+	// creditBlocked: the last flush left work queued with no credit to
+	// spare (flushLocked counts credit stalls from it).
+	creditBlocked bool
 
 	// liveness (keepalive.go)
 	arrivals uint64      // receive completions from the peer
@@ -121,9 +124,10 @@ type Channel struct {
 	once  sync.Once
 }
 
-// chanCounters count what the halves share: control SENDs.
+// chanCounters count what the halves share: control SENDs and the waits
+// of the queue for credits.
 type chanCounters struct {
-	controlOut, creditsOnly, keepalives atomic.Uint64
+	controlOut, creditsOnly, keepalives, creditStalls atomic.Uint64
 }
 
 // outItem is a queued control frame or write, posted in order.
@@ -369,7 +373,7 @@ func (c *Channel) Stats() Stats {
 		WritesIn: r.writesIn.Load(), WritesOut: s.writesOut.Load(), BytesIn: r.bytesIn.Load(), BytesOut: s.bytesOut.Load(),
 		Errors: r.errors.Load(), ControlOut: ch.controlOut.Load(), CreditsOnly: ch.creditsOnly.Load(), NameDefs: r.nameDefs.Load(),
 		ChecksumFailures: r.checksumFailures.Load(), Staged: s.staged.Load(), Striped: s.striped.Load(), Keepalives: ch.keepalives.Load(),
-		ChunksIn: r.chunksIn.Load(), ChunksOut: s.chunksOut.Load(),
+		ChunksIn: r.chunksIn.Load(), ChunksOut: s.chunksOut.Load(), CreditStalls: ch.creditStalls.Load(),
 		RequestsIn: s.requestsIn.Load(), ReRequestsIn: s.reRequestsIn.Load(),
 	}
 	c.snd.statsLocked(&st)
@@ -652,10 +656,13 @@ func (c *Channel) enqueueLocked(m *wire.Message) {
 // flushLocked posts queued items in order while credits, send slots and
 // send-queue room allow, packing consecutive control frames into one SEND,
 // then returns credits alone if many are owed and nothing else carried them.
+// It counts a credit stall (Stats.CreditStalls) when it leaves work queued
+// for want of credits.
 func (c *Channel) flushLocked() {
 	if c.state != stateConnected {
 		return
 	}
+	queued, credits := len(c.outq), c.credits
 	for len(c.outq) > 0 {
 		// One credit stays in reserve for a CREDIT message.
 		if c.credits <= 1 {
@@ -690,6 +697,17 @@ func (c *Channel) flushLocked() {
 			return
 		}
 	}
+	// Every item takes a credit and one stays in reserve, so work left
+	// queued with at most one credit waits for credits (whatever else it
+	// may lack). A wait counts when it begins: when this flush found the
+	// queue free of credit trouble, or moved it (posting takes credits,
+	// striping takes the item) before running out again.
+	blocked := len(c.outq) > 0 && c.credits <= 1
+	moved := len(c.outq) != queued || c.credits != credits
+	if blocked && (!c.creditBlocked || moved) {
+		c.stats.creditStalls.Add(1)
+	}
+	c.creditBlocked = blocked
 	if c.owed >= c.threshold && c.credits >= 1 && len(c.freeSlots) > 0 && c.sqOut < c.sqMax {
 		slot := c.freeSlots[len(c.freeSlots)-1]
 		buf := c.sendBuf.Bytes()[slot*c.slot : (slot+1)*c.slot]

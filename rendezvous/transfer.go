@@ -125,6 +125,15 @@ type Stats struct {
 	// pipelined proxy results (WithProxyChunk), the last of each included;
 	// ChunksOut the number this side posted for the peer's.
 	ChunksIn, ChunksOut uint64
+	// CreditStalls is the number of times this side's queue of control
+	// messages and writes had to wait for credits (the peer's posted
+	// receives): a flush of the queue that leaves work queued with at most
+	// the one credit kept in reserve for a CREDIT message counts once.
+	// Later flushes that find the queue still stuck do not count again;
+	// the wait counts anew once the queue has moved (something was posted)
+	// or emptied and then runs out of credits again. A high rate means the
+	// peer's ring (WithRing) is too small for the traffic.
+	CreditStalls uint64
 
 	// What the sending side did: RequestsIn is the number of the peer's
 	// TENSOR_REQUESTs received, ReRequestsIn the number of its
