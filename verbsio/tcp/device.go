@@ -130,6 +130,14 @@ type device struct {
 	keys   map[uint32]struct{}
 	conns  map[net.Conn]struct{} // accepted, before their hello is answered
 	wg     sync.WaitGroup
+
+	// The lanes of its queue pairs and the retransmits of those closed
+	// (retransmits.go); lanesMu is taken last, under any other lock.
+	lanesMu     sync.Mutex
+	lanes       map[net.Conn]struct{}
+	retransGone uint64
+	// retransOf reads a lane's retransmits (tcpRetransmits; tests fake it).
+	retransOf func(net.Conn) (uint64, error)
 }
 
 // OpenDevice opens a tcp device with explicit options; verbsio.Open("tcp",
@@ -174,7 +182,8 @@ func openDevice(cfg verbsio.Config, opt Options) (*device, error) {
 	to = max(to, 10*time.Second)
 	d := &device{cfg: cfg, opt: opt, ln: ln, addr: adv, host: host, userTO: to,
 		pds: map[*pd]struct{}{}, cqs: map[*cq]struct{}{}, qps: map[uint32]*qp{},
-		nextQP: rand.Uint32N(1 << 20), keys: map[uint32]struct{}{}, conns: map[net.Conn]struct{}{}}
+		nextQP: rand.Uint32N(1 << 20), keys: map[uint32]struct{}{}, conns: map[net.Conn]struct{}{},
+		lanes: map[net.Conn]struct{}{}, retransOf: tcpRetransmits}
 	d.wg.Add(1)
 	go d.acceptLoop()
 	return d, nil

@@ -63,6 +63,15 @@
 // StatusRetryExceeded, whose Err wraps verbsio.ErrPeerLost, the others and
 // every posted receive with StatusFlushed.
 //
+// # Retransmits
+//
+// The device's Retransmits method (not part of verbsio.Device: find it
+// with a type assertion to interface{ Retransmits() (uint64, error) }, as
+// the gdrlink front door does for gdrlink_transport_retransmits_total)
+// counts the TCP segments the kernel retransmitted on the lanes of the
+// device's queue pairs, read with getsockopt(TCP_INFO) (tcpi_total_retrans).
+// A lane's count is kept when it closes, so the figure never goes down.
+//
 // # Wire format
 //
 // Described in frame.go: a hello per connection, then 40-byte headers

@@ -225,7 +225,7 @@ func (q *qp) Connect(ctx context.Context, remote verbsio.Endpoint) error {
 	lanes := make([]*outLane, 0, q.lanes)
 	abort := func(err error) error {
 		for _, l := range lanes {
-			l.c.Close()
+			q.dev.closeLane(l.c)
 		}
 		q.fail(err, false)
 		return err
@@ -235,6 +235,7 @@ func (q *qp) Connect(ctx context.Context, remote verbsio.Endpoint) error {
 		if err != nil {
 			return abort(fmt.Errorf("%w: tcp: connecting lane %d to %s: %w", ctxerr.Sentinel(ctx, verbsio.ErrPeerLost), i, ep.addr, err))
 		}
+		q.dev.addLane(c)
 		lanes = append(lanes, &outLane{c: c})
 	}
 	select {
@@ -248,7 +249,7 @@ func (q *qp) Connect(ctx context.Context, remote verbsio.Endpoint) error {
 	defer q.mu.Unlock()
 	if q.state != verbsio.QPInit {
 		for _, l := range lanes {
-			l.c.Close()
+			q.dev.closeLane(l.c)
 		}
 		return fmt.Errorf("%w: queue pair %v while connecting: %w", verbsio.ErrQPState, q.state, q.why)
 	}
@@ -294,6 +295,7 @@ func (q *qp) addInbound(c net.Conn, h hello) bool {
 		return false
 	}
 	q.in[c] = k
+	q.dev.addLane(c)
 	q.inCount[k]++
 	q.inWant[k] = int(h.lanes)
 	q.checkInReadyLocked()
@@ -459,10 +461,10 @@ func (q *qp) failLocked(err error, peerGone bool) {
 	q.state, q.why = verbsio.QPError, err
 	close(q.closing)
 	for _, l := range q.out {
-		l.c.Close()
+		q.dev.closeLane(l.c)
 	}
 	for c := range q.in {
-		c.Close()
+		q.dev.closeLane(c)
 	}
 	var cs []verbsio.Completion
 	for _, w := range q.sq {
@@ -831,7 +833,7 @@ func (q *qp) serve(c net.Conn, src srcKey) {
 			err = fmt.Errorf("%w: %s frame on a request lane", verbsio.ErrBadFrame, opName(f.op))
 		}
 	}
-	c.Close()
+	q.dev.closeLane(c)
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	delete(q.in, c)
