@@ -387,11 +387,24 @@ type Stats struct {
 	Protocol rendezvous.Stats
 	// Pool is the registered tensor pool's.
 	Pool alloc.Stats
+	// Registrations is the number of arena registrations the group holds
+	// with its providers: each arena of the pool, and of the pinned proxy
+	// pool of a group joined WithGPU, once per provider opened.
+	Registrations int
+	// Retransmits counts the segments each provider's transport
+	// retransmitted since Join, for the providers that can tell: tcp (the
+	// kernel's TCP_INFO of its connections). onnode copies through memory
+	// and has none; ibverbs' would come from the NIC's hardware counters,
+	// which are not read. A provider whose count could not be read is left
+	// out.
+	Retransmits map[string]uint64
 }
 
-// Stats reports the group's connections, protocol counters and pool.
+// Stats reports the group's connections, protocol counters, pool, the
+// pool's registrations and the transport's retransmits.
 func (g *Group) Stats() Stats {
-	s := Stats{Rank: g.Rank(), Size: g.Size(), Join: g.joinDur, Connections: map[string]int{}, Unusable: map[string]string{}}
+	s := Stats{Rank: g.Rank(), Size: g.Size(), Join: g.joinDur, Connections: map[string]int{}, Unusable: map[string]string{},
+		Retransmits: map[string]uint64{}}
 	for n, err := range g.unusable {
 		s.Unusable[n] = err.Error()
 	}
@@ -412,7 +425,29 @@ func (g *Group) Stats() Stats {
 	if g.pool != nil {
 		s.Pool = g.pool.Stats()
 	}
+	for _, name := range builtin {
+		d := g.devs[name]
+		if d == nil {
+			continue
+		}
+		s.Registrations += d.reg.Registered()
+		if rc, ok := d.dev.(retransmitCounter); ok {
+			if n, err := rc.Retransmits(); err == nil {
+				s.Retransmits[name] = n
+			} else {
+				g.log.Debug("gdrlink: retransmits not read", "provider", name, "err", err)
+			}
+		}
+	}
 	return s
+}
+
+// retransmitCounter is a device that counts the segments its transport
+// retransmitted (the tcp provider's, from TCP_INFO). It is not part of
+// verbsio.Device: onnode has no retransmits, and ibverbs' would come from
+// the NIC's hardware counters (not read).
+type retransmitCounter interface {
+	Retransmits() (uint64, error)
 }
 
 // addStats adds every counter of b into a.

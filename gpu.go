@@ -5,6 +5,7 @@ import (
 
 	"github.com/gdrlink/gdrlink/alloc"
 	"github.com/gdrlink/gdrlink/alloc/visitor"
+	"github.com/gdrlink/gdrlink/internal/nvml"
 	"github.com/gdrlink/gdrlink/proxy"
 	"github.com/gdrlink/gdrlink/rendezvous"
 	"github.com/gdrlink/gdrlink/tensor"
@@ -46,6 +47,10 @@ type gpuSide struct {
 	dev     proxy.Device
 	pinned  *alloc.Pool
 	px      *proxy.Proxy
+	// busID is the GPU's PCI address, "" when the device has none; bar1
+	// reads its BAR1 aperture.
+	busID string
+	bar1  func(busID string) (free, total int64, err error)
 }
 
 // setupGPU opens the GPU and its pinned proxy pool, registered by the
@@ -59,7 +64,10 @@ func (g *Group) setupGPU(src alloc.Source, visitors []alloc.Visitor) error {
 	if err != nil {
 		return fmt.Errorf("GPU %d: %w", g.cfg.gpu, err)
 	}
-	gs := &gpuSide{ordinal: g.cfg.gpu, dev: dev}
+	gs := &gpuSide{ordinal: g.cfg.gpu, dev: dev, busID: dev.Info().PCIBusID, bar1: g.cfg.bar1}
+	if gs.bar1 == nil {
+		gs.bar1 = nvml.BAR1
+	}
 	g.gpu = gs
 	vs := append([]alloc.Visitor{hostReg}, visitors...)
 	if gs.pinned, err = alloc.New(src, alloc.WithVisitors(vs...), alloc.WithName(fmt.Sprintf("gdrlink rank %d pinned", g.Rank()))); err != nil {
@@ -69,6 +77,24 @@ func (g *Group) setupGPU(src alloc.Source, visitors []alloc.Visitor) error {
 		return fmt.Errorf("GPU %d proxy: %w", g.cfg.gpu, err)
 	}
 	return nil
+}
+
+// bar1 reads the BAR1 aperture of the group's GPU from NVML: the bytes of
+// it in use and in all, and the GPU's PCI address. ok is false without a
+// GPU, when the GPU has no PCI address (a simulated one) or when NVML
+// cannot tell (no libnvidia-ml, no driver); the reason is logged at debug
+// level.
+func (g *Group) bar1() (bus string, used, total int64, ok bool) {
+	gs := g.gpu
+	if gs == nil || gs.busID == "" {
+		return "", 0, 0, false
+	}
+	free, total, err := gs.bar1(gs.busID)
+	if err != nil {
+		g.log.Debug("gdrlink: no BAR1 figures", "gpu", gs.busID, "err", err)
+		return "", 0, 0, false
+	}
+	return gs.busID, total - free, total, true
 }
 
 // closeGPU closes the proxy, the pinned pool and the device.

@@ -62,7 +62,8 @@ type seriesKey struct {
 }
 
 // metrics is a group's Prometheus collector: the transfer and error
-// counters Recv keeps, and the group's Stats read at each scrape.
+// counters Recv keeps, and the group's Stats and its GPU's BAR1 (from NVML)
+// read at each scrape.
 type metrics struct {
 	g *Group
 
@@ -75,8 +76,9 @@ type metrics struct {
 	series map[seriesKey]*series
 
 	connections, requests, reRequests, metaResponses, writes,
-	checksumFailures, keepalives, poolInUse, poolReserved, poolArenas,
-	poolFragmentation *prometheus.Desc
+	checksumFailures, keepalives, creditStalls, retransmits, poolInUse,
+	poolReserved, poolArenas, poolFragmentation, registrations, bar1Used,
+	bar1Total *prometheus.Desc
 }
 
 func newMetrics(g *Group) *metrics {
@@ -105,10 +107,15 @@ func newMetrics(g *Group) *metrics {
 		writes:            prometheus.NewDesc("gdrlink_protocol_writes_total", "Writes with immediate completed here (in) and posted (out), over every connection.", []string{"direction"}, nil),
 		checksumFailures:  prometheus.NewDesc("gdrlink_protocol_checksum_failures_total", "Arrivals that failed checksum verification, over every connection.", nil, nil),
 		keepalives:        prometheus.NewDesc("gdrlink_protocol_keepalives_total", "Keepalive frames sent to silent peers, over every connection.", nil, nil),
+		creditStalls:      prometheus.NewDesc("gdrlink_protocol_credit_stalls_total", "Times queued control messages or writes had to wait for the peer's credits, over every connection.", nil, nil),
+		retransmits:       prometheus.NewDesc("gdrlink_transport_retransmits_total", "Segments the transport retransmitted, by provider (tcp: the kernel's TCP_INFO).", []string{"provider"}, nil),
 		poolInUse:         prometheus.NewDesc("gdrlink_pool_in_use_bytes", "Bytes of the tensor pool's allocated blocks.", nil, nil),
 		poolReserved:      prometheus.NewDesc("gdrlink_pool_reserved_bytes", "Bytes of the tensor pool's arenas.", nil, nil),
 		poolArenas:        prometheus.NewDesc("gdrlink_pool_arenas", "Arenas of the tensor pool.", nil, nil),
 		poolFragmentation: prometheus.NewDesc("gdrlink_pool_fragmentation_ratio", "1 - largest free chunk / free bytes of the tensor pool.", nil, nil),
+		registrations:     prometheus.NewDesc("gdrlink_pool_registrations", "Arena registrations held with the providers: each arena of the pools once per provider.", nil, nil),
+		bar1Used:          prometheus.NewDesc("gdrlink_gpu_bar1_used_bytes", "Bytes of the GPU's BAR1 aperture in use (NVML), by PCI address.", []string{"gpu"}, nil),
+		bar1Total:         prometheus.NewDesc("gdrlink_gpu_bar1_total_bytes", "Bytes of the GPU's BAR1 aperture (NVML), by PCI address.", []string{"gpu"}, nil),
 	}
 	for _, k := range errorKinds {
 		m.errs.WithLabelValues(k.kind)
@@ -154,18 +161,29 @@ func (m *metrics) Describe(ch chan<- *prometheus.Desc) {
 	m.took.Describe(ch)
 	m.errs.Describe(ch)
 	for _, d := range []*prometheus.Desc{m.connections, m.requests, m.reRequests, m.metaResponses, m.writes,
-		m.checksumFailures, m.keepalives, m.poolInUse, m.poolReserved, m.poolArenas, m.poolFragmentation} {
+		m.checksumFailures, m.keepalives, m.creditStalls, m.retransmits, m.poolInUse, m.poolReserved, m.poolArenas,
+		m.poolFragmentation, m.registrations, m.bar1Used, m.bar1Total} {
 		ch <- d
 	}
 }
 
-// Collect sends the counters and the group's Stats as of now.
+// Collect sends the counters, the group's Stats as of now and the BAR1
+// aperture of its GPU.
 func (m *metrics) Collect(ch chan<- prometheus.Metric) {
 	m.transfers.Collect(ch)
 	m.bytes.Collect(ch)
 	m.took.Collect(ch)
 	m.errs.Collect(ch)
-	s := m.g.Stats()
+	m.collectStats(ch, m.g.Stats())
+	// Absent, not zero, without a GPU or without NVML.
+	if bus, used, total, ok := m.g.bar1(); ok {
+		ch <- prometheus.MustNewConstMetric(m.bar1Used, prometheus.GaugeValue, float64(used), bus)
+		ch <- prometheus.MustNewConstMetric(m.bar1Total, prometheus.GaugeValue, float64(total), bus)
+	}
+}
+
+// collectStats sends the metrics read from a group's Stats.
+func (m *metrics) collectStats(ch chan<- prometheus.Metric, s Stats) {
 	for prov, n := range s.Connections {
 		ch <- prometheus.MustNewConstMetric(m.connections, prometheus.GaugeValue, float64(n), prov)
 	}
@@ -180,6 +198,12 @@ func (m *metrics) Collect(ch chan<- prometheus.Metric) {
 	counter(m.writes, p.WritesOut, "out")
 	counter(m.checksumFailures, p.ChecksumFailures)
 	counter(m.keepalives, p.Keepalives)
+	counter(m.creditStalls, p.CreditStalls)
+	for _, prov := range builtin {
+		if n, ok := s.Retransmits[prov]; ok {
+			counter(m.retransmits, n, prov)
+		}
+	}
 	gauge := func(d *prometheus.Desc, v float64) {
 		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v)
 	}
@@ -187,14 +211,16 @@ func (m *metrics) Collect(ch chan<- prometheus.Metric) {
 	gauge(m.poolReserved, float64(s.Pool.Reserved))
 	gauge(m.poolArenas, float64(s.Pool.Arenas))
 	gauge(m.poolFragmentation, s.Pool.Fragmentation)
+	gauge(m.registrations, float64(s.Registrations))
 }
 
 // Collector is the group's Prometheus collector, to register in a
 // registry of the caller's: what this rank received (gdrlink_transfers_total,
 // gdrlink_transfer_bytes_total and gdrlink_transfer_duration_seconds by
 // path, provider and device; gdrlink_errors_total by kind), its
-// connections, protocol counters and tensor pool. The README lists every
-// metric. WithMetricsAddr serves the same on its own.
+// connections, protocol counters, transport retransmits, tensor pool and
+// its registrations, and the BAR1 aperture of its GPU. The README lists
+// every metric. WithMetricsAddr serves the same on its own.
 func (g *Group) Collector() prometheus.Collector { return g.metrics }
 
 // metricsServer serves /metrics from a registry holding the group's

@@ -36,6 +36,9 @@ type config struct {
 	metricsAddr    string
 	// openGPU opens the GPU (openCUDA unless a test gives a simulated one).
 	openGPU func(ordinal int) (proxy.Device, alloc.Visitor, error)
+	// bar1 reads the BAR1 aperture of the GPU at a PCI address (nvml.BAR1
+	// unless a test gives a fake: there is no seam below NVML).
+	bar1 func(busID string) (free, total int64, err error)
 }
 
 // WithRank sets this process's rank and the job's size

@@ -36,7 +36,11 @@ func NewCUDADevice(ordinal int) (Device, error) {
 	if err != nil {
 		return nil, errors.Join(err, ctx.Close(), drv.Close())
 	}
-	return &cudaDevice{drv: drv, ctx: ctx, info: DeviceInfo{Name: name, Ordinal: ordinal}, allocs: map[DevicePtr]*cuda.DeviceMemory{}}, nil
+	bus, err := d.PCIBusID()
+	if err != nil {
+		return nil, errors.Join(err, ctx.Close(), drv.Close())
+	}
+	return &cudaDevice{drv: drv, ctx: ctx, info: DeviceInfo{Name: name, Ordinal: ordinal, PCIBusID: bus}, allocs: map[DevicePtr]*cuda.DeviceMemory{}}, nil
 }
 
 // Info implements Device.

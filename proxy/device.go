@@ -47,6 +47,9 @@ type DeviceInfo struct {
 	// Simulated is true for the simulated device: figures measured on it
 	// say nothing about a real GPU.
 	Simulated bool
+	// PCIBusID is the device's PCI address ("0000:3b:00.0"), by which NVML
+	// and sysfs know it; "" when the device has none (the simulated one).
+	PCIBusID string
 }
 
 // Device is a GPU as the proxy uses it: device memory, streams, asynchronous

@@ -105,6 +105,14 @@ func (m *MemoryRegistration) Release(a *alloc.Arena) error {
 	return nil
 }
 
+// Registered is the number of arenas the visitor holds registered now:
+// visited and not yet released, over every pool it serves.
+func (m *MemoryRegistration) Registered() int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return len(m.live)
+}
+
 // registrations is how many arenas the visitor has registered, in all.
 func (m *MemoryRegistration) registrations() int { return int(m.regs.Load()) }
 

@@ -44,6 +44,9 @@ func newMRSide(t *testing.T) *mrSide {
 		if s.reg.deregistrations() != s.reg.registrations() {
 			t.Errorf("%d registrations, %d deregistrations after the pool closed", s.reg.registrations(), s.reg.deregistrations())
 		}
+		if n := s.reg.Registered(); n != 0 {
+			t.Errorf("%d registrations still held after the pool closed", n)
+		}
 		// The domain closes only if every region was deregistered.
 		if err := s.pd.Close(); err != nil {
 			t.Errorf("closing the protection domain: %v", err)
@@ -71,6 +74,9 @@ func TestMemoryRegistrationOncePerArena(t *testing.T) {
 	}
 	if got := s.reg.registrations(); got != len(arenas) {
 		t.Errorf("%d registrations for %d arenas and %d blocks, want one per arena", got, len(arenas), len(blocks))
+	}
+	if got := s.reg.Registered(); got != len(arenas) || got != s.pool.Stats().Arenas {
+		t.Errorf("%d registrations held for %d arenas (%d in the pool's stats), want one per arena", got, len(arenas), s.pool.Stats().Arenas)
 	}
 	for _, b := range blocks {
 		sge, mr, err := SGEOf(s.pool, b.Addr(), b.Len())
