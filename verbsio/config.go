@@ -43,6 +43,15 @@ type Config struct {
 	// ConnectTimeout bounds Connect when the caller's context has no deadline
 	// (GDRLINK_CONNECT_TIMEOUT, a Go duration; default 30s).
 	ConnectTimeout time.Duration
+	// JobKey is the job's key material (the front door's, derived from
+	// GDRLINK_JOB_KEY or GDRLINK_JOB_KEY_FILE); nil means the job has none.
+	// Providers that accept connections (tcp lanes, the onnode socket)
+	// authenticate every one with it before anything of the job crosses,
+	// and without it listen on loopback only unless Insecure is set.
+	JobKey []byte
+	// Insecure lets a provider without a JobKey listen beyond loopback
+	// (GDRLINK_INSECURE=1).
+	Insecure bool
 }
 
 // Defaults of Config.
