@@ -3,6 +3,7 @@ package verbsio
 import (
 	"errors"
 	"fmt"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -20,11 +21,11 @@ func TestConfigFromEnv(t *testing.T) {
 	}
 	want := Config{Device: "mlx5_1", Port: 2, GIDIndex: 3, PKeyIndex: 1, QueueDepth: 512, Timeout: 18, RetryCount: 5, SL: 3,
 		MTU: 4096, TrafficClass: 106, ListenAddr: "10.0.0.1:0", ConnectTimeout: 5 * time.Second}
-	if c != want {
+	if !reflect.DeepEqual(c, want) {
 		t.Errorf("got %+v\nwant %+v", c, want)
 	}
 	d, err := configFromLookup(func(string) (string, bool) { return "", false })
-	if err != nil || d != DefaultConfig() {
+	if err != nil || !reflect.DeepEqual(d, DefaultConfig()) {
 		t.Errorf("empty environment: %+v, %v; want the defaults", d, err)
 	}
 	if DefaultConfig().validate() != nil || (Config{}).withDefaults().QueueDepth != defaultQueueDepth {
@@ -158,7 +159,7 @@ func TestResolve(t *testing.T) {
 	c, err := Config{Device: "x", ListenAddr: "127.0.0.1:0"}.Resolve()
 	want := Config{Device: "x", ListenAddr: "127.0.0.1:0", QueueDepth: defaultQueueDepth, Timeout: defaultTimeout,
 		RetryCount: defaultRetryCount, ConnectTimeout: defaultConnectTimeout}
-	if err != nil || c != want {
+	if err != nil || !reflect.DeepEqual(c, want) {
 		t.Errorf("Resolve of a zero config: %+v, %v; want %+v", c, err, want)
 	}
 	if _, err := (Config{SL: 16}).Resolve(); !errors.Is(err, ErrBadConfig) || !strings.Contains(err.Error(), "RDMA_QP_SL") {
