@@ -350,7 +350,7 @@ func probeLibIBVerbs(root *sysfs.Root) (verbs, dmabuf Check) {
 func liveLibIBVerbs() (verbs, dmabuf Check) {
 	path, lacks, err := ibv.LibraryInfo()
 	if err != nil {
-		c := missing("libibverbs.so.1 not found (rdma-core's libibverbs is not installed): %v", err)
+		c := missing("%v", err)
 		return c, c
 	}
 	verbs = available(path + " loaded by the dynamic loader (outside the standard directories)")
