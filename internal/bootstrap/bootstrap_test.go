@@ -71,6 +71,13 @@ func TestFromEnv(t *testing.T) {
 // each with the handler onCall(rank) answering its Calls.
 func joinAllWith(t *testing.T, n int, onCall func(rank int) Handler) []*Group {
 	t.Helper()
+	return joinAllCfg(t, n, func(rank int, cfg *Config) { cfg.OnCall = onCall(rank) })
+}
+
+// joinAllCfg joins n ranks in this process, rank 0 on an ephemeral port,
+// each with the configuration set(rank) completes.
+func joinAllCfg(t *testing.T, n int, set func(rank int, cfg *Config)) []*Group {
+	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -84,7 +91,8 @@ func joinAllWith(t *testing.T, n int, onCall func(rank int) Handler) []*Group {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			cfg := Config{Rank: r, Size: n, Root: ln.Addr().String(), OnCall: onCall(r)}
+			cfg := Config{Rank: r, Size: n, Root: ln.Addr().String()}
+			set(r, &cfg)
 			if r == 0 {
 				cfg.Listener = ln
 			}

@@ -10,6 +10,20 @@
 // wait honours its context: a rank that never shows up is reported by
 // number and address, in an error wrapping verbsio.ErrTimeout.
 //
+// A job is the set of processes that hold its key (Config.Key). With a key,
+// every connection (a rank's hello to the root, a pairwise connection, a
+// Call) opens with jobauth's mutual challenge-response, purpose
+// "bootstrap", before any bootstrap message: the side that dialled claims
+// its rank, and the hello or Call that follows must claim the same rank or
+// is refused. The side that accepts gives a stranger 10 seconds to prove
+// the key, then closes the connection without reading anything else; a
+// refused connection takes no rank's place, so the job's own ranks still
+// join. A rank whose key differs is refused at once: its Join fails with
+// an error wrapping jobauth.ErrRefused (and ErrRefused), it does not wait
+// for its context to end. Without a key nothing is authenticated, and Join
+// refuses to listen beyond loopback (an error wrapping jobauth.ErrInsecure
+// that names the address) unless Config.Insecure says otherwise.
+//
 // The job launcher is somebody else's: FromEnv reads what Slurm, Open MPI
 // and torchrun already set.
 package bootstrap
@@ -23,6 +37,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/jobauth"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
@@ -49,6 +64,22 @@ type Config struct {
 	// It is part of the Config so that no Call can arrive before it is in
 	// place: another rank may Call as soon as its own Join returns.
 	OnCall Handler
+	// Key is the job's key (see package jobauth), the same on every rank.
+	// When set, every connection of the group starts with jobauth's
+	// challenge-response (purpose "bootstrap"), bound to the rank of the
+	// side that dialled; a connection that does not prove the key is closed
+	// before anything of the job is read from it or written to it. The zero
+	// Key authenticates nothing, and Join then listens on loopback only
+	// unless Insecure is set.
+	Key jobauth.Key
+	// Insecure lets a group without a Key listen beyond loopback, where
+	// any process that reaches the address can join the job in a rank's
+	// place (GDRLINK_INSECURE=1 in jobauth's words). It has no effect with
+	// a Key.
+	Insecure bool
+
+	// dial, when set (by tests), opens the group's connections.
+	dial func(ctx context.Context, addr string) (net.Conn, error)
 }
 
 // Handler answers a Call from rank from: what it returns goes back as the

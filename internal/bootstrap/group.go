@@ -1,9 +1,12 @@
 package bootstrap
 
 import (
+	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"slices"
@@ -12,6 +15,7 @@ import (
 	"time"
 
 	"github.com/gdrlink/gdrlink/internal/ctxerr"
+	"github.com/gdrlink/gdrlink/internal/jobauth"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
@@ -25,6 +29,9 @@ type Group struct {
 	max        int
 	ln         net.Listener
 	addrs      []string
+	key        jobauth.Key
+	insecure   bool
+	dialFn     func(ctx context.Context, addr string) (net.Conn, error)
 
 	gatherMu sync.Mutex
 	root     net.Conn   // ranks > 0: the connection to the root
@@ -56,13 +63,17 @@ type joinReq struct {
 
 // Join joins the job: rank 0 listens at the root address and waits for
 // every other rank, the others dial it until ctx ends. The error of a rank
-// that never shows up names it and wraps verbsio.ErrTimeout.
+// that never shows up names it and wraps verbsio.ErrTimeout. A rank that
+// cannot prove cfg.Key to the root fails at once, with an error wrapping
+// jobauth.ErrRefused; without a key, listening beyond loopback fails with
+// an error wrapping jobauth.ErrInsecure unless cfg.Insecure is set.
 func Join(ctx context.Context, cfg Config) (*Group, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
 	g := &Group{rank: cfg.Rank, size: cfg.Size, max: cfg.MaxMessage, pairs: map[int]*pair{},
-		joinCh: make(chan joinReq, cfg.Size), pending: map[net.Conn]struct{}{}, onCall: cfg.OnCall}
+		joinCh: make(chan joinReq, cfg.Size), pending: map[net.Conn]struct{}{}, onCall: cfg.OnCall,
+		key: cfg.Key, insecure: cfg.Insecure, dialFn: cfg.dial}
 	g.ctx, g.cancel = context.WithCancel(context.Background())
 	if g.max == 0 {
 		g.max = DefaultMaxMessage
@@ -81,6 +92,9 @@ func Join(ctx context.Context, cfg Config) (*Group, error) {
 }
 
 func (g *Group) listen(addr string) error {
+	if err := g.checkListen(addr); err != nil {
+		return err
+	}
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return fmt.Errorf("%w: bootstrap rank %d: listening on %s: %w", verbsio.ErrBadConfig, g.rank, addr, err)
@@ -93,6 +107,9 @@ func (g *Group) listen(addr string) error {
 
 func (g *Group) joinRoot(ctx context.Context, cfg Config) error {
 	if cfg.Listener != nil {
+		if err := g.checkListen(cfg.Listener.Addr().String()); err != nil {
+			return err
+		}
 		g.ln = cfg.Listener
 		g.wg.Add(1)
 		go g.acceptLoop()
@@ -177,13 +194,47 @@ func contactOf(listening, told string) string {
 	return listening
 }
 
+// checkListen refuses, without a job key, an address beyond loopback
+// unless the configuration says the job may run unauthenticated.
+func (g *Group) checkListen(addr string) error {
+	if err := jobauth.CheckListen(g.key, addr, g.insecure); err != nil {
+		return fmt.Errorf("%w: bootstrap rank %d: %w", verbsio.ErrBadConfig, g.rank, err)
+	}
+	return nil
+}
+
+// dial opens a connection to a rank (Config.dial in tests).
+func (g *Group) dial(ctx context.Context, addr string) (net.Conn, error) {
+	if g.dialFn != nil {
+		return g.dialFn(ctx, addr)
+	}
+	var d net.Dialer
+	return d.DialContext(ctx, "tcp", addr)
+}
+
+// authPurpose is the purpose of the bootstrap's handshakes (see
+// jobauth.Initiate).
+const authPurpose = "bootstrap"
+
+// initiate proves the job key on a connection this rank dialled, claiming
+// its rank, before any bootstrap message travels; without a key it does
+// nothing. It is bounded by ctx only: the acceptor may not have reached
+// Join yet. A refusal wraps ErrRefused and jobauth.ErrRefused.
+func (g *Group) initiate(ctx context.Context, c net.Conn) error {
+	if g.key.IsZero() {
+		return nil
+	}
+	return g.io(ctx, c, func(c net.Conn) error {
+		return jobauth.Initiate(c, g.key, authPurpose, uint32(g.rank), jobauth.EndsOf(c, true))
+	})
+}
+
 func (g *Group) joinRank(ctx context.Context, cfg Config) error {
 	root := cfg.root()
 	var c net.Conn
 	var last error
 	for wait := 20 * time.Millisecond; ; wait = min(2*wait, time.Second) {
-		var d net.Dialer
-		c, last = d.DialContext(ctx, "tcp", root)
+		c, last = g.dial(ctx, root)
 		if last == nil {
 			break
 		}
@@ -194,6 +245,11 @@ func (g *Group) joinRank(ctx context.Context, cfg Config) error {
 		}
 	}
 	g.root = c
+	// Only the dial is retried: a root that refuses the key refuses it
+	// again, and the rank says so now rather than when ctx ends.
+	if err := g.initiate(ctx, c); err != nil {
+		return fmt.Errorf("bootstrap rank %d: proving the job key to the root at %s: %w", g.rank, root, err)
+	}
 	contact := ""
 	if cfg.Peers != nil {
 		contact = cfg.Peers[g.rank]
@@ -254,6 +310,8 @@ func (g *Group) io(ctx context.Context, c net.Conn, fn func(net.Conn) error) err
 		return fmt.Errorf("%w: %w", verbsio.ErrTimeout, err)
 	case errors.Is(err, verbsio.ErrBadFrame):
 		return err
+	case errors.Is(err, jobauth.ErrRefused):
+		return fmt.Errorf("%w: %w", ErrRefused, err)
 	}
 	return fmt.Errorf("%w: %w", verbsio.ErrPeerLost, err)
 }
@@ -282,8 +340,17 @@ func (g *Group) acceptLoop() {
 	}
 }
 
+// Deadlines of an accepted connection, from its acceptance: for proving
+// the job key, and for its first message.
+const (
+	handshakeTimeout = 10 * time.Second
+	greetTimeout     = 30 * time.Second
+)
+
 // greet reads the first message of an accepted connection: a rank joining
-// (root only) or a peer opening a pairwise connection.
+// (root only), a peer opening a pairwise connection, or a Call. With a job
+// key, the other end proves it first, and the message must claim the rank
+// the proof is bound to.
 func (g *Group) greet(c net.Conn) {
 	defer g.wg.Done()
 	keep := false
@@ -295,18 +362,32 @@ func (g *Group) greet(c net.Conn) {
 			c.Close()
 		}
 	}()
-	c.SetDeadline(time.Now().Add(30 * time.Second))
+	start := time.Now()
+	bound := -1 // the rank the handshake bound; -1 without a key
+	if !g.key.IsZero() {
+		c.SetDeadline(start.Add(handshakeTimeout))
+		r, err := g.accept(c)
+		if err != nil {
+			return
+		}
+		bound = r
+	}
+	c.SetDeadline(start.Add(greetTimeout))
 	m, err := readMsg(c, min(g.max, maxGreeting))
 	c.SetDeadline(time.Time{})
 	if err != nil {
 		return
 	}
 	if m.typ == tCall {
-		g.answer(c, m.body)
+		g.answer(c, m.body, bound)
 		return
 	}
 	h, err := parseHello(m.body)
 	if err != nil || h.size != g.size {
+		return
+	}
+	if bound >= 0 && h.rank != bound {
+		refuse(c, fmt.Sprintf("hello from rank %d on a connection whose job key was proven for rank %d", h.rank, bound))
 		return
 	}
 	switch {
@@ -345,6 +426,40 @@ func (g *Group) greet(c net.Conn) {
 // or a Call), before the peer is known to be a rank of the job.
 const maxGreeting = 64 << 10
 
+// accept has the other end of an accepted connection prove the job key
+// and returns the rank it claimed, now bound to the proof. A process
+// without the key that opens with a bootstrap message is told why it is
+// turned away; anything else that fails the handshake is closed unanswered.
+func (g *Group) accept(c net.Conn) (int, error) {
+	// A handshake's first bytes can never pass for a message header: read
+	// as a length, its magic is far over maxGreeting.
+	var head [msgHdrLen]byte
+	if _, err := io.ReadFull(c, head[:]); err != nil {
+		return 0, err
+	}
+	if checkHdr(head[:], maxGreeting) == nil {
+		// Read the rest of the message first: closing with unread bytes
+		// would reset the connection and could lose the refusal.
+		if _, err := io.CopyN(io.Discard, c, int64(binary.BigEndian.Uint32(head[:]))-2); err != nil {
+			return 0, err
+		}
+		refuse(c, fmt.Sprintf("rank %d proves a job key on every connection and this one did not start with its handshake: give every rank the same key (%s or %s)", g.rank, jobauth.KeyEnv, jobauth.KeyFileEnv))
+		return 0, fmt.Errorf("%w: bootstrap message from %s without a handshake", jobauth.ErrRefused, c.RemoteAddr())
+	}
+	rw := struct {
+		io.Reader
+		io.Writer
+	}{io.MultiReader(bytes.NewReader(head[:]), c), c}
+	r, err := jobauth.Accept(rw, g.key, authPurpose, jobauth.EndsOf(c, false))
+	if err != nil {
+		return 0, err
+	}
+	if uint64(r) >= uint64(g.size) {
+		return 0, fmt.Errorf("%w: rank %d claimed in a job of %d", jobauth.ErrRefused, r, g.size)
+	}
+	return int(r), nil
+}
+
 // refuse tells the other end of c why it is turned away, within a second,
 // and closes c.
 func refuse(c net.Conn, why string) {
@@ -353,11 +468,16 @@ func refuse(c net.Conn, why string) {
 	c.Close()
 }
 
-// answer runs the Handler for a Call and writes its reply or refusal.
-func (g *Group) answer(c net.Conn, body []byte) {
+// answer runs the Handler for a Call and writes its reply or refusal. bound
+// is the rank the connection's handshake proved, -1 without a key.
+func (g *Group) answer(c net.Conn, body []byte, bound int) {
 	cb, err := parseCall(body)
 	if err != nil {
 		refuse(c, err.Error())
+		return
+	}
+	if bound >= 0 && cb.rank != bound {
+		refuse(c, fmt.Sprintf("call from rank %d on a connection whose job key was proven for rank %d", cb.rank, bound))
 		return
 	}
 	if cb.size != g.size || cb.rank == g.rank {
@@ -385,7 +505,8 @@ func (g *Group) answer(c net.Conn, body []byte) {
 // Call sends req to peer's Handler (Config.OnCall) over a connection of its
 // own and returns the reply. Unlike Exchange it needs nothing of the peer
 // but its Handler, so either side may start it at any time after Join. A
-// refusal wraps ErrRefused with the peer's reason.
+// refusal wraps ErrRefused with the peer's reason (and jobauth.ErrRefused
+// when it was the job key).
 func (g *Group) Call(ctx context.Context, peer int, req []byte) ([]byte, error) {
 	if peer < 0 || peer >= g.size || peer == g.rank {
 		return nil, fmt.Errorf("%w: call to rank %d from rank %d of %d", verbsio.ErrBadConfig, peer, g.rank, g.size)
@@ -393,12 +514,14 @@ func (g *Group) Call(ctx context.Context, peer int, req []byte) ([]byte, error) 
 	if len(req)+64 > maxGreeting {
 		return nil, fmt.Errorf("%w: call of %d bytes over the limit %d", verbsio.ErrBadConfig, len(req), maxGreeting-64)
 	}
-	var d net.Dialer
-	c, err := d.DialContext(ctx, "tcp", g.addrs[peer])
+	c, err := g.dial(ctx, g.addrs[peer])
 	if err != nil {
 		return nil, fmt.Errorf("%w: bootstrap rank %d: calling rank %d at %s: %w", ctxerr.Sentinel(ctx, verbsio.ErrPeerLost), g.rank, peer, g.addrs[peer], err)
 	}
 	defer c.Close()
+	if err := g.initiate(ctx, c); err != nil {
+		return nil, fmt.Errorf("bootstrap rank %d: call to rank %d at %s: %w", g.rank, peer, g.addrs[peer], err)
+	}
 	var m msg
 	err = g.io(ctx, c, func(c net.Conn) error {
 		if _, err := c.Write(appendMsg(nil, tCall, callBody{rank: g.rank, size: g.size, req: req}.Append(nil))); err != nil {
@@ -420,8 +543,9 @@ func (g *Group) Call(ctx context.Context, peer int, req []byte) ([]byte, error) 
 	return nil, fmt.Errorf("%w: message type %d from rank %d, want a reply", verbsio.ErrBadFrame, m.typ, peer)
 }
 
-// ErrRefused: a peer or the root turned a Call or a hello away; the
-// message quotes its reason.
+// ErrRefused: a peer or the root turned a Call or a hello away, or a
+// connection's job key was not proven (the error then also wraps
+// jobauth.ErrRefused); the message quotes the reason.
 var ErrRefused = errors.New("bootstrap: refused")
 
 func (g *Group) pair(peer int) *pair {
@@ -555,10 +679,13 @@ func (g *Group) openPair(ctx context.Context, peer int, p *pair) error {
 	if have {
 		return nil
 	}
-	var d net.Dialer
-	c, err := d.DialContext(ctx, "tcp", g.addrs[peer])
+	c, err := g.dial(ctx, g.addrs[peer])
 	if err != nil {
 		return fmt.Errorf("%w: bootstrap rank %d: dialing rank %d at %s: %w", ctxerr.Sentinel(ctx, verbsio.ErrPeerLost), g.rank, peer, g.addrs[peer], err)
+	}
+	if err := g.initiate(ctx, c); err != nil {
+		c.Close()
+		return fmt.Errorf("bootstrap rank %d: pairwise connection to rank %d at %s: %w", g.rank, peer, g.addrs[peer], err)
 	}
 	hm := appendMsg(nil, tPeerHello, helloBody{rank: g.rank, size: g.size}.Append(nil))
 	if err := g.io(ctx, c, func(c net.Conn) error { _, err := c.Write(hm); return err }); err != nil {

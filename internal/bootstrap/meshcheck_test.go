@@ -12,6 +12,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/gdrlink/gdrlink/internal/jobauth"
 )
 
 // buildMeshcheck builds the launcher check program into a temporary
@@ -41,7 +43,8 @@ func freeAddr(t *testing.T) string {
 }
 
 // cleanEnv is this process's environment without the variables that say
-// which rank a process is, so a test's own launch decides.
+// which rank a process is and which job key it holds, so a test's own
+// launch decides.
 func cleanEnv() []string {
 	var env []string
 	for _, kv := range os.Environ() {
@@ -51,7 +54,8 @@ func cleanEnv() []string {
 			continue
 		}
 		switch k {
-		case "GDRLINK_RANK", "GDRLINK_SIZE", "GDRLINK_ROOT", "GDRLINK_PEERS", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT":
+		case "GDRLINK_RANK", "GDRLINK_SIZE", "GDRLINK_ROOT", "GDRLINK_PEERS", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+			jobauth.KeyEnv, jobauth.KeyFileEnv, jobauth.InsecureEnv:
 			continue
 		}
 		env = append(env, kv)
@@ -88,9 +92,14 @@ func TestMeshUnderMpirun(t *testing.T) {
 }
 
 // TestMeshByHand starts the same program four times with the variables
-// torchrun sets.
+// torchrun sets, and a job key (GDRLINK_JOB_KEY) as the front door hands
+// it to the processes it spawns.
 func TestMeshByHand(t *testing.T) {
 	prog := buildMeshcheck(t)
+	_, secret, err := jobauth.Generate()
+	if err != nil {
+		t.Fatal(err)
+	}
 	host, port, _ := net.SplitHostPort(freeAddr(t))
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
@@ -102,7 +111,7 @@ func TestMeshByHand(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			cmd := exec.CommandContext(ctx, prog, "-timeout", "90s")
-			cmd.Env = append(cleanEnv(), fmt.Sprintf("RANK=%d", r), "WORLD_SIZE=4", "MASTER_ADDR="+host, "MASTER_PORT="+port)
+			cmd.Env = append(cleanEnv(), fmt.Sprintf("RANK=%d", r), "WORLD_SIZE=4", "MASTER_ADDR="+host, "MASTER_PORT="+port, jobauth.KeyEnv+"="+secret)
 			outs[r], errs[r] = cmd.CombinedOutput()
 		}()
 	}

@@ -168,7 +168,7 @@ func parseHello(b []byte) (helloBody, error) {
 	if err := d.end(); err != nil {
 		return h, err
 	}
-	if h.size < 1 || h.size > 1<<20 || h.rank >= h.size {
+	if h.size < 1 || h.size > 1<<20 || h.rank < 0 || h.rank >= h.size {
 		return h, fmt.Errorf("%w: hello of rank %d of %d", verbsio.ErrBadFrame, h.rank, h.size)
 	}
 	return h, nil
@@ -193,7 +193,7 @@ func parseCall(b []byte) (callBody, error) {
 	if err := d.end(); err != nil {
 		return c, err
 	}
-	if c.size < 1 || c.size > 1<<20 || c.rank >= c.size {
+	if c.size < 1 || c.size > 1<<20 || c.rank < 0 || c.rank >= c.size {
 		return c, fmt.Errorf("%w: call from rank %d of %d", verbsio.ErrBadFrame, c.rank, c.size)
 	}
 	return c, nil

@@ -4,6 +4,8 @@
 // (tcp unless -provider says otherwise), RDMA-writes a pattern of its own
 // into each peer's memory with an immediate naming itself, checks what the
 // peers wrote into its memory, and exits 0 when everything arrived intact.
+// The job key comes from GDRLINK_JOB_KEY or GDRLINK_JOB_KEY_FILE; without
+// one, GDRLINK_INSECURE=1 lets a job span hosts.
 package main
 
 import (
@@ -18,6 +20,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/gdrlink/gdrlink/internal/bootstrap"
+	"github.com/gdrlink/gdrlink/internal/jobauth"
 	"github.com/gdrlink/gdrlink/verbsio"
 	_ "github.com/gdrlink/gdrlink/verbsio/tcp"
 )
@@ -47,6 +50,10 @@ func run(provider string, chunk int, timeout time.Duration) error {
 	if err != nil {
 		return err
 	}
+	if cfg.Key, _, err = jobauth.FromEnv(os.Getenv); err != nil {
+		return err
+	}
+	cfg.Insecure = jobauth.Insecure(os.Getenv)
 	g, err := bootstrap.Join(ctx, cfg)
 	if err != nil {
 		return err
