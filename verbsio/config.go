@@ -5,6 +5,8 @@ import (
 	"os"
 	"strconv"
 	"time"
+
+	"github.com/gdrlink/gdrlink/internal/jobauth"
 )
 
 // Config chooses and tunes a device. The zero value means "pick the best
@@ -139,6 +141,15 @@ func configFromLookup(lookup func(string) (string, bool)) (Config, error) {
 	if v, ok := lookup("GDRLINK_LISTEN_ADDR"); ok {
 		c.ListenAddr = v
 	}
+	getenv := func(k string) string { v, _ := lookup(k); return v }
+	key, _, err := jobauth.FromEnv(getenv)
+	if err != nil {
+		return c, fmt.Errorf("%w: %w", ErrBadConfig, err)
+	}
+	if !key.IsZero() {
+		c.JobKey = key.Bytes()
+	}
+	c.Insecure = jobauth.Insecure(getenv)
 	if v, ok := lookup("GDRLINK_CONNECT_TIMEOUT"); ok {
 		d, err := time.ParseDuration(v)
 		if err != nil || d <= 0 {

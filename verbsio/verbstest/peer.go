@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/gdrlink/gdrlink/internal/bootstrap"
+	"github.com/gdrlink/gdrlink/internal/jobauth"
 	"github.com/gdrlink/gdrlink/internal/offheap"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
@@ -74,6 +75,7 @@ type peerQP struct {
 }
 
 type peer struct {
+	cfg     verbsio.Config
 	dev     verbsio.Device
 	pd      verbsio.ProtectionDomain
 	regions map[int]*peerRegion
@@ -114,7 +116,7 @@ func runPeer(name string, in io.Reader, out io.Writer) error {
 	if err != nil {
 		return err
 	}
-	p := &peer{dev: dev, pd: pd, regions: map[int]*peerRegion{}, qps: map[int]*peerQP{}}
+	p := &peer{cfg: cfg, dev: dev, pd: pd, regions: map[int]*peerRegion{}, qps: map[int]*peerQP{}}
 	dec := json.NewDecoder(bufio.NewReader(in))
 	enc := json.NewEncoder(out)
 	if err := enc.Encode(reply{}); err != nil { // ready
@@ -214,7 +216,7 @@ func (p *peer) do(r request) (reply, error) {
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
-		g, err := bootstrap.Join(ctx, bootstrap.Config{Rank: 1, Size: 2, Root: r.Root})
+		g, err := bootstrap.Join(ctx, harnessBootstrap(p.cfg, bootstrap.Config{Rank: 1, Size: 2, Root: r.Root}))
 		if err != nil {
 			return rep, err
 		}
@@ -299,4 +301,17 @@ func (p *peer) newQP(depth int) (*peerQP, error) {
 		return nil, err
 	}
 	return &peerQP{qp: qp, scq: scq, rcq: rcq}, nil
+}
+
+// harnessBootstrap is bc with the job key of the provider's configuration,
+// so the harness's bootstrap authenticates as the provider does. Without a
+// key it may listen beyond loopback (the network-namespace tests do): the
+// harness, not a job, is what listens there.
+func harnessBootstrap(cfg verbsio.Config, bc bootstrap.Config) bootstrap.Config {
+	k, err := jobauth.FromBytes(cfg.JobKey)
+	if err == nil {
+		bc.Key = k
+	}
+	bc.Insecure = k.IsZero()
+	return bc
 }

@@ -189,7 +189,7 @@ func (s *suite) testConnectBootstrap(t *testing.T) {
 		_, err := s.peer.try(request{Op: "bootstrap", ID: rep.ID, Root: ln.Addr().String()})
 		peerDone <- err
 	}()
-	g, err := bootstrap.Join(ctx, bootstrap.Config{Rank: 0, Size: 2, Listener: ln})
+	g, err := bootstrap.Join(ctx, harnessBootstrap(s.h.Config, bootstrap.Config{Rank: 0, Size: 2, Listener: ln}))
 	if err != nil {
 		t.Fatalf("Join: %v", err)
 	}
