@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/jobauth"
+	"github.com/gdrlink/gdrlink/verbsio"
 	_ "github.com/gdrlink/gdrlink/verbsio/tcp"
 	"github.com/gdrlink/gdrlink/verbsio/verbstest"
 )
@@ -44,6 +46,21 @@ func leakedGoroutines() string {
 	return strings.Join(found, "\n\n")
 }
 
+// jobKey makes a fresh job key: the key material for this process's
+// Config and the environment entry that gives the key to a verbstest peer
+// (whose Config comes from verbsio.ConfigFromEnv).
+func jobKey(t testing.TB) (key []byte, peerEnv string) {
+	t.Helper()
+	k, secret, err := jobauth.Generate()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return k.Bytes(), jobauth.KeyEnv + "=" + secret
+}
+
+// TestConformance runs the suite with a job key on both sides, so every
+// lane of every test proves it first.
 func TestConformance(t *testing.T) {
-	verbstest.Run(t, verbstest.Harness{Provider: "tcp"})
+	key, env := jobKey(t)
+	verbstest.Run(t, verbstest.Harness{Provider: "tcp", Config: verbsio.Config{JobKey: key}, PeerEnv: []string{env}})
 }

@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/gdrlink/gdrlink/internal/hostid"
+	"github.com/gdrlink/gdrlink/internal/jobauth"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
@@ -116,6 +117,7 @@ func (o Options) withDefaults() Options {
 type device struct {
 	cfg    verbsio.Config
 	opt    Options
+	key    jobauth.Key // the zero Key: lanes are not authenticated
 	ln     net.Listener
 	addr   string
 	host   string
@@ -128,8 +130,20 @@ type device struct {
 	qps    map[uint32]*qp
 	nextQP uint32
 	keys   map[uint32]struct{}
-	conns  map[net.Conn]struct{} // accepted, before their hello is answered
-	wg     sync.WaitGroup
+	// conns are the accepted connections whose hello is not answered yet;
+	// unproven counts those whose other end has proven nothing (see
+	// maxUnproven), acceptSeq orders them, oldest first.
+	conns     map[net.Conn]*pending
+	unproven  int
+	acceptSeq uint64
+	// refused counts the accepted connections closed before they reached a
+	// queue pair (no job key proven, a bad hello, evicted), evicted those
+	// closed to make room for newer ones, lastRefusal says why the last
+	// one was.
+	refused     uint64
+	evicted     uint64
+	lastRefusal error
+	wg          sync.WaitGroup
 
 	// The lanes of its queue pairs and the retransmits of those closed
 	// (retransmits.go); lanesMu is taken last, under any other lock.
@@ -144,6 +158,11 @@ type device struct {
 // cfg) does the same with OptionsFromEnv. The device listens on cfg.ListenAddr
 // (an ephemeral loopback port when empty), and its Info().Address says
 // where peers reach it. cfg.Device is ignored: the provider has one device.
+// With cfg.JobKey every lane proves the key (see the package
+// documentation); a key of the wrong length is an error wrapping
+// verbsio.ErrBadConfig and jobauth.ErrBadKey. Without one, a ListenAddr
+// beyond loopback is an error wrapping verbsio.ErrBadConfig and
+// jobauth.ErrInsecure unless cfg.Insecure is set.
 func OpenDevice(cfg verbsio.Config, opt Options) (verbsio.Device, error) {
 	d, err := openDevice(cfg, opt)
 	if err != nil {
@@ -162,9 +181,16 @@ func openDevice(cfg verbsio.Config, opt Options) (*device, error) {
 	if opt.Lanes < 1 || opt.Lanes > maxLanes {
 		return nil, fmt.Errorf("%w: %d lanes, want 1..%d", verbsio.ErrBadConfig, opt.Lanes, maxLanes)
 	}
+	key, err := jobauth.FromBytes(cfg.JobKey)
+	if err != nil {
+		return nil, fmt.Errorf("%w: tcp: %w", verbsio.ErrBadConfig, err)
+	}
 	la := cfg.ListenAddr
 	if la == "" {
 		la = "127.0.0.1:0"
+	}
+	if err := jobauth.CheckListen(key, la, cfg.Insecure); err != nil {
+		return nil, fmt.Errorf("%w: tcp: %w", verbsio.ErrBadConfig, err)
 	}
 	ln, err := net.Listen("tcp", la)
 	if err != nil {
@@ -180,9 +206,9 @@ func openDevice(cfg verbsio.Config, opt Options) (*device, error) {
 	// for a dead one.
 	to := time.Duration(4096<<uint(cfg.Timeout)) * time.Nanosecond * time.Duration(cfg.RetryCount+1)
 	to = max(to, 10*time.Second)
-	d := &device{cfg: cfg, opt: opt, ln: ln, addr: adv, host: host, userTO: to,
+	d := &device{cfg: cfg, opt: opt, key: key, ln: ln, addr: adv, host: host, userTO: to,
 		pds: map[*pd]struct{}{}, cqs: map[*cq]struct{}{}, qps: map[uint32]*qp{},
-		nextQP: rand.Uint32N(1 << 20), keys: map[uint32]struct{}{}, conns: map[net.Conn]struct{}{},
+		nextQP: rand.Uint32N(1 << 20), keys: map[uint32]struct{}{}, conns: map[net.Conn]*pending{},
 		lanes: map[net.Conn]struct{}{}, retransOf: tcpRetransmits}
 	d.wg.Add(1)
 	go d.acceptLoop()
@@ -292,81 +318,8 @@ func (d *device) newKey() uint32 {
 	}
 }
 
-func (d *device) acceptLoop() {
-	defer d.wg.Done()
-	for {
-		c, err := d.ln.Accept()
-		if err != nil {
-			if errors.Is(err, net.ErrClosed) {
-				return
-			}
-			time.Sleep(10 * time.Millisecond)
-			continue
-		}
-		d.mu.Lock()
-		if d.closed {
-			d.mu.Unlock()
-			c.Close()
-			return
-		}
-		d.conns[c] = struct{}{}
-		d.wg.Add(1)
-		d.mu.Unlock()
-		go d.handshake(c)
-	}
-}
-
-// handshake reads the hello of an accepted connection and hands it to its
-// queue pair, or answers why not and closes it.
-func (d *device) handshake(c net.Conn) {
-	defer d.wg.Done()
-	done := func() {
-		d.mu.Lock()
-		delete(d.conns, c)
-		d.mu.Unlock()
-	}
-	c.SetDeadline(time.Now().Add(10 * time.Second))
-	var b [helloLen]byte
-	if _, err := io.ReadFull(c, b[:]); err != nil {
-		done()
-		c.Close()
-		return
-	}
-	h, err := parseHello(b[:])
-	refuse := func(code byte) {
-		c.Write([]byte{code})
-		done()
-		c.Close()
-	}
-	if err != nil {
-		refuse(helloMalformed)
-		return
-	}
-	d.mu.Lock()
-	q := d.qps[h.dstQP]
-	d.mu.Unlock()
-	switch {
-	case q == nil:
-		refuse(helloNoQP)
-		return
-	case q.nonce != h.dstNonce:
-		refuse(helloBadNonce)
-		return
-	}
-	d.tune(c)
-	if _, err := c.Write([]byte{helloOK}); err != nil {
-		done()
-		c.Close()
-		return
-	}
-	c.SetDeadline(time.Time{})
-	done()
-	if !q.addInbound(c, h) {
-		c.Close()
-	}
-}
-
-// dial opens one lane to a peer's queue pair.
+// dial opens one lane to a peer's queue pair: with a job key, it proves
+// the key (and has the peer prove it) before the hello goes out.
 func (d *device) dial(ctx context.Context, addr string, h hello) (net.Conn, error) {
 	var dl net.Dialer
 	c, err := dl.DialContext(ctx, "tcp", addr)
@@ -376,6 +329,15 @@ func (d *device) dial(ctx context.Context, addr string, h hello) (net.Conn, erro
 	d.tune(c)
 	if dl, ok := ctx.Deadline(); ok {
 		c.SetDeadline(dl)
+	}
+	if !d.key.IsZero() {
+		// The rank the handshake binds is the dialing queue pair's
+		// number: the provider has no rank, and the acceptor checks that
+		// the hello names the same queue pair.
+		if err := jobauth.Initiate(c, d.key, lanePurpose, h.srcQP, jobauth.EndsOf(c, true)); err != nil {
+			c.Close()
+			return nil, err
+		}
 	}
 	b := h.Append(make([]byte, 0, helloLen))
 	var ans [1]byte
@@ -394,6 +356,8 @@ func (d *device) dial(ctx context.Context, addr string, h hello) (net.Conn, erro
 		err = fmt.Errorf("peer %s has no queue pair %d", addr, h.dstQP)
 	case helloBadNonce:
 		err = fmt.Errorf("peer %s: queue pair %d is not the one in the endpoint (stale endpoint)", addr, h.dstQP)
+	case helloNeedKey:
+		err = fmt.Errorf("%w: peer %s proves a job key on every lane and this process has none: give every process the same key (%s or %s)", jobauth.ErrRefused, addr, jobauth.KeyEnv, jobauth.KeyFileEnv)
 	default:
 		err = fmt.Errorf("peer %s refused the hello (code %d)", addr, ans[0])
 	}

@@ -10,12 +10,46 @@
 // # Devices and queue pairs
 //
 // A device is a TCP listener (Config.ListenAddr, an ephemeral loopback
-// port by default) and the tables of its protection domains, regions and
+// port by default; beyond loopback only with a job key or
+// Config.Insecure, see Authentication) and the tables of its protection domains, regions and
 // queue pairs. A queue pair's endpoint carries the device's address, the
 // queue pair's number and a random nonce; Connect dials Options.Lanes
 // connections ("lanes") to the peer's listener and waits for the peer's
 // lanes to arrive, so each side sends its requests on the lanes it dialed
 // and answers the peer's on the lanes it accepted.
+//
+// # Authentication
+//
+// With a job key (Config.JobKey) every lane proves it before anything of
+// the job crosses. The dialing side runs jobauth's mutual challenge-response
+// (purpose "tcp-lane"; in place of a rank, which the provider does not
+// have, the dialing queue pair's number) right after the TCP connect and
+// before its hello; the accepting side reads nothing from a connection but
+// that handshake until the key is proven, and then wants a hello from the
+// queue pair the handshake named. A peer with another key, or with none,
+// fails Connect on both sides at once (no wait for ConnectTimeout) with an
+// error wrapping jobauth.ErrRefused, and its connections are closed before
+// they reach a queue pair, so established queue pairs never notice them. A
+// process without the key that opens with a hello is told, with an answer
+// of its own to the hello, so that its Connect says why.
+//
+// An accepted connection has 10s for its handshake and hello together, and
+// at most 64 accepted connections that have proven nothing yet wait at
+// once: one more closes the oldest of them. Refusing the newest instead
+// would let 64 idle connections keep the job's own lanes out for those
+// 10s; this way the goroutines and sockets a stranger holds stay bounded
+// and a lane of the job, which proves the key within a round trip or two,
+// still gets through (only a stranger that keeps opening more than 64
+// connections per handshake time can starve it).
+//
+// The handshake binds both ends' addresses as each side sees the
+// connection, so a lane through NAT or a port forward (an AdvertiseAddr
+// that is not the listener's own address, a proxy) fails it.
+//
+// Without a key lanes are not authenticated: a hello need only name a
+// queue pair and its endpoint's nonce. Open then refuses a ListenAddr that
+// is not loopback, with an error wrapping verbsio.ErrBadConfig and
+// jobauth.ErrInsecure, unless Config.Insecure is set.
 //
 // # Zero copies
 //
@@ -74,9 +108,10 @@
 //
 // # Wire format
 //
-// Described in frame.go: a hello per connection, then 40-byte headers
-// (version, opcode, flags, status, length, token, remote address, rkey,
-// immediate, total) each followed by its payload. Decoding is strict: an
+// Described in frame.go: on each connection, jobauth's handshake when the
+// job has a key, a hello, then 40-byte headers (version, opcode, flags,
+// status, length, token, remote address, rkey, immediate, total) each
+// followed by its payload. Decoding is strict: an
 // unknown opcode, a length over 1 GiB, a set reserved field or a field the
 // opcode does not use is a malformed frame, which closes that connection
 // and, for a connected peer, fails the queue pair with verbsio.ErrBadFrame.

@@ -8,10 +8,11 @@ import (
 )
 
 // Wire format. Every connection starts with a hello from the dialing side
-// and a one-frame answer; after that the dialing side sends request frames
-// (write, write with immediate, send, read request) and the accepting side
-// answers each with exactly one response frame (ack, nak, read response), in
-// order. All integers are big-endian.
+// (after jobauth's handshake when the job has a key) and a one-byte answer;
+// after that the dialing side sends request frames (write, write with
+// immediate, send, read request) and the accepting side answers each with
+// exactly one response frame (ack, nak, read response), in order. All
+// integers are big-endian.
 //
 // Frame header, 40 bytes, followed by Length payload bytes:
 //
@@ -185,6 +186,11 @@ func opName(op uint8) string {
 //
 // The answer is one byte: helloOK, or a helloNo* code, after which the
 // accepting side closes the connection.
+//
+// A device with a job key reads no hello before the dialer has proven the
+// key (jobauth's handshake, purpose lanePurpose, which comes first on the
+// connection); to a hello that came without the handshake it answers
+// helloNeedKey and closes.
 const (
 	helloLen       = 32
 	helloMagic     = 0x47445254 // "GDRT"
@@ -192,6 +198,7 @@ const (
 	helloNoQP      = 1
 	helloBadNonce  = 2
 	helloMalformed = 3
+	helloNeedKey   = 4
 	maxLanes       = 16
 )
 

@@ -18,7 +18,8 @@ import (
 // pair on both sides, so writes of a megabyte and more are striped.
 func TestConformanceFourLanes(t *testing.T) {
 	t.Setenv("GDRLINK_TCP_LANES", "4")
-	verbstest.Run(t, verbstest.Harness{Provider: "tcp"})
+	key, env := jobKey(t)
+	verbstest.Run(t, verbstest.Harness{Provider: "tcp", Config: verbsio.Config{JobKey: key}, PeerEnv: []string{env}})
 }
 
 // TestStripedWriteImm checks that a striped write with immediate completes

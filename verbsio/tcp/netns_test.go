@@ -49,10 +49,12 @@ func TestConformanceAcrossNetns(t *testing.T) {
 	run("-n", ns, "addr", "add", peerIP+"/30", "dev", peer)
 	run("-n", ns, "link", "set", peer, "up")
 	run("-n", ns, "link", "set", "lo", "up")
+	// Beyond loopback a device needs a job key (or Config.Insecure).
+	key, env := jobKey(t)
 	verbstest.Run(t, verbstest.Harness{
 		Provider: "tcp",
-		Config:   verbsio.Config{ListenAddr: hostIP + ":0"},
-		PeerEnv:  []string{"GDRLINK_LISTEN_ADDR=" + peerIP + ":0"},
+		Config:   verbsio.Config{ListenAddr: hostIP + ":0", JobKey: key},
+		PeerEnv:  []string{"GDRLINK_LISTEN_ADDR=" + peerIP + ":0", env},
 		Wrap: func(argv []string) []string {
 			return append([]string{ip, "netns", "exec", ns}, argv...)
 		},

@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/gdrlink/gdrlink/internal/ctxerr"
+	"github.com/gdrlink/gdrlink/internal/jobauth"
 	"github.com/gdrlink/gdrlink/internal/offheap"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
@@ -197,7 +198,9 @@ func (q *qp) State() verbsio.QPState {
 
 // Connect dials the peer's lanes, waits for the peer's lanes to arrive and
 // makes the queue pair ready. Without a deadline in ctx it gives up after
-// Config.ConnectTimeout.
+// Config.ConnectTimeout. A peer that does not prove the job key (or that
+// requires one this device lacks) fails it at once with an error wrapping
+// jobauth.ErrRefused.
 func (q *qp) Connect(ctx context.Context, remote verbsio.Endpoint) error {
 	if remote.Provider != Name {
 		return fmt.Errorf("%w: endpoint of provider %q given to a tcp queue pair", verbsio.ErrBadConfig, remote.Provider)
@@ -233,6 +236,11 @@ func (q *qp) Connect(ctx context.Context, remote verbsio.Endpoint) error {
 	for i := 0; i < q.lanes; i++ {
 		c, err := q.dev.dial(ctx, ep.addr, hello{lane: uint8(i), lanes: uint8(q.lanes), dstQP: ep.qp, dstNonce: ep.nonce, srcQP: q.id, srcNonce: q.nonce})
 		if err != nil {
+			if errors.Is(err, jobauth.ErrRefused) && !peerLost(err) && ctx.Err() == nil {
+				// Not a lost peer: one that does not hold this job's
+				// key. (A handshake cut short wraps both.)
+				return abort(fmt.Errorf("tcp: connecting lane %d to %s: %w", i, ep.addr, err))
+			}
 			return abort(fmt.Errorf("%w: tcp: connecting lane %d to %s: %w", ctxerr.Sentinel(ctx, verbsio.ErrPeerLost), i, ep.addr, err))
 		}
 		q.dev.addLane(c)
