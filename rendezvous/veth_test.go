@@ -60,6 +60,9 @@ func TestTwoProcessRailsOverVeth(t *testing.T) {
 		peerAddrs = append(peerAddrs, peerIP+":0")
 	}
 	const stripeMin = 1 << 20
+	// The rails listen beyond loopback, so the pair needs a job key: both
+	// sides read it from the environment (the peer inherits it).
+	t.Setenv("GDRLINK_JOB_KEY", "veth rails test key "+strconv.Itoa(id))
 	p := startPeerWith(t, "tcp", localAddrs,
 		[]string{"GDRLINK_RDV_LISTEN=" + strings.Join(peerAddrs, ","), "GDRLINK_RDV_STRIPE_MIN=" + strconv.Itoa(stripeMin)},
 		[]string{ip, "netns", "exec", ns}, withStripeMin(stripeMin))
