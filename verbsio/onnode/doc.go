@@ -21,10 +21,48 @@
 // region allows it and MechVM elsewhere (see bench scenario "xfer" and
 // BenchmarkWrite for the figures behind this choice).
 //
+// # Who may connect
+//
+// Each queue pair listens on an abstract unix socket, which has no file
+// permissions: its name shows in /proc/net/unix and any process of the
+// host can connect to it. Before anything of this process crosses (the
+// ring, the eventfd, the region table, and the hello that carries them):
+//
+//   - both sides check the other end with SO_PEERCRED: it must be the
+//     peer's own process (the pid in its endpoint; the pid its hello
+//     claims must match too) and run as this process's user (the effective
+//     uid). Otherwise the dialling side's Connect fails with an error
+//     wrapping verbsio.ErrRemoteAccess that names the pid and uid; the
+//     accepting side closes a connection of another process at once and
+//     keeps waiting for the peer's (a timeout's error names the last one
+//     refused), and fails Connect the same way when the peer's own process
+//     runs as another user;
+//   - when the job has a key (verbsio.Config.JobKey), the first exchange
+//     on the socket is the job's challenge-response (internal/jobauth,
+//     purpose "onnode"; the dialler claims its pid as its rank, and both
+//     ends are named by the queue pairs' sockets). A peer with another key,
+//     or without one, fails Connect on both sides with an error wrapping
+//     jobauth.ErrRefused. Without a key the exchange is skipped: onnode
+//     never leaves the host, and the credential check still holds;
+//   - then the dialler sends its hello and descriptors, and the acceptor,
+//     having checked them, answers with its own.
+//
+// The accepting side runs the handshakes of accepted connections
+// concurrently, each bounded by 5 s and at most 64 at once (more are closed
+// unanswered), so no connection can hold up the peer's. Once connected, a
+// queue pair closes its socket.
+//
+// The region table is sealed (F_SEAL_FUTURE_WRITE, Linux 5.1 and later):
+// peers can map it read-only and never writable. The files peers map (the
+// ring, the table, the write counters) are sealed against shrinking and
+// growing, and a peer's are refused unless they are, so that no peer can
+// make an access to a mapping fail with SIGBUS.
+//
 // # Keys and deregistration
 //
 // Each protection domain publishes its memory regions in a table in a memfd
-// that connected peers map read-only. A sender looks the rkey up there before
+// that connected peers map read-only (the write counters are a second
+// memfd, which they map read-write). A sender looks the rkey up there before
 // it writes (wrong key, address out of bounds, or no remote-write access: the
 // work request completes with verbsio.StatusRemoteAccess and the target is
 // untouched). Entries carry a sequence number, and a sender announces each

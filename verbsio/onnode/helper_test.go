@@ -4,9 +4,11 @@ import (
 	"bufio"
 	"context"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"hash/crc32"
 	"io"
+	"net"
 	"os"
 	"os/exec"
 	"strconv"
@@ -26,6 +28,10 @@ import (
 // The tests run two real processes: the test binary re-executes itself with
 // helperEnv set, and the copy obeys line commands on stdin.
 const helperEnv = "GDRLINK_ONNODE_TEST_HELPER"
+
+// testKeyEnv gives the helper its job key (the hex of the derived bytes);
+// empty: none, whatever GDRLINK_JOB_KEY says.
+const testKeyEnv = "GDRLINK_ONNODE_TEST_KEY"
 
 func TestMain(m *testing.M) {
 	verbstest.PeerMain()
@@ -75,7 +81,7 @@ func allocMemory(kind string, size int) (*memory, error) {
 		unix.Madvise(b, unix.MADV_HUGEPAGE)
 		return &memory{b: b, fd: -1}, nil
 	case "memfd":
-		fd, b, err := newMemfd("gdrlink-onnode-test", size)
+		fd, b, err := newMemfd("gdrlink-onnode-test", size, 0)
 		return &memory{b: b, fd: fd}, err
 	}
 	return nil, fmt.Errorf("memory kind %q", kind)
@@ -93,8 +99,19 @@ type node struct {
 	bufs []*memory
 }
 
-func newNode(opts Options) (*node, error) {
-	d, err := OpenDevice(verbsio.Config{}, opts)
+// envKey is the job key testKeyEnv gives, or nil.
+func envKey() []byte {
+	k, err := hex.DecodeString(os.Getenv(testKeyEnv))
+	if err != nil || len(k) == 0 {
+		return nil
+	}
+	return k
+}
+
+func newNode(opts Options) (*node, error) { return newNodeConfig(verbsio.Config{}, opts) }
+
+func newNodeConfig(cfg verbsio.Config, opts Options) (*node, error) {
+	d, err := OpenDevice(cfg, opts)
 	if err != nil {
 		return nil, err
 	}
@@ -184,11 +201,17 @@ func runHelper(in io.Reader, out io.Writer) int {
 	if m, err := parseMechanism(os.Getenv("GDRLINK_ONNODE_MECH")); err == nil {
 		opts.Mechanism = m
 	}
-	n, err := newNode(opts)
+	n, err := newNodeConfig(verbsio.Config{JobKey: envKey()}, opts)
 	if err != nil {
 		fmt.Fprintf(out, "err %v\n.\n", err)
 		return 1
 	}
+	var raws []*net.UnixConn // stranger's connections (rawdial, flood)
+	defer func() {
+		for _, c := range raws {
+			c.Close()
+		}
+	}()
 	w := bufio.NewWriter(out)
 	say := func(f string, a ...any) { fmt.Fprintf(w, f+"\n", a...) }
 	sc := bufio.NewScanner(in)
@@ -294,6 +317,34 @@ func runHelper(in io.Reader, out io.Writer) int {
 			if err != nil {
 				say("err %v", err)
 			}
+		case "pid":
+			say("pid %d", os.Getpid())
+		case "rawdial", "flood": // rawdial name | flood name count: connect and send nothing
+			count, k := 1, 0
+			if f[0] == "flood" {
+				count = int(arg(2))
+			}
+			for ; k < count; k++ {
+				c, err := net.Dial("unixpacket", "@"+f[1])
+				if err != nil {
+					if f[0] == "rawdial" {
+						say("err %v", err)
+					}
+					break
+				}
+				raws = append(raws, c.(*net.UnixConn))
+			}
+			if f[0] == "flood" {
+				say("flood %d", k)
+			} else if k == 1 {
+				say("raw %d", len(raws)-1)
+			}
+		case "rawhello": // rawhello i name peername: a hello as from name, with four sealed memfds
+			if err := rawHello(raws[arg(1)], f[2], f[3]); err != nil {
+				say("err %v", err)
+			}
+		case "rawread": // rawread i timeout-ms: bytes (-1: none in time), descriptors, closed
+			say("%s", rawRead(raws[arg(1)], time.Duration(arg(2))*time.Millisecond))
 		case "die":
 			w.Flush()
 			syscall.Kill(os.Getpid(), syscall.SIGKILL)
@@ -312,6 +363,45 @@ func runHelper(in io.Reader, out io.Writer) int {
 	return 0
 }
 
+// rawHello sends on c what a queue pair named name would send to peer:
+// its hello and four sealed memfds of the right sizes.
+func rawHello(c *net.UnixConn, name, peer string) error {
+	var fds []int
+	defer func() { closeFDs(fds) }()
+	for _, size := range []int{ringFile, 8, tableBytes, counterBytes} {
+		fd, mem, err := newMemfd("stranger", size, sealsShared)
+		if err != nil {
+			return err
+		}
+		unix.Munmap(mem)
+		fds = append(fds, fd)
+	}
+	h := hello{PID: uint32(os.Getpid()), RingSize: ringData, Name: name, PeerName: peer}
+	_, _, err := c.WriteMsgUnix(h.Append(nil), unix.UnixRights(fds...), nil)
+	return err
+}
+
+// rawRead reads one message from c within d and says "raw BYTES FDS
+// CLOSED": BYTES is -1 when nothing came in time; the descriptors
+// received are closed.
+func rawRead(c *net.UnixConn, d time.Duration) string {
+	c.SetReadDeadline(time.Now().Add(d))
+	buf := make([]byte, 4096)
+	oob := make([]byte, unix.CmsgSpace(16*4))
+	n, oobn, _, _, err := c.ReadMsgUnix(buf, oob)
+	fds := parseRights(oob[:oobn])
+	closeFDs(fds)
+	switch {
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		return fmt.Sprintf("raw -1 %d false", len(fds))
+	case err == nil && n == 0, errors.Is(err, io.EOF), errors.Is(err, syscall.ECONNRESET):
+		return fmt.Sprintf("raw 0 %d true", len(fds))
+	case err != nil:
+		return fmt.Sprintf("raw -1 %d false %v", len(fds), err)
+	}
+	return fmt.Sprintf("raw %d %d false", n, len(fds))
+}
+
 // peer is the helper process seen from the test.
 type peer struct {
 	t    testing.TB
@@ -324,12 +414,32 @@ type peer struct {
 
 func startPeer(t testing.TB, mech Mechanism) *peer {
 	t.Helper()
-	exe, err := os.Executable()
-	if err != nil {
-		t.Fatal(err)
+	return startPeerWith(t, peerOpts{mech: mech})
+}
+
+// peerOpts say how to start a helper.
+type peerOpts struct {
+	mech Mechanism
+	key  []byte              // its job key; nil: none
+	exe  string              // the binary; "": this test binary
+	cred *syscall.Credential // run as another user (needs root)
+}
+
+func startPeerWith(t testing.TB, o peerOpts) *peer {
+	t.Helper()
+	exe := o.exe
+	if exe == "" {
+		var err error
+		if exe, err = os.Executable(); err != nil {
+			t.Fatal(err)
+		}
 	}
 	cmd := exec.Command(exe, "-test.run=^$")
-	cmd.Env = append(os.Environ(), helperEnv+"=1", "GDRLINK_ONNODE_MECH="+mech.String())
+	cmd.Env = append(os.Environ(), helperEnv+"=1", "GDRLINK_ONNODE_MECH="+o.mech.String(), testKeyEnv+"="+hex.EncodeToString(o.key))
+	if o.cred != nil {
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: o.cred}
+		cmd.Dir = os.TempDir()
+	}
 	cmd.Stderr = os.Stderr
 	in, err := cmd.StdinPipe()
 	if err != nil {
@@ -428,12 +538,18 @@ func connect(t testing.TB, n *node, p *peer, ep []string) {
 // pair starts a helper and connects a local node to it.
 func pair(t testing.TB, mech Mechanism) (*node, *peer) {
 	t.Helper()
-	n, err := newNode(Options{Mechanism: mech, Spin: defaultSpin})
+	return keyedPair(t, mech, nil)
+}
+
+// keyedPair is pair with a job key on both sides.
+func keyedPair(t testing.TB, mech Mechanism, key []byte) (*node, *peer) {
+	t.Helper()
+	n, err := newNodeConfig(verbsio.Config{JobKey: key}, Options{Mechanism: mech, Spin: defaultSpin})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(n.close)
-	p := startPeer(t, mech)
+	p := startPeerWith(t, peerOpts{mech: mech, key: key})
 	connect(t, n, p, p.one("ep", "ep"))
 	return n, p
 }

@@ -35,41 +35,47 @@ func TestWriteImm(t *testing.T) {
 		for _, kind := range []string{"anon", "memfd", "thp"} {
 			t.Run(mech.String()+"/"+kind, func(t *testing.T) {
 				n, p := pair(t, mech)
-				const size, pad = 3<<20 + 123, 4096
-				src, err := n.register("anon", size, verbsio.AccessLocalWrite, 0)
-				if err != nil {
-					t.Fatal(err)
-				}
-				pattern(n.mems[src.RKey()].b, 1)
-				want := crc32.ChecksumIEEE(n.mems[src.RKey()].b)
-				f := p.one("mr", "reg %s %d %d %d", kind, size+2*pad, rw, guard)
-				addr, rkey := atoi(t, f[0]), atoi(t, f[1])
-				p.ok("recv 77 %d 0 0", rkey)
-				err = n.qp.PostSend([]verbsio.SendWR{{WRID: 5, Op: verbsio.OpWriteImm, Signaled: true, Imm: 0xfeed, RemoteAddr: addr + pad, RKey: uint32(rkey),
-					SG: []verbsio.SGE{{Addr: src.Addr(), Length: size, LKey: src.LKey()}}}})
-				if err != nil {
-					t.Fatal(err)
-				}
-				if c := waitOne(t, n.scq, 5*time.Second); c.Status != verbsio.StatusSuccess || c.WRID != 5 || c.Op != verbsio.OpWriteImm {
-					t.Fatalf("send completion %+v", c)
-				}
-				mapped := len(n.qp.(*qp).fileMaps) == 1
-				if wantMapped := mech != MechVM && kind == "memfd"; mapped != wantMapped {
-					t.Errorf("target mapped here: %v, want %v", mapped, wantMapped)
-				}
-				got := p.do("wait 1 5000")
-				if wantLine := fmt.Sprintf("comp 77 0 %d %d %d true", verbsio.OpRecvImm, size, 0xfeed); len(got) != 1 || got[0] != wantLine {
-					t.Fatalf("receive completion %q, want %q", got, wantLine)
-				}
-				if c := p.one("crc", "crc %d %d %d", rkey, pad, size); c[0] != strconv.FormatUint(uint64(want), 10) {
-					t.Errorf("target crc %s, want %d", c[0], want)
-				}
-				for _, off := range []int{0, pad + size} {
-					if b := p.one("bad", "check %d %d %d %d", rkey, off, pad, guard); b[0] != "-1" {
-						t.Errorf("guard at %d overwritten at +%s", off, b[0])
-					}
-				}
+				writeImm(t, n, p, mech, kind)
 			})
+		}
+	}
+}
+
+// writeImm writes 3 MiB into a guarded region of kind of the helper with an
+// immediate and checks the bytes, the guards and both completions.
+func writeImm(t *testing.T, n *node, p *peer, mech Mechanism, kind string) {
+	const size, pad = 3<<20 + 123, 4096
+	src, err := n.register("anon", size, verbsio.AccessLocalWrite, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pattern(n.mems[src.RKey()].b, 1)
+	want := crc32.ChecksumIEEE(n.mems[src.RKey()].b)
+	f := p.one("mr", "reg %s %d %d %d", kind, size+2*pad, rw, guard)
+	addr, rkey := atoi(t, f[0]), atoi(t, f[1])
+	p.ok("recv 77 %d 0 0", rkey)
+	err = n.qp.PostSend([]verbsio.SendWR{{WRID: 5, Op: verbsio.OpWriteImm, Signaled: true, Imm: 0xfeed, RemoteAddr: addr + pad, RKey: uint32(rkey),
+		SG: []verbsio.SGE{{Addr: src.Addr(), Length: size, LKey: src.LKey()}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := waitOne(t, n.scq, 5*time.Second); c.Status != verbsio.StatusSuccess || c.WRID != 5 || c.Op != verbsio.OpWriteImm {
+		t.Fatalf("send completion %+v", c)
+	}
+	mapped := len(n.qp.(*qp).fileMaps) == 1
+	if wantMapped := mech != MechVM && kind == "memfd"; mapped != wantMapped {
+		t.Errorf("target mapped here: %v, want %v", mapped, wantMapped)
+	}
+	got := p.do("wait 1 5000")
+	if wantLine := fmt.Sprintf("comp 77 0 %d %d %d true", verbsio.OpRecvImm, size, 0xfeed); len(got) != 1 || got[0] != wantLine {
+		t.Fatalf("receive completion %q, want %q", got, wantLine)
+	}
+	if c := p.one("crc", "crc %d %d %d", rkey, pad, size); c[0] != strconv.FormatUint(uint64(want), 10) {
+		t.Errorf("target crc %s, want %d", c[0], want)
+	}
+	for _, off := range []int{0, pad + size} {
+		if b := p.one("bad", "check %d %d %d %d", rkey, off, pad, guard); b[0] != "-1" {
+			t.Errorf("guard at %d overwritten at +%s", off, b[0])
 		}
 	}
 }
@@ -78,6 +84,10 @@ func TestWriteImm(t *testing.T) {
 // a scatter of two SGEs, and checks what the peer received.
 func TestSendRecv(t *testing.T) {
 	n, p := pair(t, MechAuto)
+	sendRecv(t, n, p)
+}
+
+func sendRecv(t *testing.T, n *node, p *peer) {
 	src, err := n.register("anon", 1<<20, verbsio.AccessLocalWrite, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -334,7 +344,7 @@ func TestDeregisterWaitsForWrites(t *testing.T) {
 	}
 	p := b.pd.(*pd)
 	idx := int(mr.RKey() & (tableSlots - 1))
-	_, release, ok := readEntry(p.table[:tableBytes], p.table[tableBytes:], idx, true)
+	_, release, ok := readEntry(p.table, p.counters, idx, true)
 	if !ok {
 		t.Fatal("entry not readable")
 	}
@@ -351,7 +361,7 @@ func TestDeregisterWaitsForWrites(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("deregistration did not finish after the write")
 	}
-	e, _, _ := readEntry(p.table[:tableBytes], p.table[tableBytes:], idx, false)
+	e, _, _ := readEntry(p.table, p.counters, idx, false)
 	if e.flags&flagValid != 0 {
 		t.Fatal("entry still valid after Close")
 	}

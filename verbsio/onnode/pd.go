@@ -13,15 +13,17 @@ import (
 
 // The memory-region table that a protection domain publishes to its peers.
 // Entry i is 64 bytes at i*entrySize: seq, key|access<<32, addr, len, flags,
-// file offset. The write counters live at tableBytes + i*64, one cache line
-// each; peers map the table read-only and the counters read-write.
+// file offset. The write counters are a second file, counter i at i*64, one
+// cache line each. Peers map the counters read-write and the table
+// read-only; the table's memfd is sealed (F_SEAL_FUTURE_WRITE) so that no
+// peer can map it otherwise.
 const (
-	tableSlots  = 1024
-	slotBits    = 10
-	entrySize   = 64
-	tableBytes  = tableSlots * entrySize
-	counterSize = 64
-	tableFile   = tableBytes + tableSlots*counterSize
+	tableSlots   = 1024
+	slotBits     = 10
+	entrySize    = 64
+	tableBytes   = tableSlots * entrySize
+	counterSize  = 64
+	counterBytes = tableSlots * counterSize
 
 	eSeq    = 0
 	eKey    = 8
@@ -89,20 +91,28 @@ type slot struct {
 type pd struct {
 	dev *device
 
-	mu      sync.RWMutex // guards slots; held for reading during local copies
-	slots   [tableSlots]slot
-	tableFD int
-	table   []byte // the whole table file, read-write
-	live    int    // regions and queue pairs
-	closed  bool
+	mu       sync.RWMutex // guards slots; held for reading during local copies
+	slots    [tableSlots]slot
+	tableFD  int
+	table    []byte // the table, read-write here
+	ctrFD    int
+	counters []byte // the write counters
+	live     int    // regions and queue pairs
+	closed   bool
 }
 
 func newPD(d *device) (*pd, error) {
-	fd, mem, err := newMemfd("gdrlink-onnode-mrtable", tableFile)
+	fd, mem, err := newMemfd("gdrlink-onnode-mrtable", tableBytes, sealsTable)
 	if err != nil {
 		return nil, fmt.Errorf("%w: onnode: %w", verbsio.ErrNotSupported, err)
 	}
-	return &pd{dev: d, tableFD: fd, table: mem}, nil
+	cfd, cmem, err := newMemfd("gdrlink-onnode-mrcounters", counterBytes, sealsShared)
+	if err != nil {
+		unix.Munmap(mem)
+		unix.Close(fd)
+		return nil, fmt.Errorf("%w: onnode: %w", verbsio.ErrNotSupported, err)
+	}
+	return &pd{dev: d, tableFD: fd, table: mem, ctrFD: cfd, counters: cmem}, nil
 }
 
 // RegisterMemory implements verbsio.ProtectionDomain. When the memory is a
@@ -244,7 +254,7 @@ func (p *pd) deregister(mr *memoryRegion) {
 	// Writes that peers announced before the entry changed finish before
 	// the region is given back; a peer that died mid-write is waited for
 	// no longer than the timeout.
-	ctr := u64(p.table, tableBytes+mr.idx*counterSize)
+	ctr := u64(p.counters, mr.idx*counterSize)
 	deadline := time.Now().Add(p.dev.opts.DeregTimeout)
 	for atomic.LoadUint64(ctr) != 0 && time.Now().Before(deadline) {
 		time.Sleep(20 * time.Microsecond)
@@ -295,8 +305,10 @@ func (p *pd) Close() error {
 	}
 	p.closed = true
 	unix.Munmap(p.table)
+	unix.Munmap(p.counters)
 	unix.Close(p.tableFD)
-	p.table = nil
+	unix.Close(p.ctrFD)
+	p.table, p.counters = nil, nil
 	p.dev.dropChild()
 	return nil
 }

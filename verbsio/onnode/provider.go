@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/jobauth"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
@@ -165,11 +166,15 @@ func OpenDevice(cfg verbsio.Config, o Options) (verbsio.Device, error) {
 	if o.DeregTimeout <= 0 {
 		o.DeregTimeout = defaultDeregTimeout
 	}
+	key, err := jobauth.FromBytes(cfg.JobKey)
+	if err != nil {
+		return nil, fmt.Errorf("%w: onnode: %w", verbsio.ErrBadConfig, err)
+	}
 	host, err := bootID()
 	if err != nil {
 		return nil, fmt.Errorf("%w: onnode: %w", verbsio.ErrNoDevice, err)
 	}
-	return &device{cfg: cfg, opts: o, host: host}, nil
+	return &device{cfg: cfg, opts: o, host: host, key: key}, nil
 }
 
 // device is the provider's device.
@@ -177,6 +182,7 @@ type device struct {
 	cfg  verbsio.Config
 	opts Options
 	host string
+	key  jobauth.Key // zero: connections are checked by credentials only
 
 	mu       sync.Mutex
 	children int

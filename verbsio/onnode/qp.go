@@ -180,7 +180,7 @@ func (q *qp) setup() error {
 		return fmt.Errorf("listening on @%s: %w", q.name, err)
 	}
 	q.ln = ln
-	if q.inFD, q.inMem, err = newMemfd("gdrlink-onnode-ring", ringFile); err != nil {
+	if q.inFD, q.inMem, err = newMemfd("gdrlink-onnode-ring", ringFile, sealsShared); err != nil {
 		return err
 	}
 	q.in = newRing(q.inMem)
@@ -285,7 +285,7 @@ func (q *qp) Connect(ctx context.Context, remote verbsio.Endpoint) error {
 		ctx, cancel = context.WithTimeout(ctx, q.pd.dev.cfg.ConnectTimeout)
 		defer cancel()
 	}
-	conn, h, fds, err := q.establish(ctx, ed.Name)
+	conn, h, fds, err := q.establish(ctx, ed)
 	if err != nil {
 		return err
 	}
@@ -294,6 +294,9 @@ func (q *qp) Connect(ctx context.Context, remote verbsio.Endpoint) error {
 		return err
 	}
 	q.conn = conn
+	// Nobody else may connect any more: the name goes.
+	q.ln.Close()
+	q.ln = nil
 	q.recvCQ.attach(q)
 	if q.recvCQ.sleepers.Load() > 0 {
 		q.setSleep(1)
@@ -305,117 +308,15 @@ func (q *qp) Connect(ctx context.Context, remote verbsio.Endpoint) error {
 	return nil
 }
 
-// establish dials or accepts the peer and swaps hellos.
-func (q *qp) establish(ctx context.Context, peer string) (*net.UnixConn, hello, []int, error) {
-	if q.name < peer {
-		var d net.Dialer
-		c, err := d.DialContext(ctx, "unixpacket", "@"+peer)
-		if err != nil {
-			return nil, hello{}, nil, fmt.Errorf("%w: onnode dialing @%s: %w", verbsio.ErrTimeout, peer, err)
-		}
-		conn := c.(*net.UnixConn)
-		h, fds, err := q.handshake(ctx, conn, peer)
-		if err != nil {
-			conn.Close()
-			return nil, hello{}, nil, err
-		}
-		return conn, h, fds, nil
-	}
-	stop := context.AfterFunc(ctx, func() { q.ln.SetDeadline(time.Unix(1, 0)) })
-	defer stop()
-	for {
-		conn, err := q.ln.AcceptUnix()
-		if err != nil {
-			if ctx.Err() != nil {
-				return nil, hello{}, nil, fmt.Errorf("%w: onnode waiting for @%s: %w", verbsio.ErrTimeout, peer, ctx.Err())
-			}
-			return nil, hello{}, nil, fmt.Errorf("%w: onnode accept: %w", verbsio.ErrPeerLost, err)
-		}
-		h, fds, err := q.handshake(ctx, conn, peer)
-		if err == nil {
-			return conn, h, fds, nil
-		}
-		conn.Close() // not our peer: keep waiting for it
-		if ctx.Err() != nil {
-			return nil, hello{}, nil, fmt.Errorf("%w: onnode waiting for @%s: %w", verbsio.ErrTimeout, peer, ctx.Err())
-		}
-	}
-}
-
-func (q *qp) handshake(ctx context.Context, conn *net.UnixConn, peer string) (hello, []int, error) {
-	if dl, ok := ctx.Deadline(); ok {
-		conn.SetDeadline(dl)
-		defer conn.SetDeadline(time.Time{})
-	}
-	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Unix(1, 0)) })
-	defer stop()
-	mine := hello{PID: uint32(os.Getpid()), Probe: uint64(offheap.Addr(q.inMem[offProbe:])), RingSize: ringData, Name: q.name, PeerName: peer}
-	oob := unix.UnixRights(q.inFD, q.efd, q.pd.tableFD)
-	if _, _, err := conn.WriteMsgUnix(mine.Append(nil), oob, nil); err != nil {
-		return hello{}, nil, fmt.Errorf("%w: onnode hello to @%s: %w", verbsio.ErrPeerLost, peer, err)
-	}
-	buf := make([]byte, 512)
-	oobBuf := make([]byte, unix.CmsgSpace(4*4))
-	n, oobn, _, _, err := conn.ReadMsgUnix(buf, oobBuf)
-	if err != nil {
-		return hello{}, nil, fmt.Errorf("%w: onnode hello from @%s: %w", verbsio.ErrPeerLost, peer, err)
-	}
-	fds := parseRights(oobBuf[:oobn])
-	h, err := parseHello(buf[:n])
-	if err == nil && (h.Name != peer || h.PeerName != q.name || h.RingSize != ringData || len(fds) != 3) {
-		err = fmt.Errorf("%w: onnode hello from %q for %q, ring %d, %d fds; want %q for %q", verbsio.ErrBadFrame, h.Name, h.PeerName, h.RingSize, len(fds), peer, q.name)
-	}
-	if err == nil {
-		err = checkPeerCred(conn, int(h.PID))
-	}
-	if err != nil {
-		for _, fd := range fds {
-			unix.Close(fd)
-		}
-		return hello{}, nil, err
-	}
-	return h, fds, nil
-}
-
-func parseRights(oob []byte) []int {
-	msgs, err := unix.ParseSocketControlMessage(oob)
-	if err != nil {
-		return nil
-	}
-	var fds []int
-	for _, m := range msgs {
-		if f, err := unix.ParseUnixRights(&m); err == nil {
-			fds = append(fds, f...)
-		}
-	}
-	return fds
-}
-
-func checkPeerCred(conn *net.UnixConn, pid int) error {
-	raw, err := conn.SyscallConn()
-	if err != nil {
-		return err
-	}
-	var cred *unix.Ucred
-	var cerr error
-	raw.Control(func(fd uintptr) { cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED) })
-	if cerr != nil {
-		return fmt.Errorf("%w: onnode SO_PEERCRED: %w", verbsio.ErrNotSupported, cerr)
-	}
-	if int(cred.Pid) != pid {
-		return fmt.Errorf("%w: onnode peer claims pid %d, socket says %d", verbsio.ErrBadFrame, pid, cred.Pid)
-	}
-	return nil
-}
-
-// attachPeer maps the peer's ring and region table and probes whether this
-// process may write into the peer's memory.
+// attachPeer maps the peer's ring, region table (read-only) and write
+// counters, and probes whether this process may write into the peer's
+// memory. fds are the hello's: ring, eventfd, table, counters.
 func (q *qp) attachPeer(conn *net.UnixConn, h hello, fds []int) error {
 	defer func() {
-		unix.Close(fds[0])
-		unix.Close(fds[2])
-		if q.peerEFD != fds[1] {
-			unix.Close(fds[1])
+		for i, fd := range fds {
+			if i != 1 || q.peerEFD != fd {
+				unix.Close(fd)
+			}
 		}
 	}()
 	ok := false
@@ -424,12 +325,18 @@ func (q *qp) attachPeer(conn *net.UnixConn, h hello, fds []int) error {
 			q.detachPeer()
 		}
 	}()
-	var st unix.Stat_t
-	if err := unix.Fstat(fds[0], &st); err != nil || st.Size < ringFile {
-		return fmt.Errorf("%w: onnode peer ring file of %d bytes", verbsio.ErrBadFrame, st.Size)
-	}
-	if err := unix.Fstat(fds[2], &st); err != nil || st.Size < tableFile {
-		return fmt.Errorf("%w: onnode peer region table of %d bytes", verbsio.ErrBadFrame, st.Size)
+	for _, f := range []struct {
+		fd   int
+		what string
+		size int64
+	}{{fds[0], "ring", ringFile}, {fds[2], "region table", tableBytes}, {fds[3], "write counters", counterBytes}} {
+		if err := checkSealed(f.fd, f.what); err != nil {
+			return err
+		}
+		var st unix.Stat_t
+		if err := unix.Fstat(f.fd, &st); err != nil || st.Size < f.size {
+			return fmt.Errorf("%w: onnode peer %s of %d bytes, want %d", verbsio.ErrBadFrame, f.what, st.Size, f.size)
+		}
 	}
 	ringMem, err := unix.Mmap(fds[0], 0, ringFile, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
@@ -440,7 +347,7 @@ func (q *qp) attachPeer(conn *net.UnixConn, h hello, fds []int) error {
 	if q.peerTable, err = unix.Mmap(fds[2], 0, tableBytes, unix.PROT_READ, unix.MAP_SHARED); err != nil {
 		return fmt.Errorf("%w: onnode mapping peer region table: %w", verbsio.ErrNotSupported, err)
 	}
-	if q.peerCtr, err = unix.Mmap(fds[2], tableBytes, tableFile-tableBytes, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED); err != nil {
+	if q.peerCtr, err = unix.Mmap(fds[3], 0, counterBytes, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED); err != nil {
 		return fmt.Errorf("%w: onnode mapping peer counters: %w", verbsio.ErrNotSupported, err)
 	}
 	q.peerEFD = fds[1]

@@ -7,8 +7,10 @@ import (
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
-// wireVersion is the version of the endpoint, hello and control encodings.
-const wireVersion = 1
+// wireVersion is the version of the endpoint, hello and control encodings,
+// and of the connection set-up (2: credentials and the job key checked
+// first, the dialler's hello first, four descriptors).
+const wireVersion = 2
 
 // endpointData is what Endpoint.Data holds: the queue pair's abstract unix
 // socket name and its process.
@@ -47,13 +49,14 @@ func parseEndpointData(b []byte) (endpointData, error) {
 
 // Control messages over the queue pair's unix socket.
 const (
-	msgHello  = 1 // fds: ring, eventfd, region table
+	msgHello  = 1 // fds: ring, eventfd, region table, write counters
 	msgFDReq  = 2 // rkey: asks for the file of a file-backed region
 	msgFDResp = 3 // rkey, ok; fd: the file when ok
 	msgAck    = 4 // rkey holds a SEND's sequence number; ok: it landed in a receive
 )
 
-// hello is the first message each side sends on a new connection.
+// hello is the first message of each side on a new connection, after the
+// job-key handshake (when the job has a key); the dialler sends its own first.
 type hello struct {
 	PID      uint32
 	Probe    uint64 // address of the sender's probe word (process_vm_writev check)
