@@ -18,6 +18,7 @@ import (
 	"github.com/gdrlink/gdrlink/internal/bootstrap"
 	"github.com/gdrlink/gdrlink/internal/closed"
 	"github.com/gdrlink/gdrlink/internal/hostcard"
+	"github.com/gdrlink/gdrlink/internal/jobauth"
 	"github.com/gdrlink/gdrlink/rendezvous"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
@@ -32,6 +33,17 @@ import (
 // error of every layer: errors.Is(err, ErrClosed) holds whether the group,
 // its pool, a channel or a device noticed.
 var ErrClosed = closed.Err
+
+// ErrNotAuthenticated: a peer did not prove the job key (a stranger, a
+// wrong key, a replayed handshake), or refused ours. Every layer that
+// authenticates a connection (the bootstrap, the tcp and onnode providers)
+// wraps this one value.
+var ErrNotAuthenticated = jobauth.ErrRefused
+
+// ErrInsecure: a job without a key was asked to listen beyond loopback; set
+// a job key (GDRLINK_JOB_KEY, GDRLINK_JOB_KEY_FILE, WithJobKey), or
+// GDRLINK_INSECURE=1 (WithInsecure) to run unauthenticated.
+var ErrInsecure = jobauth.ErrInsecure
 
 // Transfer is what one Recv did: the path the bytes took (direct,
 // direct-gpu, proxy, serialized, none), the provider and device that
@@ -143,7 +155,8 @@ func Join(ctx context.Context, opts ...Option) (*Group, error) {
 	}
 	g.joinDur = time.Since(start)
 	close(g.ready)
-	g.log.Info("gdrlink: joined", "rank", g.Rank(), "size", g.Size(), "providers", g.providerNames(), "took", g.joinDur)
+	g.log.Info("gdrlink: joined", "rank", g.Rank(), "size", g.Size(), "providers", g.providerNames(), "took", g.joinDur,
+		"job_key", cfg.key.Fingerprint(), "job_key_from", cfg.keySource, "insecure", cfg.insecure)
 	return g, nil
 }
 
@@ -158,6 +171,7 @@ func bootstrapConfig(cfg config) (bootstrap.Config, error) {
 	if cfg.root != "" {
 		bc.Root = cfg.root
 	}
+	bc.Key, bc.Insecure = cfg.key, cfg.insecure
 	if cfg.rootListener != nil && bc.Rank == 0 {
 		bc.Listener = cfg.rootListener
 		if bc.Root == "" {
@@ -194,6 +208,7 @@ func (g *Group) setup(ctx context.Context) error {
 	} else if vc, err = verbsio.ConfigFromEnv(); err != nil {
 		return err
 	}
+	vc.JobKey, vc.Insecure = g.cfg.key.Bytes(), g.cfg.insecure
 	if vc.ListenAddr == "" {
 		// Listen where the bootstrap reaches this rank, so peers on
 		// other hosts (or namespaces) can reach the tcp provider too.

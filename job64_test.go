@@ -60,13 +60,19 @@ func TestJob64(t *testing.T) {
 	run("-n", ns, "link", "set", peer, "up")
 
 	upper := func(r int) bool { return r >= size/2 }
+	// Half the ranks listen on the veth address, beyond loopback: the job
+	// needs a key, and every connection proves it.
+	key, err := NewJobKey()
+	if err != nil {
+		t.Fatal(err)
+	}
 	start := time.Now()
 	j := startJob(t, "ring", size, hostIP, func(r int) []string {
 		if upper(r) {
 			return []string{ip, "netns", "exec", ns}
 		}
 		return nil
-	}, func(int) []string { return []string{"GDRLINK_CONNECT_TIMEOUT=60s"} })
+	}, func(int) []string { return []string{"GDRLINK_CONNECT_TIMEOUT=60s", "GDRLINK_JOB_KEY=" + key} })
 	reps := j.wait(4 * time.Minute)
 	took := time.Since(start)
 

@@ -12,6 +12,7 @@ import (
 	"github.com/dustin/go-humanize"
 
 	"github.com/gdrlink/gdrlink/alloc"
+	"github.com/gdrlink/gdrlink/internal/jobauth"
 	"github.com/gdrlink/gdrlink/proxy"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
@@ -34,6 +35,10 @@ type config struct {
 	verbs          *verbsio.Config
 	gpu            int // -1: none
 	metricsAddr    string
+	// key is the job key (zero: none), keySource where it came from.
+	key       jobauth.Key
+	keySource string
+	insecure  bool
 	// openGPU opens the GPU (openCUDA unless a test gives a simulated one).
 	openGPU func(ordinal int) (proxy.Device, alloc.Visitor, error)
 	// bar1 reads the BAR1 aperture of the GPU at a PCI address (nvml.BAR1
@@ -161,6 +166,29 @@ func WithMetricsAddr(addr string) Option {
 	}
 }
 
+// WithJobKey sets the job's key from its secret (GDRLINK_JOB_KEY, or a file
+// of this user's that nobody else can read named by GDRLINK_JOB_KEY_FILE;
+// at least 16 bytes; the same on every rank). Every connection of the job,
+// bootstrap and providers alike, then starts with a mutual proof of the key,
+// and nothing of the job crosses before it. Without a key, the job listens
+// on loopback only, unless WithInsecure.
+func WithJobKey(secret string) Option {
+	return func(c *config) error {
+		k, err := jobauth.Parse(secret)
+		if err != nil {
+			return fmt.Errorf("%w: %w", verbsio.ErrBadConfig, err)
+		}
+		c.key, c.keySource = k, "WithJobKey"
+		return nil
+	}
+}
+
+// WithInsecure lets a job without a key listen beyond loopback
+// (GDRLINK_INSECURE=1): any host that reaches its ports may then join it.
+func WithInsecure(on bool) Option {
+	return func(c *config) error { c.insecure = on; return nil }
+}
+
 // fromEnv reads the variables behind the options. Rank, size and root are
 // left to the bootstrap's reading of the launchers unless given.
 func fromEnv(lookup func(string) (string, bool)) (config, error) {
@@ -204,6 +232,15 @@ func fromEnv(lookup func(string) (string, bool)) (config, error) {
 			return c, fmt.Errorf("GDRLINK_METRICS_ADDR=%q: %w", v, err)
 		}
 	}
+	k, src, err := jobauth.FromEnv(get)
+	if err != nil {
+		return c, fmt.Errorf("%w: %w", verbsio.ErrBadConfig, err)
+	}
+	c.key, c.keySource = k, src
+	if v := get(jobauth.InsecureEnv); v != "" && v != "0" && v != "1" {
+		return c, fmt.Errorf("%w: %s=%q, want 0 or 1", verbsio.ErrBadConfig, jobauth.InsecureEnv, v)
+	}
+	c.insecure = jobauth.Insecure(get)
 	if v := get("GDRLINK_LOG"); v != "" {
 		var lvl slog.Level
 		if err := lvl.UnmarshalText([]byte(v)); err != nil {
@@ -212,4 +249,12 @@ func fromEnv(lookup func(string) (string, bool)) (config, error) {
 		c.log = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: lvl}))
 	}
 	return c, nil
+}
+
+// NewJobKey makes a fresh random job key's secret, for a process that
+// spawns its job's other processes: give it to them in GDRLINK_JOB_KEY and
+// to this process with WithJobKey (or the same variable).
+func NewJobKey() (string, error) {
+	_, secret, err := jobauth.Generate()
+	return secret, err
 }

@@ -72,7 +72,15 @@ func run(steps int, provider string, checksum, verbose bool) error {
 		if err != nil {
 			return err
 		}
-		peer, err := startPeer(ln.Addr().String(), steps, provider, checksum)
+		// A job key of our own, handed to the peer we spawn: every
+		// connection of the pair proves it, so no other local process can
+		// join in rank 1's place.
+		key, err := gdrlink.NewJobKey()
+		if err != nil {
+			return err
+		}
+		opts = append(opts, gdrlink.WithJobKey(key))
+		peer, err := startPeer(ln.Addr().String(), steps, provider, checksum, key)
 		if err != nil {
 			ln.Close()
 			return err
@@ -105,14 +113,20 @@ type peerProc struct {
 }
 
 // startPeer re-executes this program as rank 1.
-func startPeer(root string, steps int, provider string, checksum bool) (*peerProc, error) {
+func startPeer(root string, steps int, provider string, checksum bool, key string) (*peerProc, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
 	}
 	cmd := exec.Command(self)
-	cmd.Env = append(os.Environ(), "GDRLINK_RANK=1", "GDRLINK_SIZE=2", "GDRLINK_ROOT="+root,
-		envSteps+"="+strconv.Itoa(steps), "GDRLINK_CHECKSUM="+strconv.FormatBool(checksum))
+	var env []string
+	for _, kv := range os.Environ() { // the key below replaces any inherited one
+		if !strings.HasPrefix(kv, "GDRLINK_JOB_KEY=") && !strings.HasPrefix(kv, "GDRLINK_JOB_KEY_FILE=") {
+			env = append(env, kv)
+		}
+	}
+	cmd.Env = append(env, "GDRLINK_RANK=1", "GDRLINK_SIZE=2", "GDRLINK_ROOT="+root,
+		envSteps+"="+strconv.Itoa(steps), "GDRLINK_CHECKSUM="+strconv.FormatBool(checksum), "GDRLINK_JOB_KEY="+key)
 	if provider != "" {
 		cmd.Env = append(cmd.Env, "GDRLINK_PROVIDER="+provider)
 	}

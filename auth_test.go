@@ -1,0 +1,151 @@
+package gdrlink
+
+import (
+	"context"
+	"errors"
+	"net"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// TestTwoProcessesKeyed runs the pair job between two processes that share
+// a job key, over tcp and onnode: every connection proves the key, and the
+// 15 tensors arrive checked byte for byte.
+func TestTwoProcessesKeyed(t *testing.T) {
+	key, err := NewJobKey()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, provider := range []string{"tcp", "onnode"} {
+		t.Run(provider, func(t *testing.T) {
+			j := startJob(t, "pair", 2, "127.0.0.1", func(int) []string { return nil }, func(int) []string {
+				return []string{"GDRLINK_PROVIDER=" + provider, "GDRLINK_JOB_KEY=" + key}
+			})
+			reps := j.wait(2 * time.Minute)
+			if reps[1].Received != 15 {
+				t.Fatalf("rank 1 received %d tensors, want 15", reps[1].Received)
+			}
+			for r, rep := range reps {
+				if rep.Connections[provider] != 1 {
+					t.Errorf("rank %d connections %v, want one over %s", r, rep.Connections, provider)
+				}
+			}
+			t.Logf("%s with a job key: join %.1f ms and %.1f ms", provider, reps[0].JoinMS, reps[1].JoinMS)
+		})
+	}
+}
+
+// TestWrongKey starts rank 1 with another job's key: the root refuses it at
+// the bootstrap, and rank 1's Join fails at once (not at its deadline),
+// saying the key was not proven.
+func TestWrongKey(t *testing.T) {
+	k0, err := NewJobKey()
+	if err != nil {
+		t.Fatal(err)
+	}
+	k1, _ := NewJobKey()
+	start := time.Now()
+	j := startJob(t, "pair", 2, "127.0.0.1", func(int) []string { return nil }, func(r int) []string {
+		if r == 0 {
+			return []string{"GDRLINK_JOB_KEY=" + k0}
+		}
+		return []string{"GDRLINK_JOB_KEY=" + k1}
+	})
+	done := make(chan error, 1)
+	go func() { done <- j.cmds[1].Wait() }()
+	select {
+	case err := <-done:
+		took := time.Since(start)
+		if err == nil {
+			t.Fatalf("rank 1 with a wrong key succeeded: %s", j.outs[1])
+		}
+		msg := j.errs[1].String()
+		if !strings.Contains(msg, "job key") {
+			t.Errorf("rank 1's error does not name the job key: %s", msg)
+		}
+		if took > 20*time.Second {
+			t.Errorf("rank 1 was refused after %v, want at once", took)
+		}
+		t.Logf("refused after %v: %s", took.Round(time.Millisecond), strings.TrimSpace(msg))
+	case <-time.After(60 * time.Second):
+		t.Fatal("rank 1 with a wrong key did not end within 60 s")
+	}
+	// The root is still waiting for a rank 1 that holds the key: the
+	// refused process took no rank's place and did not end the job.
+	if err := j.cmds[0].Process.Signal(syscall.Signal(0)); err != nil {
+		t.Errorf("rank 0 ended although only a stranger came: %v %s", err, j.errs[0])
+	}
+}
+
+// TestInsecureListen: a job without a key may listen on loopback only;
+// WithInsecure lifts that, and a key makes it safe.
+func TestInsecureListen(t *testing.T) {
+	var ip string
+	addrs, _ := net.InterfaceAddrs()
+	for _, a := range addrs {
+		if n, ok := a.(*net.IPNet); ok && !n.IP.IsLoopback() && n.IP.To4() != nil {
+			ip = n.IP.String()
+			break
+		}
+	}
+	if ip == "" {
+		t.Skip("skipping: this host has no non-loopback IPv4 address to listen on")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	root := net.JoinHostPort(ip, "0")
+	t.Setenv("GDRLINK_JOB_KEY", "")
+	t.Setenv("GDRLINK_JOB_KEY_FILE", "")
+	t.Setenv("GDRLINK_INSECURE", "")
+	if _, err := Join(ctx, WithRank(0, 1), WithRoot(root)); !errors.Is(err, ErrInsecure) || !strings.Contains(err.Error(), ip) {
+		t.Fatalf("Join on %s without a key: %v, want ErrInsecure naming the address", root, err)
+	}
+	key, _ := NewJobKey()
+	for name, opt := range map[string]Option{"insecure": WithInsecure(true), "key": WithJobKey(key)} {
+		g, err := Join(ctx, WithRank(0, 1), WithRoot(root), opt)
+		if err != nil {
+			t.Fatalf("Join on %s with %s: %v", root, name, err)
+		}
+		if err := g.Close(); err != nil {
+			t.Error(err)
+		}
+	}
+	if _, err := Join(ctx, WithRank(0, 1), WithJobKey("short")); err == nil || !strings.Contains(err.Error(), "at least 16") {
+		t.Errorf("a short key: %v", err)
+	}
+}
+
+// TestKeyEnvironment: the variables behind WithJobKey and WithInsecure, and
+// their refusals.
+func TestKeyEnvironment(t *testing.T) {
+	env := func(kv ...string) func(string) (string, bool) {
+		return func(k string) (string, bool) {
+			for i := 0; i+1 < len(kv); i += 2 {
+				if kv[i] == k {
+					return kv[i+1], true
+				}
+			}
+			return "", false
+		}
+	}
+	c, err := fromEnv(env("GDRLINK_JOB_KEY", "0123456789abcdef0123", "GDRLINK_INSECURE", "1"))
+	if err != nil || c.key.IsZero() || c.keySource != "GDRLINK_JOB_KEY" || !c.insecure {
+		t.Errorf("key and insecure from the environment: %+v, %v", c, err)
+	}
+	c, err = fromEnv(env())
+	if err != nil || !c.key.IsZero() || c.insecure {
+		t.Errorf("no key: %v", err)
+	}
+	for _, bad := range [][]string{
+		{"GDRLINK_JOB_KEY", "short"},
+		{"GDRLINK_JOB_KEY_FILE", "/nonexistent/key"},
+		{"GDRLINK_INSECURE", "maybe"},
+		{"GDRLINK_JOB_KEY", "0123456789abcdef0123", "GDRLINK_JOB_KEY_FILE", "/etc/hostname"},
+	} {
+		if _, err := fromEnv(env(bad...)); err == nil || !strings.Contains(err.Error(), bad[0]) {
+			t.Errorf("%v: %v, want an error naming %s", bad, err, bad[0])
+		}
+	}
+}
