@@ -10,7 +10,10 @@
 // PCIe ACS on the bridges between GPUs and NICs, and CPU and NUMA affinity;
 // prints the topology matrix in the layout of `nvidia-smi topo -m`; and gives
 // a verdict per GPU (package gdr decides): Direct, Proxy through a named NIC,
-// or Unavailable, each with its reasons and fixes.
+// or Unavailable, each with its reasons and fixes. It also says how a gdrlink
+// job started with its environment authenticates connections: with a job
+// key, on loopback only, or unauthenticated (GDRLINK_INSECURE=1); unusable
+// key settings make the node not ready.
 //
 // Usage:
 //
@@ -20,7 +23,8 @@
 //
 // Exit status: 0 ready (every GPU Direct, or no GPU and RDMA usable), 1
 // degraded (some GPU needs a CPU proxy), 2 not ready (some GPU has no RDMA
-// path, no RDMA at all, a failed selftest) or an error.
+// path, no RDMA at all, a failed selftest, unusable job key settings) or an
+// error.
 //
 // --json prints the report in the versioned schema of schema.json.
 // --root reads sysfs and procfs from a copy of another node's tree or from a

@@ -41,6 +41,9 @@ type nodeFacts struct {
 	// dmaBuf is nil when gdrcheck could not tell.
 	dmaBuf *bool
 	nics   []nicFact
+	// jobAuth is JobAuth's mode: "key", "loopback-only", "insecure",
+	// "error".
+	jobAuth string
 }
 
 type gpuFact struct {
@@ -58,7 +61,7 @@ type nicFact struct {
 var peerMemModules = []string{"nvidia_peermem", "nv_peer_mem"}
 
 func nodeFactsOf(r *Report) nodeFacts {
-	n := nodeFacts{verdict: r.Verdict, exit: r.ExitCode}
+	n := nodeFacts{verdict: r.Verdict, exit: r.ExitCode, jobAuth: r.JobAuth.Mode}
 	direct := 0
 	for _, d := range r.Decisions {
 		g := gpuFact{index: d.GPU, mode: d.Mode.String(), nic: d.NIC}
@@ -186,6 +189,9 @@ func nfdFeatures(n nodeFacts, expiry time.Time) []byte {
 	for _, c := range n.nics {
 		label("rdma-"+labelName(c.name), boolLabel(c.active))
 	}
+	if n.jobAuth != "" {
+		label("job-auth", n.jobAuth)
+	}
 	return []byte(b.String())
 }
 
@@ -252,6 +258,10 @@ func promText(n nodeFacts) []byte {
 		for _, c := range names {
 			sample("gdrlink_rdma_device_active", bit(c.active), "device", c.name)
 		}
+	}
+	if n.jobAuth != "" {
+		metric("gdrlink_job_auth_info", "How gdrlink jobs with gdrcheck's environment authenticate connections (label mode: key, loopback-only, insecure, error); always 1.")
+		sample("gdrlink_job_auth_info", 1, "mode", n.jobAuth)
 	}
 	return []byte(b.String())
 }

@@ -8,6 +8,7 @@ import (
 	"github.com/dustin/go-humanize"
 
 	"github.com/gdrlink/gdrlink/gdr"
+	"github.com/gdrlink/gdrlink/internal/jobauth"
 )
 
 // painter colors words on a terminal and leaves them alone elsewhere.
@@ -48,6 +49,20 @@ func (p painter) check(c gdr.Check) string {
 		return p.paint("31", "no") + " (" + c.Detail + ")"
 	}
 	return p.paint("33", "could not tell") + " (" + c.Detail + ")"
+}
+
+// jobAuth is the job key line of the Host section: the mode, then what it
+// means. Running without authentication beyond loopback is a warning.
+func (p painter) jobAuth(a JobAuth) string {
+	switch a.Mode {
+	case authKey:
+		return p.paint("32", "yes") + " (" + a.Source + ", fingerprint " + a.Fingerprint + ")"
+	case authInsecure:
+		return p.paint("33", "none, "+jobauth.InsecureEnv+"=1") + ": jobs accept unauthenticated peers beyond loopback"
+	case authError:
+		return p.paint("31", "unusable") + ": " + a.Detail
+	}
+	return "none: jobs listen on loopback only (set " + jobauth.KeyEnv + " or " + jobauth.KeyFileEnv + " on every rank to reach other hosts)"
 }
 
 func orDash(s string) string {
@@ -164,6 +179,7 @@ func writeHuman(w io.Writer, r *Report, color bool) {
 	if r.Process != nil {
 		fmt.Fprintf(w, "  this process may run on CPUs %s, memory nodes %s\n", orDash(r.Process.CPUsAllowed), orDash(r.Process.MemsAllowed))
 	}
+	fmt.Fprintf(w, "  job key: %s\n", p.jobAuth(r.JobAuth))
 
 	fmt.Fprintf(w, "\nPCIe ACS on bridges between GPUs and NICs\n")
 	if len(r.ACS) == 0 {

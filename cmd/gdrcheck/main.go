@@ -15,11 +15,14 @@ import (
 )
 
 func main() {
-	os.Exit(run(context.Background(), os.Args[1:], os.Stdout, os.Stderr))
+	os.Exit(run(context.Background(), os.Args[1:], os.Getenv, os.Stdout, os.Stderr))
 }
 
-// options are the command line.
+// options are the command line and the environment.
 type options struct {
+	// getenv reads the environment that holds the job key settings
+	// (os.Getenv; tests give a fixed one).
+	getenv   func(string) string
 	json     bool
 	root     string
 	gpus     string
@@ -47,12 +50,13 @@ func usage(fs *flag.FlagSet) func() {
 	}
 }
 
-// run is main without the process: it returns the exit code.
-func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+// run is main without the process: it returns the exit code. getenv is
+// the environment whose job key settings the report describes.
+func run(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) int {
 	if len(args) > 0 && args[0] == "snapshot" {
 		return runSnapshot(ctx, args[1:], stdout, stderr)
 	}
-	var o options
+	o := options{getenv: getenv}
 	fs := flag.NewFlagSet("gdrcheck", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.Usage = usage(fs)
@@ -120,6 +124,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			r.Summary += fmt.Sprintf("; selftest: %d of %d paths failed", r.Selftest.Failed, len(r.Selftest.Runs))
 		}
 	}
+	r.setJobAuth(jobAuthOf(o.getenv))
 	if code := export(o, r, stderr); code != 0 {
 		return code
 	}

@@ -26,10 +26,18 @@ var layouts = map[string]int{
 	"broken":     exitNotReady,
 }
 
+// runArgs runs gdrcheck in an empty environment (no job key: mode
+// loopback-only), so that reports do not depend on the one of the test.
 func runArgs(t *testing.T, args ...string) (string, string, int) {
 	t.Helper()
+	return runEnv(t, func(string) string { return "" }, args...)
+}
+
+// runEnv runs gdrcheck with the environment getenv.
+func runEnv(t *testing.T, getenv func(string) string, args ...string) (string, string, int) {
+	t.Helper()
 	var out, errb bytes.Buffer
-	code := run(context.Background(), args, &out, &errb)
+	code := run(context.Background(), args, getenv, &out, &errb)
 	return out.String(), errb.String(), code
 }
 
@@ -136,9 +144,11 @@ func TestGoldenLayouts(t *testing.T) {
 
 // TestThisNode runs the checker on this machine: whatever it has, the
 // report must follow the schema and the exit code must match the verdict.
+// It reads the job key settings from the test's own environment, as main
+// does.
 func TestThisNode(t *testing.T) {
 	schema := compileSchema(t)
-	js, errs, code := runArgs(t, "--json")
+	js, errs, code := runEnv(t, os.Getenv, "--json")
 	validate(t, schema, js)
 	var r struct {
 		ExitCode int    `json:"exit_code"`
@@ -188,7 +198,7 @@ func TestThisNode(t *testing.T) {
 			t.Error("GDRLINK_REQUIRE_RDMA=1 but gdrcheck found no RDMA device with an active port and a GID")
 		}
 	}
-	human, _, hcode := runArgs(t)
+	human, _, hcode := runEnv(t, os.Getenv)
 	if hcode != code || !strings.Contains(human, "Verdict:") || strings.Contains(human, "\x1b[") {
 		t.Fatalf("human report: exit %d, colored or without verdict:\n%s", hcode, human)
 	}

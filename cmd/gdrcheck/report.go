@@ -33,6 +33,7 @@ type Report struct {
 	Policy gdr.Policy `json:"policy"`
 	*gdr.Facts
 	Process   *ProcessFacts  `json:"process"`
+	JobAuth   JobAuth        `json:"job_auth"` // gdrcheck's environment, not --root's
 	ACS       []ACSFinding   `json:"acs"`
 	Topology  Topology       `json:"topology"`
 	Decisions []gdr.Decision `json:"decisions"`
