@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -510,5 +511,54 @@ func TestInsecureListen(t *testing.T) {
 				barrier(t, wait(t, root, "root"), g)
 			})
 		}
+	}
+}
+
+// TestAcceptFlood: 500 idle connections to the root, which prove nothing,
+// neither keep the job's ranks out nor grow the root's goroutines beyond
+// the bound: the oldest waiting connections are closed to make room.
+func TestAcceptFlood(t *testing.T) {
+	key := testKey(t, "flood")
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	before := runtime.NumGoroutine()
+	root := joinAsync(t, ctx, Config{Rank: 0, Size: 3, Listener: ln, Key: key})
+	var flood []net.Conn
+	defer func() {
+		for _, c := range flood {
+			c.Close()
+		}
+	}()
+	for range 500 {
+		c, err := net.Dial("tcp", ln.Addr().String())
+		if err != nil {
+			t.Fatalf("flood connection %d: %v", len(flood), err)
+		}
+		flood = append(flood, c)
+	}
+	start := time.Now()
+	r1 := joinAsync(t, ctx, Config{Rank: 1, Size: 3, Root: ln.Addr().String(), Key: key})
+	r2 := joinAsync(t, ctx, Config{Rank: 2, Size: 3, Root: ln.Addr().String(), Key: key})
+	g0, g1, g2 := wait(t, root, "root"), wait(t, r1, "rank 1"), wait(t, r2, "rank 2")
+	took := time.Since(start)
+	barrier(t, g0, g1, g2)
+	g0.mu.Lock()
+	pending, evicted, bound := len(g0.pending), g0.evicted, g0.maxPending()
+	g0.mu.Unlock()
+	during := runtime.NumGoroutine()
+	t.Logf("500 idle connections: ranks joined in %v; root holds %d waiting (bound %d), evicted %d; goroutines %d before, %d during",
+		took.Round(time.Millisecond), pending, bound, evicted, before, during)
+	if pending > bound || evicted < 500-bound {
+		t.Errorf("root holds %d waiting connections and evicted %d, bound %d", pending, evicted, bound)
+	}
+	if took > 5*time.Second {
+		t.Errorf("the job took %v to join under the flood", took)
+	}
+	if during-before > bound+40 {
+		t.Errorf("goroutines grew from %d to %d under the flood (bound %d)", before, during, bound)
 	}
 }

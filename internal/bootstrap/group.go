@@ -46,7 +46,8 @@ type Group struct {
 	joined  bool // rank 0: every rank joined, the join queue is shut
 	pairs   map[int]*pair
 	joinCh  chan joinReq
-	pending map[net.Conn]struct{}
+	pending map[net.Conn]time.Time // accepted connections in greet, by when
+	evicted int                    // of them, closed to make room for newer ones
 	wg      sync.WaitGroup
 }
 
@@ -72,7 +73,7 @@ func Join(ctx context.Context, cfg Config) (*Group, error) {
 		return nil, err
 	}
 	g := &Group{rank: cfg.Rank, size: cfg.Size, max: cfg.MaxMessage, pairs: map[int]*pair{},
-		joinCh: make(chan joinReq, cfg.Size), pending: map[net.Conn]struct{}{}, onCall: cfg.OnCall,
+		joinCh: make(chan joinReq, cfg.Size), pending: map[net.Conn]time.Time{}, onCall: cfg.OnCall,
 		key: cfg.Key, insecure: cfg.Insecure, dialFn: cfg.dial}
 	g.ctx, g.cancel = context.WithCancel(context.Background())
 	if g.max == 0 {
@@ -333,12 +334,32 @@ func (g *Group) acceptLoop() {
 			c.Close()
 			return
 		}
-		g.pending[c] = struct{}{}
+		if len(g.pending) >= g.maxPending() {
+			// A flood of connections that prove nothing must not hold
+			// the job's own ranks out, nor grow goroutines without bound:
+			// the oldest waiting one goes.
+			var oldest net.Conn
+			var at time.Time
+			for pc, t := range g.pending {
+				if oldest == nil || t.Before(at) {
+					oldest, at = pc, t
+				}
+			}
+			oldest.Close()
+			delete(g.pending, oldest)
+			g.evicted++
+		}
+		g.pending[c] = time.Now()
 		g.wg.Add(1)
 		g.mu.Unlock()
 		go g.greet(c)
 	}
 }
+
+// maxPending is how many accepted connections may wait to prove the key and
+// send their first message at once: room for every rank's hello and a Call
+// from each, and 64 more.
+func (g *Group) maxPending() int { return 2*g.size + 64 }
 
 // Deadlines of an accepted connection, from its acceptance: for proving
 // the job key, and for its first message.
