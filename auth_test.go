@@ -4,22 +4,37 @@ import (
 	"context"
 	"errors"
 	"net"
+	"os"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/gdrlink/gdrlink/verbsio"
 )
 
 // TestTwoProcessesKeyed runs the pair job between two processes that share
-// a job key, over tcp and onnode: every connection proves the key, and the
-// 15 tensors arrive checked byte for byte.
+// a job key, over tcp, onnode and ibverbs (whose queue pairs are exchanged
+// over the authenticated bootstrap): every connection proves the key, and
+// the 15 tensors arrive checked byte for byte. ibverbs skips without a
+// device, or fails where GDRLINK_REQUIRE_RDMA=1.
 func TestTwoProcessesKeyed(t *testing.T) {
 	key, err := NewJobKey()
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, provider := range []string{"tcp", "onnode"} {
+	for _, provider := range []string{"tcp", "onnode", "ibverbs"} {
 		t.Run(provider, func(t *testing.T) {
+			p, err := verbsio.Lookup(provider)
+			if err == nil {
+				_, err = p.Devices()
+			}
+			if err != nil {
+				if os.Getenv("GDRLINK_REQUIRE_RDMA") == "1" {
+					t.Fatalf("GDRLINK_REQUIRE_RDMA=1 but %s is not usable: %v", provider, err)
+				}
+				t.Skipf("skipping: provider %s not usable here: %v", provider, err)
+			}
 			j := startJob(t, "pair", 2, "127.0.0.1", func(int) []string { return nil }, func(int) []string {
 				return []string{"GDRLINK_PROVIDER=" + provider, "GDRLINK_JOB_KEY=" + key}
 			})

@@ -55,26 +55,38 @@ func rc32(r uintptr) int32 { return int32(uint32(r)) }
 // Devices lists the RDMA devices libibverbs sees. An empty list with a nil
 // error means libibverbs works but found none.
 func Devices() ([]DeviceInfo, error) {
+	var out []DeviceInfo
+	err := eachDevice(func(l *library, d uintptr, name string) bool {
+		out = append(out, DeviceInfo{
+			Name:      name,
+			NodeGUID:  be64(uint64(l.call(symGetDeviceGUID, d))),
+			Transport: int(int32(u32At(d, offDeviceTransport))),
+		})
+		return true
+	})
+	return out, err
+}
+
+// eachDevice calls fn with every struct ibv_device of libibverbs' device
+// list and its name, until fn returns false; the list is freed after.
+func eachDevice(fn func(l *library, d uintptr, name string) bool) error {
 	l, err := lib()
 	if err != nil {
-		return nil, err
+		return err
 	}
 	var n int32
 	list, e := l.callErrno(symGetDeviceList, uintptr(unsafe.Pointer(&n)))
 	if list == 0 {
-		return nil, &Error{Op: "ibv_get_device_list", Errno: orEIO(e)}
+		return &Error{Op: "ibv_get_device_list", Errno: orEIO(e)}
 	}
 	defer l.call(symFreeDeviceList, list)
-	out := make([]DeviceInfo, 0, int(n))
 	for i := 0; i < int(n); i++ {
 		d := ptrField(list, i*8)
-		out = append(out, DeviceInfo{
-			Name:      cString(l.call(symGetDeviceName, d), 64),
-			NodeGUID:  be64(uint64(l.call(symGetDeviceGUID, d))),
-			Transport: int(int32(u32At(d, offDeviceTransport))),
-		})
+		if !fn(l, d, cString(l.call(symGetDeviceName, d), 64)) {
+			break
+		}
 	}
-	return out, nil
+	return nil
 }
 
 // Context is an open device.
@@ -91,38 +103,43 @@ type Context struct {
 
 // Open opens the device called name.
 func Open(name string) (*Context, error) {
-	l, err := lib()
-	if err != nil {
+	var c *Context
+	var oerr error
+	err := eachDevice(func(l *library, d uintptr, dn string) bool {
+		if dn != name {
+			return true
+		}
+		c, oerr = openDevice(l, d, name)
+		return false
+	})
+	switch {
+	case err != nil:
 		return nil, err
+	case oerr != nil:
+		return nil, oerr
+	case c == nil:
+		return nil, &Error{Op: "ibv_open_device", Device: name, Errno: syscall.ENODEV}
 	}
-	var n int32
-	list, e := l.callErrno(symGetDeviceList, uintptr(unsafe.Pointer(&n)))
-	if list == 0 {
-		return nil, &Error{Op: "ibv_get_device_list", Errno: orEIO(e)}
+	return c, nil
+}
+
+// openDevice opens device d and reads its context's data-path entries.
+func openDevice(l *library, d uintptr, name string) (*Context, error) {
+	ctx, e := l.callErrno(symOpenDevice, d)
+	if ctx == 0 {
+		return nil, &Error{Op: "ibv_open_device", Device: name, Errno: orEIO(e)}
 	}
-	defer l.call(symFreeDeviceList, list)
-	for i := 0; i < int(n); i++ {
-		d := ptrField(list, i*8)
-		if cString(l.call(symGetDeviceName, d), 64) != name {
-			continue
-		}
-		ctx, e := l.callErrno(symOpenDevice, d)
-		if ctx == 0 {
-			return nil, &Error{Op: "ibv_open_device", Device: name, Errno: orEIO(e)}
-		}
-		c := &Context{name: name, cnt: new(Counters), l: l, ctx: ctx}
-		ops := offContextOps
-		c.pollCQ = ptrField(ctx, ops+offOpsPollCQ)
-		c.reqNotifyCQ = ptrField(ctx, ops+offOpsReqNotifyCQ)
-		c.postSend = ptrField(ctx, ops+offOpsPostSend)
-		c.postRecv = ptrField(ctx, ops+offOpsPostRecv)
-		if c.pollCQ == 0 || c.reqNotifyCQ == 0 || c.postSend == 0 || c.postRecv == 0 {
-			l.call(symCloseDevice, ctx)
-			return nil, &Error{Op: "ibv_open_device", Device: name, Errno: syscall.EOPNOTSUPP, Detail: "the provider fills no data-path entry in the context's ops table"}
-		}
-		return c, nil
+	c := &Context{name: name, cnt: new(Counters), l: l, ctx: ctx}
+	ops := offContextOps
+	c.pollCQ = ptrField(ctx, ops+offOpsPollCQ)
+	c.reqNotifyCQ = ptrField(ctx, ops+offOpsReqNotifyCQ)
+	c.postSend = ptrField(ctx, ops+offOpsPostSend)
+	c.postRecv = ptrField(ctx, ops+offOpsPostRecv)
+	if c.pollCQ == 0 || c.reqNotifyCQ == 0 || c.postSend == 0 || c.postRecv == 0 {
+		l.call(symCloseDevice, ctx)
+		return nil, &Error{Op: "ibv_open_device", Device: name, Errno: syscall.EOPNOTSUPP, Detail: "the provider fills no data-path entry in the context's ops table"}
 	}
-	return nil, &Error{Op: "ibv_open_device", Device: name, Errno: syscall.ENODEV}
+	return c, nil
 }
 
 // Name is the device's name.
