@@ -62,6 +62,10 @@ type Caps struct {
 	MaxMessage int64
 	// SameHostOnly is true for providers that reach only peers on this host.
 	SameHostOnly bool
+	// Grants reports whether the device's memory regions implement
+	// Granter: per-buffer, per-queue-pair keys a peer can write through
+	// instead of the region's rkey.
+	Grants bool
 }
 
 // Opcode is what a work request or a completion does.

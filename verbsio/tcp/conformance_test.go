@@ -16,6 +16,7 @@ import (
 
 func TestMain(m *testing.M) {
 	verbstest.PeerMain()
+	grantWriterMain()
 	code := m.Run()
 	if code == 0 {
 		if leaked := leakedGoroutines(); leaked != "" {

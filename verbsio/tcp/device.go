@@ -252,6 +252,7 @@ func (d *device) Caps() verbsio.Caps {
 		MaxQPDepth:         65536,
 		MaxMessage:         maxPayload,
 		SameHostOnly:       false,
+		Grants:             true,
 	}
 }
 
@@ -262,7 +263,7 @@ func (d *device) AllocPD() (verbsio.ProtectionDomain, error) {
 	if d.closed {
 		return nil, fmt.Errorf("%w: tcp device", verbsio.ErrClosed)
 	}
-	p := &pd{dev: d, byR: map[uint32]*mr{}, byL: map[uint32]*mr{}, qps: map[*qp]struct{}{}}
+	p := &pd{dev: d, byR: map[uint32]*mr{}, byL: map[uint32]*mr{}, qps: map[*qp]struct{}{}, grants: map[uint32]*grant{}}
 	d.pds[p] = struct{}{}
 	return p, nil
 }
@@ -306,11 +307,11 @@ func (d *device) Close() error {
 	return err
 }
 
-// newKey draws a fresh nonzero key never used by a region of the device.
-// Callers hold d.mu.
+// newKey draws a fresh nonzero key never used by a region of the device;
+// grantKeyBit is clear in it. Callers hold d.mu.
 func (d *device) newKey() uint32 {
 	for {
-		k := rand.Uint32()
+		k := rand.Uint32() &^ grantKeyBit
 		if _, dup := d.keys[k]; k != 0 && !dup {
 			d.keys[k] = struct{}{}
 			return k

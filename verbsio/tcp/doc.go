@@ -61,12 +61,34 @@
 // intermediate buffer on either side. A payload that fails the checks is
 // read into a small scratch buffer and dropped, the target answers with a
 // nak, and the sender's work request completes with StatusRemoteAccess.
-// The region is read-locked while bytes move into it, so a region closed
-// under a transfer waits for it and is never written after Close returns.
-// A peer that goes away in the middle of a payload may leave part of it in
-// the region, as an interrupted RDMA write would, and a striped write whose
-// last stripe fails the range check may have placed its other stripes (each
-// stripe is checked on its own); never a byte outside the region.
+// No lock is held while bytes move: a transfer under way is listed in its
+// region, and the region's Close cuts it short (a past deadline on its
+// connection) instead of waiting for the peer, so a peer that stalls in
+// the middle of a payload never holds up Close (nor, above it, a pool's or
+// an endpoint's). The write cut short fails at the writer with
+// StatusRemoteAccess, the rest of its payload is skipped, and once Close
+// returns no byte of any peer lands in the region. A peer that goes away
+// in the middle of a payload may leave part of it in the region, as an
+// interrupted RDMA write would, and a striped write whose last stripe
+// fails the range check may have placed its other stripes (each stripe is
+// checked on its own); never a byte outside the region.
+//
+// # Grants
+//
+// Regions implement verbsio.Granter (Caps.Grants): a grant lets the peer
+// of one queue pair write one range of a region, for a given number of
+// writes with immediate (the last of which revokes it as it arrives, before
+// its receive completes), or plain writes only, until Revoke. Every write
+// is checked against the domain's table of live grants: the rkey, the
+// queue pair whose lane it came on, the range, and whether the grant is
+// still live. A grant's rkey is random, with the top bit set (a region's
+// keys have it clear, so the two never meet), and distinct from every other
+// live grant of the domain. From its first grant on, a region's own rkey
+// admits no remote access, neither writes nor reads: only grants let a peer
+// in, and only to write. (A region that never gives a grant keeps the
+// access it was registered with.) Revoke, like Close, cuts short a write
+// under way through the grant; the region's Close and the queue pair's
+// Close revoke their grants.
 //
 // # Ordering and completions
 //

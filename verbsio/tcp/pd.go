@@ -17,6 +17,9 @@ type pd struct {
 	byR    map[uint32]*mr
 	byL    map[uint32]*mr
 	qps    map[*qp]struct{}
+	// grants are the live grants of the domain's regions, by rkey
+	// (grant.go).
+	grants map[uint32]*grant
 }
 
 const knownAccess = verbsio.AccessLocalWrite | verbsio.AccessRemoteWrite | verbsio.AccessRemoteRead
@@ -39,6 +42,7 @@ func (p *pd) RegisterMemory(addr uintptr, length int, access verbsio.Access) (ve
 		return nil, fmt.Errorf("%w: tcp device", verbsio.ErrClosed)
 	}
 	m := &mr{pd: p, addr: addr, n: length, access: access, lkey: p.dev.newKey(), rkey: p.dev.newKey()}
+	m.gone.L = &m.mu
 	p.dev.mu.Unlock()
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -99,28 +103,72 @@ func (p *pd) local(s verbsio.SGE, need verbsio.Access) ([]byte, error) {
 	return offheap.Bytes(s.Addr, int(s.Length)), nil
 }
 
-// remote resolves a peer's request: on success the region is returned
-// read-locked (the caller releases it with m.use.RUnlock once the bytes
-// have moved), so it cannot be deregistered under a transfer.
-func (p *pd) remote(rkey uint32, addr uint64, n uint32, need verbsio.Access) (*mr, []byte, error) {
+// remote resolves a peer's request f, which arrived on a lane of q, and
+// starts t on the region it names: on success it returns the bytes to move,
+// and t stays listed in the region until t.end, so that the region's Close
+// (or a grant's Revoke) can cut it short. No lock is held while the bytes
+// move: a stalled peer never holds up Close.
+//
+// f.rkey names a region (its rkey admits remote access only while the
+// region has given no grant) or a grant of one (grant.go): a write from the
+// queue pair it was given to, inside its range, until it is revoked.
+func (p *pd) remote(q *qp, t *transfer, f header, need verbsio.Access) ([]byte, error) {
+	rkey, addr, n := f.rkey, f.raddr, f.length
 	p.mu.RLock()
 	m := p.byR[rkey]
-	p.mu.RUnlock()
+	var g *grant
 	if m == nil {
-		return nil, nil, fmt.Errorf("%w: rkey %#x unknown", verbsio.ErrRemoteAccess, rkey)
+		if g = p.grants[rkey]; g != nil {
+			m = g.m
+		}
 	}
-	if !m.contains(addr, uint64(n)) {
-		return nil, nil, fmt.Errorf("%w: [%#x+%d) outside region rkey %#x [%#x+%d)", verbsio.ErrRemoteAccess, addr, n, rkey, m.addr, m.n)
+	p.mu.RUnlock()
+	switch {
+	case m == nil:
+		return nil, fmt.Errorf("%w: rkey %#x unknown", verbsio.ErrRemoteAccess, rkey)
+	case g != nil && need != verbsio.AccessRemoteWrite:
+		return nil, fmt.Errorf("%w: grant %#x admits writes only, need %v", verbsio.ErrRemoteAccess, rkey, need)
+	case g != nil && g.q != q:
+		return nil, fmt.Errorf("%w: grant %#x was given to another queue pair", verbsio.ErrRemoteAccess, rkey)
+	case g != nil && !g.contains(addr, uint64(n)):
+		return nil, fmt.Errorf("%w: [%#x+%d) outside grant %#x [%#x+%d)", verbsio.ErrRemoteAccess, addr, n, rkey, g.addr, g.n)
+	case g == nil && !m.contains(addr, uint64(n)):
+		return nil, fmt.Errorf("%w: [%#x+%d) outside region rkey %#x [%#x+%d)", verbsio.ErrRemoteAccess, addr, n, rkey, m.addr, m.n)
+	case g == nil && m.access&need != need:
+		return nil, fmt.Errorf("%w: region rkey %#x has access %v, need %v", verbsio.ErrRemoteAccess, rkey, m.access, need)
 	}
-	if m.access&need != need {
-		return nil, nil, fmt.Errorf("%w: region rkey %#x has access %v, need %v", verbsio.ErrRemoteAccess, rkey, m.access, need)
+	imm := f.op == opWriteImm && f.flags&flagLast != 0
+	usedUp := false
+	m.mu.Lock()
+	var err error
+	switch {
+	case m.closed:
+		err = fmt.Errorf("%w: rkey %#x deregistered", verbsio.ErrRemoteAccess, rkey)
+	case g != nil && g.revoked:
+		err = fmt.Errorf("%w: grant %#x revoked or used", verbsio.ErrRemoteAccess, rkey)
+	case g != nil && imm && g.imms == 0:
+		err = fmt.Errorf("%w: grant %#x admits no write with immediate", verbsio.ErrRemoteAccess, rkey)
+	case g == nil && m.granted:
+		err = fmt.Errorf("%w: region rkey %#x gives grants, so its own rkey admits no remote access", verbsio.ErrRemoteAccess, rkey)
 	}
-	m.use.RLock()
-	if m.closed {
-		m.use.RUnlock()
-		return nil, nil, fmt.Errorf("%w: rkey %#x deregistered", verbsio.ErrRemoteAccess, rkey)
+	if err != nil {
+		m.mu.Unlock()
+		return nil, err
 	}
-	return m, offheap.Bytes(uintptr(addr), int(n)), nil
+	if g != nil && imm {
+		// The write with immediate that uses the grant up takes it out
+		// of use now, before its bytes land: no other frame may start on it.
+		g.imms--
+		usedUp = g.imms == 0
+		g.revoked = usedUp
+	}
+	t.m, t.g, t.out, t.fenced = m, g, need == verbsio.AccessRemoteRead, false
+	m.moving = append(m.moving, t)
+	m.mu.Unlock()
+	if usedUp {
+		p.dropGrant(g)
+	}
+	return offheap.Bytes(uintptr(addr), int(n)), nil
 }
 
 func (d *device) dropKeys(m *mr) {
@@ -138,10 +186,15 @@ type mr struct {
 	lkey, rkey uint32
 	access     verbsio.Access
 
-	// use is read-held while a peer's bytes move in or out of the region;
-	// Close takes it to wait for them.
-	use    sync.RWMutex
-	closed bool
+	// mu guards what follows. moving are the peers' transfers under way
+	// into or out of the region (at most one per lane); gone is signalled
+	// when one that Close or Revoke cut short ends. granted: the region
+	// has given a grant, and its own rkey admits no more remote access.
+	mu      sync.Mutex
+	gone    sync.Cond
+	moving  []*transfer
+	closed  bool
+	granted bool
 }
 
 func (m *mr) contains(addr, n uint64) bool {
@@ -164,8 +217,11 @@ func (m *mr) RKey() uint32 { return m.rkey }
 // Access is what the region allows.
 func (m *mr) Access() verbsio.Access { return m.access }
 
-// Close deregisters the region; it waits for a peer's transfer into or out
-// of it that is under way. Idempotent.
+// Close deregisters the region and revokes its grants. A peer's transfer
+// into or out of it that is under way is cut short (and fails at the peer
+// with StatusRemoteAccess) rather than waited for, so Close never waits on
+// a peer's socket; once Close returns, no peer's byte moves into or out of
+// the region. Idempotent.
 func (m *mr) Close() error {
 	p := m.pd
 	p.mu.Lock()
@@ -175,10 +231,16 @@ func (m *mr) Close() error {
 	}
 	delete(p.byR, m.rkey)
 	delete(p.byL, m.lkey)
+	for k, g := range p.grants {
+		if g.m == m {
+			delete(p.grants, k)
+		}
+	}
 	p.mu.Unlock()
-	m.use.Lock()
+	m.mu.Lock()
 	m.closed = true
-	m.use.Unlock()
+	m.fenceLocked(nil)
+	m.mu.Unlock()
 	// The keys stay taken for the device's life (8 bytes per region ever
 	// registered), so a stale rkey never names a later region.
 	return nil

@@ -7,6 +7,7 @@ import (
 	"io"
 	"math/rand/v2"
 	"net"
+	"os"
 	"sync"
 	"syscall"
 	"time"
@@ -445,6 +446,7 @@ func (q *qp) Close() error {
 	q.pd.mu.Lock()
 	delete(q.pd.qps, q)
 	q.pd.mu.Unlock()
+	q.pd.dropGrantsOf(q)
 	for _, c := range []*cq{q.scq, q.rcq} {
 		c.mu.Lock()
 		c.refs--
@@ -815,6 +817,7 @@ func (q *qp) serve(c net.Conn, src srcKey) {
 	defer q.wg.Done()
 	var hb [headerLen]byte
 	r := newResponder(c)
+	t := &transfer{c: c}
 	var err error
 	for err == nil {
 		if _, err = io.ReadFull(c, hb[:]); err != nil {
@@ -826,17 +829,19 @@ func (q *qp) serve(c net.Conn, src srcKey) {
 		}
 		switch f.op {
 		case opWrite, opWriteImm:
-			err = q.serveWrite(c, f, r)
+			err = q.serveWrite(c, f, r, t)
 		case opSend:
 			err = q.serveSend(c, f, r)
 		case opReadReq:
-			m, src, aerr := q.pd.remote(f.rkey, f.raddr, f.length, verbsio.AccessRemoteRead)
+			src, aerr := q.pd.remote(q, t, f, verbsio.AccessRemoteRead)
 			if aerr != nil {
 				err = r.nak(f, verbsio.StatusRemoteAccess)
 				break
 			}
 			err = r.withPayload(header{op: opReadResp, token: f.token, length: f.length}, src)
-			m.use.RUnlock()
+			// Cut short (the region closed), the response is torn and
+			// the lane ends with err; sent whole, it stands.
+			t.end()
 		default:
 			err = fmt.Errorf("%w: %s frame on a request lane", verbsio.ErrBadFrame, opName(f.op))
 		}
@@ -923,7 +928,7 @@ func discard(c net.Conn, n uint32) error {
 	return err
 }
 
-func (q *qp) serveWrite(c net.Conn, f header, resp *responder) error {
+func (q *qp) serveWrite(c net.Conn, f header, resp *responder, t *transfer) error {
 	var r *rwr
 	if f.op == opWriteImm && f.flags&flagLast != 0 {
 		if err := resp.flush(); err != nil {
@@ -942,7 +947,7 @@ func (q *qp) serveWrite(c net.Conn, f header, resp *responder) error {
 			return resp.nak(f, verbsio.StatusRemoteOperation)
 		}
 	}
-	m, dst, aerr := q.pd.remote(f.rkey, f.raddr, f.length, verbsio.AccessRemoteWrite)
+	dst, aerr := q.pd.remote(q, t, f, verbsio.AccessRemoteWrite)
 	if aerr != nil {
 		if r != nil {
 			q.finishRecv(r, nil)
@@ -952,8 +957,22 @@ func (q *qp) serveWrite(c net.Conn, f header, resp *responder) error {
 		}
 		return resp.nak(f, verbsio.StatusRemoteAccess)
 	}
-	_, err := io.ReadFull(c, dst)
-	m.use.RUnlock()
+	n, err := io.ReadFull(c, dst)
+	if t.end() {
+		// The region closed or the grant was revoked under the write:
+		// what is left of the payload is skipped and the write fails,
+		// as on a deregistered region.
+		if r != nil {
+			q.finishRecv(r, nil)
+		}
+		if err != nil && !errors.Is(err, os.ErrDeadlineExceeded) {
+			return err
+		}
+		if err := discard(c, f.length-uint32(n)); err != nil {
+			return err
+		}
+		return resp.nak(f, verbsio.StatusRemoteAccess)
+	}
 	if err != nil {
 		return err
 	}
