@@ -241,9 +241,11 @@ func (g *Group) setup(ctx context.Context) error {
 		src = alloc.NewMmapSource(alloc.MmapOptions{HugePages: true})
 	}
 	popts := []alloc.Option{alloc.WithVisitors(visitors...), alloc.WithName(fmt.Sprintf("gdrlink rank %d", g.Rank()))}
-	if g.cfg.poolLimit > 0 {
-		popts = append(popts, alloc.WithLimit(g.cfg.poolLimit))
+	limit := g.cfg.poolLimit
+	if limit == 0 {
+		limit = defaultPoolLimit()
 	}
+	popts = append(popts, alloc.WithLimit(limit))
 	if g.pool, err = alloc.New(src, popts...); err != nil {
 		return fmt.Errorf("tensor pool: %w", err)
 	}

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/dustin/go-humanize"
+	"golang.org/x/sys/unix"
 
 	"github.com/gdrlink/gdrlink/alloc"
 	"github.com/gdrlink/gdrlink/internal/jobauth"
@@ -100,8 +101,12 @@ func WithProvider(name string) Option {
 }
 
 // WithPoolLimit caps the bytes the tensor pool may reserve (GDRLINK_POOL_LIMIT,
-// bytes or a size such as "8GiB"; default 0, no cap). Tensors and received
-// results that do not fit fail with alloc.ErrPoolExhausted.
+// bytes or a size such as "8GiB"). By default, and with 0, the cap is half
+// of the machine's physical memory, at most 64 GiB: a peer that announces
+// huge tensors makes its Recvs fail instead of exhausting the host. Tensors
+// and received results that do not fit fail with alloc.ErrPoolExhausted (a
+// Recv's error names the peer and the size). There is no "no cap": ask for
+// a larger one.
 func WithPoolLimit(bytes int64) Option {
 	return func(c *config) error {
 		if bytes < 0 {
@@ -110,6 +115,29 @@ func WithPoolLimit(bytes int64) Option {
 		c.poolLimit = bytes
 		return nil
 	}
+}
+
+// maxDefaultPoolLimit is the largest default pool limit.
+const maxDefaultPoolLimit = 64 << 30
+
+// defaultPoolLimit is the pool limit when none is given: half of the
+// machine's physical memory as sysinfo(2) reports it (the host's, not a
+// container's cgroup limit), at most 64 GiB; 64 GiB when it cannot be read.
+func defaultPoolLimit() int64 {
+	var si unix.Sysinfo_t
+	if err := unix.Sysinfo(&si); err != nil {
+		return poolLimitFor(0)
+	}
+	return poolLimitFor(uint64(si.Totalram) * uint64(max(si.Unit, 1)))
+}
+
+// poolLimitFor is the default pool limit on a machine of physical bytes of
+// memory (0: unknown). It is never 0, which alloc takes for no limit.
+func poolLimitFor(physical uint64) int64 {
+	if physical < 2 {
+		return maxDefaultPoolLimit
+	}
+	return int64(min(physical/2, maxDefaultPoolLimit))
 }
 
 // WithChecksum turns the protocol's checksum mode on for every connection

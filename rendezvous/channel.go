@@ -11,6 +11,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/gdrlink/gdrlink/alloc"
 	"github.com/gdrlink/gdrlink/internal/hostid"
 	"github.com/gdrlink/gdrlink/internal/wire"
 	"github.com/gdrlink/gdrlink/tensor"
@@ -110,6 +111,9 @@ type Channel struct {
 	// creditBlocked: the last flush left work queued with no credit to
 	// spare (flushLocked counts credit stalls from it).
 	creditBlocked bool
+	// warned: a refusal for the bound was logged at warning level already
+	// (logRefusalLocked).
+	warned [numBounds]bool
 
 	// liveness (keepalive.go)
 	arrivals uint64      // receive completions from the peer
@@ -125,9 +129,11 @@ type Channel struct {
 }
 
 // chanCounters count what the halves share: control SENDs and the waits
-// of the queue for credits.
+// of the queue for credits; and the results the receiving half could not
+// allocate for want of memory (resultErrLocked).
 type chanCounters struct {
 	controlOut, creditsOnly, keepalives, creditStalls atomic.Uint64
+	resultsRefused                                    atomic.Uint64
 }
 
 // outItem is a queued control frame or write, posted in order.
@@ -375,6 +381,7 @@ func (c *Channel) Stats() Stats {
 		ChecksumFailures: r.checksumFailures.Load(), Staged: s.staged.Load(), Striped: s.striped.Load(), Keepalives: ch.keepalives.Load(),
 		ChunksIn: r.chunksIn.Load(), ChunksOut: s.chunksOut.Load(), CreditStalls: ch.creditStalls.Load(),
 		RequestsIn: s.requestsIn.Load(), ReRequestsIn: s.reRequestsIn.Load(),
+		PendingRefused: s.pendingRefused.Load(), NamesRefused: s.namesRefused.Load(), ResultsRefused: ch.resultsRefused.Load(),
 	}
 	c.snd.statsLocked(&st)
 	return st
@@ -493,6 +500,7 @@ func (c *Channel) failLocked(err error, ds *deliveries, st chanState) {
 		}
 	}
 	c.outq = nil
+	c.snd.errorsQueued = 0
 	if st == stateFailed {
 		c.log.Debug("rendezvous: channel failed", "peer", c.peer, "err", err)
 	}
@@ -513,6 +521,45 @@ func (c *Channel) stateErrLocked() error {
 		return ErrClosed
 	}
 	return c.failErr
+}
+
+// bound is one of the bounds on what a peer may make a channel hold.
+type bound uint8
+
+const (
+	boundPending bound = iota // WithMaxPendingRequests
+	boundNames                // WithMaxNames
+	boundResults              // the pool's limit, WithMaxTensorBytes
+	numBounds
+)
+
+// logRefusalLocked logs a refusal for bound b, err saying which: the first
+// of each bound on the channel at warning level, the others at debug level,
+// so that a flood makes one warning and a counter in Stats rather than a
+// flood of log lines.
+func (c *Channel) logRefusalLocked(b bound, err error, args ...any) {
+	level := slog.LevelDebug
+	if !c.warned[b] {
+		c.warned[b] = true
+		level = slog.LevelWarn
+	}
+	c.log.Log(context.Background(), level, "rendezvous: refused", append(args, "err", err)...)
+}
+
+// resultErrLocked is the error of this side's Recv of key whose result,
+// sized for meta, could not be allocated: it names the peer and the
+// tensor's size. A refusal for want of memory (the pool's limit,
+// alloc.ErrPoolExhausted; WithMaxTensorBytes, ErrTooLarge) is logged and
+// counted in Stats.ResultsRefused; when the peer had answered the request
+// already, the receiver withdraws it (CANCEL), which gives the peer's kept
+// tensor back to its pending Sends.
+func (c *Channel) resultErrLocked(key skey, meta tensor.Meta, err error) error {
+	e := fmt.Errorf("rendezvous: result of %q step %d from %s (%v): %w", key.name, key.step, c.peer, meta, err)
+	if errors.Is(err, alloc.ErrPoolExhausted) || errors.Is(err, ErrTooLarge) {
+		c.stats.resultsRefused.Add(1)
+		c.logRefusalLocked(boundResults, e, "peer", c.peer, "key", key.name, "step", key.step, "bytes", meta.ByteSize)
+	}
+	return e
 }
 
 func checkKey(key string) error {
@@ -673,6 +720,7 @@ func (c *Channel) flushLocked() {
 			if !c.snd.postWriteLocked(it.write) {
 				break
 			}
+			c.outq[0] = outItem{} // the queue's array keeps nothing posted
 			c.outq = c.outq[1:]
 			continue
 		}
@@ -686,10 +734,14 @@ func (c *Channel) flushLocked() {
 		for len(c.outq) > 0 && c.outq[0].write == nil && n+len(c.outq[0].frame) <= len(buf) {
 			f := c.outq[0].frame
 			copy(buf[n:], f)
-			if f[1] == byte(wire.TypeBye) {
+			switch wire.Type(f[1]) {
+			case wire.TypeBye:
 				bye = true
+			case wire.TypeError:
+				c.snd.errorsQueued--
 			}
 			n += len(f)
+			c.outq[0] = outItem{}
 			c.outq = c.outq[1:]
 		}
 		c.putCredits(buf)
@@ -708,7 +760,7 @@ func (c *Channel) flushLocked() {
 		c.stats.creditStalls.Add(1)
 	}
 	c.creditBlocked = blocked
-	if c.owed >= c.threshold && c.credits >= 1 && len(c.freeSlots) > 0 && c.sqOut < c.sqMax {
+	if c.owed >= c.threshold && c.credits >= 1 && !c.withholdingLocked() && len(c.freeSlots) > 0 && c.sqOut < c.sqMax {
 		slot := c.freeSlots[len(c.freeSlots)-1]
 		buf := c.sendBuf.Bytes()[slot*c.slot : (slot+1)*c.slot]
 		m := wire.Message{Type: wire.TypeCredit}
@@ -720,8 +772,31 @@ func (c *Channel) flushLocked() {
 	}
 }
 
-// putCredits writes the credits owed into the header of the frame at b.
+// maxQueuedErrors is the most ERROR_STATUS the channel queues before it
+// withholds credits (withholdingLocked).
+const maxQueuedErrors = 1024
+
+// withholdingLocked reports whether the channel keeps the credits it owes
+// the peer for now: while more than maxQueuedErrors ERROR_STATUS wait in
+// its queue and it has credits to spare. A peer that asks faster than it
+// takes the answers (a flood of refused requests, each answered, or one
+// that does not return credits) would otherwise grow the queue without
+// bound: each credit returned lets it send a frame of many requests. So
+// credits go back only once the queue is short again, or when this side is
+// down to the one credit kept for a CREDIT, as before: the peer then sends
+// no faster than this side answers, and two channels that both withhold
+// still return credits when both are short, so neither waits for ever.
+func (c *Channel) withholdingLocked() bool {
+	return c.snd.errorsQueued > maxQueuedErrors && c.credits > 1
+}
+
+// putCredits writes the credits owed into the header of the frame at b
+// (none while the channel withholds them).
 func (c *Channel) putCredits(b []byte) {
+	if c.withholdingLocked() {
+		b[2], b[3] = 0, 0
+		return
+	}
 	k := min(c.owed, 0xffff)
 	b[2], b[3] = byte(k), byte(k>>8)
 	c.owed -= k

@@ -4,6 +4,7 @@ import (
 	"errors"
 
 	"github.com/gdrlink/gdrlink/internal/closed"
+	"github.com/gdrlink/gdrlink/internal/wire"
 )
 
 // Errors of the rendezvous, one per condition; they are wrapped with the
@@ -43,7 +44,30 @@ var (
 	// ErrNoPath: no way to land a result on the asked device (GPU memory the
 	// NIC cannot reach and no proxy).
 	ErrNoPath = errors.New("rendezvous: no path to device")
+	// ErrLimit: a request refused because serving it would take a side
+	// beyond a bound on what a peer may make it hold: requests for tensors
+	// not sent yet (WithMaxPendingRequests) or names (WithMaxNames). The
+	// refusing side logs it and counts it in Stats; the requesting side's
+	// Recv fails with an error matching both ErrLimit and ErrRemote, whose
+	// text names the bound and its value. The channel goes on.
+	ErrLimit = errors.New("rendezvous: limit reached")
 )
+
+// remoteErr is the sentinel of an ERROR_STATUS with code: ErrRemote, which
+// a refusal for a bound (wire.CodeLimit) joins with ErrLimit.
+func remoteErr(code wire.Code) error {
+	if code == wire.CodeLimit {
+		return remoteLimit{}
+	}
+	return ErrRemote
+}
+
+// remoteLimit is ErrRemote and ErrLimit at once: the peer refused a
+// request for one of its bounds.
+type remoteLimit struct{}
+
+func (remoteLimit) Error() string   { return ErrRemote.Error() }
+func (remoteLimit) Unwrap() []error { return []error{ErrRemote, ErrLimit} }
 
 // ErrBadOption: an option out of its range.
 var ErrBadOption = errors.New("rendezvous: invalid option")

@@ -24,6 +24,10 @@ const (
 	defaultKeepalive      = time.Second
 	defaultProxyChunk     = 4 << 20
 	defaultStripeMin      = 4 << 20
+	// defaultMaxPending and defaultMaxNames bound what a peer may make a
+	// channel hold (WithMaxPendingRequests, WithMaxNames).
+	defaultMaxPending = 4096
+	defaultMaxNames   = 65536
 )
 
 // Proxy lands results on devices the NIC cannot write directly: the write
@@ -82,6 +86,8 @@ type options struct {
 	stripeMin  int64
 	keepalive  time.Duration
 	chunkShift uint8 // proxy results come in chunks of 1<<chunkShift; 0: one write
+	maxPending int   // the peer's requests parked for Sends not made yet; 0: the default
+	maxNames   int   // the peer's name indexes; 0: the default
 	// corrupt, when set, changes the bytes of a source after its checksum
 	// is taken and before it is written (fault injection for tests).
 	corrupt func(key string, step int64, b []byte)
@@ -217,4 +223,58 @@ func WithKeepalive(d time.Duration) Option {
 		o.keepalive = d
 		return nil
 	}
+}
+
+// WithMaxPendingRequests bounds the peer's requests that this side holds
+// for tensors it has not sent yet (default 4096, at least 1). The receiver
+// may ask before the sender sends, so such a request is parked until the
+// matching Send, for as long as that takes: it has no age limit, only
+// this count. Beyond it, the newest request is refused: the peer gets
+// ERROR_STATUS (wire.CodeLimit) naming the bound and its Recv fails with
+// ErrLimit; this side logs the refusal and counts it in
+// Stats.PendingRefused. The channel and its other traffic go on. A parked
+// request costs a few hundred bytes plus its name.
+func WithMaxPendingRequests(n int) Option {
+	return func(o *options) error {
+		if n < 1 {
+			return fmt.Errorf("%w: %d pending requests, want at least 1", ErrBadOption, n)
+		}
+		o.maxPending = n
+		return nil
+	}
+}
+
+// WithMaxNames bounds the names the peer may define on the channel
+// (default 65536, 1 to 1<<32-1). A request carries a tensor's full name
+// the first time and assigns it a name index for the later ones; this
+// side keeps every index the peer defines for the life of the channel,
+// at most n of them (up to n times wire.MaxName bytes). A request that
+// defines a name beyond the bound, or later uses the index it tried to
+// define, is refused: the peer gets ERROR_STATUS (wire.CodeLimit) naming
+// the bound and its Recv fails with ErrLimit; this side logs the refusal
+// and counts it in Stats.NamesRefused. The channel and the names defined
+// so far go on working.
+func WithMaxNames(n int) Option {
+	return func(o *options) error {
+		if n < 1 || uint64(n) > 1<<32-1 {
+			return fmt.Errorf("%w: %d names, want 1..%d", ErrBadOption, n, uint64(1<<32-1))
+		}
+		o.maxNames = n
+		return nil
+	}
+}
+
+// pendingLimit and namesLimit are the bounds in force.
+func (o *options) pendingLimit() int {
+	if o.maxPending > 0 {
+		return o.maxPending
+	}
+	return defaultMaxPending
+}
+
+func (o *options) namesLimit() int {
+	if o.maxNames > 0 {
+		return o.maxNames
+	}
+	return defaultMaxNames
 }

@@ -34,6 +34,8 @@ type receiver struct {
 type recvCounters struct {
 	requests, metaResponses, metaInPlace, reRequests, finals, writesIn atomic.Uint64
 	bytesIn, errors, nameDefs, checksumFailures, chunksIn              atomic.Uint64
+	// grants counts the grants given for result buffers (verbsio.Granter).
+	grants atomic.Uint64
 }
 
 func newReceiver(c *Channel) receiver {
@@ -78,6 +80,10 @@ type request struct {
 	// the chunk writes arrived so far.
 	chunk  int64
 	chunks int
+	// grants are the peer's rights to write buf, on the channel's queue
+	// pair (first) and its rails, where the provider gives grants; they
+	// are revoked before buf is freed or handed on.
+	grants []verbsio.Grant
 }
 
 // RecvOption changes one Recv.
@@ -150,8 +156,9 @@ func (rv *receiver) recv(ctx context.Context, key string, step int64, cb func(*t
 	m := wire.Message{Type: wire.TypeRequest, Step: step}
 	if meta, ok := rv.cache[key]; ok {
 		if err := rv.allocResultLocked(r, meta); err != nil {
+			err = c.resultErrLocked(r.key, meta, err)
 			c.mu.Unlock()
-			cb(nil, tr, fmt.Errorf("rendezvous: result of %q step %d: %w", key, step, err))
+			cb(nil, tr, err)
 			return
 		}
 		m.Flags |= wire.ReqMeta
@@ -162,6 +169,7 @@ func (rv *receiver) recv(ctx context.Context, key string, step int64, cb func(*t
 				m.Flags |= wire.ReqChunks // and no rails: chunks keep to one queue pair
 			} else {
 				c.railKeys(&m, r.buf.Addr(), r.buf.Len())
+				rv.railGrantsLocked(r, &m)
 			}
 			if m.NumRailKeys > 0 {
 				m.Flags |= wire.ReqRails
@@ -213,11 +221,78 @@ func (rv *receiver) bufTarget(r *request) (addr uint64, rkey uint32, capacity ui
 	if r.buf == nil {
 		return 0, 0, 0
 	}
+	if len(r.grants) > 0 {
+		return uint64(r.buf.Addr()), r.grants[0].RKey(), uint64(r.buf.Len())
+	}
 	mr, ok := c.mem.Region(r.buf.Addr(), r.buf.Len())
 	if !ok {
 		return 0, 0, 0
 	}
 	return uint64(r.buf.Addr()), mr.RKey(), uint64(r.buf.Len())
+}
+
+// grantLocked gives the peer a grant of exactly r's result buffer, on the
+// channel's queue pair, when its region offers grants (verbsio.Granter):
+// the request then carries the grant's rkey, not the region's, and the
+// peer can write that buffer and no other, for as many writes with
+// immediate as the request's chunks, until the request ends.
+func (rv *receiver) grantLocked(r *request, mr verbsio.MemoryRegion) error {
+	gr, ok := mr.(verbsio.Granter)
+	if !ok {
+		return nil
+	}
+	imms := 1
+	if rv.chunkShiftLocked(r) != 0 {
+		imms = int((r.meta.ByteSize + r.chunk - 1) / r.chunk)
+	}
+	g, err := gr.Grant(r.buf.Addr(), r.buf.Len(), rv.c.qp, imms)
+	if err != nil {
+		return err
+	}
+	r.grants = append(r.grants[:0], g)
+	rv.stats.grants.Add(1)
+	return nil
+}
+
+// railGrantsLocked puts in m, in place of the region rkeys c.railKeys
+// filled in, grants of r's buffer to each rail's queue pair (plain writes
+// only: the immediate comes on the channel's queue pair) where the rail's
+// region offers them. A rail that cannot have one takes the rails out of
+// the request: the whole write then comes on the channel's queue pair.
+func (rv *receiver) railGrantsLocked(r *request, m *wire.Message) {
+	c := rv.c
+	for i := 0; i < int(m.NumRailKeys); i++ {
+		mr, ok := c.rails[i].Memory.Region(r.buf.Addr(), r.buf.Len())
+		gr, granter := mr.(verbsio.Granter)
+		if !ok || !granter {
+			continue
+		}
+		g, err := gr.Grant(r.buf.Addr(), r.buf.Len(), c.rails[i].qp, 0)
+		if err != nil {
+			c.log.Debug("rendezvous: no grant on a rail, the write takes one queue pair", "rail", i+1, "err", err)
+			m.NumRailKeys = 0
+			rv.revokeLocked(r, 1)
+			return
+		}
+		r.grants = append(r.grants, g)
+		rv.stats.grants.Add(1)
+		m.RailKeys[i] = g.RKey()
+	}
+}
+
+// revokeLocked revokes r's grants from the keep-th on (0: all). Once it
+// returns, no write of the peer lands in r's buffer through them.
+func (rv *receiver) revokeLocked(r *request, keep int) {
+	if len(r.grants) <= keep {
+		return
+	}
+	for _, g := range r.grants[keep:] {
+		if err := g.Revoke(); err != nil {
+			rv.c.log.Warn("rendezvous: revoking a grant", "key", r.key.name, "step", r.key.step, "err", err)
+		}
+	}
+	clear(r.grants[keep:])
+	r.grants = r.grants[:keep]
 }
 
 // chunkShiftLocked decides whether r's result is asked for in chunks: a
@@ -246,6 +321,7 @@ func (rv *receiver) allocResultLocked(r *request, meta tensor.Meta) error {
 	c := rv.c
 	r.meta = meta
 	r.chunk, r.chunks = 0, 0
+	rv.revokeLocked(r, 0)
 	if r.buf != nil {
 		_ = r.buf.Free()
 		r.buf = nil
@@ -289,11 +365,17 @@ func (rv *receiver) allocResultLocked(r *request, meta tensor.Meta) error {
 	if err != nil {
 		return err
 	}
-	if _, ok := c.mem.Region(buf.Addr(), buf.Len()); !ok {
+	mr, ok := c.mem.Region(buf.Addr(), buf.Len())
+	if !ok {
 		_ = buf.Free()
 		return fmt.Errorf("%w: result memory at %#x is not registered", ErrNoPath, buf.Addr())
 	}
 	r.buf = buf
+	if err := rv.grantLocked(r, mr); err != nil {
+		r.buf = nil
+		_ = buf.Free()
+		return fmt.Errorf("rendezvous: granting the peer the result memory at %#x: %w", buf.Addr(), err)
+	}
 	return nil
 }
 
@@ -326,6 +408,7 @@ func (rv *receiver) forgetLocked(r *request) {
 	if rv.byKey[r.key] == r {
 		delete(rv.byKey, r.key)
 	}
+	rv.revokeLocked(r, 0)
 	if r.buf != nil {
 		_ = r.buf.Free()
 		r.buf = nil
@@ -344,6 +427,7 @@ func (rv *receiver) finishLocked(r *request, t *tensor.Tensor, err error, ds *de
 	if rv.byKey[r.key] == r {
 		delete(rv.byKey, r.key)
 	}
+	rv.revokeLocked(r, 0)
 	if r.buf != nil {
 		if c.state != stateConnected {
 			// A write may still be landing in it until the queue pair is
@@ -431,6 +515,7 @@ func (rv *receiver) onMetaLocked(m *wire.Message, ds *deliveries) {
 	if final {
 		rv.stats.finals.Add(1)
 		r.path = PathNone
+		rv.revokeLocked(r, 0)
 		if r.buf != nil {
 			_ = r.buf.Free()
 			r.buf = nil
@@ -475,7 +560,7 @@ func (rv *receiver) onMetaLocked(m *wire.Message, ds *deliveries) {
 		cm := wire.Message{Type: wire.TypeCancel, Req: r.idx}
 		c.enqueueLocked(&cm)
 		tr := Transfer{Key: r.key.name, Step: r.key.step, Peer: c.peer, Provider: c.provider, Device: c.devName}
-		e := fmt.Errorf("rendezvous: result of %q step %d (%v): %w", r.key.name, r.key.step, meta, err)
+		e := c.resultErrLocked(r.key, meta, err)
 		ds.add(func() { cb(nil, tr, e) })
 		return
 	}
@@ -484,6 +569,7 @@ func (rv *receiver) onMetaLocked(m *wire.Message, ds *deliveries) {
 	if r.buf != nil {
 		if rr.ChunkShift = rv.chunkShiftLocked(r); rr.ChunkShift == 0 {
 			c.railKeys(&rr, r.buf.Addr(), r.buf.Len())
+			rv.railGrantsLocked(r, &rr)
 		}
 	}
 	c.enqueueLocked(&rr)
@@ -512,7 +598,7 @@ func (rv *receiver) onErrorLocked(m *wire.Message, ds *deliveries) {
 		rv.forgetLocked(r)
 		return
 	}
-	err := fmt.Errorf("%w: %s for %q step %d: %s: %s", ErrRemote, c.peer, r.key.name, r.key.step, m.Code, m.Text)
+	err := fmt.Errorf("%w: %s for %q step %d: %s: %s", remoteErr(m.Code), c.peer, r.key.name, r.key.step, m.Code, m.Text)
 	rv.finishLocked(r, nil, err, ds)
 }
 
@@ -544,6 +630,8 @@ func (rv *receiver) onWriteLocked(imm uint32, ds *deliveries) {
 			return
 		}
 	}
+	// The last write is in: the peer may write the buffer no more.
+	rv.revokeLocked(r, 0)
 	if r.cancelled {
 		rv.forgetLocked(r)
 		return

@@ -20,12 +20,16 @@ import (
 type sender struct {
 	c *Channel
 
-	peerNames map[uint32]string     // the peer's name indexes
+	peerNames map[uint32]string     // the peer's name indexes, at most options.namesLimit
 	sends     map[skey]*sendEntry   // a Send or a request, not yet matched
+	parked    int                   // requests in sends: at most options.pendingLimit
 	kept      map[uint32]*sendEntry // answered with META_DATA_RESPONSE, awaiting the re-request
 	writes    map[uint64]*sendEntry // writes posted on the channel's queue pair
 	striping  map[uint64]*sendEntry // writes whose rail parts are in flight
 	nextWrite uint64
+	// errorsQueued counts the ERROR_STATUS in the channel's queue (see
+	// Channel.withholdingLocked).
+	errorsQueued int
 
 	stats sendCounters
 }
@@ -33,6 +37,7 @@ type sender struct {
 type sendCounters struct {
 	requestsIn, reRequestsIn                        atomic.Uint64
 	writesOut, bytesOut, staged, striped, chunksOut atomic.Uint64
+	pendingRefused, namesRefused                    atomic.Uint64
 }
 
 // statsLocked fills in what the sender holds now.
@@ -44,6 +49,8 @@ func (s *sender) statsLocked(st *Stats) {
 	}
 	st.Kept = len(s.kept)
 	st.WritesInFlight = len(s.writes) + len(s.striping)
+	st.RequestsParked = s.parked
+	st.Names = len(s.peerNames)
 }
 
 func newSender(c *Channel) sender {
@@ -153,6 +160,7 @@ func (s *sender) put(k skey, t *tensor.Tensor, serr error, done func(error)) err
 	e.t, e.serr, e.done, e.has = t, serr, done, true
 	if e.hasReq {
 		delete(s.sends, k)
+		s.parked--
 		s.serveLocked(e, &ds)
 		c.flushLocked()
 	} else {
@@ -176,6 +184,7 @@ func (s *sender) failLocked(err error, ds *deliveries) {
 		delete(s.sends, k)
 		s.dropLocked(e, err, ds)
 	}
+	s.parked = 0
 	for k, e := range s.kept {
 		delete(s.kept, k)
 		s.dropLocked(e, err, ds)
@@ -190,31 +199,54 @@ func (s *sender) failLocked(err error, ds *deliveries) {
 	}
 }
 
+// onRequestLocked takes the peer's TENSOR_REQUEST: it resolves the name
+// (defining it if the request carries it), then serves the request if its
+// Send is here, or parks it until the Send comes. Both the names and the
+// parked requests are bounded (WithMaxNames, WithMaxPendingRequests): a
+// request beyond either is refused with ERROR_STATUS (wire.CodeLimit), and
+// nothing of it is kept. A name is kept even when its request is then
+// refused for the other bound, so that the peer's later requests may use
+// its index. The refusals take no memory beyond their queued ERROR_STATUS,
+// each about the size of a request, and a long queue of those makes the
+// channel hold back the peer's credits (Channel.withholdingLocked).
 func (s *sender) onRequestLocked(m *wire.Message, ds *deliveries) {
 	c := s.c
-	var name string
-	if m.Flags&wire.ReqName != 0 {
-		name = string(m.Name)
-		if old, ok := s.peerNames[m.NameIndex]; ok && old != name {
-			c.protocolLocked(ds, "name index %d redefined from %q to %q", m.NameIndex, old, name)
-			return
-		}
-		s.peerNames[m.NameIndex] = name
-	} else {
-		var ok bool
-		if name, ok = s.peerNames[m.NameIndex]; !ok {
-			c.protocolLocked(ds, "request %d uses undefined name index %d", m.Req, m.NameIndex)
-			return
-		}
-	}
 	s.stats.requestsIn.Add(1)
+	name, known := s.peerNames[m.NameIndex]
+	switch {
+	case m.Flags&wire.ReqName != 0 && known:
+		if name != string(m.Name) {
+			c.protocolLocked(ds, "name index %d redefined from %q to %q", m.NameIndex, name, m.Name)
+			return
+		}
+	case m.Flags&wire.ReqName != 0:
+		if n := c.opts.namesLimit(); len(s.peerNames) >= n {
+			s.refuseLocked(m, boundNames, "WithMaxNames", n, printName(m.Name), fmt.Sprintf("it has defined the %d names it may; name index %d refused", n, m.NameIndex))
+			return
+		}
+		name = string(m.Name)
+		s.peerNames[m.NameIndex] = name
+	case !known:
+		if n := c.opts.namesLimit(); len(s.peerNames) >= n {
+			// The index of a name refused above: the table is full, and
+			// stays full, so refuse again rather than fail the channel.
+			s.refuseLocked(m, boundNames, "WithMaxNames", n, fmt.Sprintf("name index %d", m.NameIndex), fmt.Sprintf("it has defined the %d names it may; the index is one refused", n))
+			return
+		}
+		c.protocolLocked(ds, "request %d uses undefined name index %d", m.Req, m.NameIndex)
+		return
+	}
 	k := skey{name, m.Step}
 	e, ok := s.sends[k]
 	if ok && e.hasReq {
-		s.sendErrorLocked(m.Req, wire.CodeBadRequest, fmt.Sprintf("%q step %d is already requested", name, m.Step))
+		s.sendErrorLocked(m.Req, wire.CodeBadRequest, fmt.Sprintf("%s step %d is already requested", printName([]byte(name)), m.Step))
 		return
 	}
 	if !ok {
+		if n := c.opts.pendingLimit(); s.parked >= n {
+			s.refuseLocked(m, boundPending, "WithMaxPendingRequests", n, printName([]byte(name)), fmt.Sprintf("%d of its requests for tensors not sent yet wait here", s.parked))
+			return
+		}
 		e = &sendEntry{key: k}
 	}
 	e.hasReq, e.req = true, m.Req
@@ -232,6 +264,36 @@ func (s *sender) onRequestLocked(m *wire.Message, ds *deliveries) {
 		return
 	}
 	s.sends[k] = e
+	s.parked++
+}
+
+// refuseLocked refuses the peer's request m for bound b, the option opt
+// at value n (what is the tensor's name as printed, why the state of the
+// bound): ERROR_STATUS with wire.CodeLimit to the peer, whose text is just
+// the bound and its value ("WithMaxPendingRequests=4096"), so that the
+// answer to a flood takes about the room of the flood (a frame of 43 bytes
+// against a request's 45 at least); a count in Stats and a log line here,
+// with the details. Nothing of the request is kept.
+func (s *sender) refuseLocked(m *wire.Message, b bound, opt string, n int, what, why string) {
+	c := s.c
+	if b == boundNames {
+		s.stats.namesRefused.Add(1)
+	} else {
+		s.stats.pendingRefused.Add(1)
+	}
+	text := fmt.Sprintf("%s=%d", opt, n)
+	err := fmt.Errorf("%w: %s: request %d of peer %s for %s step %d refused: %s", ErrLimit, text, m.Req, c.peer, what, m.Step, why)
+	c.logRefusalLocked(b, err, "peer", c.peer, "req", m.Req, "key", what, "step", m.Step)
+	s.sendErrorLocked(m.Req, wire.CodeLimit, text)
+}
+
+// printName quotes a peer's name for errors and logs, cut to 64 bytes.
+func printName(b []byte) string {
+	const most = 64
+	if len(b) <= most {
+		return fmt.Sprintf("%q", b)
+	}
+	return fmt.Sprintf("%q... (%d bytes)", b[:most], len(b))
 }
 
 // serveLocked answers a matched request: a write when the receiver's
@@ -421,6 +483,7 @@ func (s *sender) onCancelLocked(m *wire.Message, ds *deliveries) {
 			e.hasReq = false
 			if !e.has {
 				delete(s.sends, k)
+				s.parked--
 			}
 			s.sendErrorLocked(m.Req, wire.CodeCancelled, "cancelled by the receiver")
 			return
@@ -438,6 +501,7 @@ func (s *sender) sendErrorLocked(req uint32, code wire.Code, text string) {
 	}
 	m := wire.Message{Type: wire.TypeError, Req: req, Code: code, Text: []byte(text)}
 	s.c.enqueueLocked(&m)
+	s.errorsQueued++
 }
 
 // dropLocked ends a send: its staging block is freed and done runs after

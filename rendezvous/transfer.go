@@ -140,6 +140,19 @@ type Stats struct {
 	// TENSOR_RE_REQUESTs answered (with the write, or an error when the
 	// offered buffer is too small).
 	RequestsIn, ReRequestsIn uint64
+	// PendingRefused is the number of the peer's requests for tensors not
+	// sent yet that this side refused because WithMaxPendingRequests of
+	// them were parked already; NamesRefused the number it refused because
+	// they defined a name beyond WithMaxNames, or used the index of a name
+	// so refused. Each went back to the peer as ERROR_STATUS (its Recv
+	// fails with ErrLimit) and was logged; both count in RequestsIn.
+	PendingRefused, NamesRefused uint64
+	// ResultsRefused is the number of this side's Recvs whose result could
+	// not be allocated for want of memory: the pool's limit reached
+	// (alloc.ErrPoolExhausted) or a tensor larger than WithMaxTensorBytes
+	// (ErrTooLarge). Each Recv failed with that error, naming the peer and
+	// the size, and was logged.
+	ResultsRefused uint64
 	// SendsPending is the number of Sends (and SendErrors) the peer has not
 	// requested yet, at the time of the call.
 	SendsPending int
@@ -150,4 +163,10 @@ type Stats struct {
 	// WritesInFlight is the number of writes posted and not completed yet,
 	// striped writes included, at the time of the call.
 	WritesInFlight int
+	// RequestsParked is the number of the peer's requests waiting here for
+	// a Send, at the time of the call: at most WithMaxPendingRequests.
+	RequestsParked int
+	// Names is the number of names the peer has defined on the channel, at
+	// the time of the call: at most WithMaxNames.
+	Names int
 }

@@ -152,9 +152,14 @@ const (
 	CodeTooSmall
 	// CodeRemoteAccess: the write into the result buffer failed.
 	CodeRemoteAccess
+	// CodeLimit: the sender refused the request because serving it would
+	// take it beyond one of its bounds on what a peer may make it hold
+	// (requests for tensors not sent yet, names); the text names the
+	// bound and its value. The channel goes on.
+	CodeLimit
 )
 
-var codeNames = [...]string{"", "internal", "cancelled", "sender error", "bad request", "buffer too small", "remote access"}
+var codeNames = [...]string{"", "internal", "cancelled", "sender error", "bad request", "buffer too small", "remote access", "limit reached"}
 
 // String names the code.
 func (c Code) String() string {
