@@ -24,9 +24,12 @@ type rawPair struct {
 	ctl   alloc.Block // SEND source and receive slots
 	bufMR verbsio.MemoryRegion
 	ctlMR verbsio.MemoryRegion
-	comps []verbsio.Completion
-	recvs int // receive completions not yet consumed
-	sends int // send completions not yet consumed
+	// bufKey is the rkey the peer writes buf with: the region's, or a
+	// grant's where the provider grants.
+	bufKey uint32
+	comps  []verbsio.Completion
+	recvs  int // receive completions not yet consumed
+	sends  int // send completions not yet consumed
 
 	remoteAddr uint64
 	remoteKey  uint32
@@ -72,6 +75,19 @@ func newRawPair(dev verbsio.Device, pd verbsio.ProtectionDomain, pool *alloc.Poo
 			return r, fmt.Errorf("raw pair: %v is not registered", a)
 		}
 	}
+	// Where the provider grants, a region whose buffers went to the tensor
+	// path as grants no longer admits its own rkey: the raw pair then
+	// writes through a grant of its buffer too, open for as many writes
+	// with immediate as it will ever make (closing the queue pair revokes
+	// it).
+	r.bufKey = r.bufMR.RKey()
+	if g, ok := r.bufMR.(verbsio.Granter); ok {
+		gr, err := g.Grant(r.buf.Addr(), size, r.qp, 1<<30)
+		if err != nil {
+			return r, fmt.Errorf("raw pair: granting its buffer: %w", err)
+		}
+		r.bufKey = gr.RKey()
+	}
 	wrs := make([]verbsio.RecvWR, rawSlots)
 	for i := range wrs {
 		wrs[i] = r.recvWR(i)
@@ -88,7 +104,7 @@ func (r *rawPair) recvWR(i int) verbsio.RecvWR {
 
 func (r *rawPair) info() rawInfo {
 	ep := r.qp.Endpoint()
-	return rawInfo{Provider: ep.Provider, Host: ep.Host, Data: ep.Data, Addr: uint64(r.buf.Addr()), RKey: r.bufMR.RKey()}
+	return rawInfo{Provider: ep.Provider, Host: ep.Host, Data: ep.Data, Addr: uint64(r.buf.Addr()), RKey: r.bufKey}
 }
 
 func (r *rawPair) connect(ctx context.Context, peer rawInfo) error {
