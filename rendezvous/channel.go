@@ -396,7 +396,9 @@ func (c *Channel) Err() error {
 
 // Close says BYE to the peer (waiting up to a second for it to leave), fails
 // everything pending with ErrClosed, and releases the queue pair, completion
-// queue and buffers. It is idempotent.
+// queue and buffers. The sources of writes still in flight go back to their
+// owners (Send's release, SendFunc's done) only after the queue pairs are
+// destroyed. It is idempotent.
 func (c *Channel) Close() error {
 	first := false
 	c.once.Do(func() { first = true })
@@ -453,6 +455,10 @@ func (c *Channel) release() error {
 			errs = append(errs, rl.cq.Close())
 		}
 	}
+	// No queue pair reads or writes anything of the channel's now: the
+	// sources of writes that were in flight go back to their owners, and
+	// the buffers kept for the same reason are freed.
+	c.snd.releaseHeld()
 	c.mu.Lock()
 	orphans := c.orphans
 	c.orphans = nil
@@ -481,7 +487,9 @@ func (d deliveries) run() {
 
 // failLocked stops the channel: every pending request and send fails with
 // err. Buffers of requests whose writes may still land are freed only once
-// the queue pair is gone (in release, via the poller's exit).
+// the queue pair is gone (in release, via the poller's exit); sources of
+// writes the queue pair may still read are given back only once their
+// work requests completed or the queue pair is gone (sender.holdLocked).
 func (c *Channel) failLocked(err error, ds *deliveries, st chanState) {
 	if c.state == stateFailed || c.state == stateClosed {
 		if st == stateClosed {
@@ -605,12 +613,14 @@ func (c *Channel) poll() {
 		}
 		c.flushLocked()
 		c.armKeepaliveLocked() // the peer's requests may be pending now
-		stopped := c.state == stateFailed
+		stopped := c.state == stateFailed && !c.snd.awaitingLocked()
 		c.mu.Unlock()
 		ds.run()
 		if stopped {
-			// The queue pair is in error: nothing more will complete
-			// successfully. Leave the rest to Close.
+			// Nothing here waits for a completion any more (a write
+			// still out keeps the goroutine polling, so that its source
+			// is given back when the write completes or is flushed).
+			// Leave the rest to Close.
 			return
 		}
 	}
@@ -619,6 +629,10 @@ func (c *Channel) poll() {
 func (c *Channel) handleLocked(wc *verbsio.Completion, ds *deliveries) {
 	kind := wc.WRID & wridKind
 	id := wc.WRID &^ wridKind
+	if kind == wridWrite {
+		// Whatever its status, the work request reads its source no more.
+		c.snd.writeCompletedLocked(id>>8, ds)
+	}
 	if wc.Status != verbsio.StatusSuccess {
 		if c.state == stateConnected {
 			c.failLocked(c.peerLost(fmt.Errorf("%s %s: %w", wc.Op, wc.Status, wc.Status.Err())), ds, stateFailed)

@@ -26,6 +26,11 @@ type sender struct {
 	kept      map[uint32]*sendEntry // answered with META_DATA_RESPONSE, awaiting the re-request
 	writes    map[uint64]*sendEntry // writes posted on the channel's queue pair
 	striping  map[uint64]*sendEntry // writes whose rail parts are in flight
+	// held are the sends that ended (the channel stopped) while a queue
+	// pair may still read their bytes, by write sequence: their staging
+	// block and their done (which gives the source tensor back) wait until
+	// it cannot (holdLocked).
+	held      map[uint64]*sendEntry
 	nextWrite uint64
 	// errorsQueued counts the ERROR_STATUS in the channel's queue (see
 	// Channel.withholdingLocked).
@@ -56,7 +61,7 @@ func (s *sender) statsLocked(st *Stats) {
 func newSender(c *Channel) sender {
 	return sender{
 		c: c, peerNames: map[uint32]string{}, sends: map[skey]*sendEntry{}, kept: map[uint32]*sendEntry{},
-		writes: map[uint64]*sendEntry{}, striping: map[uint64]*sendEntry{}, nextWrite: 1,
+		writes: map[uint64]*sendEntry{}, striping: map[uint64]*sendEntry{}, held: map[uint64]*sendEntry{}, nextWrite: 1,
 	}
 }
 
@@ -98,6 +103,18 @@ type sendEntry struct {
 	chunkShift uint8
 	posted     int64
 	wseq       uint64
+
+	// wrsOut counts the work requests of the write posted on the
+	// channel's queue pair whose completions have not come back. untilQP:
+	// a queue pair may hold work requests of the write that will never be
+	// counted here (rail parts, whose completions the rails' pollers see,
+	// or the part of a post that failed), so only the queue pairs'
+	// destruction ends its reads. held: the send ended while its bytes may
+	// still be read, and heldErr is what its done gets once they cannot.
+	wrsOut  int
+	untilQP bool
+	held    bool
+	heldErr error
 }
 
 // Send hands t to the peer under key and step. It never waits for the
@@ -116,8 +133,12 @@ func (c *Channel) Send(key string, step int64, t *tensor.Tensor) error {
 
 // SendFunc is Send that gives t back: done runs once with nil when t has been
 // written (or needed no write), or with the error that dropped it. t must not
-// change until then. done runs on the channel's completion goroutine and must
-// not block. If SendFunc returns an error, done is not called.
+// change until then. A write in flight when the channel fails or closes keeps
+// t until the queue pair can read it no more: until its work requests
+// complete (or are flushed), at the latest until Close has destroyed the
+// queue pairs, so done may come only from Close. done runs on the channel's
+// completion goroutine (or Close's) and must not block. If SendFunc returns
+// an error, done is not called.
 func (c *Channel) SendFunc(key string, step int64, t *tensor.Tensor, done func(error)) error {
 	if err := checkKey(key); err != nil {
 		return err
@@ -178,7 +199,9 @@ func (s *sender) pendingLocked() bool {
 	return len(s.sends) > 0 || len(s.kept) > 0 || len(s.writes) > 0 || len(s.striping) > 0
 }
 
-// failLocked drops everything the sender holds with err.
+// failLocked drops everything the sender holds with err. A write posted
+// (or being striped) is not given back yet: its source stays with the
+// channel until no queue pair can read it (holdLocked).
 func (s *sender) failLocked(err error, ds *deliveries) {
 	for k, e := range s.sends {
 		delete(s.sends, k)
@@ -191,11 +214,72 @@ func (s *sender) failLocked(err error, ds *deliveries) {
 	}
 	for k, e := range s.writes {
 		delete(s.writes, k)
-		s.dropLocked(e, err, ds)
+		s.holdLocked(k, e, err, ds)
 	}
 	for k, e := range s.striping {
 		delete(s.striping, k)
+		e.untilQP = true // the rails' parts: released with the queue pairs
+		s.holdLocked(k, e, err, ds)
+	}
+}
+
+// holdLocked ends send e, whose write of sequence seq was posted, with err.
+// A source tensor (and the staging block it may use) is given back only
+// once no queue pair can read it any more, as the result buffers of
+// requests are freed only once no peer can write them: a staging block
+// or a user's tensor released while a work request still reads it would
+// send whatever its next owner puts there. So a write with work requests
+// out is held: it ends when the last of them completes, successfully or
+// flushed (writeCompletedLocked), or, where the channel cannot count them
+// (untilQP), when the queue pairs are destroyed (releaseHeld, from Close).
+func (s *sender) holdLocked(seq uint64, e *sendEntry, err error, ds *deliveries) {
+	if e.held {
+		return
+	}
+	if e.wrsOut == 0 && !e.untilQP {
 		s.dropLocked(e, err, ds)
+		return
+	}
+	e.held, e.heldErr = true, err
+	s.held[seq] = e
+}
+
+// awaitingLocked reports whether a held write waits for completions of the
+// channel's queue pair (the completion goroutine keeps polling for them).
+func (s *sender) awaitingLocked() bool {
+	for _, e := range s.held {
+		if e.wrsOut > 0 && !e.untilQP {
+			return true
+		}
+	}
+	return false
+}
+
+// releaseHeld ends every held send: the queue pairs are destroyed, so
+// nothing reads their bytes any more.
+func (s *sender) releaseHeld() {
+	var ds deliveries
+	s.c.mu.Lock()
+	for k, e := range s.held {
+		delete(s.held, k)
+		s.endHeldLocked(e, &ds)
+	}
+	s.c.mu.Unlock()
+	ds.run()
+}
+
+// endHeldLocked gives a held send back: its staging block is freed and its
+// done runs with the error it was dropped with.
+func (s *sender) endHeldLocked(e *sendEntry, ds *deliveries) {
+	e.held = false
+	if e.stage != nil {
+		_ = e.stage.Free()
+		e.stage = nil
+	}
+	if done := e.done; done != nil {
+		e.done = nil
+		err := e.heldErr
+		ds.add(func() { done(err) })
 	}
 }
 
@@ -505,9 +589,13 @@ func (s *sender) sendErrorLocked(req uint32, code wire.Code, text string) {
 }
 
 // dropLocked ends a send: its staging block is freed and done runs after
-// the lock with err.
+// the lock with err. A held send (holdLocked) is left alone: it ends once
+// no queue pair reads it.
 func (s *sender) dropLocked(e *sendEntry, err error, ds *deliveries) {
 	c := s.c
+	if e.held {
+		return
+	}
 	if e.stage != nil {
 		if c.state == stateConnected || err == nil {
 			_ = e.stage.Free()
@@ -564,6 +652,22 @@ func (s *sender) staged(e *sendEntry, n int, sb tensor.Buffer, err error) {
 	c.flushLocked()
 }
 
+// writeCompletedLocked counts a completion, of whatever status, of a work
+// request of write seq on the channel's queue pair: once the last of a
+// held write's is in, the queue pair reads its bytes no more and it ends.
+func (s *sender) writeCompletedLocked(seq uint64, ds *deliveries) {
+	if e, ok := s.held[seq]; ok {
+		if e.wrsOut--; e.wrsOut <= 0 && !e.untilQP {
+			delete(s.held, seq)
+			s.endHeldLocked(e, ds)
+		}
+		return
+	}
+	if e, ok := s.writes[seq]; ok {
+		e.wrsOut--
+	}
+}
+
 // writeDoneLocked ends write seq once its last work request completed.
 func (s *sender) writeDoneLocked(seq uint64, ds *deliveries) {
 	e, ok := s.writes[seq]
@@ -616,13 +720,17 @@ func (s *sender) postWriteLocked(e *sendEntry) bool {
 	}
 	s.writes[seq] = e
 	if err := c.qp.PostSend(wrs); err != nil {
+		// Part of the chain may be posted: the source stays until the
+		// queue pair is gone.
 		delete(s.writes, seq)
+		e.untilQP = true
 		var ds deliveries
-		s.dropLocked(e, err, &ds)
+		s.holdLocked(seq, e, err, &ds)
 		c.failLocked(c.peerLost(err), &ds, stateFailed)
 		go ds.run()
 		return false
 	}
+	e.wrsOut += chunks
 	c.sqOut += chunks
 	c.credits--
 	return true
@@ -675,13 +783,17 @@ func (s *sender) postChunksLocked(e *sendEntry) bool {
 	}
 	if len(wrs) > 0 {
 		if err := c.qp.PostSend(wrs); err != nil {
+			// Earlier chunks, and part of this chain, may be posted:
+			// the source stays until the queue pair is gone.
 			delete(s.writes, e.wseq)
+			e.untilQP = true
 			var ds deliveries
-			s.dropLocked(e, err, &ds)
+			s.holdLocked(e.wseq, e, err, &ds)
 			c.failLocked(c.peerLost(err), &ds, stateFailed)
 			go ds.run()
 			return false
 		}
+		e.wrsOut += len(wrs)
 		c.sqOut, c.credits = sq, credits
 		s.stats.chunksOut.Add(uint64(chunks))
 	}
