@@ -378,7 +378,7 @@ func TestAcceptCap(t *testing.T) {
 func TestRegionTableSealed(t *testing.T) {
 	n := keyedNode(t, nil)
 	p := n.pd.(*pd)
-	for what, fd := range map[string]int{"table": p.tableFD, "counters": p.ctrFD, "ring": n.qp.(*qp).inFD} {
+	for what, fd := range map[string]int{"table": p.tableFD, "counters": n.qp.(*qp).ctrFD, "ring": n.qp.(*qp).inFD} {
 		if err := unix.Ftruncate(fd, 0); !errors.Is(err, unix.EPERM) {
 			t.Errorf("shrinking the %s: %v, want EPERM", what, err)
 		}

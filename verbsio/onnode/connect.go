@@ -363,7 +363,7 @@ func (p *packetRW) Write(b []byte) (int, error) { return p.c.Write(b) }
 // sendHello sends this queue pair's hello and descriptors.
 func (q *qp) sendHello(conn *net.UnixConn, peer string) error {
 	mine := hello{PID: uint32(os.Getpid()), Probe: uint64(offheap.Addr(q.inMem[offProbe:])), RingSize: ringData, Name: q.name, PeerName: peer}
-	oob := unix.UnixRights(q.inFD, q.efd, q.pd.tableFD, q.pd.ctrFD)
+	oob := unix.UnixRights(q.inFD, q.efd, q.pd.tableFD, q.ctrFD)
 	if _, _, err := conn.WriteMsgUnix(mine.Append(nil), oob, nil); err != nil {
 		return fmt.Errorf("%w: onnode hello to @%s: %w", verbsio.ErrPeerLost, peer, err)
 	}

@@ -61,13 +61,41 @@
 // # Keys and deregistration
 //
 // Each protection domain publishes its memory regions in a table in a memfd
-// that connected peers map read-only (the write counters are a second
-// memfd, which they map read-write). A sender looks the rkey up there before
+// that connected peers map read-only. A sender looks the rkey up there before
 // it writes (wrong key, address out of bounds, or no remote-write access: the
 // work request completes with verbsio.StatusRemoteAccess and the target is
 // untouched). Entries carry a sequence number, and a sender announces each
-// write in a per-entry counter that the receiver waits on when it
-// deregisters, so no write lands in a region after its Close returns.
+// write, before it checks the entry, in a per-entry write counter. The
+// counters are a memfd per queue pair, which only that queue pair's peer
+// maps (read-write).
+//
+// Closing a region removes its entry, so no write starts after that, and
+// then waits for the writes announced before it to finish, with these rules:
+//
+//   - Only writes that can still land are waited for: those announced in
+//     the counters of queue pairs whose peer is still there. A peer that
+//     closed its end (it exited, or closed its queue pair, which waits for
+//     its copy under way) has none.
+//   - The counters are written by peers, so they are not trusted: the wait
+//     is bounded by Options.DeregTimeout (5 s by default), whatever they
+//     say. A peer whose counter is still up then, because it is stopped or
+//     stuck mid-write or because it wrote garbage there, is fenced: its
+//     queue pair moves to the error state (pending work requests complete
+//     with verbsio.StatusRetryExceeded, the error wraps
+//     verbsio.ErrPeerLost), its connection is closed, so that its side of
+//     the queue pair starts no other copy, and its counters are no longer
+//     read. Only then is the region's slot in the table used again (by a
+//     region with a new key). A peer's garbage in its own counters delays
+//     Close at most by the bound and costs that peer its queue pair; it
+//     cannot touch another peer's counters.
+//   - What a fence cannot do: take back the mappings a peer holds (a
+//     region's file, with MechSHM) or its right to process_vm_writev
+//     (MechVM). A peer stopped in the middle of one copy finishes that copy
+//     into the region's memory when it runs again. Close returns within the
+//     bound either way, and the late copy lands in the old region's memory
+//     only, never in a region registered after the fence; memory whose
+//     region's Close fenced a peer may still take it. As said above, onnode
+//     trusts peer processes as ptrace would.
 //
 // # Notifications
 //

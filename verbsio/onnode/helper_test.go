@@ -14,6 +14,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -317,6 +318,31 @@ func runHelper(in io.Reader, out io.Writer) int {
 			if err != nil {
 				say("err %v", err)
 			}
+		case "stall": // stall rkey addr len fill: announce a write, then make it on the next line ("go")
+			q := n.qp.(*qp)
+			rkey := uint32(arg(1))
+			e, release, ok := readEntry(q.peerTable, q.peerCtr, int(rkey&(tableSlots-1)), true)
+			if !ok || e.flags&flagValid == 0 || e.key != rkey {
+				release()
+				say("err entry of %#x not valid", rkey)
+				break
+			}
+			say("held %d", rkey)
+			say(".")
+			w.Flush()
+			if !sc.Scan() {
+				release()
+				return 1
+			}
+			src := make([]byte, arg(3))
+			for i := range src {
+				src[i] = byte(arg(4))
+			}
+			err := q.vmCopy(true, [][]byte{src}, uint64(arg(2)), len(src))
+			release()
+			say("wrote %v", err)
+		case "poke": // poke slot value: set this side's write counter of the peer's slot
+			atomic.StoreUint64(u64(n.qp.(*qp).peerCtr, int(arg(1))*counterSize), uint64(arg(2)))
 		case "pid":
 			say("pid %d", os.Getpid())
 		case "rawdial", "flood": // rawdial name | flood name count: connect and send nothing

@@ -344,7 +344,7 @@ func TestDeregisterWaitsForWrites(t *testing.T) {
 	}
 	p := b.pd.(*pd)
 	idx := int(mr.RKey() & (tableSlots - 1))
-	_, release, ok := readEntry(p.table, p.counters, idx, true)
+	_, release, ok := readEntry(p.table, b.qp.(*qp).ctrMem, idx, true)
 	if !ok {
 		t.Fatal("entry not readable")
 	}
@@ -361,7 +361,7 @@ func TestDeregisterWaitsForWrites(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("deregistration did not finish after the write")
 	}
-	e, _, _ := readEntry(p.table, p.counters, idx, false)
+	e, _, _ := readEntry(p.table, b.qp.(*qp).ctrMem, idx, false)
 	if e.flags&flagValid != 0 {
 		t.Fatal("entry still valid after Close")
 	}

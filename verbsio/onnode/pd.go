@@ -14,9 +14,10 @@ import (
 // The memory-region table that a protection domain publishes to its peers.
 // Entry i is 64 bytes at i*entrySize: seq, key|access<<32, addr, len, flags,
 // file offset. The write counters are a second file, counter i at i*64, one
-// cache line each. Peers map the counters read-write and the table
-// read-only; the table's memfd is sealed (F_SEAL_FUTURE_WRITE) so that no
-// peer can map it otherwise.
+// cache line each, one file per queue pair: the peer of a queue pair maps
+// its counters read-write (and no other's), and the table read-only; the
+// table's memfd is sealed (F_SEAL_FUTURE_WRITE) so that no peer can map it
+// otherwise.
 const (
 	tableSlots   = 1024
 	slotBits     = 10
@@ -91,14 +92,17 @@ type slot struct {
 type pd struct {
 	dev *device
 
-	mu       sync.RWMutex // guards slots; held for reading during local copies
-	slots    [tableSlots]slot
-	tableFD  int
-	table    []byte // the table, read-write here
-	ctrFD    int
-	counters []byte // the write counters
-	live     int    // regions and queue pairs
-	closed   bool
+	mu      sync.RWMutex // guards slots and qps; held for reading during local copies
+	slots   [tableSlots]slot
+	tableFD int
+	table   []byte // the table, read-write here
+	// qps are the queue pairs whose write counters peers may hold (from
+	// setup until release), which deregistration reads.
+	qps    map[*qp]struct{}
+	live   int // regions and queue pairs
+	closed bool
+	// fences counts the queue pairs that deregistration fenced.
+	fences atomic.Uint64
 }
 
 func newPD(d *device) (*pd, error) {
@@ -106,13 +110,7 @@ func newPD(d *device) (*pd, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: onnode: %w", verbsio.ErrNotSupported, err)
 	}
-	cfd, cmem, err := newMemfd("gdrlink-onnode-mrcounters", counterBytes, sealsShared)
-	if err != nil {
-		unix.Munmap(mem)
-		unix.Close(fd)
-		return nil, fmt.Errorf("%w: onnode: %w", verbsio.ErrNotSupported, err)
-	}
-	return &pd{dev: d, tableFD: fd, table: mem, ctrFD: cfd, counters: cmem}, nil
+	return &pd{dev: d, tableFD: fd, table: mem, qps: map[*qp]struct{}{}}, nil
 }
 
 // RegisterMemory implements verbsio.ProtectionDomain. When the memory is a
@@ -251,12 +249,26 @@ func (p *pd) deregister(mr *memoryRegion) {
 	p.slots[mr.idx].mr = nil // slot stays busy until peers' writes drain
 	p.mu.Unlock()
 
-	// Writes that peers announced before the entry changed finish before
-	// the region is given back; a peer that died mid-write is waited for
-	// no longer than the timeout.
-	ctr := u64(p.counters, mr.idx*counterSize)
+	// No write starts once the entry changed; the writes peers announced
+	// before it did finish before the region is given back. The counters
+	// are the peers' (each writes its own queue pair's), so they are not
+	// trusted to come down: the wait is bounded, and a peer whose counter
+	// is still up then is fenced (its queue pair failed) before the slot is
+	// used again, whatever the counter says.
 	deadline := time.Now().Add(p.dev.opts.DeregTimeout)
-	for atomic.LoadUint64(ctr) != 0 && time.Now().Before(deadline) {
+	for {
+		busy := p.writersOf(mr.idx)
+		if len(busy) == 0 {
+			break
+		}
+		if !time.Now().Before(deadline) {
+			for _, q := range busy {
+				q.fence(fmt.Errorf("%w: onnode peer pid %d: a write it announced into region %#x did not finish within %s (deregistration)",
+					verbsio.ErrPeerLost, q.peerPID, mr.key, p.dev.opts.DeregTimeout))
+				p.fences.Add(1)
+			}
+			break
+		}
 		time.Sleep(20 * time.Microsecond)
 	}
 	closeFD(mr.fd)
@@ -264,6 +276,40 @@ func (p *pd) deregister(mr *memoryRegion) {
 	p.mu.Lock()
 	p.slots[mr.idx].busy = false
 	p.live--
+	p.mu.Unlock()
+}
+
+// writersOf returns the queue pairs whose peers may still be writing into
+// the region of slot idx: those with a write announced in their counter
+// for it, unless their peer is gone (it closed its end: a peer process
+// that exits or closes its queue pair has no copy under way) or they were
+// fenced already.
+func (p *pd) writersOf(idx int) []*qp {
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	var busy []*qp
+	for q := range p.qps {
+		if q.fenced.Load() || q.lost.Load() {
+			continue
+		}
+		if atomic.LoadUint64(u64(q.ctrMem, idx*counterSize)) != 0 {
+			busy = append(busy, q)
+		}
+	}
+	return busy
+}
+
+// addCounters and dropCounters add and remove q's write counters from those
+// deregistration reads; q unmaps them only after dropCounters.
+func (p *pd) addCounters(q *qp) {
+	p.mu.Lock()
+	p.qps[q] = struct{}{}
+	p.mu.Unlock()
+}
+
+func (p *pd) dropCounters(q *qp) {
+	p.mu.Lock()
+	delete(p.qps, q)
 	p.mu.Unlock()
 }
 
@@ -305,10 +351,8 @@ func (p *pd) Close() error {
 	}
 	p.closed = true
 	unix.Munmap(p.table)
-	unix.Munmap(p.counters)
 	unix.Close(p.tableFD)
-	unix.Close(p.ctrFD)
-	p.table, p.counters = nil, nil
+	p.table = nil
 	p.dev.dropChild()
 	return nil
 }
@@ -335,7 +379,9 @@ func (m *memoryRegion) Access() verbsio.Access { return m.access }
 func (m *memoryRegion) FileBacked() bool { return m.fd >= 0 }
 
 // Close deregisters the region; idempotent. It returns once no peer's write
-// into the region is in flight.
+// into the region is in flight, or once the peers that may still be writing
+// are fenced, at most Options.DeregTimeout after the call (see the package
+// doc).
 func (m *memoryRegion) Close() error {
 	m.once.Do(func() { m.pd.deregister(m) })
 	return nil

@@ -65,6 +65,14 @@ type qp struct {
 	in    *ring
 	efd   int
 	efile *os.File
+	// The write counters of the peer of this queue pair (for this
+	// protection domain's regions); the connection's socket, which fence
+	// closes.
+	ctrFD   int
+	ctrMem  []byte
+	sock    atomic.Pointer[net.UnixConn]
+	fenced  atomic.Bool
+	fenceMu sync.Mutex
 
 	state   atomic.Uint32 // verbsio.QPState
 	lastErr atomic.Pointer[error]
@@ -131,7 +139,7 @@ func newQP(p *pd, cfg verbsio.QPConfig) (*qp, error) {
 	}
 	depth := p.dev.cfg.QueueDepth
 	q := &qp{pd: p, sendCQ: scq, recvCQ: rcq, maxSend: cfg.MaxSendWR, maxRecv: cfg.MaxRecvWR, maxSGE: cfg.MaxSGE,
-		maxInline: cfg.MaxInline, mech: p.dev.opts.Mechanism, host: p.dev.host, done: make(chan struct{}), lostCh: make(chan struct{}), inFD: -1, efd: -1, peerEFD: -1,
+		maxInline: cfg.MaxInline, mech: p.dev.opts.Mechanism, host: p.dev.host, done: make(chan struct{}), lostCh: make(chan struct{}), inFD: -1, efd: -1, peerEFD: -1, ctrFD: -1,
 		fileMaps: map[uint32]*fileMap{}, fdResp: make(chan fdAnswer, 1)}
 	if q.maxSend == 0 {
 		q.maxSend = depth
@@ -188,7 +196,36 @@ func (q *qp) setup() error {
 		return fmt.Errorf("eventfd: %w", err)
 	}
 	q.efile = os.NewFile(uintptr(q.efd), "gdrlink-onnode-eventfd")
+	if q.ctrFD, q.ctrMem, err = newMemfd("gdrlink-onnode-mrcounters", counterBytes, sealsShared); err != nil {
+		return err
+	}
+	q.pd.addCounters(q)
 	return nil
+}
+
+// fence cuts the peer off after it failed to finish a write it announced
+// (pd.deregister): the queue pair fails with err, its connection closes
+// (the peer's queue pair sees its peer gone and starts no other copy; the
+// files the peer mapped cannot be taken back, see the package doc), and
+// its counters are no longer read. It never waits on the peer.
+func (q *qp) fence(err error) {
+	q.fenceMu.Lock()
+	defer q.fenceMu.Unlock()
+	if q.fenced.Swap(true) {
+		return
+	}
+	q.lastErr.CompareAndSwap(nil, &err)
+	q.lost.Store(true)
+	q.lostOnce.Do(func() { close(q.lostCh) })
+	if c := q.sock.Load(); c != nil {
+		// A write to the socket blocked on the stopped peer ends with
+		// this, so consMu below is not held for long.
+		c.Close()
+	}
+	q.consMu.Lock()
+	q.failLocked(verbsio.StatusRetryExceeded, err)
+	q.consMu.Unlock()
+	q.sendCQ.wake()
 }
 
 // release frees what setup and Connect made; the queue pair is closed.
@@ -211,6 +248,12 @@ func (q *qp) release() {
 	}
 	closeFD(q.peerEFD)
 	q.detachPeer()
+	q.pd.dropCounters(q)
+	if q.ctrMem != nil {
+		unix.Munmap(q.ctrMem)
+		q.ctrMem = nil
+	}
+	closeFD(q.ctrFD)
 	if q.inMem != nil {
 		unix.Munmap(q.inMem)
 		q.inMem, q.in = nil, nil
@@ -293,6 +336,12 @@ func (q *qp) Connect(ctx context.Context, remote verbsio.Endpoint) error {
 		conn.Close()
 		return err
 	}
+	q.sock.Store(conn)
+	if q.fenced.Load() {
+		// Fenced during the handshake (the peer had our counters).
+		conn.Close()
+		return fmt.Errorf("%w: onnode queue pair fenced while connecting: %w", verbsio.ErrQPState, lastError(q))
+	}
 	q.conn = conn
 	// Nobody else may connect any more: the name goes.
 	q.ln.Close()
@@ -301,7 +350,10 @@ func (q *qp) Connect(ctx context.Context, remote verbsio.Endpoint) error {
 	if q.recvCQ.sleepers.Load() > 0 {
 		q.setSleep(1)
 	}
-	q.state.Store(uint32(verbsio.QPReady))
+	if !q.state.CompareAndSwap(uint32(verbsio.QPInit), uint32(verbsio.QPReady)) {
+		// Fenced (or closed) just now: the error state stays.
+		return fmt.Errorf("%w: onnode queue pair failed while connecting: %w", verbsio.ErrQPState, lastError(q))
+	}
 	q.wg.Add(2)
 	go q.readLoop()
 	go q.progressLoop()
