@@ -1,6 +1,7 @@
 // Package ibv is gdrlink's one door to rdma-core's libibverbs: devices,
 // ports, GID tables, protection domains, memory regions (ibv_reg_mr and
-// ibv_reg_dmabuf_mr), completion queues with their completion channels, and
+// ibv_reg_dmabuf_mr), type 2 memory windows (bound and invalidated by
+// work requests), completion queues with their completion channels, and
 // reliable-connected queue pairs with their state transitions.
 //
 // The package loads libibverbs.so.1 at run time (Load), as NCCL, UCX and
@@ -12,8 +13,8 @@
 // ibv_query_gid_ex, ibv_query_gid_table) separately, so an older rdma-core
 // still works without them. The data-path verbs, which verbs.h defines as
 // static inline functions (ibv_post_send, ibv_post_recv, ibv_poll_cq,
-// ibv_req_notify_cq), are called through the device context's ops table, as
-// the inline functions do. Work requests and completions are built in
+// ibv_req_notify_cq, and ibv_alloc_mw and ibv_dealloc_mw), are called
+// through the device context's ops table, as the inline functions do. Work requests and completions are built in
 // memory off the Go heap, so libibverbs never holds a Go pointer, and a whole
 // chain of work requests, or a whole batch of completions, takes one
 // crossing. Every crossing is counted per device context (Counters), so
@@ -145,6 +146,24 @@ type DeviceAttr struct {
 	MaxQPRdAtom     int
 	MaxQPInitRdAtom int
 	PhysPortCount   int
+	// CapFlags are the device's IBV_DEVICE_* capability flags
+	// (device_cap_flags); MaxMW the most memory windows it allocates.
+	CapFlags uint32
+	MaxMW    int
+}
+
+// Device capability flags of DeviceAttr.CapFlags, as enum
+// ibv_device_cap_flags.
+const (
+	DeviceMemWindow       = 1 << 17
+	DeviceMemWindowType2A = 1 << 23
+	DeviceMemWindowType2B = 1 << 24
+)
+
+// MemoryWindowsType2 reports whether the device allocates type 2 memory
+// windows (bound through a queue pair's send queue).
+func (a DeviceAttr) MemoryWindowsType2() bool {
+	return a.MaxMW > 0 && a.CapFlags&(DeviceMemWindowType2A|DeviceMemWindowType2B) != 0
 }
 
 // PortAttr holds a port's state (ibv_query_port).
@@ -279,6 +298,8 @@ const (
 	AccessLocalWrite  = 1
 	AccessRemoteWrite = 2
 	AccessRemoteRead  = 4
+	// AccessMWBind lets memory windows be bound to a region.
+	AccessMWBind = 16
 )
 
 // Send opcodes, as enum ibv_wr_opcode.
@@ -288,6 +309,10 @@ const (
 	WRSend     = 2
 	WRSendImm  = 3
 	WRRead     = 4
+	// WRLocalInv invalidates the memory window SendWR.InvRKey names.
+	WRLocalInv = 7
+	// WRBindMW binds a type 2 memory window as SendWR.Bind says.
+	WRBindMW = 8
 )
 
 // Send flags, as enum ibv_send_flags.
@@ -303,6 +328,8 @@ const (
 	WCSend        = 0
 	WCRDMAWrite   = 1
 	WCRDMARead    = 2
+	WCBindMW      = 5
+	WCLocalInv    = 6
 	WCRecv        = 1 << 7
 	WCRecvRDMAImm = WCRecv + 1
 )
@@ -332,9 +359,9 @@ const (
 	WCGeneralErr   = 21
 )
 
-// SendWR is one work request of a send chain, flat (no pointers): its
-// scatter/gather entries are SGEs[SGEOff : SGEOff+NumSGE] of the chain's SGE
-// slice. PostSend builds struct ibv_send_wr from it.
+// SendWR is one work request of a send chain, flat (no pointers into C
+// memory): its scatter/gather entries are SGEs[SGEOff : SGEOff+NumSGE] of
+// the chain's SGE slice. PostSend builds struct ibv_send_wr from it.
 type SendWR struct {
 	WRID       uint64
 	RemoteAddr uint64
@@ -344,6 +371,24 @@ type SendWR struct {
 	Flags      uint32 // Send*
 	NumSGE     uint32
 	SGEOff     uint32
+	// InvRKey is the rkey a WRLocalInv invalidates.
+	InvRKey uint32
+	// Bind is what a WRBindMW binds; other opcodes leave it zero.
+	Bind Bind
+}
+
+// Bind binds a type 2 memory window to [Addr, Addr+Length) of a region
+// with the given access (AccessRemoteWrite, AccessRemoteRead) and the
+// window's new rkey, RKey (MW.NextRKey). A type 2 bind posted this way
+// leaves the window's recorded rkey to the caller: after its successful
+// completion, call MW.SetRKey(RKey), or the next bind fails.
+type Bind struct {
+	MW     *MW
+	MR     *MR
+	RKey   uint32
+	Addr   uint64
+	Length uint64
+	Access int
 }
 
 // RecvWR is one work request of a receive chain.

@@ -15,6 +15,8 @@ const (
 	offOpsReqNotifyCQ  = 96
 	offOpsPostSend     = 200
 	offOpsPostRecv     = 208
+	offOpsAllocMW      = 56 // inline ibv_alloc_mw calls it
+	offOpsDeallocMW    = 72 // inline ibv_dealloc_mw calls it
 	offDeviceTransport = 20 // struct ibv_device.transport_type
 )
 
@@ -27,6 +29,7 @@ const (
 	offDevAttrVendorPartID    = 100
 	offDevAttrMaxQP           = 108
 	offDevAttrMaxQPWR         = 112
+	offDevAttrDeviceCapFlags  = 116
 	offDevAttrMaxSGE          = 120
 	offDevAttrMaxCQ           = 128
 	offDevAttrMaxCQE          = 132
@@ -34,6 +37,7 @@ const (
 	offDevAttrMaxPD           = 140
 	offDevAttrMaxQPRdAtom     = 144
 	offDevAttrMaxQPInitRdAtom = 156
+	offDevAttrMaxMW           = 176
 	offDevAttrPhysPortCnt     = 227
 )
 
@@ -57,6 +61,8 @@ const (
 	offCQCQE          = 28 // struct ibv_cq.cqe
 	offCompChannelFD  = 8  // struct ibv_comp_channel.fd
 	offQPNum          = 52 // struct ibv_qp.qp_num
+	offMWRKey         = 16 // struct ibv_mw.rkey
+	mwType2           = 2  // IBV_MW_TYPE_2
 	sizeGIDEntry      = 32 // struct ibv_gid_entry
 	qpTypeRC          = 2  // IBV_QPT_RC
 )
@@ -80,7 +86,8 @@ const (
 	maskDestQPN         = 1 << 20
 )
 
-// cSendWR is struct ibv_send_wr with the RDMA member of its wr union.
+// cSendWR is struct ibv_send_wr with the RDMA member of its wr union and
+// the bind_mw member of its last union (a type 2 window's bind).
 type cSendWR struct {
 	wrID       uint64
 	next       uintptr
@@ -88,10 +95,18 @@ type cSendWR struct {
 	numSGE     int32
 	opcode     uint32
 	sendFlags  uint32
-	immData    uint32 // network byte order
+	immData    uint32 // network byte order; invalidate_rkey (host order) of IBV_WR_LOCAL_INV
 	remoteAddr uint64
 	rkey       uint32
-	_          [76]byte // rest of the wr union, qp_type and bind_mw/tso
+	_          [28]byte // rest of the wr union (atomic is the largest), qp_type, padding
+	bindMW     uintptr  // bind_mw.mw
+	bindRKey   uint32   // bind_mw.rkey: the window's new rkey
+	_          uint32
+	bindMR     uintptr // bind_mw.bind_info.mr
+	bindAddr   uint64  // bind_mw.bind_info.addr
+	bindLength uint64  // bind_mw.bind_info.length
+	bindAccess uint32  // bind_mw.bind_info.mw_access_flags
+	_          uint32
 }
 
 // cRecvWR is struct ibv_recv_wr.

@@ -213,6 +213,20 @@ func (l *library) callErrno(s sym, args ...uintptr) (uintptr, syscall.Errno) {
 	return r1, syscall.Errno(*ep)
 }
 
+// callFnErrno is callErrno for a function found at run time (an entry of
+// a context's ops table) rather than by name.
+//
+//go:uintptrescapes
+func (l *library) callFnErrno(fn uintptr, args ...uintptr) (uintptr, syscall.Errno) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	loc, _, _ := purego.SyscallN(l.errnoLocation)
+	ep := (*int32)(ptrAt(loc, 0))
+	*ep = 0
+	r1, _, _ := purego.SyscallN(fn, args...)
+	return r1, syscall.Errno(*ep)
+}
+
 // has reports whether the optional function s was found.
 func (l *library) has(s sym) bool { return l.fn[s] != 0 }
 

@@ -202,6 +202,9 @@ func (q *QP) PostSend(wrs []SendWR, sges []SGE) (int, error) {
 		if int(wrs[i].NumSGE) > q.sendSGEs {
 			return 0, q.c.errf("ibv_post_send", syscall.EINVAL, "work request %d has %d SGEs, the queue pair at most %d", i, wrs[i].NumSGE, q.caps.MaxSendSGE)
 		}
+		if b := &wrs[i].Bind; wrs[i].Opcode == WRBindMW && (b.MW == nil || b.MR == nil || b.MW.handle() == 0 || b.MR.handle() == 0) {
+			return 0, q.c.errf("ibv_post_send", syscall.EBADF, "work request %d binds a memory window that is closed, or to a region that is", i)
+		}
 	}
 	q.sendMu.Lock()
 	defer q.sendMu.Unlock()
@@ -217,6 +220,14 @@ func (q *QP) PostSend(wrs []SendWR, sges []SGE) (int, error) {
 			c := &cw[k]
 			*c = cSendWR{wrID: w.WRID, numSGE: int32(w.NumSGE), opcode: w.Opcode, sendFlags: w.Flags,
 				immData: be32(w.Imm), remoteAddr: w.RemoteAddr, rkey: w.RKey}
+			switch w.Opcode {
+			case WRLocalInv:
+				c.immData = w.InvRKey // invalidate_rkey shares imm_data's place, in host order
+			case WRBindMW:
+				b := &w.Bind
+				c.bindMW, c.bindRKey, c.bindMR = b.MW.handle(), b.RKey, b.MR.handle()
+				c.bindAddr, c.bindLength, c.bindAccess = b.Addr, b.Length, uint32(b.Access)
+			}
 			if w.NumSGE > 0 {
 				copy(cs[ns:], sges[w.SGEOff:w.SGEOff+w.NumSGE])
 				c.sgList = sgeBase + uintptr(ns)*unsafe.Sizeof(SGE{})

@@ -96,6 +96,10 @@ type Context struct {
 	l    *library
 	// The context's data-path entries (its ops table), read once at Open.
 	pollCQ, reqNotifyCQ, postSend, postRecv uintptr
+	// The memory-window entries of the ops table; 0 where the provider
+	// has none (ibv_alloc_mw then fails with EOPNOTSUPP, as the inline
+	// verb does).
+	allocMW, deallocMW uintptr
 
 	mu  sync.Mutex
 	ctx uintptr
@@ -135,6 +139,8 @@ func openDevice(l *library, d uintptr, name string) (*Context, error) {
 	c.reqNotifyCQ = ptrField(ctx, ops+offOpsReqNotifyCQ)
 	c.postSend = ptrField(ctx, ops+offOpsPostSend)
 	c.postRecv = ptrField(ctx, ops+offOpsPostRecv)
+	c.allocMW = ptrField(ctx, ops+offOpsAllocMW)
+	c.deallocMW = ptrField(ctx, ops+offOpsDeallocMW)
 	if c.pollCQ == 0 || c.reqNotifyCQ == 0 || c.postSend == 0 || c.postRecv == 0 {
 		l.call(symCloseDevice, ctx)
 		return nil, &Error{Op: "ibv_open_device", Device: name, Errno: syscall.EOPNOTSUPP, Detail: "the provider fills no data-path entry in the context's ops table"}
@@ -208,6 +214,8 @@ func (c *Context) QueryDevice() (DeviceAttr, error) {
 		MaxQPRdAtom:     i32(offDevAttrMaxQPRdAtom),
 		MaxQPInitRdAtom: i32(offDevAttrMaxQPInitRdAtom),
 		PhysPortCount:   int(u8At(p, offDevAttrPhysPortCnt)),
+		CapFlags:        u32At(p, offDevAttrDeviceCapFlags),
+		MaxMW:           i32(offDevAttrMaxMW),
 	}
 	return attr, nil
 }

@@ -1,7 +1,7 @@
 // Package ibvdiag reads what an open device of the ibverbs provider knows
 // beyond verbsio.Device, for the module's own benchmarks and tools: its
 // counters of crossings into libibverbs, the GID index it routes with, and why it lacks GPU
-// memory or dma-buf registration. The provider's device type is unexported;
+// memory, dma-buf registration or grants (memory windows). The provider's device type is unexported;
 // its devices implement Device.
 package ibvdiag
 
@@ -33,6 +33,13 @@ type Device interface {
 	GPUMemoryReason() string
 	// DMABufReason says why Caps().DMABuf is false ("" when it is true).
 	DMABufReason() string
+	// GrantsReason says why Caps().Grants is false: no type 2 memory
+	// windows, or a device that does not enforce a window's bounds
+	// (Soft-RoCE), or a probe that could not tell. Where windows were
+	// forced for testing on such a device, Grants is true and the reason
+	// says that the bounds are not enforced. "" when grants are on and the
+	// device bounds its windows.
+	GrantsReason() string
 }
 
 // Of returns dev as a device of the ibverbs provider, or false for a

@@ -30,6 +30,11 @@ type device struct {
 	// dmabufWhy says why dma-buf registration is unavailable ("" if it
 	// is); gpuWhy why GPU memory is not among the memory types.
 	dmabufWhy, gpuWhy string
+	// grants says whether regions give grants through type 2 memory
+	// windows (Caps.Grants); grantsWhy why not, or, where windows were
+	// forced on a device that does not prove it bounds them, that.
+	grants    bool
+	grantsWhy string
 
 	mu       sync.Mutex
 	children int
@@ -50,6 +55,7 @@ func newDevice(p *provider, c *ibv.Context, ch choice, cfg verbsio.Config) (*dev
 	d.dmabufWhy = why
 	kinds, gpuWhy := p.memoryTypes(ch.Device, d.info.PCIAddress)
 	d.gpuWhy = gpuWhy
+	d.grants, d.grantsWhy = decideGrants(d.windowFacts(p.o.windows), p.o.windows)
 	d.caps = verbsio.Caps{
 		Provider:           Name,
 		MemoryTypes:        kinds,
@@ -59,6 +65,7 @@ func newDevice(p *provider, c *ibv.Context, ch choice, cfg verbsio.Config) (*dev
 		MaxSGE:             attr.MaxSGE,
 		MaxQPDepth:         attr.MaxQPWR,
 		MaxMessage:         int64(ch.Port.Attr.MaxMsgSize),
+		Grants:             d.grants,
 	}
 	return d, nil
 }
@@ -129,6 +136,14 @@ func (d *device) GPUMemoryReason() string { return d.gpuWhy }
 // implements ibvdiag.Device.
 func (d *device) DMABufReason() string { return d.dmabufWhy }
 
+// GrantsReason says why Caps().Grants is false: the device has no type 2
+// memory windows, it does not enforce a window's bounds (Soft-RoCE), the
+// probe could not tell, or grants were turned off; where windows were
+// forced on a device that does not prove it bounds them, it says so although
+// Grants is true. "" when grants are on and bounded. It implements
+// ibvdiag.Device.
+func (d *device) GrantsReason() string { return d.grantsWhy }
+
 // GIDIndex is the GID table index in use (-1 on InfiniBand routes by LID).
 // It implements ibvdiag.Device.
 func (d *device) GIDIndex() int {
@@ -158,6 +173,8 @@ func (d *device) Stats() ibvdiag.Stats {
 }
 
 var _ ibvdiag.Device = (*device)(nil)
+
+var _ verbsio.Granter = (*granterMR)(nil)
 
 func (d *device) addChild() error {
 	d.mu.Lock()
@@ -232,6 +249,13 @@ type pd struct {
 	mu       sync.Mutex
 	children int
 	closed   bool
+
+	// wmu guards the domain's memory windows (grant.go): free are those
+	// whose last grant was invalidated, ready for another bind; windows
+	// counts every window allocated and not yet deallocated.
+	wmu     sync.Mutex
+	free    []*ibv.MW
+	windows int
 }
 
 func (p *pd) addChild() error {
@@ -258,6 +282,9 @@ func (p *pd) Close() error {
 	}
 	if p.children > 0 {
 		return fmt.Errorf("%w: protection domain has %d live memory regions or queue pairs", verbsio.ErrBusy, p.children)
+	}
+	if err := p.closeWindows(); err != nil {
+		return err
 	}
 	if err := p.pd.Close(); err != nil {
 		return wrap(err)
@@ -302,6 +329,9 @@ func (p *pd) RegisterMemory(addr uintptr, length int, access verbsio.Access) (ve
 		return nil, err
 	}
 	eff, flags := ibvAccess(access)
+	if p.d.grants {
+		flags |= ibv.AccessMWBind
+	}
 	m, err := p.pd.RegMR(addr, length, flags)
 	if err != nil {
 		p.dropChild()
@@ -313,7 +343,18 @@ func (p *pd) RegisterMemory(addr uintptr, length int, access verbsio.Access) (ve
 		}
 		return nil, wrap(err)
 	}
-	return &mr{p: p, m: m, access: eff}, nil
+	return p.newMR(m, eff), nil
+}
+
+// newMR wraps a registered region: one that gives grants where the device
+// does (Caps.Grants), so that a region implements verbsio.Granter exactly
+// when the device advertises it.
+func (p *pd) newMR(m *ibv.MR, access verbsio.Access) verbsio.MemoryRegion {
+	r := &mr{p: p, m: m, access: access, grants: map[*grant]struct{}{}}
+	if p.d.grants {
+		return &granterMR{r}
+	}
+	return r
 }
 
 func (p *pd) RegisterDMABuf(fd int, offset uint64, length int, iova uint64, access verbsio.Access) (verbsio.MemoryRegion, error) {
@@ -327,6 +368,9 @@ func (p *pd) RegisterDMABuf(fd int, offset uint64, length int, iova uint64, acce
 		return nil, err
 	}
 	eff, flags := ibvAccess(access)
+	if p.d.grants {
+		flags |= ibv.AccessMWBind
+	}
 	m, err := p.pd.RegDMABufMR(offset, length, iova, fd, flags)
 	if err != nil {
 		p.dropChild()
@@ -338,7 +382,7 @@ func (p *pd) RegisterDMABuf(fd int, offset uint64, length int, iova uint64, acce
 		}
 		return nil, wrap(err)
 	}
-	return &mr{p: p, m: m, access: eff}, nil
+	return p.newMR(m, eff), nil
 }
 
 type mr struct {
@@ -348,6 +392,15 @@ type mr struct {
 
 	mu     sync.Mutex
 	closed bool
+
+	// gmu is held shared by a Grant from start to end, and exclusively by
+	// Close while it marks the region closing, so that no bind is under
+	// way when the region is deregistered. gl guards grants, the region's
+	// live grants.
+	gmu     sync.RWMutex
+	closing bool
+	gl      sync.Mutex
+	grants  map[*grant]struct{}
 }
 
 func (m *mr) Addr() uintptr          { return m.m.Addr() }
@@ -361,6 +414,14 @@ func (m *mr) Close() error {
 	defer m.mu.Unlock()
 	if m.closed {
 		return nil
+	}
+	// Its grants end first: a region with windows bound to it cannot be
+	// deregistered.
+	m.gmu.Lock()
+	m.closing = true
+	m.gmu.Unlock()
+	if err := m.revokeAll(); err != nil {
+		return err
 	}
 	if err := m.m.Close(); err != nil {
 		return wrap(err)
@@ -385,6 +446,11 @@ type cq struct {
 
 	pmu     sync.Mutex
 	scratch []ibv.WC
+	// stash holds the caller's completions that a wait for one of the
+	// provider's own binds or invalidations polled (drive); Poll returns
+	// them first.
+	stash []verbsio.Completion
+	dbuf  []verbsio.Completion
 
 	cmu    sync.Mutex
 	closed bool
@@ -414,6 +480,18 @@ func (c *cq) Poll(out []verbsio.Completion) (int, error) {
 	}
 	c.pmu.Lock()
 	defer c.pmu.Unlock()
+	if len(c.stash) > 0 {
+		n := copy(out, c.stash)
+		c.stash = c.stash[:copy(c.stash, c.stash[n:])]
+		return n, nil
+	}
+	return c.pollLocked(out)
+}
+
+// pollLocked polls the device once into out, leaving out the completions
+// of the provider's own requests (which it hands to their waiters).
+// Callers hold pmu.
+func (c *cq) pollLocked(out []verbsio.Completion) (int, error) {
 	wc := c.scratch
 	if len(out) < len(wc) {
 		wc = wc[:len(out)]
@@ -424,13 +502,38 @@ func (c *cq) Poll(out []verbsio.Completion) (int, error) {
 	}
 	c.qmu.RLock()
 	defer c.qmu.RUnlock()
+	k := 0
 	for i := 0; i < n; i++ {
-		out[i] = c.convert(&wc[i])
+		if comp, mine := c.convert(&wc[i]); !mine {
+			out[k] = comp
+			k++
+		}
 	}
-	return n, nil
+	return k, nil
 }
 
-func (c *cq) convert(w *ibv.WC) verbsio.Completion {
+// drive polls the device once for a goroutine that waits for one of the
+// provider's own requests (grant.go), keeping the caller's completions it
+// finds for the caller's next Poll. A caller asleep in Wait is not left
+// asleep: a completion that arrives after its Arm raises the channel's
+// event whoever polls it, and one that came before is in the stash its
+// next Poll reads.
+func (c *cq) drive() error {
+	c.pmu.Lock()
+	defer c.pmu.Unlock()
+	if c.dbuf == nil {
+		c.dbuf = make([]verbsio.Completion, len(c.scratch))
+	}
+	n, err := c.pollLocked(c.dbuf)
+	c.stash = append(c.stash, c.dbuf[:n]...)
+	clear(c.dbuf[:n])
+	return err
+}
+
+// convert turns a device completion into the caller's, and reports whether
+// it was one of the provider's own requests instead (the caller never sees
+// those).
+func (c *cq) convert(w *ibv.WC) (verbsio.Completion, bool) {
 	comp := verbsio.Completion{WRID: w.WRID, Status: statusOf(w.Status), ByteLen: w.ByteLen}
 	if w.Flags&ibv.WCWithImm != 0 {
 		comp.Imm, comp.HasImm = w.Imm, true
@@ -439,7 +542,9 @@ func (c *cq) convert(w *ibv.WC) verbsio.Completion {
 	recv := w.Opcode&ibv.WCRecv != 0
 	if r == nil {
 		comp.Op = opOfWC(w.Opcode)
-		return comp
+		// A closed queue pair's last bind or invalidation.
+		mine := !recv && (w.Opcode == ibv.WCBindMW || w.Opcode == ibv.WCLocalInv || w.WRID&windowWRIDMask == windowWRIDTag)
+		return comp, mine
 	}
 	comp.QP = r.q
 	switch {
@@ -460,10 +565,13 @@ func (c *cq) convert(w *ibv.WC) verbsio.Completion {
 		comp.Status = verbsio.StatusLocalLength
 	}
 	comp.Op = r.q.complete(w, recv, comp.Status)
+	if comp.Op == opWindow {
+		return comp, true
+	}
 	if !recv {
 		comp.ByteLen = 0
 	}
-	return comp
+	return comp, false
 }
 
 func opOfWC(op uint32) verbsio.Opcode {

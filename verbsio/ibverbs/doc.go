@@ -21,6 +21,17 @@
 // verbsio.ErrNoDevice that says which, so verbsio.Choose falls back to
 // another provider.
 //
+// Where the device has type 2 memory windows and proves, with a loopback
+// probe at open, that it enforces a window's bounds, its memory regions
+// implement verbsio.Granter (Caps.Grants): a grant is a window bound over
+// the granted range through the given queue pair, and Revoke invalidates
+// it (grant.go says what ibverbs grants do not do: they are not counted
+// down by writes with immediate, and the region's own rkey stays as
+// registered). Soft-RoCE does not enforce a window's bounds, so it gives
+// no grants; GDRLINK_IBVERBS_WINDOWS=force turns them on anyway, to test
+// the window path there (auto is the default; off turns them off), and
+// ibvdiag's GrantsReason says which.
+//
 // The package is pure Go. Work request chains and completion batches cross
 // into libibverbs once per chain and once per batch; the module's
 // benchmarks count the crossings through internal/ibvdiag.

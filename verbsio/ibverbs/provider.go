@@ -27,6 +27,10 @@ type options struct {
 	hopLimit    int
 	spin        time.Duration
 	spinSet     bool
+	// windows says when regions give grants (window.go); windowsSet that
+	// withWindows set it, over windowsEnv.
+	windows    windowMode
+	windowsSet bool
 }
 
 // WithSysfsRoot reads sysfs under root instead of /sys (a container that
@@ -171,6 +175,13 @@ func (p *provider) openDevice(cfg verbsio.Config) (*device, error) {
 			return nil, fmt.Errorf("%w: %s=%q is not a duration of at least 0", verbsio.ErrBadConfig, spinEnv, v)
 		}
 		o.spin = d
+	}
+	if v, ok := os.LookupEnv(windowsEnv); ok && !o.windowsSet {
+		m, err := parseWindowMode(v)
+		if err != nil {
+			return nil, err
+		}
+		o.windows = m
 	}
 	names, err := p.deviceNames()
 	if err != nil {

@@ -18,6 +18,10 @@ type posted struct {
 	wrid     uint64
 	op       verbsio.Opcode
 	signaled bool
+	// win is set on the provider's own binds and invalidations (grant.go):
+	// their completions go to the goroutine waiting on win, never to the
+	// caller.
+	win *winOp
 }
 
 // ring is a fixed-capacity FIFO of outstanding work requests.
@@ -64,6 +68,16 @@ type qp struct {
 	wrs   []ibv.SendWR
 	rwrs  []ibv.RecvWR
 	sges  []ibv.SGE
+	// depth is the caller's share of the send ring; the rest, reserve
+	// slots, is kept for the provider's own binds and invalidations
+	// (grant.go), internal of which are outstanding.
+	depth, reserve, internal int
+	// grants are the live grants given on this queue pair.
+	grants map[*grant]struct{}
+	// wmu serialises the provider's own binds and invalidations on this
+	// queue pair, each posted and waited for; wseq numbers them.
+	wmu  sync.Mutex
+	wseq uint32
 }
 
 func (p *pd) CreateQP(cfg verbsio.QPConfig) (verbsio.QueuePair, error) {
@@ -85,6 +99,7 @@ func (p *pd) CreateQP(cfg verbsio.QPConfig) (verbsio.QueuePair, error) {
 	if want.MaxSendSGE == 0 {
 		want.MaxSendSGE, want.MaxRecvSGE = 1, 1
 	}
+	depth := want.MaxSendWR
 	switch {
 	case want.MaxSendWR < 0 || want.MaxRecvWR < 0 || want.MaxSendWR > p.d.attr.MaxQPWR || want.MaxRecvWR > p.d.attr.MaxQPWR:
 		return nil, fmt.Errorf("%w: queue depth %d/%d, %s allows 1..%d", verbsio.ErrBadConfig, want.MaxSendWR, want.MaxRecvWR, p.d.ch.Device, p.d.attr.MaxQPWR)
@@ -92,6 +107,13 @@ func (p *pd) CreateQP(cfg verbsio.QPConfig) (verbsio.QueuePair, error) {
 		return nil, fmt.Errorf("%w: %d SGEs per work request, %s allows %d", verbsio.ErrBadConfig, want.MaxSendSGE, p.d.ch.Device, p.d.attr.MaxSGE)
 	case want.MaxInline < 0 || want.MaxInline > p.d.caps.MaxInline:
 		return nil, fmt.Errorf("%w: inline size %d, %s allows %d", verbsio.ErrBadConfig, want.MaxInline, p.d.ch.Device, p.d.caps.MaxInline)
+	}
+	// Where regions give grants, a few send slots beyond the caller's
+	// depth carry the binds and invalidations of memory windows.
+	reserve := 0
+	if p.d.grants {
+		reserve = min(windowReserve, p.d.attr.MaxQPWR-want.MaxSendWR)
+		want.MaxSendWR += reserve
 	}
 	if err := p.addChild(); err != nil {
 		return nil, err
@@ -110,8 +132,10 @@ func (p *pd) CreateQP(cfg verbsio.QPConfig) (verbsio.QueuePair, error) {
 	caps := q.Caps()
 	// The rings hold what we asked for: the device may grant more, but
 	// then the caller's view of "queue full" follows its own request.
+	depth = min(depth, caps.MaxSendWR-reserve)
 	x := &qp{d: p.d, pd: p, q: q, scq: scq, rcq: rcq, psn: rand.Uint32() & 0xffffff, caps: caps,
-		state: verbsio.QPInit, sends: newRing(min(caps.MaxSendWR, want.MaxSendWR)), recvs: newRing(min(caps.MaxRecvWR, want.MaxRecvWR))}
+		state: verbsio.QPInit, sends: newRing(depth + reserve), recvs: newRing(min(caps.MaxRecvWR, want.MaxRecvWR)),
+		depth: depth, reserve: reserve, grants: map[*grant]struct{}{}}
 	scq.attach(x, true, false)
 	rcq.attach(x, false, true)
 	return x, nil
@@ -201,8 +225,8 @@ func (q *qp) PostSend(wrs []verbsio.SendWR) error {
 	if err := q.usable("post send"); err != nil {
 		return err
 	}
-	if len(wrs) > q.sends.free() {
-		return fmt.Errorf("%w: %d work requests, %d of %d send slots free", verbsio.ErrQueueFull, len(wrs), q.sends.free(), len(q.sends.buf))
+	if free := q.sendFree(); len(wrs) > free {
+		return fmt.Errorf("%w: %d work requests, %d of %d send slots free", verbsio.ErrQueueFull, len(wrs), free, q.depth)
 	}
 	q.wrs, q.sges = q.wrs[:0], q.sges[:0]
 	for i := range wrs {
@@ -249,6 +273,11 @@ func (q *qp) PostSend(wrs []verbsio.SendWR) error {
 	}
 	return nil
 }
+
+// sendFree is how many send slots of the caller's depth are free (the
+// provider's own binds and invalidations take reserve slots). Callers hold
+// q.mu.
+func (q *qp) sendFree() int { return q.depth - (q.sends.size - q.internal) }
 
 func (q *qp) postErr(err error, n, total int) error {
 	switch {
@@ -342,7 +371,19 @@ func (q *qp) complete(w *ibv.WC, recv bool, st verbsio.Status) verbsio.Opcode {
 			break
 		}
 		q.sends.pop()
-		if p.wrid == w.WRID && (p.signaled || st != verbsio.StatusSuccess) {
+		match := p.wrid == w.WRID && (p.signaled || st != verbsio.StatusSuccess)
+		if p.win != nil {
+			q.internal--
+			if match {
+				p.win.finishLocked(st)
+			} else {
+				// Retired by a later completion: cannot happen, for the
+				// provider's own requests are all signaled; fail it rather
+				// than leave its waiter to time out.
+				p.win.finishLocked(verbsio.StatusGeneral)
+			}
+		}
+		if match {
 			op = p.op
 			break
 		}
@@ -358,7 +399,10 @@ func (r *ring) pop0() {
 }
 
 // Close implements verbsio.QueuePair: the queue pair goes to the error
-// state (outstanding requests flush) and is destroyed. Idempotent.
+// state (outstanding requests flush), the grants given on it end (their
+// windows are deallocated: no write can come through a queue pair in the
+// error state, and none will be bound again), and it is destroyed.
+// Idempotent.
 func (q *qp) Close() error {
 	q.mu.Lock()
 	if q.state == verbsio.QPClosed {
@@ -366,6 +410,31 @@ func (q *qp) Close() error {
 		return nil
 	}
 	q.q.ToError()
+	if q.state == verbsio.QPReady || q.state == verbsio.QPInit {
+		q.state = verbsio.QPError
+	}
+	// Waiters on the provider's own requests learn now that they flushed,
+	// without waiting for a completion nobody may poll once the queue
+	// pair is gone.
+	for i := 0; i < q.sends.size; i++ {
+		if p := q.sends.buf[(q.sends.head+i)%len(q.sends.buf)]; p.win != nil {
+			p.win.finishLocked(verbsio.StatusFlushed)
+		}
+	}
+	gs := make([]*grant, 0, len(q.grants))
+	for g := range q.grants {
+		gs = append(gs, g)
+	}
+	q.mu.Unlock()
+	var gerr error
+	for _, g := range gs {
+		gerr = errors.Join(gerr, g.end())
+	}
+	q.mu.Lock()
+	if q.state == verbsio.QPClosed {
+		q.mu.Unlock()
+		return nil
+	}
 	if err := q.q.Close(); err != nil {
 		q.mu.Unlock()
 		return wrap(err)
@@ -376,5 +445,5 @@ func (q *qp) Close() error {
 	q.scq.detach(q.q.QPN())
 	q.rcq.detach(q.q.QPN())
 	q.pd.dropChild()
-	return nil
+	return gerr
 }
