@@ -84,7 +84,12 @@ type Channel struct {
 	ctx      context.Context
 	stop     context.CancelFunc
 	pollDone chan struct{}
-	byeSent  chan struct{}
+	// byeSent is closed once this side's BYE has left (its send
+	// completed, successfully or not) or will not be sent; peerBye once the
+	// peer's BYE has come or can come no more (byeSentLocked,
+	// peerByeLocked).
+	byeSent chan struct{}
+	peerBye chan struct{}
 
 	// mu guards the fields below and the state of both halves. It is one
 	// lock for both on purpose: the halves share the queue, the credits
@@ -108,6 +113,11 @@ type Channel struct {
 	outq      []outItem
 	orphans   []tensor.Buffer
 	byeWRID   uint64
+	// byeDone, peerDone: byeSent and peerBye are closed.
+	byeDone, peerDone bool
+	// imms counts the writes with immediate taken in on the queue pair
+	// (the count a BYE carries, see doc.go).
+	imms uint64
 	// creditBlocked: the last flush left work queued with no credit to
 	// spare (flushLocked counts credit stalls from it).
 	creditBlocked bool
@@ -163,7 +173,7 @@ func New(dev verbsio.Device, pd verbsio.ProtectionDomain, mem Memory, opts ...Op
 		opts: o, log: o.log, dev: dev, pd: pd, mem: mem,
 		provider: dev.Info().Provider, devName: dev.Info().Name, host: host, caps: dev.Caps(),
 		slot: wire.MaxFrame, checksum: o.checksum,
-		pollDone: make(chan struct{}), byeSent: make(chan struct{}),
+		pollDone: make(chan struct{}), byeSent: make(chan struct{}), peerBye: make(chan struct{}),
 	}
 	c.initHalves()
 	if c.provider == "" {
@@ -382,6 +392,7 @@ func (c *Channel) Stats() Stats {
 		ChunksIn: r.chunksIn.Load(), ChunksOut: s.chunksOut.Load(), CreditStalls: ch.creditStalls.Load(),
 		RequestsIn: s.requestsIn.Load(), ReRequestsIn: s.reRequestsIn.Load(),
 		PendingRefused: s.pendingRefused.Load(), NamesRefused: s.namesRefused.Load(), ResultsRefused: ch.resultsRefused.Load(),
+		SendsRefused: s.refused.Load(),
 	}
 	c.snd.statsLocked(&st)
 	return st
@@ -394,11 +405,18 @@ func (c *Channel) Err() error {
 	return c.failErr
 }
 
-// Close says BYE to the peer (waiting up to a second for it to leave), fails
-// everything pending with ErrClosed, and releases the queue pair, completion
-// queue and buffers. The sources of writes still in flight go back to their
-// owners (Send's release, SendFunc's done) only after the queue pairs are
-// destroyed. It is idempotent.
+// closeWait bounds how long Close waits for its BYE to leave and, when
+// writes were in flight, for the peer's BYE that says which arrived.
+const closeWait = time.Second
+
+// Close says BYE to the peer, fails everything pending with ErrClosed, and
+// releases the queue pair, completion queue and buffers. It waits for its
+// BYE to leave and, if writes were in flight, for the peer's BYE (the
+// peer answers one with its own), which says which of them arrived (see
+// "Closing" in the package documentation); at most a second, and not at
+// all for a peer known gone or closing. The sources of writes still in
+// flight go back to their owners (Send's release, SendFunc's done) only
+// after the queue pairs are destroyed. It is idempotent.
 func (c *Channel) Close() error {
 	first := false
 	c.once.Do(func() { first = true })
@@ -407,25 +425,35 @@ func (c *Channel) Close() error {
 	}
 	c.mu.Lock()
 	wasConnected := c.state == stateConnected
+	// Writes in flight: the peer's BYE tells which arrived.
+	waitPeer := wasConnected && c.snd.inFlightLocked()
 	if wasConnected {
-		m := wire.Message{Type: wire.TypeBye}
-		c.outq = append(c.outq, outItem{frame: m.Append(nil)})
-		c.flushLocked()
+		c.postByeLocked()
 	}
-	if c.byeWRID == 0 {
-		close(c.byeSent)
-	}
+	c.byeSentLocked() // unless posted: then its completion says it left
 	var ds deliveries
 	c.failLocked(fmt.Errorf("%w: closed by this side", ErrClosed), &ds, stateClosed)
 	started := c.started
+	if !started {
+		c.peerByeLocked()
+	}
 	c.mu.Unlock()
 	ds.run()
 	if wasConnected {
+		timer := time.NewTimer(closeWait)
 		select {
 		case <-c.byeSent:
+			if waitPeer {
+				select {
+				case <-c.peerBye:
+				case <-c.pollDone:
+				case <-timer.C:
+				}
+			}
 		case <-c.pollDone:
-		case <-time.After(time.Second):
+		case <-timer.C:
 		}
+		timer.Stop()
 	}
 	c.stop()
 	if started {
@@ -473,6 +501,71 @@ func (c *Channel) release() error {
 		errs = append(errs, c.sendBuf.Free())
 	}
 	return errors.Join(errs...)
+}
+
+// postByeLocked posts BYE with the count of writes with immediate taken in
+// (wire.ByeImms), straight to the queue pair and ahead of anything queued:
+// the queue's items are dropped as the channel stops, and a write dropped
+// unposted is one the peer will not get, as its error says. The BYE may
+// take the credit kept in reserve: nothing follows it. If it cannot be
+// posted, nobody waits for it.
+func (c *Channel) postByeLocked() {
+	if c.credits < 1 || len(c.freeSlots) == 0 || c.sqOut >= c.sqMax {
+		c.log.Debug("rendezvous: BYE not sent: no credit or send slot", "peer", c.peer)
+		c.byeSentLocked()
+		return
+	}
+	slot := c.freeSlots[len(c.freeSlots)-1]
+	buf := c.sendBuf.Bytes()[slot*c.slot : (slot+1)*c.slot]
+	m := wire.Message{Type: wire.TypeBye, Flags: wire.ByeImms, Imms: uint32(c.imms)}
+	n := len(m.Append(buf[:0]))
+	c.putCredits(buf)
+	if !c.postCtrlLocked(slot, n, true) {
+		c.byeSentLocked()
+	}
+}
+
+// byeSentLocked closes byeSent once: this side's BYE left, or will not.
+func (c *Channel) byeSentLocked() {
+	if c.byeWRID != 0 && !c.byeDone && c.state == stateConnected {
+		return // posted: its completion closes it
+	}
+	c.closeByeSentLocked()
+}
+
+func (c *Channel) closeByeSentLocked() {
+	if !c.byeDone && c.byeSent != nil {
+		c.byeDone = true
+		close(c.byeSent)
+	}
+}
+
+// peerByeLocked closes peerBye once: the peer's BYE came, or no more
+// frames of the peer's can come.
+func (c *Channel) peerByeLocked() {
+	if !c.peerDone && c.peerBye != nil {
+		c.peerDone = true
+		close(c.peerBye)
+	}
+}
+
+// onByeLocked takes the peer's BYE: writes it says arrived are delivered,
+// the others fail with ErrClosed; a channel still open answers with its
+// own BYE (so that a peer closing with writes in flight learns which of
+// them arrived here) and stops.
+func (c *Channel) onByeLocked(m *wire.Message, ds *deliveries) {
+	c.peerByeLocked()
+	if m.Flags&wire.ByeImms != 0 {
+		c.snd.settleLocked(m.Imms, ds)
+	}
+	if c.state == stateConnected {
+		c.postByeLocked()
+		c.failLocked(fmt.Errorf("%w: by peer %s", ErrClosed, c.peer), ds, stateFailed)
+	}
+	// Nothing more will tell what arrived: held writes end on their
+	// completions (a BYE without a count, of a first-release peer, says
+	// nothing of them).
+	c.snd.settledLocked(ds)
 }
 
 // deliveries are callbacks collected under the lock and run after it.
@@ -558,9 +651,9 @@ func (c *Channel) logRefusalLocked(b bound, err error, args ...any) {
 // sized for meta, could not be allocated: it names the peer and the
 // tensor's size. A refusal for want of memory (the pool's limit,
 // alloc.ErrPoolExhausted; WithMaxTensorBytes, ErrTooLarge) is logged and
-// counted in Stats.ResultsRefused; when the peer had answered the request
-// already, the receiver withdraws it (CANCEL), which gives the peer's kept
-// tensor back to its pending Sends.
+// counted in Stats.ResultsRefused; the receiver withdraws the request
+// with the reason (CANCEL with a code), which fails the peer's Send with a
+// RefusedError and gives its tensor back.
 func (c *Channel) resultErrLocked(key skey, meta tensor.Meta, err error) error {
 	e := fmt.Errorf("rendezvous: result of %q step %d from %s (%v): %w", key.name, key.step, c.peer, meta, err)
 	if errors.Is(err, alloc.ErrPoolExhausted) || errors.Is(err, ErrTooLarge) {
@@ -584,6 +677,11 @@ func (c *Channel) peerLost(cause error) error {
 // poll is the channel's completion goroutine.
 func (c *Channel) poll() {
 	defer close(c.pollDone)
+	defer func() {
+		c.mu.Lock()
+		c.peerByeLocked()
+		c.mu.Unlock()
+	}()
 	comps := make([]verbsio.Completion, 64)
 	for {
 		n, err := c.cq.Wait(c.ctx, comps)
@@ -620,10 +718,39 @@ func (c *Channel) poll() {
 			// Nothing here waits for a completion any more (a write
 			// still out keeps the goroutine polling, so that its source
 			// is given back when the write completes or is flushed).
-			// Leave the rest to Close.
+			// Handle what is queued still, the peer's BYE perhaps, then
+			// leave the rest to Close.
+			c.drain(comps)
 			return
 		}
 	}
+}
+
+// drain handles the completions queued on a channel that failed, without
+// waiting for more, then ends the held writes that waited for a BYE of the
+// peer's (sender.finishAwaitingLocked). A BYE already queued behind
+// completions handled after the failure (a write's, or a frame whose
+// answer could not be posted because the peer had closed its queue pair)
+// thus still settles the writes it counts.
+func (c *Channel) drain(comps []verbsio.Completion) {
+	for {
+		n, err := c.cq.Poll(comps)
+		if err != nil || n == 0 {
+			break
+		}
+		var ds deliveries
+		c.mu.Lock()
+		for i := 0; i < n; i++ {
+			c.handleLocked(&comps[i], &ds)
+		}
+		c.mu.Unlock()
+		ds.run()
+	}
+	var ds deliveries
+	c.mu.Lock()
+	c.snd.finishAwaitingLocked(&ds)
+	c.mu.Unlock()
+	ds.run()
 }
 
 func (c *Channel) handleLocked(wc *verbsio.Completion, ds *deliveries) {
@@ -631,7 +758,7 @@ func (c *Channel) handleLocked(wc *verbsio.Completion, ds *deliveries) {
 	id := wc.WRID &^ wridKind
 	if kind == wridWrite {
 		// Whatever its status, the work request reads its source no more.
-		c.snd.writeCompletedLocked(id>>8, ds)
+		c.snd.writeCompletedLocked(id>>8, wc.Status == verbsio.StatusSuccess, ds)
 	}
 	if wc.Status != verbsio.StatusSuccess {
 		if c.state == stateConnected {
@@ -639,7 +766,12 @@ func (c *Channel) handleLocked(wc *verbsio.Completion, ds *deliveries) {
 		}
 		if kind == wridCtrl {
 			c.freeSlots = append(c.freeSlots, int(id))
+			if wc.WRID == c.byeWRID {
+				c.closeByeSentLocked()
+			}
 		}
+		// The queue pair is in error: nothing more of the peer's comes.
+		c.peerByeLocked()
 		return
 	}
 	switch kind {
@@ -651,6 +783,7 @@ func (c *Channel) handleLocked(wc *verbsio.Completion, ds *deliveries) {
 			return
 		}
 		if wc.Op == verbsio.OpRecvImm || wc.HasImm {
+			c.imms++
 			c.rcv.onWriteLocked(wc.Imm, ds)
 		} else {
 			b := c.recvBuf.Bytes()[slot*c.slot:]
@@ -667,7 +800,7 @@ func (c *Channel) handleLocked(wc *verbsio.Completion, ds *deliveries) {
 		c.sqOut--
 		c.freeSlots = append(c.freeSlots, int(id))
 		if wc.WRID == c.byeWRID {
-			close(c.byeSent)
+			c.closeByeSentLocked()
 		}
 	case wridWrite:
 		c.sqOut--
@@ -679,13 +812,21 @@ func (c *Channel) handleLocked(wc *verbsio.Completion, ds *deliveries) {
 
 func (c *Channel) onFramesLocked(b []byte, ds *deliveries) {
 	var m wire.Message
-	for len(b) > 0 && c.state == stateConnected {
+	for len(b) > 0 {
 		n, err := wire.Decode(b, &m)
 		if err != nil {
 			c.failLocked(fmt.Errorf("%w: from %s: %w", ErrProtocol, c.peer, err), ds, stateFailed)
 			return
 		}
 		b = b[n:]
+		if c.state != stateConnected {
+			// Stopped: only the peer's BYE matters still, for what it
+			// says of this side's writes in flight.
+			if m.Type == wire.TypeBye {
+				c.onByeLocked(&m, ds)
+			}
+			continue
+		}
 		c.credits += int(m.Credits)
 		switch m.Type {
 		case wire.TypeCredit:
@@ -702,7 +843,7 @@ func (c *Channel) onFramesLocked(b []byte, ds *deliveries) {
 		case wire.TypeError:
 			c.rcv.onErrorLocked(&m, ds)
 		case wire.TypeBye:
-			c.failLocked(fmt.Errorf("%w: by peer %s", ErrClosed, c.peer), ds, stateFailed)
+			c.onByeLocked(&m, ds)
 		default:
 			c.failLocked(fmt.Errorf("%w: %s from %s on an open channel", ErrProtocol, m.Type, c.peer), ds, stateFailed)
 		}
@@ -744,14 +885,10 @@ func (c *Channel) flushLocked() {
 		slot := c.freeSlots[len(c.freeSlots)-1]
 		buf := c.sendBuf.Bytes()[slot*c.slot : (slot+1)*c.slot]
 		n := 0
-		bye := false
 		for len(c.outq) > 0 && c.outq[0].write == nil && n+len(c.outq[0].frame) <= len(buf) {
 			f := c.outq[0].frame
 			copy(buf[n:], f)
-			switch wire.Type(f[1]) {
-			case wire.TypeBye:
-				bye = true
-			case wire.TypeError:
+			if wire.Type(f[1]) == wire.TypeError {
 				c.snd.errorsQueued--
 			}
 			n += len(f)
@@ -759,7 +896,7 @@ func (c *Channel) flushLocked() {
 			c.outq = c.outq[1:]
 		}
 		c.putCredits(buf)
-		if !c.postCtrlLocked(slot, n, bye) {
+		if !c.postCtrlLocked(slot, n, false) { // BYE never queues (postByeLocked)
 			return
 		}
 	}

@@ -40,4 +40,59 @@
 // with pending work sends a keepalive to a peer silent for a keepalive
 // interval (WithKeepalive), so that this holds on RDMA too, where a queue
 // pair learns of a dead peer only by sending to it.
+//
+// # Refusals
+//
+// A receiver that has no room for a tensor (larger than WithMaxTensorBytes,
+// or its pool at its limit) fails its Recv with ErrTooLarge or
+// alloc.ErrPoolExhausted naming the sender, and withdraws the request with
+// the reason: CANCEL carrying wire.CodeTooLarge or wire.CodeNoMemory. The
+// sender then fails that Send at once with a *RefusedError naming the
+// receiver and the reason (it matches ErrRemote and the reason's
+// sentinel), gives the tensor back (Send releases it), and counts it in
+// Stats.SendsRefused; the channel goes on. A Recv whose cached meta-data
+// is too large to allocate asks without it, so that the sender hears of
+// the refusal too (or the tensor, changed since, fits). A Recv withdrawn
+// for any other reason (its context ended, no path to its device) leaves
+// the Send waiting for the next request of its key and step, as before.
+//
+// # Closing
+//
+// Close sends BYE, and BYE says what arrived: it carries (wire.ByeImms)
+// the number of writes with immediate this side took in on the channel's
+// queue pair, counted when each completion is handled, that is when the
+// Recv it completes has its tensor. Every write with immediate a sender
+// posts on the queue pair is numbered in the same order (each chunk of a
+// chunked write has one; a striped write's comes on the queue pair once
+// the rails' parts landed), and RC delivers them in that order, so the
+// count names exactly the writes the peer took in. On the peer's BYE a
+// sender ends each write in flight by the count, not by its completion,
+// which may not have come yet when the BYE does (the completion needs the
+// acknowledgement, the BYE comes after it on the other direction): a write
+// the count covers is delivered (its done gets nil, its source goes back
+// once no work request reads it), any other fails with ErrClosed, as do
+// Sends not written. So a sender reports delivered exactly what the
+// receiver got, and a Send that failed may be sent again without a
+// duplicate.
+//
+// A side that is still open when the peer's BYE comes answers with its own
+// BYE, so that a peer closing with its own writes in flight learns which
+// arrived: Close waits for that answer when it had writes in flight, and
+// for its own BYE to leave. Both waits end as soon as the peer's BYE
+// comes, a completion in error or the completion goroutine's end says the
+// peer is gone or closed, or at the latest after a second; two sides that
+// close together cross their BYEs and neither waits for a timer. A write
+// whose completion came back successful but whose fate no BYE told (the
+// peer's answer did not come in time) is reported delivered when Close
+// destroys the queue pair: it went out before this side's BYE, so the peer
+// took it in before it heard of the close.
+//
+// What the count cannot settle: a receiver that closes with Recvs still
+// pending while their writes land races with the sender's completions. The
+// count then says those writes did not arrive (their Recvs failed with
+// ErrClosed), but the sender may have handled a successful completion, and
+// reported the Send delivered, before the BYE reached it. Closing once the
+// Recvs one waits for have ended avoids it. A peer of the first release
+// sends a BYE without a count (writes in flight then fail with ErrClosed
+// as before), and refuses the longer BYE and CANCEL of this one.
 package rendezvous

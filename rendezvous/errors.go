@@ -2,9 +2,12 @@ package rendezvous
 
 import (
 	"errors"
+	"fmt"
 
+	"github.com/gdrlink/gdrlink/alloc"
 	"github.com/gdrlink/gdrlink/internal/closed"
 	"github.com/gdrlink/gdrlink/internal/wire"
+	"github.com/gdrlink/gdrlink/tensor"
 )
 
 // Errors of the rendezvous, one per condition; they are wrapped with the
@@ -68,6 +71,62 @@ type remoteLimit struct{}
 
 func (remoteLimit) Error() string   { return ErrRemote.Error() }
 func (remoteLimit) Unwrap() []error { return []error{ErrRemote, ErrLimit} }
+
+// RefusedError is the error of a Send whose tensor the receiver refused
+// (CANCEL with a reason): it had no room for it. It matches ErrRemote and
+// Reason: ErrTooLarge (beyond the receiver's WithMaxTensorBytes) or
+// alloc.ErrPoolExhausted (the receiver's pool is at its limit); a reason
+// code this side does not know leaves Reason nil. The tensor is given back
+// (Send releases it, SendFunc's done gets this error); the channel goes
+// on. (A receiver that cannot have the result for another reason, such as
+// no path to the device it asked for, withdraws the request without a
+// reason: the Send then waits for its next request, as for a cancelled
+// Recv.)
+type RefusedError struct {
+	Peer   string      // the receiver
+	Key    string      // the tensor's key and step
+	Step   int64       //
+	Meta   tensor.Meta // what was sent
+	Reason error       // the condition, or nil
+	code   wire.Code
+}
+
+func (e *RefusedError) Error() string {
+	return fmt.Sprintf("rendezvous: %q step %d (%v) refused by peer %s: %s", e.Key, e.Step, e.Meta, e.Peer, e.code)
+}
+
+// Unwrap is ErrRemote and Reason.
+func (e *RefusedError) Unwrap() []error {
+	if e.Reason == nil {
+		return []error{ErrRemote}
+	}
+	return []error{ErrRemote, e.Reason}
+}
+
+// refusalCode is the reason a CANCEL carries when the receiver cannot
+// have a result for want of room (the error of allocResultLocked), 0 when
+// it is not such a refusal.
+func refusalCode(err error) wire.Code {
+	switch {
+	case errors.Is(err, ErrTooLarge):
+		return wire.CodeTooLarge
+	case errors.Is(err, alloc.ErrPoolExhausted):
+		return wire.CodeNoMemory
+	}
+	return 0
+}
+
+// refusalReason is the sentinel of a refusal's code, nil for a code that
+// has none.
+func refusalReason(code wire.Code) error {
+	switch code {
+	case wire.CodeTooLarge:
+		return ErrTooLarge
+	case wire.CodeNoMemory:
+		return alloc.ErrPoolExhausted
+	}
+	return nil
+}
 
 // ErrBadOption: an option out of its range.
 var ErrBadOption = errors.New("rendezvous: invalid option")

@@ -724,7 +724,8 @@ func limitedSide(t *testing.T, provider, name string, limit int64) *side {
 
 // A result beyond the receiver's pool limit fails its Recv with
 // alloc.ErrPoolExhausted naming the peer and the size; the receiver counts
-// and withdraws it, so the sender's kept tensor goes back to waiting; the
+// it and refuses it to the sender, whose Send fails with a RefusedError
+// matching alloc.ErrPoolExhausted and gives the tensor's block back; the
 // next tensor goes through.
 func TestResultBeyondThePoolLimit(t *testing.T) {
 	forEachProvider(t, func(t *testing.T, provider string) {
@@ -755,11 +756,13 @@ func TestResultBeyondThePoolLimit(t *testing.T) {
 		}
 
 		big := tensor.Shape{(2 * limit) / 4} // float32: twice the limit
+		base := a.pool.Stats()
 		src, err := makeTensor(a.pool, "float32", big, "huge", 0)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := a.ch.Send("huge", 0, src); err != nil {
+		sent := make(chan error, 1)
+		if err := a.ch.SendFunc("huge", 0, src, func(err error) { _ = src.Release(); sent <- err }); err != nil {
 			t.Fatal(err)
 		}
 		_, _, err = b.ch.Recv(ctx, "huge", 0)
@@ -772,14 +775,26 @@ func TestResultBeyondThePoolLimit(t *testing.T) {
 		if st := b.ch.Stats(); st.ResultsRefused != 1 {
 			t.Errorf("b: %d results refused, want 1", st.ResultsRefused)
 		}
-		// The sender learns it: the receiver's CANCEL gives the tensor
-		// it kept for the re-request back to its pending sends.
-		deadline := time.Now().Add(10 * time.Second)
-		for st := a.ch.Stats(); st.Kept != 0 || st.SendsPending != 1; st = a.ch.Stats() {
-			if time.Now().After(deadline) {
-				t.Fatalf("a: %d kept, %d sends pending; want 0 and 1", st.Kept, st.SendsPending)
-			}
-			time.Sleep(time.Millisecond)
+		// The sender learns it: the receiver's CANCEL with the reason
+		// fails the Send, and the tensor goes back to its pool.
+		var serr error
+		select {
+		case serr = <-sent:
+		case <-time.After(5 * time.Second):
+			t.Fatal("the refused Send is still pending after 5s")
+		}
+		var re *RefusedError
+		if !errors.As(serr, &re) || !errors.Is(serr, alloc.ErrPoolExhausted) || !errors.Is(serr, ErrRemote) || re.Peer != "b" {
+			t.Fatalf("refused Send: %v, want a RefusedError from b matching alloc.ErrPoolExhausted and ErrRemote", serr)
+		}
+		if msg := serr.Error(); !strings.Contains(msg, "peer b") || !strings.Contains(msg, "no memory") {
+			t.Errorf("error %q does not name the peer and the reason", msg)
+		}
+		if st := a.ch.Stats(); st.Kept != 0 || st.SendsPending != 0 || st.SendsRefused != 1 {
+			t.Errorf("a: %d kept, %d sends pending, %d refused; want 0, 0 and 1", st.Kept, st.SendsPending, st.SendsRefused)
+		}
+		if st := a.pool.Stats(); st.Blocks != base.Blocks || st.InUse != base.InUse {
+			t.Errorf("a's pool: %d blocks, %d bytes in use after the refusal; %d and %d before", st.Blocks, st.InUse, base.Blocks, base.InUse)
 		}
 
 		src, err = makeTensor(a.pool, "float32", tensor.Shape{1 << 18}, "normal", 0)

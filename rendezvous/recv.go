@@ -154,13 +154,24 @@ func (rv *receiver) recv(ctx context.Context, key string, step int64, cb func(*t
 		return
 	}
 	m := wire.Message{Type: wire.TypeRequest, Step: step}
-	if meta, ok := rv.cache[key]; ok {
-		if err := rv.allocResultLocked(r, meta); err != nil {
+	meta, cached := rv.cache[key]
+	if cached {
+		if err := rv.allocResultLocked(r, meta); err != nil && refusalCode(err) == 0 {
 			err = c.resultErrLocked(r.key, meta, err)
 			c.mu.Unlock()
 			cb(nil, tr, err)
 			return
+		} else if err != nil {
+			// No room for the cached size: ask without meta-data. The
+			// sender's answer says what the tensor is now, and a result
+			// that still cannot be had is refused to the sender (CANCEL
+			// with the reason) rather than left waiting there.
+			c.log.Debug("rendezvous: no result for the cached meta-data, asking without it", "peer", c.peer, "key", key, "step", step, "err", err)
+			cached = false
+			r.meta, r.path = tensor.Meta{}, PathNone
 		}
+	}
+	if cached {
 		m.Flags |= wire.ReqMeta
 		m.Meta.SetMeta(meta)
 		m.Addr, m.RKey, m.Capacity = rv.bufTarget(r)
@@ -552,12 +563,13 @@ func (rv *receiver) onMetaLocked(m *wire.Message, ds *deliveries) {
 		r.crc, r.hasCRC = m.Checksum, true
 	}
 	if err := rv.allocResultLocked(r, meta); err != nil {
-		// Withdraw the request so the sender drops what it kept.
+		// Withdraw the request with the reason: the sender fails its Send
+		// (RefusedError) and gives the tensor back.
 		cb := r.cb
 		r.cb = nil
 		r.cancelled = true
 		delete(rv.byKey, r.key)
-		cm := wire.Message{Type: wire.TypeCancel, Req: r.idx}
+		cm := wire.Message{Type: wire.TypeCancel, Req: r.idx, Code: refusalCode(err)}
 		c.enqueueLocked(&cm)
 		tr := Transfer{Key: r.key.name, Step: r.key.step, Peer: c.peer, Provider: c.provider, Device: c.devName}
 		e := c.resultErrLocked(r.key, meta, err)

@@ -32,6 +32,10 @@ type sender struct {
 	// it cannot (holdLocked).
 	held      map[uint64]*sendEntry
 	nextWrite uint64
+	// imms counts the writes with immediate posted on the channel's queue
+	// pair; a write's last one is its sendEntry.immEnd. The peer's BYE
+	// says how many of them it took in (settleLocked).
+	imms uint64
 	// errorsQueued counts the ERROR_STATUS in the channel's queue (see
 	// Channel.withholdingLocked).
 	errorsQueued int
@@ -43,6 +47,8 @@ type sendCounters struct {
 	requestsIn, reRequestsIn                        atomic.Uint64
 	writesOut, bytesOut, staged, striped, chunksOut atomic.Uint64
 	pendingRefused, namesRefused                    atomic.Uint64
+	// refused counts the Sends the peer refused (CANCEL with a reason).
+	refused atomic.Uint64
 }
 
 // statsLocked fills in what the sender holds now.
@@ -115,6 +121,22 @@ type sendEntry struct {
 	untilQP bool
 	held    bool
 	heldErr error
+	// immEnd is the number (sender.imms) of the write's last write with
+	// immediate, once posted: the peer has the tensor when it took in
+	// that many. awaitBye: a held write, fully posted, whose fate a BYE of
+	// the peer's may still tell: it does not end on its completions but
+	// when a BYE settles it (settleLocked) or, if none comes, once the
+	// completions already queued are handled (finishAwaitingLocked, as the
+	// completion goroutine stops) or the queue pair is gone (releaseHeld).
+	// byeFollowed: it was held because this side closed, so this side's
+	// BYE followed it and the peer took it in before hearing of the close
+	// if it arrived at all: with no BYE of the peer's it ends delivered if
+	// its work requests all completed successfully. localFailed: one of
+	// them completed in error.
+	immEnd      uint64
+	awaitBye    bool
+	byeFollowed bool
+	localFailed bool
 }
 
 // Send hands t to the peer under key and step. It never waits for the
@@ -193,6 +215,10 @@ func (s *sender) put(k skey, t *tensor.Tensor, serr error, done func(error)) err
 	return nil
 }
 
+// inFlightLocked reports whether writes are posted whose arrival is not
+// known yet.
+func (s *sender) inFlightLocked() bool { return len(s.writes) > 0 || len(s.striping) > 0 }
+
 // pendingLocked reports whether the sender waits on the peer: a Send or a
 // request not matched, a tensor kept for a re-request, or a write in flight.
 func (s *sender) pendingLocked() bool {
@@ -241,7 +267,70 @@ func (s *sender) holdLocked(seq uint64, e *sendEntry, err error, ds *deliveries)
 		return
 	}
 	e.held, e.heldErr = true, err
+	// The write's fate is what the peer's BYE says, which may be among
+	// the completions still queued (a write's completion may come before
+	// the BYE that counts it, and the channel may have failed before
+	// either was handled).
+	e.awaitBye = e.immEnd != 0 && !e.untilQP
+	e.byeFollowed = s.c.state == stateClosed
 	s.held[seq] = e
+}
+
+// settledLocked says the peer's BYE came: no held write awaits one any
+// more, and those whose work requests all completed end.
+func (s *sender) settledLocked(ds *deliveries) {
+	for seq, e := range s.held {
+		e.awaitBye = false
+		if e.wrsOut <= 0 && !e.untilQP {
+			delete(s.held, seq)
+			s.endHeldLocked(e, ds)
+		}
+	}
+}
+
+// finishAwaitingLocked ends the held writes that waited for a BYE of the
+// peer's that did not come, the completion goroutine having handled every
+// completion queued: with the error the channel failed with.
+func (s *sender) finishAwaitingLocked(ds *deliveries) {
+	for seq, e := range s.held {
+		if e.awaitBye && e.wrsOut <= 0 && !e.untilQP {
+			delete(s.held, seq)
+			s.endHeldLocked(e, ds)
+		}
+	}
+}
+
+// settleLocked takes the count of writes with immediate that the peer's
+// BYE says it took in (wire.ByeImms): every write whose last write with
+// immediate is among them arrived, and its send ends delivered (its source
+// given back once no work request reads it); the others did not, and end
+// with the error the channel stops with. RC delivers a queue pair's writes
+// in the order they were posted, so the count names them. A count beyond
+// what this side posted is the peer's mistake, and settles nothing.
+func (s *sender) settleLocked(count uint32, ds *deliveries) {
+	behind := uint32(s.imms) - count
+	if uint64(behind) > s.imms {
+		s.c.log.Warn("rendezvous: BYE counts more writes than were sent", "peer", s.c.peer, "count", count, "sent", s.imms)
+		return
+	}
+	in := s.imms - uint64(behind)
+	arrived := func(e *sendEntry) bool { return e.immEnd != 0 && e.immEnd <= in }
+	for seq, e := range s.writes {
+		if !arrived(e) {
+			continue // failed with the channel
+		}
+		delete(s.writes, seq)
+		s.stats.writesOut.Add(1)
+		s.stats.bytesOut.Add(uint64(e.n))
+		s.holdLocked(seq, e, nil, ds)
+		e.awaitBye = false
+	}
+	for _, e := range s.held {
+		if arrived(e) {
+			e.heldErr = nil
+		}
+	}
+	// The caller ends them (settledLocked).
 }
 
 // awaitingLocked reports whether a held write waits for completions of the
@@ -262,6 +351,9 @@ func (s *sender) releaseHeld() {
 	s.c.mu.Lock()
 	for k, e := range s.held {
 		delete(s.held, k)
+		if e.awaitBye && e.byeFollowed && e.wrsOut <= 0 && !e.localFailed {
+			e.heldErr = nil // completed, and no BYE said otherwise
+		}
 		s.endHeldLocked(e, &ds)
 	}
 	s.c.mu.Unlock()
@@ -549,6 +641,17 @@ func (s *sender) onReRequestLocked(m *wire.Message, ds *deliveries) {
 }
 
 func (s *sender) onCancelLocked(m *wire.Message, ds *deliveries) {
+	if e, ok := s.kept[m.Req]; ok && m.Code != 0 {
+		// Refused: the receiver cannot take the tensor. The Send fails
+		// with the reason and its tensor goes back.
+		delete(s.kept, m.Req)
+		s.sendErrorLocked(m.Req, wire.CodeCancelled, "cancelled by the receiver")
+		s.stats.refused.Add(1)
+		err := &RefusedError{Peer: s.c.peer, Key: e.key.name, Step: e.key.step, Meta: e.meta, Reason: refusalReason(m.Code), code: m.Code}
+		s.c.log.Debug("rendezvous: tensor refused by the receiver", "peer", s.c.peer, "key", e.key.name, "step", e.key.step, "err", err)
+		s.dropLocked(e, err, ds)
+		return
+	}
 	if e, ok := s.kept[m.Req]; ok {
 		// Matched but not written: the tensor waits for the next request
 		// of its key and step.
@@ -652,12 +755,17 @@ func (s *sender) staged(e *sendEntry, n int, sb tensor.Buffer, err error) {
 	c.flushLocked()
 }
 
-// writeCompletedLocked counts a completion, of whatever status, of a work
-// request of write seq on the channel's queue pair: once the last of a
-// held write's is in, the queue pair reads its bytes no more and it ends.
-func (s *sender) writeCompletedLocked(seq uint64, ds *deliveries) {
-	if e, ok := s.held[seq]; ok {
-		if e.wrsOut--; e.wrsOut <= 0 && !e.untilQP {
+// writeCompletedLocked counts a completion, of status ok or not, of a
+// work request of write seq on the channel's queue pair: once the last of a
+// held write's is in, the queue pair reads its bytes no more and it ends
+// (a write awaiting the peer's BYE, all of whose work requests succeeded,
+// waits for it).
+func (s *sender) writeCompletedLocked(seq uint64, ok bool, ds *deliveries) {
+	if e, found := s.held[seq]; found {
+		if !ok {
+			e.localFailed, e.awaitBye = true, false
+		}
+		if e.wrsOut--; e.wrsOut <= 0 && !e.untilQP && !e.awaitBye {
 			delete(s.held, seq)
 			s.endHeldLocked(e, ds)
 		}
@@ -733,6 +841,8 @@ func (s *sender) postWriteLocked(e *sendEntry) bool {
 	e.wrsOut += chunks
 	c.sqOut += chunks
 	c.credits--
+	s.imms++
+	e.immEnd = s.imms
 	return true
 }
 
@@ -796,6 +906,10 @@ func (s *sender) postChunksLocked(e *sendEntry) bool {
 		e.wrsOut += len(wrs)
 		c.sqOut, c.credits = sq, credits
 		s.stats.chunksOut.Add(uint64(chunks))
+		s.imms += uint64(chunks) // one write with immediate per chunk
+		if e.posted == e.n {
+			e.immEnd = s.imms
+		}
 	}
 	return e.posted == e.n
 }

@@ -151,8 +151,13 @@ type Stats struct {
 	// not be allocated for want of memory: the pool's limit reached
 	// (alloc.ErrPoolExhausted) or a tensor larger than WithMaxTensorBytes
 	// (ErrTooLarge). Each Recv failed with that error, naming the peer and
-	// the size, and was logged.
+	// the size, and was logged; the peer's Send was refused with the
+	// reason (it counts it in SendsRefused).
 	ResultsRefused uint64
+	// SendsRefused is the number of this side's Sends the peer refused,
+	// having no room for the tensor: each failed with a RefusedError and
+	// its tensor was given back.
+	SendsRefused uint64
 	// SendsPending is the number of Sends (and SendErrors) the peer has not
 	// requested yet, at the time of the call.
 	SendsPending int

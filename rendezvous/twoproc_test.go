@@ -38,6 +38,8 @@ func TestMain(m *testing.M) {
 //	senderr KEY STEP TEXT...       SendError
 //	many PREFIX NKEYS STEP KIND N  Send PREFIX0..PREFIX{NKEYS-1}, shape [N]
 //	stream KEY KIND N COUNT MS     Send steps 0..COUNT-1 of shape [N], one per MS milliseconds
+//	race N                         SendFunc "t" steps 0..N-1, float32 [256], noting each done
+//	report                         wait for the race's dones (closing after 3s), answer "report " and 1 (nil) or 0 per step
 //	sync                           answer "ok"
 //	quit                           close and exit
 func peerMain(in io.Reader, out io.Writer) int {
@@ -92,6 +94,8 @@ func peerMain(in io.Reader, out io.Writer) int {
 		}
 		return s.ch.Send(key, step, t)
 	}
+	var raceErr []error
+	var raceDone sync.WaitGroup
 	for sc.Scan() {
 		f := strings.Fields(sc.Text())
 		if len(f) == 0 {
@@ -136,6 +140,38 @@ func peerMain(in io.Reader, out io.Writer) int {
 					time.Sleep(time.Duration(ms) * time.Millisecond)
 				}
 			}()
+		case "race":
+			n := int(ints(1)[0])
+			raceErr = make([]error, n)
+			raceDone.Add(n)
+			for i := 0; i < n; i++ {
+				t, err := makeTensor(s.pool, "float32", tensor.Shape{256}, "t", int64(i))
+				if err != nil {
+					return fail(err)
+				}
+				if err := s.ch.SendFunc("t", int64(i), t, func(err error) { raceErr[i] = err; _ = t.Release(); raceDone.Done() }); err != nil {
+					return fail(err)
+				}
+			}
+		case "report":
+			all := make(chan struct{})
+			go func() { raceDone.Wait(); close(all) }()
+			select {
+			case <-all:
+			case <-time.After(3 * time.Second):
+				_ = s.ch.Close() // sends held for the queue pair end now
+				<-all
+			}
+			var b strings.Builder
+			for _, err := range raceErr {
+				if err == nil {
+					b.WriteByte('1')
+				} else {
+					b.WriteByte('0')
+					fmt.Fprintf(os.Stderr, "race: %v\n", err)
+				}
+			}
+			fmt.Fprintln(out, "report", b.String())
 		case "sync":
 			fmt.Fprintln(out, "ok")
 		case "quit":

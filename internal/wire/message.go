@@ -56,9 +56,15 @@ const (
 	// request (checksum mode).
 	TypeChecksum
 	// TypeCancel withdraws a request; the sender answers with ERROR_STATUS
-	// (CodeCancelled) unless the write is already on its way.
+	// (CodeCancelled) unless the write is already on its way. A CANCEL may
+	// carry a Code: the receiver refuses the tensor for that reason
+	// (CodeTooLarge, CodeNoMemory), and the
+	// sender fails its Send rather than keep the tensor for another request.
 	TypeCancel
-	// TypeBye says the peer is closing the channel on purpose.
+	// TypeBye says the peer is closing the channel on purpose. It may carry
+	// (ByeImms) how many writes with immediate its sender took in on the
+	// channel's queue pair, so that the side that wrote them knows which
+	// arrived.
 	TypeBye
 	// TypeHello is what peers trade before connecting: endpoints, ring
 	// depth, options.
@@ -127,6 +133,14 @@ const (
 	respAll = RespFinal | RespChecksum | RespWriteFollows
 )
 
+// Flags of BYE.
+const (
+	// ByeImms: Imms holds the number of writes with immediate the sender
+	// of the BYE took in on the channel's queue pair, modulo 2^32.
+	ByeImms uint8 = 1 << iota
+	byeAll        = ByeImms
+)
+
 // Flags of HELLO.
 const (
 	// HelloChecksum: the peer runs in checksum mode.
@@ -157,9 +171,15 @@ const (
 	// (requests for tensors not sent yet, names); the text names the
 	// bound and its value. The channel goes on.
 	CodeLimit
+	// CodeTooLarge: the receiver refused the tensor, larger than it
+	// accepts (CANCEL).
+	CodeTooLarge
+	// CodeNoMemory: the receiver refused the tensor for want of memory to
+	// put it in, its pool exhausted (CANCEL).
+	CodeNoMemory
 )
 
-var codeNames = [...]string{"", "internal", "cancelled", "sender error", "bad request", "buffer too small", "remote access", "limit reached"}
+var codeNames = [...]string{"", "internal", "cancelled", "sender error", "bad request", "buffer too small", "remote access", "limit reached", "too large", "no memory"}
 
 // String names the code.
 func (c Code) String() string {
@@ -217,16 +237,22 @@ type Endpoint struct {
 //	META_DATA_RESPONSE  Flags(RespFinal|RespChecksum|RespWriteFollows) Req Meta [Checksum]
 //	TENSOR_RE_REQUEST   Req Addr RKey Capacity RailKeys [ChunkShift]
 //	ERROR_STATUS        Req Code Text
-//	CREDIT, BYE         (header only)
+//	CREDIT              (header only)
+//	BYE                 [Flags(ByeImms) [Imms]]
 //	CHECKSUM            Req Checksum
-//	CANCEL              Req
+//	CANCEL              Req [Code]
 //	HELLO               Flags(HelloChecksum) Ring Slot Text(peer name) Host Endpoints
 //
 // Credits rides in every header. ChunkShift is optional in both requests so
 // that frames without it are exactly the frames of the first release: in
 // TENSOR_REQUEST it follows ReqChunks; in TENSOR_RE_REQUEST, which has no
 // flags, it is one trailing byte, present exactly when it is not 0 (a
-// trailing 0 is refused, so every value keeps one encoding). A Message is plain data: reuse one for
+// trailing 0 is refused, so every value keeps one encoding). In the same
+// way CANCEL's Code is two trailing bytes present exactly when it is not 0,
+// and BYE's body is empty or a flags byte that is not 0 and the fields it
+// announces: the BYE and CANCEL of the first release decode unchanged. A
+// decoder of the first release refuses the longer forms (ErrLength). A
+// Message is plain data: reuse one for
 // decoding many frames; its byte slices alias the last input.
 type Message struct {
 	Type    Type
@@ -251,6 +277,10 @@ type Message struct {
 
 	Meta     Meta
 	Checksum uint32
+
+	// Imms is the count of writes with immediate taken in (BYE with
+	// ByeImms).
+	Imms uint32
 
 	// ChunkShift, when not 0, asks for the write in chunks of
 	// 1<<ChunkShift bytes, MinChunkShift..MaxChunkShift (TENSOR_REQUEST
@@ -306,6 +336,16 @@ func (m *Message) Len() int {
 		n += 4 + 4
 	case TypeCancel:
 		n += 4
+		if m.Code != 0 {
+			n += 2
+		}
+	case TypeBye:
+		if m.Flags != 0 {
+			n++
+		}
+		if m.Flags&ByeImms != 0 {
+			n += 4
+		}
 	case TypeHello:
 		n += 1 + 2 + 4 + 2 + len(m.Text) + 2 + len(m.Host) + 1
 		for i := 0; i < int(m.NumEndpoints) && i < MaxEndpoints; i++ {
@@ -376,6 +416,16 @@ func (m *Message) Append(b []byte) []byte {
 		b = le.AppendUint32(b, m.Checksum)
 	case TypeCancel:
 		b = le.AppendUint32(b, m.Req)
+		if m.Code != 0 {
+			b = le.AppendUint16(b, uint16(m.Code))
+		}
+	case TypeBye:
+		if m.Flags != 0 {
+			b = append(b, m.Flags)
+		}
+		if m.Flags&ByeImms != 0 {
+			b = le.AppendUint32(b, m.Imms)
+		}
 	case TypeHello:
 		b = append(b, m.Flags)
 		b = le.AppendUint16(b, m.Ring)
@@ -525,7 +575,26 @@ func Decode(b []byte, m *Message) (int, error) {
 		m.Checksum = r.u32()
 	case TypeCancel:
 		m.Req = r.u32()
-	case TypeCredit, TypeBye:
+		m.Code = 0
+		if r.err == nil && len(r.b)-r.off >= 2 {
+			at := r.off
+			if m.Code = Code(r.u16()); r.err == nil && m.Code == 0 {
+				return 0, fmt.Errorf("%w: trailing code 0 at offset %d", ErrField, at)
+			}
+		}
+	case TypeBye:
+		m.Flags, m.Imms = 0, 0
+		if r.off < len(r.b) {
+			at := r.off
+			m.Flags = r.u8()
+			if m.Flags == 0 || m.Flags&^byeAll != 0 {
+				return 0, fmt.Errorf("%w: %#x at offset %d in %s", ErrFlags, m.Flags, at, t)
+			}
+			if m.Flags&ByeImms != 0 {
+				m.Imms = r.u32()
+			}
+		}
+	case TypeCredit:
 	case TypeHello:
 		m.Flags = r.u8()
 		if r.err == nil && m.Flags&^helloAll != 0 {

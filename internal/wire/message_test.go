@@ -46,6 +46,9 @@ func samples(t testing.TB) []Message {
 		hello,
 		{Type: TypeRequest, Flags: ReqMeta | ReqExact | ReqChunks, Req: 11, Step: 3, NameIndex: 4, Addr: 0x7f0000400000, RKey: 9, Capacity: 64 << 20, Meta: metaOf(t, tensor.Float32, 16<<20), ChunkShift: 22},
 		{Type: TypeReRequest, Req: 12, Addr: 0x1000, RKey: 5, Capacity: 8 << 20, ChunkShift: 22},
+		{Type: TypeCancel, Req: 4, Code: CodeTooLarge},
+		{Type: TypeBye, Flags: ByeImms, Imms: 0xfffffffe},
+		{Type: TypeBye, Credits: 2, Flags: ByeImms},
 	}
 }
 
@@ -176,6 +179,12 @@ func TestDecodeRejects(t *testing.T) {
 		{"response flags", func() []byte { b := good(4); b[8] = 0x10; return b }(), ErrFlags},
 		{"final and write follows", func() []byte { b := good(4); b[8] = RespFinal | RespWriteFollows; return b }(), ErrFlags},
 		{"hello flags", func() []byte { b := good(16); b[8] = 0x10; return b }(), ErrFlags},
+		{"cancel trailing code 0", func() []byte { b := append(good(14), 0, 0); return setLen(b) }(), ErrField},
+		{"cancel code and trailing", func() []byte { b := append(good(19), 0); return setLen(b) }(), ErrLength},
+		{"bye flags 0", func() []byte { b := append(good(15), 0); return setLen(b) }(), ErrFlags},
+		{"bye unknown flags", func() []byte { b := good(20); b[8] = 0x02 | ByeImms; return b }(), ErrFlags},
+		{"bye imms cut", func() []byte { b := good(20); return setLen(b[:len(b)-1]) }(), ErrTruncated},
+		{"bye trailing", func() []byte { b := append(good(20), 0); return setLen(b) }(), ErrLength},
 		{"no rail keys with ReqRails", func() []byte {
 			m := samples(t)[3]
 			m.NumRailKeys = 0
@@ -232,6 +241,33 @@ func TestChunkShiftOptional(t *testing.T) {
 	// The re-request sample of the first release still decodes unchanged.
 	if b := ms[8].Append(nil); len(b) != 8+4+8+4+8+1 {
 		t.Fatalf("re-request without a chunk size is %d bytes", len(b))
+	}
+}
+
+// A CANCEL without a reason and a BYE without a count are the frames of
+// the first release, byte for byte; the reason and the count decode when
+// present and are cleared when not.
+func TestCancelCodeAndByeImmsOptional(t *testing.T) {
+	if b := (&Message{Type: TypeCancel, Req: 3}).Append(nil); !bytes.Equal(b, []byte{Version, byte(TypeCancel), 0, 0, 12, 0, 0, 0, 3, 0, 0, 0}) {
+		t.Fatalf("CANCEL without a code: %x", b)
+	}
+	if b := (&Message{Type: TypeBye}).Append(nil); !bytes.Equal(b, []byte{Version, byte(TypeBye), 0, 0, 8, 0, 0, 0}) {
+		t.Fatalf("BYE without a count: %x", b)
+	}
+	ms := samples(t)
+	var d Message
+	d.Code, d.Imms, d.Flags = CodeInternal, 9, 9 // cleared by frames without them
+	if _, err := Decode(ms[14].Append(nil), &d); err != nil || d.Code != 0 {
+		t.Fatalf("CANCEL without a code: %v, code %v", err, d.Code)
+	}
+	if _, err := Decode(ms[19].Append(nil), &d); err != nil || d.Code != CodeTooLarge || d.Code.String() != "too large" {
+		t.Fatalf("CANCEL with a code: %v, code %v", err, d.Code)
+	}
+	if _, err := Decode(ms[20].Append(nil), &d); err != nil || d.Flags != ByeImms || d.Imms != 0xfffffffe {
+		t.Fatalf("BYE with a count: %v, %+v", err, d)
+	}
+	if _, err := Decode(ms[15].Append(nil), &d); err != nil || d.Flags != 0 || d.Imms != 0 {
+		t.Fatalf("BYE without a count: %v, flags %#x imms %d", err, d.Flags, d.Imms)
 	}
 }
 
