@@ -63,15 +63,8 @@ func raceRound(t *testing.T, provider string, n int) (misreports int, detail str
 	}()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	var wg sync.WaitGroup
-	var ea, eb error
-	ha, hb := a.ch.Hello(), b.ch.Hello()
-	wg.Add(2)
-	go func() { defer wg.Done(); ea = a.ch.Connect(ctx, hb) }()
-	go func() { defer wg.Done(); eb = b.ch.Connect(ctx, ha) }()
-	wg.Wait()
-	if ea != nil || eb != nil {
-		t.Fatalf("connect: %v / %v", ea, eb)
+	if err := connectSides(ctx, a, b); err != nil {
+		t.Fatalf("connect: %v", err)
 	}
 
 	got := make([]bool, n)
@@ -228,16 +221,9 @@ func openPair(t *testing.T, provider string) (a, b *side) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	var wg sync.WaitGroup
-	var ea, eb error
-	ha, hb := a.ch.Hello(), b.ch.Hello()
-	wg.Add(2)
-	go func() { defer wg.Done(); ea = a.ch.Connect(ctx, hb) }()
-	go func() { defer wg.Done(); eb = b.ch.Connect(ctx, ha) }()
-	wg.Wait()
-	if ea != nil || eb != nil {
+	if err := connectSides(ctx, a, b); err != nil {
 		closePair(t, a, b)
-		t.Fatalf("connect: %v / %v", ea, eb)
+		t.Fatalf("connect: %v", err)
 	}
 	return a, b
 }
@@ -272,15 +258,8 @@ func TestRefusedTensorFailsTheSend(t *testing.T) {
 		}
 		t.Cleanup(func() { closePair(t, a, b) })
 		ctx := recvCtx(t)
-		var wg sync.WaitGroup
-		var ea, eb error
-		ha, hb := a.ch.Hello(), b.ch.Hello()
-		wg.Add(2)
-		go func() { defer wg.Done(); ea = a.ch.Connect(ctx, hb) }()
-		go func() { defer wg.Done(); eb = b.ch.Connect(ctx, ha) }()
-		wg.Wait()
-		if ea != nil || eb != nil {
-			t.Fatalf("connect: %v / %v", ea, eb)
+		if err := connectSides(ctx, a, b); err != nil {
+			t.Fatalf("connect: %v", err)
 		}
 		roundTrip := func(step int64, n int64) (recvErr, sendErr error) {
 			t.Helper()

@@ -365,15 +365,8 @@ func gatedPair(t *testing.T, provider string) (a, b *side, q *gatedQP) {
 	})
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	var wg sync.WaitGroup
-	var ea, eb error
-	ha, hb := a.ch.Hello(), b.ch.Hello()
-	wg.Add(2)
-	go func() { defer wg.Done(); ea = a.ch.Connect(ctx, hb) }()
-	go func() { defer wg.Done(); eb = b.ch.Connect(ctx, ha) }()
-	wg.Wait()
-	if ea != nil || eb != nil {
-		t.Fatalf("connect: %v / %v", ea, eb)
+	if err := connectSides(ctx, a, b); err != nil {
+		t.Fatalf("connect: %v", err)
 	}
 	return a, b, gpd.qp
 }

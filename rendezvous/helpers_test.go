@@ -239,15 +239,8 @@ func pairRails(t *testing.T, provider string, listenA, listenB []string, opts ..
 	})
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	var wg sync.WaitGroup
-	var ea, eb error
-	ha, hb := a.ch.Hello(), b.ch.Hello()
-	wg.Add(2)
-	go func() { defer wg.Done(); ea = a.ch.Connect(ctx, hb) }()
-	go func() { defer wg.Done(); eb = b.ch.Connect(ctx, ha) }()
-	wg.Wait()
-	if ea != nil || eb != nil {
-		t.Fatalf("connect: %v / %v", ea, eb)
+	if err := connectSides(ctx, a, b); err != nil {
+		t.Fatalf("connect: %v", err)
 	}
 	return a, b
 }
@@ -354,6 +347,22 @@ func checkTensor(t *tensor.Tensor, kind string, shape tensor.Shape, key string, 
 				return fmt.Errorf("string %d is %q, want %q", i, got[i], exp[i])
 			}
 		}
+	}
+	return nil
+}
+
+// connectSides connects a's and b's channels to each other, both at once
+// (each Connect waits for the other side), and returns their errors.
+func connectSides(ctx context.Context, a, b *side) error {
+	var wg sync.WaitGroup
+	var ea, eb error
+	ha, hb := a.ch.Hello(), b.ch.Hello()
+	wg.Add(2)
+	go func() { defer wg.Done(); ea = a.ch.Connect(ctx, hb) }()
+	go func() { defer wg.Done(); eb = b.ch.Connect(ctx, ha) }()
+	wg.Wait()
+	if ea != nil || eb != nil {
+		return fmt.Errorf("%v / %v", ea, eb)
 	}
 	return nil
 }

@@ -744,15 +744,8 @@ func TestResultBeyondThePoolLimit(t *testing.T) {
 			}
 		})
 		ctx := recvCtx(t)
-		var wg sync.WaitGroup
-		var ea, eb error
-		ha, hb := a.ch.Hello(), b.ch.Hello()
-		wg.Add(2)
-		go func() { defer wg.Done(); ea = a.ch.Connect(ctx, hb) }()
-		go func() { defer wg.Done(); eb = b.ch.Connect(ctx, ha) }()
-		wg.Wait()
-		if ea != nil || eb != nil {
-			t.Fatalf("connect: %v / %v", ea, eb)
+		if err := connectSides(ctx, a, b); err != nil {
+			t.Fatalf("connect: %v", err)
 		}
 
 		big := tensor.Shape{(2 * limit) / 4} // float32: twice the limit
