@@ -90,6 +90,10 @@ type Channel struct {
 	// peerByeLocked).
 	byeSent chan struct{}
 	peerBye chan struct{}
+	// async counts deliveries run on goroutines of their own (runAsync):
+	// Close waits for them, so that every source is back with its owner
+	// when it returns.
+	async sync.WaitGroup
 
 	// mu guards the fields below and the state of both halves. It is one
 	// lock for both on purpose: the halves share the queue, the credits
@@ -500,6 +504,9 @@ func (c *Channel) release() error {
 	if c.sendBuf != nil {
 		errs = append(errs, c.sendBuf.Free())
 	}
+	// Sends ended by a failed post give their sources back on their own
+	// goroutines: they are back before Close returns.
+	c.async.Wait()
 	return errors.Join(errs...)
 }
 
@@ -576,6 +583,19 @@ func (d deliveries) run() {
 	for _, f := range d {
 		f()
 	}
+}
+
+// runAsync runs ds on a goroutine of its own, for callers that hold the
+// lock and cannot hand ds to their own callers; Close waits for it.
+func (c *Channel) runAsync(ds deliveries) {
+	if len(ds) == 0 {
+		return
+	}
+	c.async.Add(1)
+	go func() {
+		defer c.async.Done()
+		ds.run()
+	}()
 }
 
 // failLocked stops the channel: every pending request and send fails with
@@ -966,7 +986,7 @@ func (c *Channel) postCtrlLocked(slot, n int, bye bool) bool {
 		c.freeSlots = append(c.freeSlots, slot)
 		var ds deliveries
 		c.failLocked(c.peerLost(err), &ds, stateFailed)
-		go ds.run()
+		c.runAsync(ds)
 		return false
 	}
 	if bye {

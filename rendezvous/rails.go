@@ -137,7 +137,7 @@ func (s *sender) stripeLocked(e *sendEntry) bool {
 		if err := p.rl.qp.PostSend(p.wrs); err != nil {
 			var ds deliveries
 			c.failLocked(c.peerLost(fmt.Errorf("rail %s: %w", p.rl.name, err)), &ds, stateFailed)
-			go ds.run()
+			c.runAsync(ds)
 			return true
 		}
 		p.rl.sqOut += len(p.wrs)

@@ -835,7 +835,7 @@ func (s *sender) postWriteLocked(e *sendEntry) bool {
 		var ds deliveries
 		s.holdLocked(seq, e, err, &ds)
 		c.failLocked(c.peerLost(err), &ds, stateFailed)
-		go ds.run()
+		c.runAsync(ds)
 		return false
 	}
 	e.wrsOut += chunks
@@ -900,7 +900,7 @@ func (s *sender) postChunksLocked(e *sendEntry) bool {
 			var ds deliveries
 			s.holdLocked(e.wseq, e, err, &ds)
 			c.failLocked(c.peerLost(err), &ds, stateFailed)
-			go ds.run()
+			c.runAsync(ds)
 			return false
 		}
 		e.wrsOut += len(wrs)
