@@ -3,7 +3,7 @@ GO      ?= go
 # Packages whose tests run under the race detector (all of them).
 PKGS    ?= ./...
 
-.PHONY: run test vet unit benchonce bench test-rdma fuzz
+.PHONY: run test vet unit benchonce bench test-rdma fuzz fault-matrix
 
 ## run: the main job on the embedded default (no RDMA NIC, no GPU needed).
 run:
@@ -31,6 +31,11 @@ bench:
 ## test-rdma: the ibverbs tests on a real verbs stack (Soft-RoCE in a qemu guest).
 test-rdma:
 	./scripts/test-rdma.sh
+
+## fault-matrix: the tensor stream under faults between two network
+## namespaces (root only; skips otherwise).
+fault-matrix:
+	./scripts/fault-matrix.sh
 
 ## fuzz: each fuzz target for a short while.
 fuzz:
