@@ -46,6 +46,10 @@ type childReport struct {
 	// GDRLINK_METRICS_ADDR): each sample named "name{label=value,...}" with
 	// the provider and device labels left out and their samples summed.
 	Scraped map[string]float64 `json:"scraped"`
+	// Rejoined and Incarnation are the rejoin job's: whether this process
+	// joined in place of a dead one, and its incarnation.
+	Rejoined    bool   `json:"rejoined"`
+	Incarnation uint64 `json:"incarnation"`
 }
 
 func runChild(job string) error {
@@ -76,6 +80,8 @@ func runChild(job string) error {
 		err = ringJob(ctx, g, &rep)
 	case "gpu":
 		err = gpuJob(ctx, g, &rep)
+	case "rejoin":
+		err = rejoinJob(ctx, g, &rep)
 	default:
 		err = fmt.Errorf("unknown job %q", job)
 	}

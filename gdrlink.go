@@ -79,10 +79,15 @@ type Group struct {
 	cancel  context.CancelFunc
 	joinDur time.Duration
 
-	mu     sync.Mutex
-	closed bool
-	peers  map[int]*peer
-	wg     sync.WaitGroup
+	mu      sync.Mutex
+	closed  bool
+	peers   map[int]*peer
+	rejoins int // peers that restarted and rejoined
+	// peerInc is the incarnation of each peer that rejoined (1 when not
+	// in it); rejoinSig closes at each rejoin, for WaitRejoin.
+	peerInc   map[int]uint64
+	rejoinSig chan struct{}
+	wg        sync.WaitGroup
 }
 
 // device is one provider's open device, protection domain and the pool's
@@ -121,10 +126,12 @@ func Join(ctx context.Context, opts ...Option) (*Group, error) {
 	if err != nil {
 		return nil, fmt.Errorf("gdrlink: %w", err)
 	}
-	g := &Group{cfg: cfg, log: cfg.log, devs: map[string]*device{}, peers: map[int]*peer{}, unusable: map[string]error{}, ready: make(chan struct{})}
+	g := &Group{cfg: cfg, log: cfg.log, devs: map[string]*device{}, peers: map[int]*peer{}, unusable: map[string]error{}, ready: make(chan struct{}),
+		peerInc: map[int]uint64{}, rejoinSig: make(chan struct{})}
 	g.ctx, g.cancel = context.WithCancel(context.Background())
 	g.metrics = newMetrics(g)
 	bc.OnCall = g.onCall
+	bc.OnRejoin = g.onRejoin
 	var usable []string
 	for _, name := range builtin {
 		p, err := verbsio.Lookup(name)
@@ -141,6 +148,7 @@ func Join(ctx context.Context, opts ...Option) (*Group, error) {
 		return nil, fmt.Errorf("gdrlink: %w: provider %s chosen but not usable here: %w", verbsio.ErrBadConfig, cfg.provider, g.unusable[cfg.provider])
 	}
 	g.me = hostcard.Local("/", usable)
+	bc.RejoinData = g.me.Append(nil)
 	if g.boot, err = bootstrap.Join(ctx, bc); err != nil {
 		g.cancel()
 		return nil, fmt.Errorf("gdrlink: joining the job: %w", err)
@@ -184,13 +192,22 @@ func bootstrapConfig(cfg config) (bootstrap.Config, error) {
 // setup trades host cards, opens the devices of every provider some peer
 // may use, and makes the pool registered with each of them.
 func (g *Group) setup(ctx context.Context) error {
-	all, err := g.boot.AllGather(ctx, g.me.Append(nil))
-	if err != nil {
+	var all [][]byte
+	var err error
+	if g.boot.Rejoined() {
+		// The job runs: the peers answered this process's notice with
+		// their cards.
+		all = g.rejoinCards()
+	} else if all, err = g.boot.AllGather(ctx, g.me.Append(nil)); err != nil {
 		return fmt.Errorf("trading host cards: %w", err)
 	}
 	g.cards = make([]hostcard.Card, len(all))
 	need := map[string]bool{}
 	for r, b := range all {
+		if b == nil {
+			g.log.Warn("gdrlink: no host card of a peer that did not answer this rejoin", "rank", g.Rank(), "peer", r)
+			continue
+		}
 		if g.cards[r], err = hostcard.Decode(b); err != nil {
 			return fmt.Errorf("host card of rank %d: %w", r, err)
 		}
@@ -408,6 +425,9 @@ type Stats struct {
 	// with its providers: each arena of the pool, and of the pinned proxy
 	// pool of a group joined WithGPU, once per provider opened.
 	Registrations int
+	// Rejoins counts the peers that restarted as new processes and
+	// rejoined the job while this rank ran (see Group.Rejoined).
+	Rejoins int
 	// Retransmits counts the segments each provider's transport
 	// retransmitted since Join, for the providers that can tell: tcp (the
 	// kernel's TCP_INFO of its connections). onnode copies through memory
@@ -426,6 +446,7 @@ func (g *Group) Stats() Stats {
 		s.Unusable[n] = err.Error()
 	}
 	g.mu.Lock()
+	s.Rejoins = g.rejoins
 	peers := make([]*peer, 0, len(g.peers))
 	for _, p := range g.peers {
 		peers = append(peers, p)
@@ -493,6 +514,8 @@ func (g *Group) Close() error {
 	}
 	g.closed = true
 	peers := g.peers
+	close(g.rejoinSig) // WaitRejoin sees the group closed
+	g.rejoinSig = make(chan struct{})
 	g.mu.Unlock()
 	g.cancel()
 	var errs []error

@@ -407,7 +407,7 @@ func TestAuthCallClaim(t *testing.T) {
 			if err := jobauth.Initiate(c, key, "bootstrap", uint32(tc.proven), jobauth.EndsOf(c, true)); err != nil {
 				t.Fatal(err)
 			}
-			if _, err := c.Write(appendMsg(nil, tCall, callBody{rank: tc.claimed, size: 3, req: []byte("x")}.Append(nil))); err != nil {
+			if _, err := c.Write(appendMsg(nil, tCall, callBody{rank: tc.claimed, size: 3, inc: 1, req: []byte("x")}.Append(nil))); err != nil {
 				t.Fatal(err)
 			}
 			m, err := readMsg(c, 4096)

@@ -352,6 +352,27 @@ func FuzzMsg(f *testing.F) {
 			} else {
 				check(err)
 			}
+			if a, incs, err := parseAddrs(m.body, n); err == nil {
+				if re := appendAddrs(nil, a, incs); !bytes.Equal(re, m.body) {
+					t.Fatalf("address list re-encodes to %x", re)
+				}
+			} else {
+				check(err)
+			}
+		}
+		if nb, err := parseNotice(m.body); err == nil {
+			if re := nb.Append(nil); !bytes.Equal(re, m.body) {
+				t.Fatalf("notice re-encodes to %x", re)
+			}
+		} else {
+			check(err)
+		}
+		if cb, err := parseCall(m.body); err == nil {
+			if re := cb.Append(nil); !bytes.Equal(re, m.body) {
+				t.Fatalf("call re-encodes to %x", re)
+			}
+		} else {
+			check(err)
 		}
 		if e, err := DecodeEndpoint(m.body); err == nil {
 			if re := EncodeEndpoint(nil, e); !bytes.Equal(re, m.body) {

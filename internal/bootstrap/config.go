@@ -50,6 +50,13 @@ type Config struct {
 	// Root is the root's "host:port". Rank 0 listens there (port 0 picks
 	// one; see Group.RootAddr), unless Listener is set.
 	Root string
+	// RejoinData is what this process hands every peer if it joins in
+	// place of a dead process of its rank (see Group.Rejoined); each
+	// peer's OnRejoin answers with its own, which PeerData returns.
+	RejoinData []byte
+	// OnRejoin, when set, is told of a rank that rejoined (see
+	// RejoinHandler).
+	OnRejoin RejoinHandler
 	// Peers, when set, lists every rank's contact address ("host:port"),
 	// where that rank accepts pairwise connections; Peers[0] is the root
 	// when Root is empty. When nil, each rank listens on an ephemeral port

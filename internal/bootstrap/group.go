@@ -28,7 +28,6 @@ type Group struct {
 	rank, size int
 	max        int
 	ln         net.Listener
-	addrs      []string
 	key        jobauth.Key
 	insecure   bool
 	dialFn     func(ctx context.Context, addr string) (net.Conn, error)
@@ -41,14 +40,31 @@ type Group struct {
 	ctx    context.Context // ends at Close; bounds the Handlers
 	cancel context.CancelFunc
 
-	mu      sync.Mutex
-	closed  bool
-	joined  bool // rank 0: every rank joined, the join queue is shut
-	pairs   map[int]*pair
-	joinCh  chan joinReq
-	pending map[net.Conn]time.Time // accepted connections in greet, by when
-	evicted int                    // of them, closed to make room for newer ones
-	wg      sync.WaitGroup
+	// Rejoining (see Rejoined): this process's data for its peers, and the
+	// handler of a peer's notice.
+	rejoinData []byte
+	onRejoin   RejoinHandler
+
+	mu sync.Mutex
+	// addrs and incs are every rank's contact address and incarnation;
+	// they change when a rank rejoins.
+	addrs []string
+	incs  []uint64
+	// inc is this process's incarnation (0 until joined); rejoined says it
+	// joined in place of a dead process, and peerData holds what each
+	// peer answered its notice with.
+	inc       uint64
+	rejoined  bool
+	peerData  [][]byte
+	rejoining map[int]bool // root: ranks whose rejoin is being decided
+	rejoins   int
+	closed    bool
+	joined    bool // rank 0: every rank joined, the join queue is shut
+	pairs     map[int]*pair
+	joinCh    chan joinReq
+	pending   map[net.Conn]time.Time // accepted connections in greet, by when
+	evicted   int                    // of them, closed to make room for newer ones
+	wg        sync.WaitGroup
 }
 
 type pair struct {
@@ -74,7 +90,8 @@ func Join(ctx context.Context, cfg Config) (*Group, error) {
 	}
 	g := &Group{rank: cfg.Rank, size: cfg.Size, max: cfg.MaxMessage, pairs: map[int]*pair{},
 		joinCh: make(chan joinReq, cfg.Size), pending: map[net.Conn]time.Time{}, onCall: cfg.OnCall,
-		key: cfg.Key, insecure: cfg.Insecure, dialFn: cfg.dial}
+		key: cfg.Key, insecure: cfg.Insecure, dialFn: cfg.dial,
+		rejoinData: cfg.RejoinData, onRejoin: cfg.OnRejoin, rejoining: map[int]bool{}}
 	g.ctx, g.cancel = context.WithCancel(context.Background())
 	if g.max == 0 {
 		g.max = DefaultMaxMessage
@@ -123,9 +140,15 @@ func (g *Group) joinRoot(ctx context.Context, cfg Config) error {
 			return err
 		}
 	}
+	g.mu.Lock()
 	g.addrs = make([]string, g.size)
 	g.addrs[0] = contactOf(g.ln.Addr().String(), cfg.root())
+	g.incs = make([]uint64, g.size)
+	for r := range g.incs {
+		g.incs[r] = 1 // the first process of each rank
+	}
 	g.ranks = make([]net.Conn, g.size)
+	g.mu.Unlock()
 	for joined := 1; joined < g.size; {
 		select {
 		case j := <-g.joinCh:
@@ -140,8 +163,10 @@ func (g *Group) joinRoot(ctx context.Context, cfg Config) error {
 				refuse(j.c, why)
 				continue
 			}
+			g.mu.Lock()
 			g.ranks[j.h.rank] = j.c
 			g.addrs[j.h.rank] = j.h.contact
+			g.mu.Unlock()
 			joined++
 		case <-ctx.Done():
 			var missing []string
@@ -155,6 +180,8 @@ func (g *Group) joinRoot(ctx context.Context, cfg Config) error {
 	}
 	g.mu.Lock()
 	g.joined = true
+	g.inc = 1
+	m := appendMsg(nil, tAddrs, appendAddrs(nil, g.addrs, g.incs))
 	g.mu.Unlock()
 	// Hellos that queued after the last rank joined (a second process
 	// claiming a rank) are turned away now, not parked until Close.
@@ -166,11 +193,6 @@ func (g *Group) joinRoot(ctx context.Context, cfg Config) error {
 			drained = true
 		}
 	}
-	list := make([][]byte, g.size)
-	for i, a := range g.addrs {
-		list[i] = []byte(a)
-	}
-	m := appendMsg(nil, tAddrs, appendList(nil, list))
 	for r := 1; r < g.size; r++ {
 		if err := g.io(ctx, g.ranks[r], func(c net.Conn) error { _, err := c.Write(m); return err }); err != nil {
 			return fmt.Errorf("bootstrap root: sending addresses to rank %d at %s: %w", r, g.addrs[r], err)
@@ -276,19 +298,22 @@ func (g *Group) joinRank(ctx context.Context, cfg Config) error {
 		return fmt.Errorf("bootstrap rank %d: waiting for the address list from the root at %s (are all %d ranks started?): %w", g.rank, root, g.size, err)
 	}
 	switch m.typ {
-	case tAddrs:
+	case tAddrs, tRejoined:
 	case tRefused:
 		return fmt.Errorf("%w: %w: bootstrap rank %d: root %s refused: %s", verbsio.ErrBadConfig, ErrRefused, g.rank, root, m.body)
 	default:
 		return fmt.Errorf("%w: bootstrap: message type %d from the root, want the address list", verbsio.ErrBadFrame, m.typ)
 	}
-	list, err := parseList(m.body, g.size)
+	addrs, incs, err := parseAddrs(m.body, g.size)
 	if err != nil {
 		return err
 	}
-	g.addrs = make([]string, g.size)
-	for i, a := range list {
-		g.addrs[i] = string(a)
+	g.mu.Lock()
+	g.addrs, g.incs, g.inc = addrs, incs, incs[g.rank]
+	g.rejoined = m.typ == tRejoined
+	g.mu.Unlock()
+	if g.rejoined {
+		g.notifyAll(ctx)
 	}
 	return nil
 }
@@ -399,8 +424,19 @@ func (g *Group) greet(c net.Conn) {
 	if err != nil {
 		return
 	}
-	if m.typ == tCall {
+	switch m.typ {
+	case tCall:
 		g.answer(c, m.body, bound)
+		return
+	case tNotice:
+		g.onNotice(c, m.body, bound)
+		return
+	case tPing:
+		g.mu.Lock()
+		inc := g.inc
+		g.mu.Unlock()
+		c.SetWriteDeadline(time.Now().Add(time.Second))
+		c.Write(appendMsg(nil, tPong, binary.BigEndian.AppendUint64(nil, inc)))
 		return
 	}
 	h, err := parseHello(m.body)
@@ -427,7 +463,7 @@ func (g *Group) greet(c net.Conn) {
 		g.mu.Unlock()
 		switch {
 		case joined:
-			refuse(c, fmt.Sprintf("rank %d: the job of %d ranks has already joined", h.rank, g.size))
+			keep = g.rejoin(c, h)
 		case !keep:
 			refuse(c, fmt.Sprintf("rank %d: too many hellos for a job of %d ranks", h.rank, g.size))
 		}
@@ -505,6 +541,10 @@ func (g *Group) answer(c net.Conn, body []byte, bound int) {
 		refuse(c, fmt.Sprintf("call from rank %d of %d: this is rank %d of %d", cb.rank, cb.size, g.rank, g.size))
 		return
 	}
+	if known := g.incOf(cb.rank); cb.inc < known {
+		refuse(c, fmt.Sprintf("call from incarnation %d of rank %d, which incarnation %d replaced", cb.inc, cb.rank, known))
+		return
+	}
 	if g.onCall == nil {
 		refuse(c, fmt.Sprintf("rank %d answers no calls", g.rank))
 		return
@@ -535,17 +575,17 @@ func (g *Group) Call(ctx context.Context, peer int, req []byte) ([]byte, error) 
 	if len(req)+64 > maxGreeting {
 		return nil, fmt.Errorf("%w: call of %d bytes over the limit %d", verbsio.ErrBadConfig, len(req), maxGreeting-64)
 	}
-	c, err := g.dial(ctx, g.addrs[peer])
+	c, err := g.dial(ctx, g.addr(peer))
 	if err != nil {
-		return nil, fmt.Errorf("%w: bootstrap rank %d: calling rank %d at %s: %w", ctxerr.Sentinel(ctx, verbsio.ErrPeerLost), g.rank, peer, g.addrs[peer], err)
+		return nil, fmt.Errorf("%w: bootstrap rank %d: calling rank %d at %s: %w", ctxerr.Sentinel(ctx, verbsio.ErrPeerLost), g.rank, peer, g.addr(peer), err)
 	}
 	defer c.Close()
 	if err := g.initiate(ctx, c); err != nil {
-		return nil, fmt.Errorf("bootstrap rank %d: call to rank %d at %s: %w", g.rank, peer, g.addrs[peer], err)
+		return nil, fmt.Errorf("bootstrap rank %d: call to rank %d at %s: %w", g.rank, peer, g.addr(peer), err)
 	}
 	var m msg
 	err = g.io(ctx, c, func(c net.Conn) error {
-		if _, err := c.Write(appendMsg(nil, tCall, callBody{rank: g.rank, size: g.size, req: req}.Append(nil))); err != nil {
+		if _, err := c.Write(appendMsg(nil, tCall, callBody{rank: g.rank, size: g.size, inc: g.incOf(g.rank), req: req}.Append(nil))); err != nil {
 			return err
 		}
 		var err error
@@ -553,13 +593,13 @@ func (g *Group) Call(ctx context.Context, peer int, req []byte) ([]byte, error) 
 		return err
 	})
 	if err != nil {
-		return nil, fmt.Errorf("bootstrap rank %d: call to rank %d at %s: %w", g.rank, peer, g.addrs[peer], err)
+		return nil, fmt.Errorf("bootstrap rank %d: call to rank %d at %s: %w", g.rank, peer, g.addr(peer), err)
 	}
 	switch m.typ {
 	case tReply:
 		return m.body, nil
 	case tRefused:
-		return nil, fmt.Errorf("%w: rank %d at %s: %s", ErrRefused, peer, g.addrs[peer], m.body)
+		return nil, fmt.Errorf("%w: rank %d at %s: %s", ErrRefused, peer, g.addr(peer), m.body)
 	}
 	return nil, fmt.Errorf("%w: message type %d from rank %d, want a reply", verbsio.ErrBadFrame, m.typ, peer)
 }
@@ -587,10 +627,28 @@ func (g *Group) Rank() int { return g.rank }
 func (g *Group) Size() int { return g.size }
 
 // Addrs is every rank's contact address, by rank.
-func (g *Group) Addrs() []string { return slices.Clone(g.addrs) }
+func (g *Group) Addrs() []string {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return slices.Clone(g.addrs)
+}
+
+// addr is rank r's contact address (it changes when r rejoins).
+func (g *Group) addr(r int) string {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.addrs[r]
+}
+
+// rankConn is, at the root, rank r's control connection.
+func (g *Group) rankConn(r int) net.Conn {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.ranks[r]
+}
 
 // RootAddr is the root's address (useful when rank 0 listened on port 0).
-func (g *Group) RootAddr() string { return g.addrs[0] }
+func (g *Group) RootAddr() string { return g.addr(0) }
 
 // AllGather gives every rank's data, by rank, to every rank.
 func (g *Group) AllGather(ctx context.Context, data []byte) ([][]byte, error) {
@@ -610,7 +668,7 @@ func (g *Group) AllGather(ctx context.Context, data []byte) ([][]byte, error) {
 			return err
 		})
 		if err != nil {
-			return nil, fmt.Errorf("bootstrap rank %d: all-gather through the root at %s: %w", g.rank, g.addrs[0], err)
+			return nil, fmt.Errorf("bootstrap rank %d: all-gather through the root at %s: %w", g.rank, g.addr(0), err)
 		}
 		if m.typ != tGathered {
 			return nil, fmt.Errorf("%w: message type %d from the root, want the gathered data", verbsio.ErrBadFrame, m.typ)
@@ -621,13 +679,13 @@ func (g *Group) AllGather(ctx context.Context, data []byte) ([][]byte, error) {
 	out[0] = slices.Clone(data)
 	for r := 1; r < g.size; r++ {
 		var m msg
-		err := g.io(ctx, g.ranks[r], func(c net.Conn) error {
+		err := g.io(ctx, g.rankConn(r), func(c net.Conn) error {
 			var err error
 			m, err = readMsg(c, g.max)
 			return err
 		})
 		if err != nil {
-			return nil, fmt.Errorf("bootstrap root: rank %d at %s did not reach the all-gather: %w", r, g.addrs[r], err)
+			return nil, fmt.Errorf("bootstrap root: rank %d at %s did not reach the all-gather: %w", r, g.addr(r), err)
 		}
 		if m.typ != tGather {
 			return nil, fmt.Errorf("%w: message type %d from rank %d, want its all-gather data", verbsio.ErrBadFrame, m.typ, r)
@@ -636,8 +694,8 @@ func (g *Group) AllGather(ctx context.Context, data []byte) ([][]byte, error) {
 	}
 	reply := appendMsg(nil, tGathered, appendList(nil, out))
 	for r := 1; r < g.size; r++ {
-		if err := g.io(ctx, g.ranks[r], func(c net.Conn) error { _, err := c.Write(reply); return err }); err != nil {
-			return nil, fmt.Errorf("bootstrap root: sending the all-gather to rank %d at %s: %w", r, g.addrs[r], err)
+		if err := g.io(ctx, g.rankConn(r), func(c net.Conn) error { _, err := c.Write(reply); return err }); err != nil {
+			return nil, fmt.Errorf("bootstrap root: sending the all-gather to rank %d at %s: %w", r, g.addr(r), err)
 		}
 	}
 	return out, nil
@@ -677,7 +735,7 @@ func (g *Group) Exchange(ctx context.Context, peer int, data []byte) ([]byte, er
 		return err
 	})
 	if err != nil {
-		return nil, fmt.Errorf("bootstrap rank %d: exchange with rank %d at %s: %w", g.rank, peer, g.addrs[peer], err)
+		return nil, fmt.Errorf("bootstrap rank %d: exchange with rank %d at %s: %w", g.rank, peer, g.addr(peer), err)
 	}
 	if m.typ != tExchange {
 		return nil, fmt.Errorf("%w: message type %d from rank %d, want an exchange", verbsio.ErrBadFrame, m.typ, peer)
@@ -691,7 +749,7 @@ func (g *Group) openPair(ctx context.Context, peer int, p *pair) error {
 		case <-p.ready:
 			return nil
 		case <-ctx.Done():
-			return fmt.Errorf("%w: bootstrap rank %d: rank %d at %s never opened its pairwise connection: %w", verbsio.ErrTimeout, g.rank, peer, g.addrs[peer], ctx.Err())
+			return fmt.Errorf("%w: bootstrap rank %d: rank %d at %s never opened its pairwise connection: %w", verbsio.ErrTimeout, g.rank, peer, g.addr(peer), ctx.Err())
 		}
 	}
 	g.mu.Lock()
@@ -700,13 +758,13 @@ func (g *Group) openPair(ctx context.Context, peer int, p *pair) error {
 	if have {
 		return nil
 	}
-	c, err := g.dial(ctx, g.addrs[peer])
+	c, err := g.dial(ctx, g.addr(peer))
 	if err != nil {
-		return fmt.Errorf("%w: bootstrap rank %d: dialing rank %d at %s: %w", ctxerr.Sentinel(ctx, verbsio.ErrPeerLost), g.rank, peer, g.addrs[peer], err)
+		return fmt.Errorf("%w: bootstrap rank %d: dialing rank %d at %s: %w", ctxerr.Sentinel(ctx, verbsio.ErrPeerLost), g.rank, peer, g.addr(peer), err)
 	}
 	if err := g.initiate(ctx, c); err != nil {
 		c.Close()
-		return fmt.Errorf("bootstrap rank %d: pairwise connection to rank %d at %s: %w", g.rank, peer, g.addrs[peer], err)
+		return fmt.Errorf("bootstrap rank %d: pairwise connection to rank %d at %s: %w", g.rank, peer, g.addr(peer), err)
 	}
 	hm := appendMsg(nil, tPeerHello, helloBody{rank: g.rank, size: g.size}.Append(nil))
 	if err := g.io(ctx, c, func(c net.Conn) error { _, err := c.Write(hm); return err }); err != nil {

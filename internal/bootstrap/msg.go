@@ -12,22 +12,27 @@ import (
 // follows, a version byte, a type byte, then the body. Bodies are built from
 // u32 integers and u32-length-prefixed byte strings.
 const (
-	msgVersion = 1
+	msgVersion = 2 // 2: incarnations in the address list and calls; rejoin
 	msgHdrLen  = 6
 )
 
 // Message types.
 const (
 	tHello     = 1 // rank -> root: rank, size, contact address
-	tAddrs     = 2 // root -> rank: every rank's contact address
+	tAddrs     = 2 // root -> rank: every rank's incarnation and contact address
 	tGather    = 3 // rank -> root: its AllGather contribution
 	tGathered  = 4 // root -> rank: every contribution
 	tPeerHello = 5 // dialing rank -> peer: rank, size
 	tExchange  = 6 // rank <-> peer: one Exchange payload
 	tRefused   = 7 // root or peer -> rank: why it is turned away
-	tCall      = 8 // rank -> peer: rank, size, one Call request
-	tReply     = 9 // peer -> rank: the answer to a Call
-	tMax       = tReply
+	tCall      = 8 // rank -> peer: rank, size, incarnation, one Call request
+	tReply     = 9 // peer -> rank: the answer to a Call or a notice
+	// A process that joins in place of a dead rank (see Group.Rejoined).
+	tRejoined = 10 // root -> rank: as tAddrs, the rank taken as a rejoin
+	tNotice   = 11 // rejoined rank -> peer: rank, size, incarnation, contact, data
+	tPing     = 12 // root -> rank: which incarnation answers here?
+	tPong     = 13 // rank -> root: its incarnation (0 while joining)
+	tMax      = tPong
 )
 
 type msg struct {
@@ -112,6 +117,11 @@ func (d *dec) u32() uint32 {
 	return v
 }
 
+func (d *dec) u64() uint64 {
+	hi := d.u32()
+	return uint64(hi)<<32 | uint64(d.u32())
+}
+
 func (d *dec) bytes() []byte {
 	n := d.u32()
 	if d.err != nil {
@@ -174,9 +184,11 @@ func parseHello(b []byte) (helloBody, error) {
 	return h, nil
 }
 
-// callBody is a Call: who calls and what it asks.
+// callBody is a Call: who calls (its rank and incarnation) and what it
+// asks.
 type callBody struct {
 	rank, size int
+	inc        uint64
 	req        []byte
 }
 
@@ -184,12 +196,13 @@ type callBody struct {
 func (c callBody) Append(b []byte) []byte {
 	b = binary.BigEndian.AppendUint32(b, uint32(c.rank))
 	b = binary.BigEndian.AppendUint32(b, uint32(c.size))
+	b = binary.BigEndian.AppendUint64(b, c.inc)
 	return appendBytes(b, c.req)
 }
 
 func parseCall(b []byte) (callBody, error) {
 	d := dec{b: b}
-	c := callBody{rank: int(d.u32()), size: int(d.u32()), req: d.bytes()}
+	c := callBody{rank: int(d.u32()), size: int(d.u32()), inc: d.u64(), req: d.bytes()}
 	if err := d.end(); err != nil {
 		return c, err
 	}
@@ -197,6 +210,66 @@ func parseCall(b []byte) (callBody, error) {
 		return c, fmt.Errorf("%w: call from rank %d of %d", verbsio.ErrBadFrame, c.rank, c.size)
 	}
 	return c, nil
+}
+
+// noticeBody is what a rank that rejoined tells each peer: who it is now
+// and its data for the peer (Config.RejoinData).
+type noticeBody struct {
+	rank, size int
+	inc        uint64
+	contact    string
+	data       []byte
+}
+
+// Append appends the encoded notice body to b.
+func (n noticeBody) Append(b []byte) []byte {
+	b = binary.BigEndian.AppendUint32(b, uint32(n.rank))
+	b = binary.BigEndian.AppendUint32(b, uint32(n.size))
+	b = binary.BigEndian.AppendUint64(b, n.inc)
+	b = appendBytes(b, []byte(n.contact))
+	return appendBytes(b, n.data)
+}
+
+func parseNotice(b []byte) (noticeBody, error) {
+	d := dec{b: b}
+	n := noticeBody{rank: int(d.u32()), size: int(d.u32()), inc: d.u64(), contact: string(d.bytes()), data: d.bytes()}
+	if err := d.end(); err != nil {
+		return n, err
+	}
+	if n.size < 1 || n.size > 1<<20 || n.rank < 0 || n.rank >= n.size || n.inc == 0 {
+		return n, fmt.Errorf("%w: notice of rank %d of %d, incarnation %d", verbsio.ErrBadFrame, n.rank, n.size, n.inc)
+	}
+	return n, nil
+}
+
+// appendAddrs encodes the address list: each rank's incarnation and
+// contact address.
+func appendAddrs(b []byte, addrs []string, incs []uint64) []byte {
+	b = binary.BigEndian.AppendUint32(b, uint32(len(addrs)))
+	for i, a := range addrs {
+		b = binary.BigEndian.AppendUint64(b, incs[i])
+		b = appendBytes(b, []byte(a))
+	}
+	return b
+}
+
+func parseAddrs(b []byte, want int) ([]string, []uint64, error) {
+	d := dec{b: b}
+	n := d.count(12)
+	if d.err != nil {
+		return nil, nil, d.err
+	}
+	if n != want {
+		return nil, nil, fmt.Errorf("%w: address list of %d entries, want %d", verbsio.ErrBadFrame, n, want)
+	}
+	addrs, incs := make([]string, n), make([]uint64, n)
+	for i := range addrs {
+		incs[i], addrs[i] = d.u64(), string(d.bytes())
+		if d.err == nil && incs[i] == 0 {
+			return nil, nil, fmt.Errorf("%w: rank %d of the address list has incarnation 0", verbsio.ErrBadFrame, i)
+		}
+	}
+	return addrs, incs, d.end()
 }
 
 // appendList encodes a list of byte strings.
