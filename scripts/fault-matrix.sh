@@ -33,6 +33,7 @@ A=10.231.0.1 B=10.231.0.2
 work=$(mktemp -d)
 pids=()
 recv_env=()
+recv_args=()
 
 cleanup() {
   for p in "${pids[@]}"; do kill -CONT "$p" 2>/dev/null; kill -9 "$p" 2>/dev/null; done
@@ -96,7 +97,7 @@ cell() {
   key=$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')
   local r=$work/$name.recv s=$work/$name.send
   pids=()
-  start_rank 0 "$NB" $B "$r" "${recv_env[@]}" "$@"
+  start_rank 0 "$NB" $B "$r" "${recv_env[@]}" "$@" -- "${recv_args[@]}"
   recv_pid=$last
   start_rank 1 "$NA" $A "$s" "$@"
   send_pid=$last
@@ -170,7 +171,8 @@ for c in "${order[@]}"; do
   case $c in
     rewrite-2%-no-checksum) cell "$c" "$f" GDRLINK_CHECKSUM=0 ;;
     pool-limit) recv_env=(GDRLINK_POOL_LIMIT=2097152); cell "$c" "$f" -- -size 4194304 -steps 20 ;;
+    kill-send-rejoin) recv_args=(-rejoin); cell "$c" "$f" ;;
     *) cell "$c" "$f" ;;
   esac
-  recv_env=()
+  recv_env=() recv_args=()
 done

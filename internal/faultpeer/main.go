@@ -19,7 +19,9 @@ package main
 
 import (
 	"context"
+	"encoding/binary"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"os"
@@ -29,6 +31,7 @@ import (
 
 	"github.com/gdrlink/gdrlink"
 	"github.com/gdrlink/gdrlink/tensor"
+	"github.com/gdrlink/gdrlink/verbsio"
 )
 
 // report is what one rank prints when it ends.
@@ -44,9 +47,17 @@ type report struct {
 	Corrupt  int `json:"corrupt"`
 	// Err is the first error, ErrAt when it was seen, LastOK when the last
 	// step before it ended (Unix ns).
-	Err    string `json:"err,omitempty"`
-	ErrAt  int64  `json:"err_at,omitempty"`
+	Err   string `json:"err,omitempty"`
+	ErrAt int64  `json:"err_at,omitempty"`
+	// Lost is the error of a sender that died and came back (-rejoin):
+	// the receiver went on; ErrAt is when it was seen.
+	Lost   string `json:"lost,omitempty"`
 	LastOK int64  `json:"last_ok,omitempty"`
+	// Rejoins counts, at the receiver, the senders that came back as new
+	// processes (RejoinedAt the last one, Unix ns); at a sender, 1 if it
+	// is such a process.
+	Rejoins    int   `json:"rejoins,omitempty"`
+	RejoinedAt int64 `json:"rejoined_at,omitempty"`
 	// Goroutines and FDs are counted before Join and after Close.
 	GoroutinesBefore int `json:"goroutines_before"`
 	GoroutinesAfter  int `json:"goroutines_after"`
@@ -63,7 +74,8 @@ func main() {
 	size := flag.Int("size", 256<<10, "bytes per tensor")
 	pace := flag.Duration("pace", 10*time.Millisecond, "pause between two sends")
 	wait := flag.Duration("wait", 60*time.Second, "longest wait for one tensor, and for the final barrier")
-	from := flag.Int("from", 0, "first step (a process that rejoins resumes there)")
+	from := flag.Int("from", 0, "first step")
+	rejoin := flag.Bool("rejoin", false, "receiver: when the sender dies, wait for a new sender process to rejoin and resume with it")
 	flood := flag.String("flood", "", "open idle connections to these addresses instead (comma-separated)")
 	conns := flag.Int("conns", 2000, "connections for -flood")
 	hold := flag.Duration("hold", 5*time.Second, "how long -flood holds them")
@@ -93,7 +105,7 @@ func main() {
 		}
 		return
 	}
-	rep, err := run(*steps, *size, *pace, *wait, *from)
+	rep, err := run(*steps, *size, *pace, *wait, *from, *rejoin)
 	if err != nil && rep.Err == "" {
 		rep.Err, rep.ErrAt = err.Error(), time.Now().UnixNano()
 	}
@@ -101,7 +113,7 @@ func main() {
 	fmt.Println(string(out))
 }
 
-func run(steps, size int, pace, wait time.Duration, from int) (rep report, err error) {
+func run(steps, size int, pace, wait time.Duration, from int, rejoin bool) (rep report, err error) {
 	rep = report{GoroutinesBefore: runtime.NumGoroutine(), FDsBefore: countFDs(), Role: "send"}
 	if os.Getenv("GDRLINK_RANK") == "0" {
 		rep.Role = "recv"
@@ -122,14 +134,23 @@ func run(steps, size int, pace, wait time.Duration, from int) (rep report, err e
 	}
 	rep.Rank = g.Rank()
 	start := time.Now()
-	if g.Rank() == 1 {
+	switch {
+	case g.Rank() == 1 && g.Rejoined():
+		rep.Rejoins = 1
+		if from, err = resumeStep(ctx, g, wait); err == nil {
+			err = send(g, steps, size, pace, from, &rep)
+		}
+	case g.Rank() == 1:
 		err = send(g, steps, size, pace, from, &rep)
-	} else {
-		err = recv(ctx, g, steps, size, wait, from, &rep)
+	default:
+		err = recv(ctx, g, steps, size, wait, from, rejoin, &rep)
 	}
 	rep.Elapsed = time.Since(start).Seconds()
 	if err != nil {
-		rep.Err, rep.ErrAt = err.Error(), time.Now().UnixNano()
+		rep.Err = err.Error()
+		if rep.ErrAt == 0 {
+			rep.ErrAt = time.Now().UnixNano()
+		}
 	} else {
 		bctx, bcancel := context.WithTimeout(ctx, wait)
 		err = g.Barrier(bctx)
@@ -181,12 +202,61 @@ func send(g *gdrlink.Group, steps, size int, pace time.Duration, from int, rep *
 	return nil
 }
 
-func recv(ctx context.Context, g *gdrlink.Group, steps, size int, wait time.Duration, from int, rep *report) error {
+// sendResume tells a sender that rejoined as incarnation inc the step to
+// resume at.
+func sendResume(g *gdrlink.Group, inc uint64, step int) error {
+	t, err := g.NewTensor(tensor.Int64, 1)
+	if err != nil {
+		return err
+	}
+	b, _ := t.Bytes()
+	binary.LittleEndian.PutUint64(b, uint64(step))
+	return g.Send(1, "resume", int64(inc), t)
+}
+
+// resumeStep is, in a sender that rejoined, the step the receiver wants
+// next.
+func resumeStep(ctx context.Context, g *gdrlink.Group, wait time.Duration) (int, error) {
+	rctx, cancel := context.WithTimeout(ctx, wait)
+	defer cancel()
+	t, _, err := g.Recv(rctx, 0, "resume", int64(g.Incarnation(g.Rank())))
+	if err != nil {
+		return 0, fmt.Errorf("waiting for the step to resume at: %w", err)
+	}
+	defer t.Release()
+	b, err := t.Bytes()
+	if err != nil || len(b) != 8 {
+		return 0, fmt.Errorf("resume tensor of %d bytes: %v", len(b), err)
+	}
+	return int(binary.LittleEndian.Uint64(b)), nil
+}
+
+func recv(ctx context.Context, g *gdrlink.Group, steps, size int, wait time.Duration, from int, rejoin bool, rep *report) error {
 	want := make([]byte, size)
 	for i := from; i < steps; i++ {
 		rctx, cancel := context.WithTimeout(ctx, wait)
 		t, _, err := g.Recv(rctx, 1, "stream", int64(i))
 		cancel()
+		if err != nil && rejoin && errors.Is(err, verbsio.ErrPeerLost) {
+			// The sender may come back as a new process: wait for it,
+			// tell it where to resume, and go on.
+			if rep.Lost == "" {
+				rep.Lost, rep.ErrAt = fmt.Sprintf("step %d: %v", i, err), time.Now().UnixNano()
+			}
+			wctx, wcancel := context.WithTimeout(ctx, wait)
+			inc, werr := g.WaitRejoin(wctx, 1, g.Incarnation(1))
+			wcancel()
+			if werr != nil {
+				return fmt.Errorf("step %d: %w (and no new sender: %w)", i, err, werr)
+			}
+			if err := sendResume(g, inc, i); err != nil {
+				return err
+			}
+			rep.Rejoins++
+			rep.RejoinedAt = time.Now().UnixNano()
+			i--
+			continue
+		}
 		if err != nil {
 			return fmt.Errorf("step %d: %w", i, err)
 		}

@@ -31,6 +31,8 @@ func printRow(w io.Writer, name string, faultAt int64, paths []string) error {
 		outcome = "CORRUPT ACCEPTED"
 	case rc.Err != "" || (sd != nil && sd.Err != ""):
 		outcome = "failed"
+	case rc.Rejoins > 0:
+		outcome = "ok, rejoined"
 	case sd == nil:
 		outcome = "ok, sender gone" // killed on purpose, the receiver had all
 	}
@@ -38,7 +40,7 @@ func printRow(w io.Writer, name string, faultAt int64, paths []string) error {
 		if r == nil {
 			return "-"
 		}
-		if r.Err == "" {
+		if r.Err == "" && r.Lost == "" {
 			return "none"
 		}
 		if faultAt == 0 || r.ErrAt < faultAt {
@@ -58,6 +60,9 @@ func printRow(w io.Writer, name string, faultAt int64, paths []string) error {
 	}
 	fmt.Fprintf(w, "%-26s %-16s %9s %9s %6d/%-6d %7d %9s %9s\n", name, outcome, detect(rc), detect(sd), verified, steps, corrupt, leak(rc), leak(sd))
 	for _, r := range reps {
+		if r != nil && r.Lost != "" {
+			fmt.Fprintf(w, "%28s%s: lost, then resumed %v later with a new process: %s\n", "", r.Role, time.Duration(r.RejoinedAt-r.ErrAt).Round(time.Millisecond), oneLine(r.Lost, 120))
+		}
 		if r != nil && r.Err != "" {
 			fmt.Fprintf(w, "%28s%s: %s\n", "", r.Role, oneLine(r.Err, 160))
 		}
