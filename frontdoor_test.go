@@ -50,6 +50,8 @@ type childReport struct {
 	// joined in place of a dead one, and its incarnation.
 	Rejoined    bool   `json:"rejoined"`
 	Incarnation uint64 `json:"incarnation"`
+	// Failovers is Stats.Failovers at the end.
+	Failovers int `json:"failovers"`
 }
 
 func runChild(job string) error {
@@ -82,6 +84,8 @@ func runChild(job string) error {
 		err = gpuJob(ctx, g, &rep)
 	case "rejoin":
 		err = rejoinJob(ctx, g, &rep)
+	case "failover":
+		err = failoverJob(ctx, g, &rep)
 	default:
 		err = fmt.Errorf("unknown job %q", job)
 	}
@@ -99,6 +103,7 @@ func runChild(job string) error {
 	s := g.Stats()
 	rep.JoinMS = float64(s.Join.Microseconds()) / 1000
 	rep.Connections = s.Connections
+	rep.Failovers = s.Failovers
 	rep.Unusable = s.Unusable
 	return json.NewEncoder(os.Stdout).Encode(rep)
 }

@@ -83,6 +83,8 @@ type Group struct {
 	closed  bool
 	peers   map[int]*peer
 	rejoins int // peers that restarted and rejoined
+	// failovers counts the connections lost and made again.
+	failovers int
 	// peerInc is the incarnation of each peer that rejoined (1 when not
 	// in it); rejoinSig closes at each rejoin, for WaitRejoin.
 	peerInc   map[int]uint64
@@ -382,14 +384,10 @@ func (g *Group) recvOn(ctx context.Context, dev tensor.Device, peer int, key str
 	if err != nil {
 		return nil, Transfer{}, err
 	}
-	ch, err := p.wait(ctx)
-	if err != nil {
-		return nil, Transfer{}, err
-	}
 	if dev == tensor.Host {
-		return ch.Recv(ctx, key, step)
+		return p.recvFailover(ctx, key, step)
 	}
-	return ch.Recv(ctx, key, step, rendezvous.OnDevice(dev))
+	return p.recvFailover(ctx, key, step, rendezvous.OnDevice(dev))
 }
 
 // Barrier returns once every rank of the job has called it, or when ctx
@@ -428,6 +426,9 @@ type Stats struct {
 	// Rejoins counts the peers that restarted as new processes and
 	// rejoined the job while this rank ran (see Group.Rejoined).
 	Rejoins int
+	// Failovers counts the connections that failed with their peer alive
+	// and were made again (see "Failover" in the package documentation).
+	Failovers int
 	// Retransmits counts the segments each provider's transport
 	// retransmitted since Join, for the providers that can tell: tcp (the
 	// kernel's TCP_INFO of its connections). onnode copies through memory
@@ -447,6 +448,7 @@ func (g *Group) Stats() Stats {
 	}
 	g.mu.Lock()
 	s.Rejoins = g.rejoins
+	s.Failovers = g.failovers
 	peers := make([]*peer, 0, len(g.peers))
 	for _, p := range g.peers {
 		peers = append(peers, p)

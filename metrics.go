@@ -76,7 +76,7 @@ type metrics struct {
 	series map[seriesKey]*series
 
 	connections, requests, reRequests, metaResponses, writes,
-	checksumFailures, keepalives, creditStalls, retransmits, poolInUse,
+	checksumFailures, keepalives, creditStalls, retransmits, failovers, rejoins, poolInUse,
 	poolReserved, poolArenas, poolFragmentation, registrations, bar1Used,
 	bar1Total *prometheus.Desc
 }
@@ -107,6 +107,8 @@ func newMetrics(g *Group) *metrics {
 		writes:            prometheus.NewDesc("gdrlink_protocol_writes_total", "Writes with immediate completed here (in) and posted (out), over every connection.", []string{"direction"}, nil),
 		checksumFailures:  prometheus.NewDesc("gdrlink_protocol_checksum_failures_total", "Arrivals that failed checksum verification, over every connection.", nil, nil),
 		keepalives:        prometheus.NewDesc("gdrlink_protocol_keepalives_total", "Keepalive frames sent to silent peers, over every connection.", nil, nil),
+		failovers:         prometheus.NewDesc("gdrlink_failovers_total", "Connections that failed with the peer alive and were made again (on another provider where one is shared).", nil, nil),
+		rejoins:           prometheus.NewDesc("gdrlink_peer_rejoins_total", "Peers that restarted as new processes and rejoined the job.", nil, nil),
 		creditStalls:      prometheus.NewDesc("gdrlink_protocol_credit_stalls_total", "Times queued control messages or writes had to wait for the peer's credits, over every connection.", nil, nil),
 		retransmits:       prometheus.NewDesc("gdrlink_transport_retransmits_total", "Segments the transport retransmitted, by provider (tcp: the kernel's TCP_INFO).", []string{"provider"}, nil),
 		poolInUse:         prometheus.NewDesc("gdrlink_pool_in_use_bytes", "Bytes of the tensor pool's allocated blocks.", nil, nil),
@@ -161,7 +163,7 @@ func (m *metrics) Describe(ch chan<- *prometheus.Desc) {
 	m.took.Describe(ch)
 	m.errs.Describe(ch)
 	for _, d := range []*prometheus.Desc{m.connections, m.requests, m.reRequests, m.metaResponses, m.writes,
-		m.checksumFailures, m.keepalives, m.creditStalls, m.retransmits, m.poolInUse, m.poolReserved, m.poolArenas,
+		m.checksumFailures, m.keepalives, m.creditStalls, m.retransmits, m.failovers, m.rejoins, m.poolInUse, m.poolReserved, m.poolArenas,
 		m.poolFragmentation, m.registrations, m.bar1Used, m.bar1Total} {
 		ch <- d
 	}
@@ -199,6 +201,8 @@ func (m *metrics) collectStats(ch chan<- prometheus.Metric, s Stats) {
 	counter(m.checksumFailures, p.ChecksumFailures)
 	counter(m.keepalives, p.Keepalives)
 	counter(m.creditStalls, p.CreditStalls)
+	counter(m.failovers, uint64(s.Failovers))
+	counter(m.rejoins, uint64(s.Rejoins))
 	for _, prov := range builtin {
 		if n, ok := s.Retransmits[prov]; ok {
 			counter(m.retransmits, n, prov)

@@ -39,10 +39,18 @@ type peer struct {
 	ch            *rendezvous.Channel
 	provider      string
 	gen           int // higher: the attempt the current channel belongs to
-	done          chan struct{}
-	err           error // the final error, once done closed without a channel
-	queue         []queuedSend
-	closed        bool
+	// done closes once connected, or failed for good (err); a failover
+	// replaces it with a fresh one. Read it under mu.
+	done   chan struct{}
+	err    error // the final error, once done closed without a channel
+	queue  []queuedSend
+	closed bool
+	// Failover: how many times the connection failed and was made again,
+	// the provider that failed last (tried last next time), and whether
+	// the higher rank's next kick asks the lower one to reconnect.
+	failovers    int
+	failedProv   string
+	kickFailover bool
 }
 
 // queuedSend is a Send made before the connection was up.
@@ -97,7 +105,13 @@ func (p *peer) start() {
 			p.connect(ctx)
 			return
 		}
-		if _, err := g.boot.Call(ctx, p.rank, connMsg{kind: kickMsg}.Append(nil)); err != nil {
+		p.mu.Lock()
+		kick := connMsg{kind: kickMsg}
+		if p.kickFailover {
+			kick.payload = []byte(kickReconnect)
+		}
+		p.mu.Unlock()
+		if _, err := g.boot.Call(ctx, p.rank, kick.Append(nil)); err != nil {
 			p.fail(fmt.Errorf("gdrlink: rank %d asking rank %d to connect: %w", g.Rank(), p.rank, err))
 		}
 	}()
@@ -112,17 +126,24 @@ func (p *peer) isDone() bool {
 	}
 }
 
-// connect is the lower rank's side: each candidate provider in turn.
+// connect is the lower rank's side: each candidate provider in turn (the
+// one that failed last, after a failover, last).
 func (p *peer) connect(ctx context.Context) {
 	g := p.g
-	if len(p.cands) == 0 {
+	p.mu.Lock()
+	cands := slices.Clone(p.cands)
+	if i := slices.Index(cands, p.failedProv); i >= 0 {
+		cands = append(append(cands[:i:i], cands[i+1:]...), p.failedProv)
+	}
+	p.mu.Unlock()
+	if len(cands) == 0 {
 		err := fmt.Errorf("gdrlink: %w: rank %d to rank %d: %s", verbsio.ErrNoProvider, g.Rank(), p.rank, p.why)
 		g.boot.Call(ctx, p.rank, connMsg{kind: giveUpMsg, payload: []byte(err.Error())}.Append(nil))
 		p.fail(err)
 		return
 	}
 	var errs []error
-	for _, prov := range p.cands {
+	for _, prov := range cands {
 		actx, cancel := context.WithCancel(ctx)
 		p.mu.Lock()
 		p.attempt, p.attemptCancel = prov, cancel
@@ -190,6 +211,13 @@ func (g *Group) onCall(ctx context.Context, from int, req []byte) ([]byte, error
 		if !p.lower {
 			return nil, fmt.Errorf("%w: rank %d asked rank %d to connect, but the lower rank connects", verbsio.ErrBadFrame, from, g.Rank())
 		}
+		if string(m.payload) == kickReconnect {
+			// The higher rank lost the connection: so has this one,
+			// whether or not it noticed yet.
+			if ch, _ := p.connected(); ch != nil {
+				p.failover(ch, fmt.Errorf("%w: rank %d lost its side of the connection", verbsio.ErrPeerLost, from))
+			}
+		}
 		p.start()
 		return nil, nil
 	case giveUpMsg:
@@ -222,6 +250,11 @@ func (p *peer) accept(provider string, hello []byte) ([]byte, error) {
 	ch, err := g.newChannel(provider, p.rank)
 	if err != nil {
 		return nil, err
+	}
+	if cur, _ := p.connected(); cur != nil {
+		// The lower rank connects again only when it lost the
+		// connection: so has this side, whether or not it noticed yet.
+		p.failover(cur, fmt.Errorf("%w: rank %d reconnects", verbsio.ErrPeerLost, p.rank))
 	}
 	p.mu.Lock()
 	if p.closed || p.isDone() {
@@ -284,15 +317,20 @@ func (p *peer) markConnected(ch *rendezvous.Channel, provider string) {
 	p.ch, p.provider = ch, provider
 	q := p.queue
 	p.queue = nil
+	close(p.done)
+	failedProv, failovers := p.failedProv, p.failovers
+	p.mu.Unlock()
+	if failovers > 0 {
+		p.g.log.Warn("gdrlink: failed over", "rank", p.g.Rank(), "peer", p.rank, "from", failedProv, "to", provider, "device", ch.Device(), "failovers", failovers, "resending", len(q))
+	} else {
+		p.g.log.Info("gdrlink: connected", "rank", p.g.Rank(), "peer", p.rank, "provider", provider, "device", ch.Device())
+	}
 	for _, s := range q {
-		if err := ch.Send(s.key, s.step, s.t); err != nil {
+		if err := p.sendOn(ch, s.key, s.step, s.t); err != nil {
 			p.g.log.Warn("gdrlink: queued send dropped", "rank", p.g.Rank(), "peer", p.rank, "key", s.key, "step", s.step, "err", err)
 			_ = s.t.Release()
 		}
 	}
-	close(p.done)
-	p.mu.Unlock()
-	p.g.log.Info("gdrlink: connected", "rank", p.g.Rank(), "peer", p.rank, "provider", provider, "device", ch.Device())
 }
 
 // fail ends the connection attempts with err: waiting Recvs get it, and
@@ -333,7 +371,7 @@ func (p *peer) send(key string, step int64, t *tensor.Tensor) error {
 	case p.isDone():
 		ch := p.ch
 		p.mu.Unlock()
-		return ch.Send(key, step, t)
+		return p.sendOn(ch, key, step, t)
 	}
 	for _, s := range p.queue {
 		if s.key == key && s.step == step {
@@ -350,18 +388,24 @@ func (p *peer) send(key string, step int64, t *tensor.Tensor) error {
 // wait starts the connection if needed and waits until it is up.
 func (p *peer) wait(ctx context.Context) (*rendezvous.Channel, error) {
 	p.start()
+	p.mu.Lock()
+	done := p.done
+	p.mu.Unlock()
 	select {
-	case <-p.done:
+	case <-done:
 	case <-ctx.Done():
 		return nil, fmt.Errorf("gdrlink: %w: rank %d waiting for its connection to rank %d: %w", verbsio.ErrTimeout, p.g.Rank(), p.rank, ctx.Err())
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.closed {
+	switch {
+	case p.closed && p.err == nil:
 		return nil, fmt.Errorf("gdrlink: Recv from rank %d: %w", p.rank, ErrClosed)
-	}
-	if p.ch == nil {
+	case p.ch == nil && p.isDone():
 		return nil, p.err
+	case p.ch == nil:
+		// Failed over since: wait for the next connection.
+		return nil, errFailingOver
 	}
 	return p.ch, nil
 }
