@@ -8,11 +8,13 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"slices"
 	"strconv"
 	"testing"
 	"time"
 
 	"github.com/gdrlink/gdrlink/tensor"
+	"github.com/gdrlink/gdrlink/verbsio"
 )
 
 // failoverSteps tensors of failoverBytes go from rank 1 to rank 0 in the
@@ -62,31 +64,111 @@ func failoverJob(ctx context.Context, g *Group, rep *childReport) error {
 	return nil
 }
 
-// TestFailover: two processes stream over tcp in a network namespace of
-// their own while the test resets every one of their data connections
-// (ss -K, as a middlebox or a link flap would), twice. The stream goes on
-// over new connections: every tensor arrives with every byte right, and
-// both ranks count the failovers. Needs root (a network namespace).
+// TestFailover: two processes stream while their connection is broken
+// under them; the stream goes on over a new connection, every tensor with
+// every byte right, and both ranks count the failovers.
+//
+// tcp: in a network namespace of their own, the test resets every one of
+// their data connections (ss -K, as a middlebox or a flapping link would),
+// twice; each time a fresh tcp connection takes over. Needs root.
+//
+// ibverbs-to-tcp (the Soft-RoCE guest, GDRLINK_TEST_DROP_ROCE=1): the pair
+// uses "ibverbs,tcp"; the test drops all RoCE traffic (UDP 4791, nftables)
+// mid-stream and the stream moves to tcp.
 func TestFailover(t *testing.T) {
+	t.Run("tcp", func(t *testing.T) {
+		ip, ss := failoverTools(t)
+		ns := fmt.Sprintf("gdrfo-%d", os.Getpid())
+		if out, err := exec.Command(ip, "netns", "add", ns).CombinedOutput(); err != nil {
+			t.Skipf("skipping: cannot make a network namespace: %v: %s", err, out)
+		}
+		t.Cleanup(func() { exec.Command(ip, "netns", "del", ns).Run() })
+		if out, err := exec.Command(ip, "-n", ns, "link", "set", "lo", "up").CombinedOutput(); err != nil {
+			t.Fatalf("lo up: %v: %s", err, out)
+		}
+		cuts := 0
+		reps := runFailoverJob(t, []string{ip, "netns", "exec", ns}, "tcp", func() {
+			// Twice, while the stream runs: reset every connection but
+			// the bootstrap's control connection to the root.
+			for range 2 {
+				time.Sleep(700 * time.Millisecond)
+				out, err := exec.Command(ip, "netns", "exec", ns, ss, "-K", "-t", "state", "established",
+					"( sport != :"+failoverRootPort+" and dport != :"+failoverRootPort+" )").CombinedOutput()
+				if err != nil {
+					t.Errorf("ss -K: %v: %s", err, out)
+					return
+				}
+				if n := bytes.Count(out, []byte("\n")) - 1; n > 0 {
+					cuts++
+					t.Logf("reset %d connections", n)
+				}
+			}
+		})
+		if cuts == 0 {
+			t.Fatal("no connection was reset: the stream ended before the cuts?")
+		}
+		checkFailover(t, reps, "tcp")
+	})
+	t.Run("ibverbs-to-tcp", func(t *testing.T) {
+		if os.Getenv("GDRLINK_TEST_DROP_ROCE") != "1" {
+			t.Skip("skipping: set GDRLINK_TEST_DROP_ROCE=1 where dropping all RoCE traffic of this host for a moment is harmless (the Soft-RoCE guest of make test-rdma does)")
+		}
+		p, err := verbsio.Lookup("ibverbs")
+		if err == nil {
+			_, err = p.Devices()
+		}
+		if err != nil {
+			t.Fatalf("GDRLINK_TEST_DROP_ROCE=1 but ibverbs is not usable: %v", err)
+		}
+		nft, err := exec.LookPath("nft")
+		if err != nil {
+			t.Fatalf("GDRLINK_TEST_DROP_ROCE=1 but nft is missing (Debian: nftables): %v", err)
+		}
+		const table = "gdrlink_failover_test"
+		t.Cleanup(func() { exec.Command(nft, "delete", "table", "inet", table).Run() })
+		reps := runFailoverJob(t, nil, "ibverbs,tcp", func() {
+			time.Sleep(700 * time.Millisecond)
+			for _, cmd := range [][]string{
+				{"add", "table", "inet", table},
+				{"add", "chain", "inet", table, "out", "{ type filter hook output priority 0; }"},
+				{"add", "chain", "inet", table, "in", "{ type filter hook input priority 0; }"},
+				{"add", "rule", "inet", table, "out", "udp", "dport", "4791", "drop"},
+				{"add", "rule", "inet", table, "in", "udp", "dport", "4791", "drop"},
+			} {
+				if out, err := exec.Command(nft, cmd...).CombinedOutput(); err != nil {
+					t.Errorf("nft %v: %v: %s", cmd, err, out)
+					return
+				}
+			}
+			t.Log("dropping RoCE (UDP 4791) from now on")
+		})
+		checkFailover(t, reps, "ibverbs", "tcp")
+	})
+}
+
+// failoverRootPort is the bootstrap root's port in the failover job.
+const failoverRootPort = "29500"
+
+func failoverTools(t *testing.T) (ip, ss string) {
+	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("skipping: needs root (a network namespace, ss -K)")
 	}
-	ip, err := exec.LookPath("ip")
-	if err != nil {
+	var err error
+	if ip, err = exec.LookPath("ip"); err != nil {
 		t.Skip("skipping: needs ip (iproute2)")
 	}
-	ss, err := exec.LookPath("ss")
-	if err != nil {
+	if ss, err = exec.LookPath("ss"); err != nil {
 		t.Skip("skipping: needs ss (iproute2)")
 	}
-	ns := fmt.Sprintf("gdrfo-%d", os.Getpid())
-	if out, err := exec.Command(ip, "netns", "add", ns).CombinedOutput(); err != nil {
-		t.Skipf("skipping: cannot make a network namespace: %v: %s", err, out)
-	}
-	t.Cleanup(func() { exec.Command(ip, "netns", "del", ns).Run() })
-	if out, err := exec.Command(ip, "-n", ns, "link", "set", "lo", "up").CombinedOutput(); err != nil {
-		t.Fatalf("lo up: %v: %s", err, out)
-	}
+	return ip, ss
+}
+
+// runFailoverJob runs the failover job's two ranks (each command prefixed
+// by wrap) with provider, calls fault while they stream, and returns their
+// reports.
+func runFailoverJob(t *testing.T, wrap []string, provider string, fault func()) [2]childReport {
+	t.Helper()
 	self, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)
@@ -95,13 +177,13 @@ func TestFailover(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	const rootPort = "29500"
 	var cmds []*exec.Cmd
 	var outs, errs []*bytes.Buffer
 	for r := range 2 {
-		cmd := exec.Command(ip, "netns", "exec", ns, self, "-test.run=^$")
+		args := append(append([]string(nil), wrap...), self, "-test.run=^$")
+		cmd := exec.Command(args[0], args[1:]...)
 		cmd.Env = append(os.Environ(), "GDRLINK_TEST_JOB=failover", "GDRLINK_RANK="+strconv.Itoa(r), "GDRLINK_SIZE=2",
-			"GDRLINK_ROOT=127.0.0.1:"+rootPort, "GDRLINK_JOB_KEY="+key, "GDRLINK_PROVIDER=tcp")
+			"GDRLINK_ROOT=127.0.0.1:"+failoverRootPort, "GDRLINK_JOB_KEY="+key, "GDRLINK_PROVIDER="+provider)
 		var out, errb bytes.Buffer
 		cmd.Stdout, cmd.Stderr = &out, &errb
 		if err := cmd.Start(); err != nil {
@@ -117,21 +199,7 @@ func TestFailover(t *testing.T) {
 			}
 		}
 	})
-	// Twice, while the stream runs: reset every connection but the
-	// bootstrap's control connection to the root.
-	cuts := 0
-	for _, at := range []time.Duration{700 * time.Millisecond, 700 * time.Millisecond} {
-		time.Sleep(at)
-		out, err := exec.Command(ip, "netns", "exec", ns, ss, "-K", "-t", "state", "established",
-			"( sport != :"+rootPort+" and dport != :"+rootPort+" )").CombinedOutput()
-		if err != nil {
-			t.Fatalf("ss -K: %v: %s", err, out)
-		}
-		if n := bytes.Count(out, []byte("\n")) - 1; n > 0 {
-			cuts++
-			t.Logf("reset %d connections", n)
-		}
-	}
+	fault()
 	done := make(chan struct{})
 	go func() {
 		for _, c := range cmds {
@@ -162,16 +230,23 @@ func TestFailover(t *testing.T) {
 			t.Fatalf("rank %d printed %q: %v", r, outs[r].String(), err)
 		}
 	}
-	if cuts == 0 {
-		t.Fatal("no connection was reset: the stream ended before the cuts?")
-	}
+	return reps
+}
+
+// checkFailover checks that every tensor arrived, that both ranks failed
+// over, and that the providers rank 0 received over were paths, in order.
+func checkFailover(t *testing.T, reps [2]childReport, paths ...string) {
+	t.Helper()
 	if reps[0].Received != failoverSteps {
 		t.Fatalf("rank 0 received %d tensors, want %d", reps[0].Received, failoverSteps)
 	}
 	for r, rep := range reps {
 		if rep.Failovers < 1 {
-			t.Errorf("rank %d counts %d failovers after %d cuts, want at least 1", r, rep.Failovers, cuts)
+			t.Errorf("rank %d counts %d failovers, want at least 1", r, rep.Failovers)
 		}
 	}
-	t.Logf("%d cuts: %d tensors, every byte right; failovers counted %d and %d; providers %v", cuts, reps[0].Received, reps[0].Failovers, reps[1].Failovers, reps[0].Paths)
+	if !slices.Equal(reps[0].Paths, paths) {
+		t.Errorf("rank 0 received over %v, want %v", reps[0].Paths, paths)
+	}
+	t.Logf("%d tensors, every byte right; failovers counted %d and %d; providers in turn %v", reps[0].Received, reps[0].Failovers, reps[1].Failovers, reps[0].Paths)
 }

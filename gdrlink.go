@@ -10,6 +10,7 @@ import (
 	"reflect"
 	"slices"
 	"sort"
+	"strings"
 	"sync"
 	"time"
 
@@ -146,8 +147,18 @@ func Join(ctx context.Context, opts ...Option) (*Group, error) {
 		}
 		usable = append(usable, name)
 	}
-	if cfg.provider != "" && !slices.Contains(usable, cfg.provider) {
-		return nil, fmt.Errorf("gdrlink: %w: provider %s chosen but not usable here: %w", verbsio.ErrBadConfig, cfg.provider, g.unusable[cfg.provider])
+	if cfg.provider != "" {
+		var errs []error
+		for _, p := range strings.Split(cfg.provider, ",") {
+			if slices.Contains(usable, p) {
+				errs = nil
+				break
+			}
+			errs = append(errs, fmt.Errorf("%s: %w", p, g.unusable[p]))
+		}
+		if errs != nil {
+			return nil, fmt.Errorf("gdrlink: %w: provider %s chosen but not usable here: %w", verbsio.ErrBadConfig, cfg.provider, errors.Join(errs...))
+		}
 	}
 	g.me = hostcard.Local("/", usable)
 	bc.RejoinData = g.me.Append(nil)

@@ -87,13 +87,17 @@ func WithRootListener(ln net.Listener) Option {
 }
 
 // WithProvider makes every connection use the named provider (ibverbs,
-// onnode or tcp; GDRLINK_PROVIDER). By default each peer gets the best one
-// both sides have: onnode with a peer on this node (same kernel, network
-// and PID namespace), else ibverbs, else tcp.
+// onnode or tcp; GDRLINK_PROVIDER), or the first of a comma-separated list
+// that both sides can use, the next ones when it fails ("ibverbs,tcp": RDMA,
+// and tcp when RDMA breaks). By default each peer gets the best one both
+// sides have: onnode with a peer on this node (same kernel, network and PID
+// namespace), else ibverbs, else tcp.
 func WithProvider(name string) Option {
 	return func(c *config) error {
-		if _, err := verbsio.Lookup(name); err != nil {
-			return fmt.Errorf("%w: provider %q: %w", verbsio.ErrBadConfig, name, err)
+		for _, n := range strings.Split(name, ",") {
+			if _, err := verbsio.Lookup(n); err != nil {
+				return fmt.Errorf("%w: provider %q: %w", verbsio.ErrBadConfig, n, err)
+			}
 		}
 		c.provider = name
 		return nil

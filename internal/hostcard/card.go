@@ -64,20 +64,27 @@ func SameNode(a, b Card) bool {
 // Candidates returns the providers to try between two ranks, best first,
 // and the same list on both sides (it is symmetric): onnode when SameNode,
 // then ibverbs, then tcp, each only when both cards list it. forced, when
-// not "", is the only candidate (when both have it). The reason says why
-// the list is empty, or why onnode was left out.
+// not "", names the candidates instead, in order ("ibverbs" or
+// "ibverbs,tcp"): those both sides can use. The reason says why the list is
+// empty, or why onnode (or a forced provider) was left out.
 func Candidates(me, peer Card, forced string) ([]string, string) {
 	has := func(c Card, p string) bool { return slices.Contains(c.Providers, p) }
 	if forced != "" {
-		switch {
-		case !has(me, forced):
-			return nil, fmt.Sprintf("provider %s is not usable here", forced)
-		case !has(peer, forced):
-			return nil, fmt.Sprintf("provider %s is not usable at the peer", forced)
-		case forced == "onnode" && !SameNode(me, peer):
-			return nil, "provider onnode needs the peer on this node: " + whyNotSameNode(me, peer)
+		var out, whys []string
+		for _, p := range strings.Split(forced, ",") {
+			switch {
+			case slices.Contains(out, p):
+			case !has(me, p):
+				whys = append(whys, fmt.Sprintf("provider %s is not usable here", p))
+			case !has(peer, p):
+				whys = append(whys, fmt.Sprintf("provider %s is not usable at the peer", p))
+			case p == "onnode" && !SameNode(me, peer):
+				whys = append(whys, "provider onnode needs the peer on this node: "+whyNotSameNode(me, peer))
+			default:
+				out = append(out, p)
+			}
 		}
-		return []string{forced}, ""
+		return out, strings.Join(whys, "; ")
 	}
 	var out []string
 	why := ""

@@ -39,6 +39,10 @@ func TestCandidates(t *testing.T) {
 		{"ForcedMissingHere", card(boot, "net:[1]", "pid:[2]", "tcp"), node, "ibverbs", nil, "not usable here"},
 		{"ForcedMissingThere", node, card(boot, "net:[1]", "pid:[2]", "tcp"), "ibverbs", nil, "at the peer"},
 		{"ForcedOnnodeAcross", node, card(boot, "net:[9]", "pid:[2]", all...), "onnode", nil, "network namespace"},
+		{"ForcedList", node, node, "ibverbs,tcp", []string{"ibverbs", "tcp"}, ""},
+		{"ForcedListOrder", node, node, "tcp,onnode", []string{"tcp", "onnode"}, ""},
+		{"ForcedListPartly", card(boot, "net:[1]", "pid:[2]", "onnode", "tcp"), node, "ibverbs,tcp", []string{"tcp"}, "ibverbs is not usable here"},
+		{"ForcedListNone", card(boot, "net:[1]", "pid:[2]", "tcp"), node, "ibverbs,onnode", nil, "ibverbs is not usable here; provider onnode is not usable here"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
