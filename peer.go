@@ -162,10 +162,11 @@ func (p *peer) connect(ctx context.Context) {
 			}
 			ch.Close()
 		}
-		cancel()
+		// The higher rank's failedMsg cancels actx: its side failed.
 		if ctx.Err() == nil && actx.Err() != nil {
 			err = fmt.Errorf("rank %d's side failed: %w", p.rank, err)
 		}
+		cancel()
 		g.log.Warn("gdrlink: provider failed, trying the next", "rank", g.Rank(), "peer", p.rank, "provider", prov, "err", err)
 		errs = append(errs, fmt.Errorf("%s: %w", prov, err))
 		if ctx.Err() != nil {
