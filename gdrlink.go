@@ -259,7 +259,10 @@ func (g *Group) setup(ctx context.Context) error {
 		if d.pd, err = d.dev.AllocPD(); err != nil {
 			return fmt.Errorf("%s protection domain: %w", name, err)
 		}
-		d.reg = visitor.NewMemoryRegistration(d.pd, verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite|verbsio.AccessRemoteRead)
+		// No remote read: the protocol never issues an RDMA READ, so a
+		// peer holding a key can write what it was granted and read
+		// nothing (a GPU's regions keep it for the flush's loopback read).
+		d.reg = visitor.NewMemoryRegistration(d.pd, verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite)
 		visitors = append(visitors, d.reg)
 	}
 	// The on-node provider writes file-backed arenas through a shared

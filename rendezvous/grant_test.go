@@ -238,8 +238,26 @@ func (h *hostileSender) write(addr uint64, rkey uint32, n int, fill byte, imm ui
 	for i := range src[:n] {
 		src[i] = fill
 	}
-	wr := verbsio.SendWR{WRID: 1 << 40, Op: verbsio.OpWriteImm, Imm: imm, Signaled: true, RemoteAddr: addr, RKey: rkey,
-		SG: []verbsio.SGE{{Addr: offheap.Addr(src), Length: uint32(n), LKey: h.mr.LKey()}}}
+	return h.post(verbsio.SendWR{WRID: 1 << 40, Op: verbsio.OpWriteImm, Imm: imm, Signaled: true, RemoteAddr: addr, RKey: rkey,
+		SG: []verbsio.SGE{{Addr: offheap.Addr(src), Length: uint32(n), LKey: h.mr.LKey()}}})
+}
+
+// read has the hostile peer read n bytes at addr with rkey (an RDMA READ,
+// which the protocol never issues) and returns the completion's status;
+// what it read, if anything, is in h.readBack(n).
+func (h *hostileSender) read(addr uint64, rkey uint32, n int) verbsio.Status {
+	h.t.Helper()
+	dst := h.mem[hostileRing*wire.MaxFrame:]
+	clear(dst[:n])
+	return h.post(verbsio.SendWR{WRID: 1 << 40, Op: verbsio.OpRead, Signaled: true, RemoteAddr: addr, RKey: rkey,
+		SG: []verbsio.SGE{{Addr: offheap.Addr(dst), Length: uint32(n), LKey: h.mr.LKey()}}})
+}
+
+func (h *hostileSender) readBack(n int) []byte { return h.mem[hostileRing*wire.MaxFrame:][:n] }
+
+// post posts wr and returns its completion's status.
+func (h *hostileSender) post(wr verbsio.SendWR) verbsio.Status {
+	h.t.Helper()
 	if err := h.qp.PostSend([]verbsio.SendWR{wr}); err != nil {
 		h.t.Fatal(err)
 	}
@@ -260,6 +278,19 @@ func (h *hostileSender) write(addr uint64, rkey uint32, n int, fill byte, imm ui
 			}
 		}
 	}
+}
+
+// readNothing reads with the hostile peer and fails the test if a byte came
+// back.
+func readNothing(h *hostileSender, addr uint64, rkey uint32, n int) verbsio.Status {
+	h.t.Helper()
+	st := h.read(addr, rkey, n)
+	for i, b := range h.readBack(n) {
+		if b != 0 {
+			h.t.Fatalf("the hostile read (status %v) brought back %#x at offset %d", st, b, i)
+		}
+	}
+	return st
 }
 
 // arenaWindow is the victim's result buffer with a guard tensor allocated
@@ -399,6 +430,14 @@ func TestGrantHostileSender(t *testing.T) {
 		}},
 		{"GrantIntoThePreviousTensor", func(h *hostileSender, m wire.Message, mr verbsio.MemoryRegion, w *arenaWindow) verbsio.Status {
 			return h.write(uint64(w.before.Addr()), m.RKey, size, 0x16, m.Req)
+		}},
+		// No read grant: neither the request's grant nor the arena's key
+		// reads anything (the guard tensors hold 0x3C and 0xC3).
+		{"ReadThroughTheGrant", func(h *hostileSender, m wire.Message, mr verbsio.MemoryRegion, w *arenaWindow) verbsio.Status {
+			return readNothing(h, m.Addr, m.RKey, size)
+		}},
+		{"ReadTheNextTensorWithTheArenaRKey", func(h *hostileSender, m wire.Message, mr verbsio.MemoryRegion, w *arenaWindow) verbsio.Status {
+			return readNothing(h, uint64(w.after.Addr()), mr.RKey(), size)
 		}},
 	}
 	for _, tc := range cases {
