@@ -274,11 +274,7 @@ func (g *Group) setup(ctx context.Context) error {
 		src = alloc.NewMmapSource(alloc.MmapOptions{HugePages: true})
 	}
 	popts := []alloc.Option{alloc.WithVisitors(visitors...), alloc.WithName(fmt.Sprintf("gdrlink rank %d", g.Rank()))}
-	limit := g.cfg.poolLimit
-	if limit == 0 {
-		limit = defaultPoolLimit()
-	}
-	popts = append(popts, alloc.WithLimit(limit))
+	popts = append(popts, alloc.WithLimit(g.poolLimit()))
 	if g.pool, err = alloc.New(src, popts...); err != nil {
 		return fmt.Errorf("tensor pool: %w", err)
 	}
@@ -290,6 +286,15 @@ func (g *Group) setup(ctx context.Context) error {
 		return g.setupGPU(psrc, visitors)
 	}
 	return nil
+}
+
+// poolLimit is the byte limit of the tensor pool, and of a GPU group's
+// pinned proxy pool: the configured one, else the default.
+func (g *Group) poolLimit() int64 {
+	if g.cfg.poolLimit != 0 {
+		return g.cfg.poolLimit
+	}
+	return defaultPoolLimit()
 }
 
 func (g *Group) providerNames() []string {

@@ -70,7 +70,7 @@ func (g *Group) setupGPU(src alloc.Source, visitors []alloc.Visitor) error {
 	}
 	g.gpu = gs
 	vs := append([]alloc.Visitor{hostReg}, visitors...)
-	if gs.pinned, err = alloc.New(src, alloc.WithVisitors(vs...), alloc.WithName(fmt.Sprintf("gdrlink rank %d pinned", g.Rank()))); err != nil {
+	if gs.pinned, err = alloc.New(src, alloc.WithVisitors(vs...), alloc.WithName(fmt.Sprintf("gdrlink rank %d pinned", g.Rank())), alloc.WithLimit(g.poolLimit())); err != nil {
 		return fmt.Errorf("pinned proxy pool: %w", err)
 	}
 	if gs.px, err = proxy.New(dev, gs.pinned); err != nil {

@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/gdrlink/gdrlink/alloc"
+	"github.com/gdrlink/gdrlink/internal/cgroupmem"
 	"github.com/gdrlink/gdrlink/internal/jobauth"
 	"github.com/gdrlink/gdrlink/proxy"
 	"github.com/gdrlink/gdrlink/verbsio"
@@ -106,7 +107,8 @@ func WithProvider(name string) Option {
 
 // WithPoolLimit caps the bytes the tensor pool may reserve (GDRLINK_POOL_LIMIT,
 // bytes or a size such as "8GiB"). By default, and with 0, the cap is half
-// of the machine's physical memory, at most 64 GiB: a peer that announces
+// of the machine's physical memory or of the process's memory cgroup limit
+// (a container's), whichever is lower, at most 64 GiB: a peer that announces
 // huge tensors makes its Recvs fail instead of exhausting the host. Tensors
 // and received results that do not fit fail with alloc.ErrPoolExhausted (a
 // Recv's error names the peer and the size). There is no "no cap": ask for
@@ -125,14 +127,19 @@ func WithPoolLimit(bytes int64) Option {
 const maxDefaultPoolLimit = 64 << 30
 
 // defaultPoolLimit is the pool limit when none is given: half of the
-// machine's physical memory as sysinfo(2) reports it (the host's, not a
-// container's cgroup limit), at most 64 GiB; 64 GiB when it cannot be read.
+// memory this process may use, the machine's physical memory as
+// sysinfo(2) reports it or its memory cgroup's limit (a container's)
+// when that is lower, at most 64 GiB; 64 GiB when neither can be read.
 func defaultPoolLimit() int64 {
+	var physical uint64
 	var si unix.Sysinfo_t
-	if err := unix.Sysinfo(&si); err != nil {
-		return poolLimitFor(0)
+	if err := unix.Sysinfo(&si); err == nil {
+		physical = uint64(si.Totalram) * uint64(max(si.Unit, 1))
 	}
-	return poolLimitFor(uint64(si.Totalram) * uint64(max(si.Unit, 1)))
+	if l, ok, err := cgroupmem.Limit("/"); err == nil && ok && (physical == 0 || l < physical) {
+		physical = l
+	}
+	return poolLimitFor(physical)
 }
 
 // poolLimitFor is the default pool limit on a machine of physical bytes of
