@@ -5,12 +5,10 @@ import (
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/binary"
-	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/netip"
-	"syscall"
 )
 
 // Wire format of the handshake, version 1 (all integers big-endian):
@@ -112,10 +110,6 @@ func Initiate(rw io.ReadWriter, k Key, purpose string, rank uint32, e Ends) erro
 	}
 	resp := make([]byte, len(magic)+1+nonceSize+macSize)
 	if _, err := io.ReadFull(rw, resp); err != nil {
-		if errors.Is(err, syscall.ECONNRESET) {
-			// Reset, not closed: a process going away, not a refusal.
-			return fmt.Errorf("jobauth: %s handshake: %s reset the connection: %w", purpose, e.Acceptor, err)
-		}
 		return fmt.Errorf("%w: %s handshake: %s did not answer as a job peer: %w", ErrRefused, purpose, e.Acceptor, err)
 	}
 	if string(resp[:4]) != magic || resp[4] != statusOK {
