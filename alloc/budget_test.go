@@ -94,7 +94,7 @@ func TestBudgetConcurrent(t *testing.T) {
 			defer wg.Done()
 			var held []Block
 			for j := 0; j < 200; j++ {
-				if blk, err := p.Alloc((i+1)*(j%7+1)<<17); err == nil {
+				if blk, err := p.Alloc((i + 1) * (j%7 + 1) << 17); err == nil {
 					held = append(held, blk)
 				} else if !errors.Is(err, ErrPoolExhausted) {
 					t.Error(err)
