@@ -70,7 +70,11 @@ type Group struct {
 	// each of them.
 	devs map[string]*device
 	pool *alloc.Pool
-	gpu  *gpuSide // nil without WithGPU
+	// src is the group pool's source, which the peers' result pools use
+	// too, and budget the limit they share (see peerMemory).
+	src    alloc.Source
+	budget *alloc.Budget
+	gpu    *gpuSide // nil without WithGPU
 
 	metrics    *metrics
 	metricsSrv *metricsServer // nil without WithMetricsAddr
@@ -86,6 +90,8 @@ type Group struct {
 	rejoins int // peers that restarted and rejoined
 	// failovers counts the connections lost and made again.
 	failovers int
+	// peerPools are the peers' result pools (see peerMemory).
+	peerPools map[peerPoolKey]*alloc.Pool
 	// peerInc is the incarnation of each peer that rejoined (1 when not
 	// in it); rejoinSig closes at each rejoin, for WaitRejoin.
 	peerInc   map[int]uint64
@@ -99,7 +105,10 @@ type device struct {
 	name string
 	dev  verbsio.Device
 	pd   verbsio.ProtectionDomain
-	reg  *visitor.MemoryRegistration
+	// reg registers the group's pool; writable, on a device that gives
+	// each peer a result pool of its own (perPeer), the pools peers write.
+	reg      *visitor.MemoryRegistration
+	writable *visitor.MemoryRegistration
 }
 
 // Join joins the job this process belongs to: it reads the launcher's
@@ -130,7 +139,7 @@ func Join(ctx context.Context, opts ...Option) (*Group, error) {
 		return nil, fmt.Errorf("gdrlink: %w", err)
 	}
 	g := &Group{cfg: cfg, log: cfg.log, devs: map[string]*device{}, peers: map[int]*peer{}, unusable: map[string]error{}, ready: make(chan struct{}),
-		peerInc: map[int]uint64{}, rejoinSig: make(chan struct{})}
+		peerInc: map[int]uint64{}, rejoinSig: make(chan struct{}), peerPools: map[peerPoolKey]*alloc.Pool{}}
 	g.ctx, g.cancel = context.WithCancel(context.Background())
 	g.metrics = newMetrics(g)
 	bc.OnCall = g.onCall
@@ -246,7 +255,7 @@ func (g *Group) setup(ctx context.Context) error {
 			vc.ListenAddr = net.JoinHostPort(h, "0")
 		}
 	}
-	var visitors []alloc.Visitor
+	var visitors, pinnedVisitors []alloc.Visitor
 	for _, name := range builtin {
 		if !need[name] {
 			continue
@@ -259,11 +268,9 @@ func (g *Group) setup(ctx context.Context) error {
 		if d.pd, err = d.dev.AllocPD(); err != nil {
 			return fmt.Errorf("%s protection domain: %w", name, err)
 		}
-		// No remote read: the protocol never issues an RDMA READ, so a
-		// peer holding a key can write what it was granted and read
-		// nothing (a GPU's regions keep it for the flush's loopback read).
-		d.reg = visitor.NewMemoryRegistration(d.pd, verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite)
+		newRegistrations(d)
 		visitors = append(visitors, d.reg)
+		pinnedVisitors = append(pinnedVisitors, d.writableVisitor())
 	}
 	// The on-node provider writes file-backed arenas through a shared
 	// mapping (one copy, the fastest); other providers want huge pages.
@@ -273,8 +280,13 @@ func (g *Group) setup(ctx context.Context) error {
 	} else {
 		src = alloc.NewMmapSource(alloc.MmapOptions{HugePages: true})
 	}
-	popts := []alloc.Option{alloc.WithVisitors(visitors...), alloc.WithName(fmt.Sprintf("gdrlink rank %d", g.Rank()))}
-	popts = append(popts, alloc.WithLimit(g.poolLimit()))
+	// One budget, the pool limit, bounds the group's pool and the result
+	// pools of its peers (peerMemory) together.
+	if g.budget, err = alloc.NewBudget(fmt.Sprintf("gdrlink rank %d", g.Rank()), g.poolLimit()); err != nil {
+		return err
+	}
+	g.src = src
+	popts := []alloc.Option{alloc.WithVisitors(visitors...), alloc.WithName(fmt.Sprintf("gdrlink rank %d", g.Rank())), alloc.WithBudget(g.budget)}
 	if g.pool, err = alloc.New(src, popts...); err != nil {
 		return fmt.Errorf("tensor pool: %w", err)
 	}
@@ -283,7 +295,7 @@ func (g *Group) setup(ctx context.Context) error {
 		if need["onnode"] {
 			psrc = alloc.NewMemfdSource(fmt.Sprintf("gdrlink-rank%d-pinned", g.Rank()), alloc.MmapOptions{})
 		}
-		return g.setupGPU(psrc, visitors)
+		return g.setupGPU(psrc, pinnedVisitors)
 	}
 	return nil
 }
@@ -490,6 +502,9 @@ func (g *Group) Stats() Stats {
 			continue
 		}
 		s.Registrations += d.reg.Registered()
+		if d.writable != nil {
+			s.Registrations += d.writable.Registered()
+		}
 		if rc, ok := d.dev.(retransmitCounter); ok {
 			if n, err := rc.Retransmits(); err == nil {
 				s.Retransmits[name] = n
@@ -552,6 +567,9 @@ func (g *Group) Close() error {
 	}
 	if g.gpu != nil {
 		errs = append(errs, g.gpu.close()...)
+	}
+	for _, p := range g.peerPools {
+		errs = append(errs, p.Close())
 	}
 	if g.pool != nil {
 		errs = append(errs, g.pool.Close())

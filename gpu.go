@@ -113,9 +113,9 @@ func (gs *gpuSide) close() []error {
 // among its memory and the proxy path.
 func (g *Group) channelMemory(d *device) rendezvous.Memory {
 	if g.gpu == nil {
-		return rendezvous.PoolMemory(d.reg.RegionOf, g.pool)
+		return rendezvous.PoolMemory(d.regionOf, g.pool)
 	}
-	return rendezvous.PoolMemory(d.reg.RegionOf, g.pool, g.gpu.pinned)
+	return rendezvous.PoolMemory(d.regionOf, g.pool, g.gpu.pinned)
 }
 
 func (g *Group) gpuOptions() []rendezvous.Option {

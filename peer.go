@@ -189,7 +189,11 @@ func (g *Group) newChannel(provider string, rank int) (*rendezvous.Channel, erro
 		rendezvous.WithLogger(g.log),
 		rendezvous.WithChecksum(g.cfg.checksum),
 	}
-	return rendezvous.New(d.dev, d.pd, g.channelMemory(d), append(opts, g.gpuOptions()...)...)
+	mem, err := g.peerMemory(d, rank)
+	if err != nil {
+		return nil, err
+	}
+	return rendezvous.New(d.dev, d.pd, mem, append(opts, g.gpuOptions()...)...)
 }
 
 // onCall answers the connection messages of other ranks.

@@ -1,6 +1,7 @@
 package alloc_test
 
 import (
+	"errors"
 	"fmt"
 
 	"github.com/gdrlink/gdrlink/alloc"
@@ -78,4 +79,27 @@ func ExampleNewMemfdSource() {
 	fmt.Println(arena.Region().FD >= 0)
 	b.Free()
 	// Output: true
+}
+
+// Two pools, one budget: tensors of different owners live in arenas of
+// their own, and one limit bounds them together.
+func ExampleBudget() {
+	budget, err := alloc.NewBudget("results", 8<<20)
+	if err != nil {
+		panic(err)
+	}
+	a, _ := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}), alloc.WithBudget(budget), alloc.WithMaxArena(4<<20))
+	b, _ := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}), alloc.WithBudget(budget), alloc.WithMaxArena(4<<20))
+	x, _ := a.Alloc(4 << 20)
+	y, _ := b.Alloc(4 << 20)
+	_, err = b.Alloc(1 << 20)
+	fmt.Println(budget.Reserved()>>20, "MiB reserved;", errors.Is(err, alloc.ErrPoolExhausted))
+	x.Free()
+	y.Free()
+	a.Close()
+	b.Close()
+	fmt.Println(budget.Reserved(), "bytes reserved after Close")
+	// Output:
+	// 8 MiB reserved; true
+	// 0 bytes reserved after Close
 }

@@ -51,11 +51,43 @@ func (p *Pool) grow(rounded int) error {
 		}
 		size = max(int(min(int64(size), room))&^(p.cfg.align-1), rounded)
 	}
+	b := p.cfg.budget
+	var taken int64
+	if b != nil {
+		if int64(rounded) > b.room() {
+			// This pool's idle arenas may make the room; other pools'
+			// are theirs to give back.
+			if err := p.trimLocked(); err != nil {
+				return err
+			}
+		}
+		room = min(room, b.room())
+		if int64(rounded) > room {
+			return p.exhausted(rounded, fmt.Errorf("%v", b))
+		}
+		size = max(int(min(int64(size), room))&^(p.cfg.align-1), rounded)
+		if !b.take(int64(size)) {
+			return p.exhausted(rounded, fmt.Errorf("%v", b))
+		}
+		taken = int64(size)
+	}
 	id := p.nextID
 	p.nextID++
 	p.growing = true
 	p.mu.Unlock()
 	a, got, err := p.makeArena(id, size, rounded, room)
+	if b != nil {
+		// What the budget holds for this growth becomes the arena's size.
+		switch {
+		case err != nil:
+			b.give(taken)
+		case int64(a.Size()) < taken:
+			b.give(taken - int64(a.Size()))
+		case int64(a.Size()) > taken && !b.take(int64(a.Size())-taken):
+			b.give(taken)
+			err = errors.Join(fmt.Errorf("%w: pool %q: source %s made a region of %d bytes for %d asked, beyond %v", ErrPoolExhausted, p.cfg.name, p.src.Name(), a.Size(), taken, b), p.dropArena(a))
+		}
+	}
 	p.mu.Lock()
 	defer func() {
 		p.growing = false
@@ -67,9 +99,15 @@ func (p *Pool) grow(rounded int) error {
 	case err != nil:
 		return err
 	case p.closed:
+		if b != nil {
+			b.give(int64(a.Size()))
+		}
 		return fmt.Errorf("%w: pool %q closed while growing: %w", ErrClosed, p.cfg.name, p.dropArena(a))
 	}
 	if err := p.insertArena(a); err != nil {
+		if b != nil {
+			b.give(int64(a.Size()))
+		}
 		return err
 	}
 	if got > p.nextSize {
@@ -227,6 +265,9 @@ func (p *Pool) releaseArena(slot int32) error {
 	}
 	p.slots[slot] = arenaSlot{}
 	p.st.reserved -= int64(s.a.Size())
+	if b := p.cfg.budget; b != nil {
+		b.give(int64(s.a.Size()))
+	}
 	p.st.arenas--
 	p.st.arenasFreed++
 	p.publish()

@@ -27,6 +27,7 @@ type config struct {
 	initSet   bool // initArena given by WithInitialArena
 	maxArena  int
 	limit     int64
+	budget    *Budget
 }
 
 // Option configures a pool built by New.

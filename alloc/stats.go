@@ -18,7 +18,9 @@ type Stats struct {
 	PeakInUse int64
 	// Reserved is the bytes of all arenas.
 	Reserved int64
-	// Limit is the cap on Reserved, 0 for none.
+	// Limit is the cap on Reserved, 0 for none: WithLimit's, or the
+	// budget's (WithBudget) when that is lower; a budget is shared, so
+	// other pools may hold part of it.
 	Limit int64
 	// Arenas is the number of arenas now.
 	Arenas int
@@ -42,7 +44,7 @@ func (p *Pool) Stats() Stats {
 	st := p.st
 	s := Stats{
 		Name: p.cfg.name, InUse: st.inUse, Requested: st.requested, PeakInUse: st.peak,
-		Reserved: st.reserved, Limit: p.cfg.limit, Arenas: st.arenas, Blocks: st.live,
+		Reserved: st.reserved, Limit: p.limit(), Arenas: st.arenas, Blocks: st.live,
 		Allocs: st.allocs, Frees: st.frees, ArenasCreated: st.arenasMade, ArenasReleased: st.arenasFreed,
 	}
 	s.LargestFree = int64(p.largestFree())
@@ -73,4 +75,14 @@ func (s Stats) String() string {
 		s.Name, humanize.IBytes(uint64(s.InUse)), humanize.IBytes(uint64(s.PeakInUse)), humanize.IBytes(uint64(s.Requested)),
 		s.Blocks, humanize.IBytes(uint64(s.Reserved)), s.Arenas, lim, s.Allocs, s.Frees,
 		humanize.IBytes(uint64(s.LargestFree)), 100*s.Fragmentation)
+}
+
+// limit is the pool's effective byte limit: its own (WithLimit) or its
+// budget's, the lower; 0 for none.
+func (p *Pool) limit() int64 {
+	l := p.cfg.limit
+	if b := p.cfg.budget; b != nil && (l == 0 || b.limit < l) {
+		l = b.limit
+	}
+	return l
 }
