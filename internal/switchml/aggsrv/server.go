@@ -1,0 +1,470 @@
+// Package aggsrv serves the SwitchML aggregator's protocol core (package
+// agg) on the network: RoCEv2 packets on a UDP socket, and a control
+// endpoint, authenticated with the job key, where workers set up jobs.
+//
+// Packets come and go through an ordinary UDP socket, so the kernel writes
+// the IPv4 and UDP headers that the ICRC covers. On the way out the socket
+// sets don't-fragment, and Linux then writes IP ID 0 (an unconnected socket's
+// DF packets), which the ICRC is computed for (TestICRCOnTheWire checks the
+// packets as sent). On the way in, a UDP socket
+// does not say which IP ID a packet had: the ICRC is checked assuming ID 0
+// and DF, which is what Soft-RoCE sends; Config.SkipICRC turns the check off
+// for senders that write other IDs.
+package aggsrv
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/netip"
+	"sort"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/gdrlink/gdrlink/internal/jobauth"
+	"github.com/gdrlink/gdrlink/internal/switchml/agg"
+	"github.com/gdrlink/gdrlink/internal/switchml/rocev2"
+)
+
+// MaxSlots is the number of slots the pool index of an rkey can name.
+const MaxSlots = (agg.MaxPoolIndex + 1) / 2
+
+// Errors of the package.
+var (
+	// ErrClosed means the server was closed.
+	ErrClosed = errors.New("aggsrv: closed")
+	// ErrSetup means a job that could not be set up (the assignment's
+	// Err says why).
+	ErrSetup = errors.New("aggsrv: job setup refused")
+)
+
+// Config configures a server.
+type Config struct {
+	// Key is the job key workers must prove on the control endpoint.
+	// Without one, the control endpoint must be on loopback and the rank
+	// of an announce is taken as it comes.
+	Key jobauth.Key
+	// Control accepts workers' control connections.
+	Control net.Listener
+	// Data is the RoCEv2 socket, bound to one IPv4 address (not the
+	// wildcard: the ICRC covers the address); port 4791 for real NICs.
+	Data *net.UDPConn
+	// PeerPort is the UDP port replies go to; rocev2.Port when zero.
+	PeerPort uint16
+	// SkipICRC accepts packets without checking their ICRC.
+	SkipICRC bool
+	// SetupTimeout bounds the handshake and the wait for a job's other
+	// workers; 60 s when zero.
+	SetupTimeout time.Duration
+	// Seed seeds the aggregator's starting PSNs.
+	Seed uint64
+	// Logger, when set, gets setup events and refused connections.
+	Logger *slog.Logger
+}
+
+// Stats counts the data path.
+type Stats struct {
+	agg.Stats
+	BadPackets uint64 // UDP payloads that did not parse
+	BadICRC    uint64 // packets whose ICRC was wrong
+	SendErrors uint64 // replies the socket refused
+	Jobs       int    // jobs running
+}
+
+// Server is a running aggregator.
+type Server struct {
+	cfg   Config
+	local [4]byte
+	port  uint16
+
+	mu      sync.Mutex
+	core    *agg.Aggregator
+	jobs    map[int]*job
+	pending map[string]*job
+	stats   Stats
+	closed  bool
+	conns   map[net.Conn]bool
+	wg      sync.WaitGroup
+	done    chan struct{}
+}
+
+// job is a job being set up or running.
+type job struct {
+	name    string
+	ann     Announce // the first worker's, which the others must match
+	members []*member
+	id      int
+	base    int
+	running bool
+	ready   chan struct{} // closed when set up or refused
+	err     string
+	addrs   [][4]byte
+	ended   bool
+}
+
+type member struct {
+	conn net.Conn
+	ann  Announce
+	eps  []agg.Endpoint
+}
+
+// New makes a server; Serve runs it.
+func New(cfg Config) (*Server, error) {
+	la, ok := cfg.Data.LocalAddr().(*net.UDPAddr)
+	if !ok || la.IP.To4() == nil || la.IP.IsUnspecified() {
+		return nil, fmt.Errorf("aggsrv: the data socket must be bound to one IPv4 address, not %v", cfg.Data.LocalAddr())
+	}
+	if cfg.PeerPort == 0 {
+		cfg.PeerPort = rocev2.Port
+	}
+	if cfg.SetupTimeout == 0 {
+		cfg.SetupTimeout = 60 * time.Second
+	}
+	if cfg.Key.IsZero() {
+		if err := jobauth.CheckListen(cfg.Key, cfg.Control.Addr().String(), false); err != nil {
+			return nil, err
+		}
+	}
+	rc, err := cfg.Data.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	var serr error
+	if err := rc.Control(func(fd uintptr) {
+		serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_IP, unix.IP_MTU_DISCOVER, unix.IP_PMTUDISC_DO)
+	}); err != nil || serr != nil {
+		return nil, fmt.Errorf("aggsrv: setting don't-fragment on the data socket: %w", errors.Join(err, serr))
+	}
+	s := &Server{cfg: cfg, port: uint16(la.Port), core: agg.New(cfg.Seed), jobs: map[int]*job{},
+		pending: map[string]*job{}, conns: map[net.Conn]bool{}, done: make(chan struct{})}
+	copy(s.local[:], la.IP.To4())
+	return s, nil
+}
+
+// Serve runs the control endpoint and the data path until Close; it
+// returns ErrClosed then.
+func (s *Server) Serve() error {
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		s.data()
+	}()
+	for {
+		c, err := s.cfg.Control.Accept()
+		if err != nil {
+			s.mu.Lock()
+			closed := s.closed
+			s.mu.Unlock()
+			if closed {
+				return ErrClosed
+			}
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				continue
+			}
+			return err
+		}
+		s.mu.Lock()
+		if s.closed {
+			s.mu.Unlock()
+			c.Close()
+			return ErrClosed
+		}
+		s.conns[c] = true
+		s.wg.Add(1)
+		s.mu.Unlock()
+		go func() {
+			defer s.wg.Done()
+			s.control(c)
+		}()
+	}
+}
+
+// Close stops the server and waits for its goroutines; it is idempotent.
+func (s *Server) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.closed = true
+	close(s.done)
+	for c := range s.conns {
+		c.Close()
+	}
+	s.mu.Unlock()
+	err := errors.Join(s.cfg.Control.Close(), s.cfg.Data.Close())
+	s.wg.Wait()
+	return err
+}
+
+// Stats returns the counters.
+func (s *Server) Stats() Stats {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	st := s.stats
+	st.Stats = s.core.Stats()
+	st.Jobs = len(s.jobs)
+	return st
+}
+
+func (s *Server) logf(msg string, args ...any) {
+	if s.cfg.Logger != nil {
+		s.cfg.Logger.Info(msg, args...)
+	}
+}
+
+// data is the packet loop.
+func (s *Server) data() {
+	buf := make([]byte, 1<<16)
+	var out []agg.Reply
+	var wb []byte
+	for {
+		n, from, err := s.cfg.Data.ReadFromUDPAddrPort(buf)
+		if err != nil {
+			select {
+			case <-s.done:
+				return
+			default:
+			}
+			continue
+		}
+		b := buf[:n]
+		p, err := rocev2.ParseTransport(b)
+		s.mu.Lock()
+		if err != nil {
+			s.stats.BadPackets++
+			s.mu.Unlock()
+			continue
+		}
+		if !s.cfg.SkipICRC && from.Addr().Is4() {
+			// The pseudo header names 4791 as the destination
+			// port, as on the wire (a server bound elsewhere, in
+			// tests, is sent packets made the same way).
+			ip := rocev2.IPv4{Src: from.Addr().As4(), Dst: s.local, DontFragment: true, SrcPort: from.Port()}
+			if err := rocev2.CheckICRC(&ip, b); err != nil {
+				s.stats.BadICRC++
+				s.mu.Unlock()
+				continue
+			}
+		}
+		out, _ = s.core.Handle(&p, out[:0])
+		for i := range out {
+			j := s.jobs[out[i].Job]
+			if j == nil {
+				continue
+			}
+			dst := j.addrs[out[i].Worker]
+			ip := rocev2.IPv4{Src: s.local, Dst: dst, DontFragment: true, TTL: 64, SrcPort: s.port}
+			wb, err = rocev2.AppendUDP(wb[:0], &ip, &out[i].Packet)
+			if err == nil {
+				_, err = s.cfg.Data.WriteToUDPAddrPort(wb, netip.AddrPortFrom(netip.AddrFrom4(dst), s.cfg.PeerPort))
+			}
+			if err != nil {
+				s.stats.SendErrors++
+			}
+		}
+		s.mu.Unlock()
+	}
+}
+
+// control serves one worker's control connection.
+func (s *Server) control(c net.Conn) {
+	defer func() {
+		s.mu.Lock()
+		delete(s.conns, c)
+		s.mu.Unlock()
+		c.Close()
+	}()
+	deadline := time.Now().Add(s.cfg.SetupTimeout)
+	c.SetDeadline(deadline)
+	rank := -1
+	if !s.cfg.Key.IsZero() {
+		r, err := jobauth.Accept(c, s.cfg.Key, Purpose, jobauth.EndsOf(c, false))
+		if err != nil {
+			s.logf("switchml control connection refused", "from", c.RemoteAddr(), "err", err)
+			return
+		}
+		rank = int(r)
+	}
+	body, err := readMessage(c)
+	if err != nil {
+		return
+	}
+	a, err := ParseAnnounce(body)
+	if err == nil && rank >= 0 && a.Rank != rank {
+		err = fmt.Errorf("rank %d announced, %d proven with the job key", a.Rank, rank)
+	}
+	if err != nil {
+		writeMessage(c, (&Assignment{Err: err.Error()}).Append(nil))
+		return
+	}
+	j, m, err := s.join(c, a)
+	if err != nil {
+		writeMessage(c, (&Assignment{Err: err.Error()}).Append(nil))
+		return
+	}
+	select {
+	case <-j.ready:
+	case <-time.After(time.Until(deadline)):
+		s.refuse(j, fmt.Sprintf("not every worker of job %q announced within %v", j.name, s.cfg.SetupTimeout))
+		<-j.ready
+	case <-s.done:
+		return
+	}
+	as := Assignment{Err: j.err, Base: j.base, Addr: s.local}
+	if j.err == "" {
+		for _, e := range m.eps {
+			as.QPNs = append(as.QPNs, e.QPN)
+			as.PSNs = append(as.PSNs, e.PSN)
+		}
+	}
+	c.SetDeadline(time.Time{})
+	if err := writeMessage(c, as.Append(nil)); err != nil || j.err != "" {
+		s.end(j)
+		return
+	}
+	// The job runs while every worker's connection stays open.
+	io.Copy(io.Discard, c)
+	s.end(j)
+}
+
+// join adds an announce to its job, and sets the job up when it is the
+// last one awaited.
+func (s *Server) join(c net.Conn, a Announce) (*job, *member, error) {
+	switch {
+	case a.Workers > agg.MaxWorkers:
+		return nil, nil, fmt.Errorf("job %q: %d workers, at most %d", a.Job, a.Workers, agg.MaxWorkers)
+	case a.SlotBytes != agg.SlotSmall && a.SlotBytes != agg.SlotLarge:
+		return nil, nil, fmt.Errorf("job %q: %d-byte slots, want %d or %d", a.Job, a.SlotBytes, agg.SlotSmall, agg.SlotLarge)
+	case a.Slots < 1 || a.Slots > MaxSlots:
+		return nil, nil, fmt.Errorf("job %q: %d slots, want 1..%d", a.Job, a.Slots, MaxSlots)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	j := s.pending[a.Job]
+	if j == nil {
+		j = &job{name: a.Job, ann: a, ready: make(chan struct{})}
+		s.pending[a.Job] = j
+	}
+	f := j.ann
+	if a.Workers != f.Workers || a.SlotBytes != f.SlotBytes || a.Slots != f.Slots {
+		return nil, nil, fmt.Errorf("job %q: %d workers, %d-byte slots, %d slots announced, against %d, %d, %d", a.Job, a.Workers, a.SlotBytes, a.Slots, f.Workers, f.SlotBytes, f.Slots)
+	}
+	for _, m := range j.members {
+		if m.ann.Rank == a.Rank {
+			return nil, nil, fmt.Errorf("job %q: rank %d announced twice", a.Job, a.Rank)
+		}
+	}
+	m := &member{conn: c, ann: a}
+	j.members = append(j.members, m)
+	if len(j.members) < a.Workers {
+		return j, m, nil
+	}
+	delete(s.pending, a.Job)
+	sort.Slice(j.members, func(x, y int) bool { return j.members[x].ann.Rank < j.members[y].ann.Rank })
+	base, ok := s.place(a.Slots)
+	if !ok {
+		j.err = fmt.Sprintf("job %q: no room for %d slots", a.Job, a.Slots)
+		close(j.ready)
+		return j, m, nil
+	}
+	spec := agg.Job{Base: base, Slots: a.Slots, SlotBytes: a.SlotBytes}
+	for _, mm := range j.members {
+		spec.Workers = append(spec.Workers, agg.Worker{QPNs: mm.ann.QPNs, PSNs: mm.ann.PSNs, RKey: mm.ann.RKey})
+		j.addrs = append(j.addrs, mm.ann.Addr)
+	}
+	id, eps, err := s.core.AddJob(spec)
+	if err != nil {
+		j.err = err.Error()
+		close(j.ready)
+		return j, m, nil
+	}
+	for i, mm := range j.members {
+		mm.eps = eps[i]
+	}
+	j.id, j.base, j.running = id, base, true
+	s.jobs[id] = j
+	s.logf("switchml job set up", "job", a.Job, "workers", a.Workers, "slots", a.Slots, "base", base)
+	close(j.ready)
+	return j, m, nil
+}
+
+// place finds room for n slots among the running jobs' ranges.
+func (s *Server) place(n int) (int, bool) {
+	type r struct{ lo, hi int }
+	var used []r
+	for _, j := range s.jobs {
+		used = append(used, r{j.base, j.base + j.ann.Slots})
+	}
+	sort.Slice(used, func(a, b int) bool { return used[a].lo < used[b].lo })
+	at := 0
+	for _, u := range used {
+		if u.lo-at >= n {
+			return at, true
+		}
+		at = max(at, u.hi)
+	}
+	return at, MaxSlots-at >= n && n > 0
+}
+
+// refuse ends a job still being set up.
+func (s *Server) refuse(j *job, why string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	select {
+	case <-j.ready:
+		return
+	default:
+	}
+	if s.pending[j.name] == j {
+		delete(s.pending, j.name)
+	}
+	j.err = why
+	close(j.ready)
+}
+
+// end ends a running job once: its queue pairs go, and every worker's
+// connection is closed so that each learns it.
+func (s *Server) end(j *job) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if j.ended {
+		return
+	}
+	j.ended = true
+	if j.running {
+		s.core.RemoveJob(j.id)
+		delete(s.jobs, j.id)
+		s.logf("switchml job ended", "job", j.name)
+	}
+	for _, m := range j.members {
+		m.conn.Close()
+	}
+}
+
+// readMessage reads one length-prefixed control message.
+func readMessage(r io.Reader) ([]byte, error) {
+	var h [2]byte
+	if _, err := io.ReadFull(r, h[:]); err != nil {
+		return nil, err
+	}
+	n := int(binary.BigEndian.Uint16(h[:]))
+	if n > MaxMessage {
+		return nil, fmt.Errorf("%w: %d bytes", ErrMessage, n)
+	}
+	b := make([]byte, n)
+	_, err := io.ReadFull(r, b)
+	return b, err
+}
+
+// writeMessage writes one length-prefixed control message.
+func writeMessage(w io.Writer, body []byte) error {
+	_, err := w.Write(append(binary.BigEndian.AppendUint16(nil, uint16(len(body))), body...))
+	return err
+}
