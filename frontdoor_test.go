@@ -399,6 +399,18 @@ func TestEnvironment(t *testing.T) {
 			t.Errorf("%s=%s: %v, want ErrBadConfig naming it", bad[0], bad[1], err)
 		}
 	}
+	// Checksums: unset is each provider's default, not off; 0 and
+	// WithChecksum(false) are a choice of off.
+	if c, _ := fromEnv(env()); c.checksumSet {
+		t.Errorf("no GDRLINK_CHECKSUM: checksum chosen (%v), want the provider's default", c.checksum)
+	}
+	if c, _ := fromEnv(env("GDRLINK_CHECKSUM", "0")); !c.checksumSet || c.checksum {
+		t.Errorf("GDRLINK_CHECKSUM=0: set %v on %v, want a choice of off", c.checksumSet, c.checksum)
+	}
+	c, _ = fromEnv(env("GDRLINK_CHECKSUM", "1"))
+	if err := WithChecksum(false)(&c); err != nil || !c.checksumSet || c.checksum {
+		t.Errorf("WithChecksum(false) after GDRLINK_CHECKSUM=1: set %v on %v, %v", c.checksumSet, c.checksum, err)
+	}
 	// A Go option wins over the variable.
 	c, _ = fromEnv(env("GDRLINK_PROVIDER", "onnode"))
 	if err := WithProvider("tcp")(&c); err != nil || c.provider != "tcp" {

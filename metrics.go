@@ -76,7 +76,7 @@ type metrics struct {
 	series map[seriesKey]*series
 
 	connections, requests, reRequests, metaResponses, writes,
-	checksumFailures, keepalives, creditStalls, retransmits, failovers, rejoins, poolInUse,
+	checksumFailures, checksumRetries, keepalives, creditStalls, retransmits, failovers, rejoins, poolInUse,
 	poolReserved, poolArenas, poolFragmentation, registrations, bar1Used,
 	bar1Total *prometheus.Desc
 }
@@ -106,6 +106,7 @@ func newMetrics(g *Group) *metrics {
 		metaResponses:     prometheus.NewDesc("gdrlink_protocol_meta_responses_total", "META_DATA_RESPONSEs received that asked for a re-request, over every connection.", nil, nil),
 		writes:            prometheus.NewDesc("gdrlink_protocol_writes_total", "Writes with immediate completed here (in) and posted (out), over every connection.", []string{"direction"}, nil),
 		checksumFailures:  prometheus.NewDesc("gdrlink_protocol_checksum_failures_total", "Arrivals that failed checksum verification, over every connection.", nil, nil),
+		checksumRetries:   prometheus.NewDesc("gdrlink_protocol_checksum_retries_total", "Tensors that failed checksum verification and were asked for again, over every connection.", nil, nil),
 		keepalives:        prometheus.NewDesc("gdrlink_protocol_keepalives_total", "Keepalive frames sent to silent peers, over every connection.", nil, nil),
 		failovers:         prometheus.NewDesc("gdrlink_failovers_total", "Connections that failed with the peer alive and were made again (on another provider where one is shared).", nil, nil),
 		rejoins:           prometheus.NewDesc("gdrlink_peer_rejoins_total", "Peers that restarted as new processes and rejoined the job.", nil, nil),
@@ -163,7 +164,7 @@ func (m *metrics) Describe(ch chan<- *prometheus.Desc) {
 	m.took.Describe(ch)
 	m.errs.Describe(ch)
 	for _, d := range []*prometheus.Desc{m.connections, m.requests, m.reRequests, m.metaResponses, m.writes,
-		m.checksumFailures, m.keepalives, m.creditStalls, m.retransmits, m.failovers, m.rejoins, m.poolInUse, m.poolReserved, m.poolArenas,
+		m.checksumFailures, m.checksumRetries, m.keepalives, m.creditStalls, m.retransmits, m.failovers, m.rejoins, m.poolInUse, m.poolReserved, m.poolArenas,
 		m.poolFragmentation, m.registrations, m.bar1Used, m.bar1Total} {
 		ch <- d
 	}
@@ -199,6 +200,7 @@ func (m *metrics) collectStats(ch chan<- prometheus.Metric, s Stats) {
 	counter(m.writes, p.WritesIn, "in")
 	counter(m.writes, p.WritesOut, "out")
 	counter(m.checksumFailures, p.ChecksumFailures)
+	counter(m.checksumRetries, p.ChecksumRetries)
 	counter(m.keepalives, p.Keepalives)
 	counter(m.creditStalls, p.CreditStalls)
 	counter(m.failovers, uint64(s.Failovers))

@@ -103,6 +103,7 @@ func TestMetrics(t *testing.T) {
 	check("gdrlink_connections", map[string]string{"provider": provider}, 1)
 	check("gdrlink_protocol_requests_total", nil, full+empty+1)
 	check("gdrlink_protocol_checksum_failures_total", nil, 0)
+	check("gdrlink_protocol_checksum_retries_total", nil, 0)
 	for _, name := range []string{"gdrlink_protocol_rerequests_total", "gdrlink_protocol_meta_responses_total",
 		"gdrlink_protocol_keepalives_total", "gdrlink_pool_in_use_bytes", "gdrlink_pool_reserved_bytes",
 		"gdrlink_pool_arenas", "gdrlink_pool_fragmentation_ratio"} {

@@ -32,6 +32,7 @@ type config struct {
 	provider       string
 	poolLimit      int64
 	checksum       bool
+	checksumSet    bool // checksum was chosen, not the provider's default
 	connectTimeout time.Duration
 	log            *slog.Logger
 	verbs          *verbsio.Config
@@ -151,11 +152,16 @@ func poolLimitFor(physical uint64) int64 {
 	return int64(min(physical/2, maxDefaultPoolLimit))
 }
 
-// WithChecksum turns the protocol's checksum mode on for every connection
-// (GDRLINK_CHECKSUM=1): each tensor's CRC-32C travels with it and is checked
-// on arrival. Every rank of the job must agree.
+// WithChecksum turns the protocol's checksum mode on or off for every
+// connection (GDRLINK_CHECKSUM=1 or 0): each tensor's CRC-32C travels with
+// it and is checked on arrival; a tensor that arrives corrupted is sent
+// again (rendezvous.MaxChecksumRetries times at most), and both ends fail
+// it with a *rendezvous.ChecksumError if it never arrives intact. Without
+// it each connection takes its provider's default
+// (rendezvous.DefaultChecksum: on for tcp, off for onnode and ibverbs),
+// and follows a peer that chose; ranks that both chose must agree.
 func WithChecksum(on bool) Option {
-	return func(c *config) error { c.checksum = on; return nil }
+	return func(c *config) error { c.checksum, c.checksumSet = on, true; return nil }
 }
 
 // WithConnectTimeout bounds making one connection, every provider tried
@@ -250,7 +256,7 @@ func fromEnv(lookup func(string) (string, bool)) (config, error) {
 		if err != nil {
 			return c, fmt.Errorf("%w: GDRLINK_CHECKSUM=%q, want 0 or 1", verbsio.ErrBadConfig, v)
 		}
-		c.checksum = on
+		c.checksum, c.checksumSet = on, true
 	}
 	if v := get("GDRLINK_CONNECT_TIMEOUT"); v != "" {
 		d, err := time.ParseDuration(v)

@@ -187,7 +187,9 @@ func (g *Group) newChannel(provider string, rank int) (*rendezvous.Channel, erro
 	opts := []rendezvous.Option{
 		rendezvous.WithName(fmt.Sprintf("rank %d", g.Rank())),
 		rendezvous.WithLogger(g.log),
-		rendezvous.WithChecksum(g.cfg.checksum),
+	}
+	if g.cfg.checksumSet {
+		opts = append(opts, rendezvous.WithChecksum(g.cfg.checksum))
 	}
 	mem, err := g.peerMemory(d, rank)
 	if err != nil {

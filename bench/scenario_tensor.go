@@ -119,7 +119,17 @@ func openTensorSide(ctx context.Context, provider string, cfg bootstrap.Config, 
 		alloc.WithInitialArena(max(64<<20, 2*maxSize)), alloc.WithMaxArena(max(1<<30, 2*maxSize))); err != nil {
 		return s, ph, err
 	}
-	if s.ch, err = rendezvous.New(s.dev, s.pd, rendezvous.PoolMemory(s.reg.RegionOf, s.pool), rendezvous.WithName(fmt.Sprint("rank-", cfg.Rank))); err != nil {
+	opts := []rendezvous.Option{rendezvous.WithName(fmt.Sprint("rank-", cfg.Rank))}
+	// GDRLINK_CHECKSUM=0 or 1 chooses checksum mode, as for the front
+	// door (both processes see it); unset, the provider's default.
+	if v := os.Getenv("GDRLINK_CHECKSUM"); v != "" {
+		on, err := strconv.ParseBool(v)
+		if err != nil {
+			return s, ph, fmt.Errorf("GDRLINK_CHECKSUM=%q, want 0 or 1: %w", v, err)
+		}
+		opts = append(opts, rendezvous.WithChecksum(on))
+	}
+	if s.ch, err = rendezvous.New(s.dev, s.pd, rendezvous.PoolMemory(s.reg.RegionOf, s.pool), opts...); err != nil {
 		return s, ph, err
 	}
 	if s.raw, err = newRawPair(s.dev, s.pd, s.pool, s.reg.RegionOf, maxSize); err != nil {

@@ -140,3 +140,44 @@ func benchRecvLoop(b *testing.B, a, c *side, size int64, check func(Transfer) er
 	}
 	b.StopTimer()
 }
+
+// BenchmarkRecvChecksum is BenchmarkRecv with checksum mode off, on, and
+// on without confirmations (as with a peer of the first release), side by
+// side per provider and size: what the CRC-32C of the source, its check
+// on arrival and the receiver's CONFIRM cost. Run it with -count (better:
+// each case alternately, as scripts/checksum-cost.sh does) and compare
+// medians (the README's figures).
+func BenchmarkRecvChecksum(b *testing.B) {
+	noConfirm := func(o *options) error { o.firstRelease = true; return nil }
+	for _, provider := range providersUnderTest() {
+		for _, size := range []int64{4 << 10, 1 << 20, 16 << 20} {
+			for _, mode := range []string{"off", "on", "on-noconfirm"} {
+				b.Run(fmt.Sprintf("%s/%dB/checksum=%s", provider, size, mode), func(b *testing.B) {
+					opts := []Option{WithChecksum(mode != "off")}
+					if mode == "on-noconfirm" {
+						opts = append(opts, noConfirm)
+					}
+					a, err := openSide(provider, "a", opts...)
+					if err != nil {
+						b.Skipf("provider %s unavailable here: %v", provider, err)
+					}
+					defer a.close()
+					c, err := openSide(provider, "b", opts...)
+					if err != nil {
+						b.Skipf("provider %s unavailable here: %v", provider, err)
+					}
+					defer c.close()
+					benchRecvLoop(b, a, c, size, func(tr Transfer) error {
+						if tr.Checksummed != (mode != "off") {
+							return fmt.Errorf("checksummed %v in mode %s", tr.Checksummed, mode)
+						}
+						return nil
+					})
+					if want := mode == "on"; (c.ch.Stats().ConfirmsOut > 0) != want {
+						b.Fatalf("mode %s: %d confirmations", mode, c.ch.Stats().ConfirmsOut)
+					}
+				})
+			}
+		}
+	}
+}

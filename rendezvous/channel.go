@@ -129,6 +129,11 @@ type Channel struct {
 	// (logRefusalLocked).
 	warned [numBounds]bool
 
+	// confirm: checksum mode with a peer that confirms (checksum.go):
+	// sources are kept until CONFIRM, and corrupted writes are asked for
+	// again.
+	confirm bool
+
 	// liveness (keepalive.go)
 	arrivals uint64      // receive completions from the peer
 	kaSeen   uint64      // arrivals when the keepalive timer was armed
@@ -176,8 +181,7 @@ func New(dev verbsio.Device, pd verbsio.ProtectionDomain, mem Memory, opts ...Op
 	c := &Channel{
 		opts: o, log: o.log, dev: dev, pd: pd, mem: mem,
 		provider: dev.Info().Provider, devName: dev.Info().Name, host: host, caps: dev.Caps(),
-		slot: wire.MaxFrame, checksum: o.checksum,
-		pollDone: make(chan struct{}), byeSent: make(chan struct{}), peerBye: make(chan struct{}),
+		slot: wire.MaxFrame, pollDone: make(chan struct{}), byeSent: make(chan struct{}), peerBye: make(chan struct{}),
 	}
 	c.initHalves()
 	if c.provider == "" {
@@ -274,9 +278,7 @@ func (c *Channel) recvWR(i int) verbsio.RecvWR {
 // it by a bootstrap (internal/bootstrap) and passed to its Connect.
 func (c *Channel) Hello() []byte {
 	m := wire.Message{Type: wire.TypeHello, Ring: uint16(c.opts.ring), Slot: uint32(c.slot), Text: []byte(c.opts.name), Host: []byte(c.host), NumEndpoints: 1}
-	if c.opts.checksum {
-		m.Flags |= wire.HelloChecksum
-	}
+	m.Flags |= c.opts.checksumHello(c.provider)
 	ep := c.qp.Endpoint()
 	m.Endpoints[0] = wire.Endpoint{Provider: []byte(ep.Provider), Host: []byte(ep.Host), Data: ep.Data}
 	for i, rl := range c.rails {
@@ -288,7 +290,8 @@ func (c *Channel) Hello() []byte {
 }
 
 // Connect connects to the peer whose Hello is given and starts the channel's
-// completion goroutine. The peers must agree on checksum mode and provider.
+// completion goroutine. The peers must agree on provider, and on checksum
+// mode where both chose one (WithChecksum; see DefaultChecksum).
 func (c *Channel) Connect(ctx context.Context, peerHello []byte) error {
 	var m wire.Message
 	n, err := wire.Decode(peerHello, &m)
@@ -305,8 +308,9 @@ func (c *Channel) Connect(ctx context.Context, peerHello []byte) error {
 	if m.NumEndpoints < 1 {
 		return fmt.Errorf("%w: peer %s sent no endpoint", ErrMismatch, peer)
 	}
-	if (m.Flags&wire.HelloChecksum != 0) != c.opts.checksum {
-		return fmt.Errorf("%w: peer %s checksum mode %v, ours %v", ErrMismatch, peer, m.Flags&wire.HelloChecksum != 0, c.opts.checksum)
+	checksum, confirm, err := negotiateChecksum(c.opts.checksumHello(c.provider), m.Flags, peer)
+	if err != nil {
+		return err
 	}
 	if int(m.Slot) < wire.MaxFrame {
 		return fmt.Errorf("%w: peer %s receive buffers of %d bytes, need %d", ErrMismatch, peer, m.Slot, wire.MaxFrame)
@@ -327,6 +331,7 @@ func (c *Channel) Connect(ctx context.Context, peerHello []byte) error {
 	}
 	c.peer = peer
 	c.credits = int(m.Ring)
+	c.checksum, c.confirm = checksum, confirm
 	c.mu.Unlock()
 	if err := c.qp.Connect(ctx, ep); err != nil {
 		return fmt.Errorf("rendezvous: connecting to %s: %w", peer, err)
@@ -363,7 +368,7 @@ func (c *Channel) Connect(ctx context.Context, peerHello []byte) error {
 	for _, rl := range c.rails[:active] {
 		go c.pollRail(rl)
 	}
-	c.log.Debug("rendezvous: connected", "peer", peer, "provider", c.provider, "device", c.devName, "ring", c.opts.ring, "peer_ring", m.Ring, "checksum", c.opts.checksum, "rails", 1+active)
+	c.log.Debug("rendezvous: connected", "peer", peer, "provider", c.provider, "device", c.devName, "ring", c.opts.ring, "peer_ring", m.Ring, "checksum", checksum, "confirm", confirm, "rails", 1+active)
 	return nil
 }
 
@@ -396,7 +401,8 @@ func (c *Channel) Stats() Stats {
 		ChunksIn: r.chunksIn.Load(), ChunksOut: s.chunksOut.Load(), CreditStalls: ch.creditStalls.Load(),
 		RequestsIn: s.requestsIn.Load(), ReRequestsIn: s.reRequestsIn.Load(),
 		PendingRefused: s.pendingRefused.Load(), NamesRefused: s.namesRefused.Load(), ResultsRefused: ch.resultsRefused.Load(),
-		SendsRefused: s.refused.Load(),
+		SendsRefused:    s.refused.Load(),
+		ChecksumRetries: r.checksumRetries.Load(), Rewrites: s.rewrites.Load(), ConfirmsOut: r.confirmsOut.Load(), ConfirmsIn: s.confirmsIn.Load(),
 	}
 	c.snd.statsLocked(&st)
 	return st
@@ -515,7 +521,8 @@ func (c *Channel) release() error {
 // the queue's items are dropped as the channel stops, and a write dropped
 // unposted is one the peer will not get, as its error says. The BYE may
 // take the credit kept in reserve: nothing follows it. If it cannot be
-// posted, nobody waits for it.
+// posted, nobody waits for it. The CONFIRMs queued go in the same SEND,
+// ahead of it (receiver.confirmsAheadLocked).
 func (c *Channel) postByeLocked() {
 	if c.credits < 1 || len(c.freeSlots) == 0 || c.sqOut >= c.sqMax {
 		c.log.Debug("rendezvous: BYE not sent: no credit or send slot", "peer", c.peer)
@@ -525,7 +532,8 @@ func (c *Channel) postByeLocked() {
 	slot := c.freeSlots[len(c.freeSlots)-1]
 	buf := c.sendBuf.Bytes()[slot*c.slot : (slot+1)*c.slot]
 	m := wire.Message{Type: wire.TypeBye, Flags: wire.ByeImms, Imms: uint32(c.imms)}
-	n := len(m.Append(buf[:0]))
+	n := c.rcv.confirmsAheadLocked(buf, m.Len())
+	n += len(m.Append(buf[n:n]))
 	c.putCredits(buf)
 	if !c.postCtrlLocked(slot, n, true) {
 		c.byeSentLocked()
@@ -842,8 +850,11 @@ func (c *Channel) onFramesLocked(b []byte, ds *deliveries) {
 		if c.state != stateConnected {
 			// Stopped: only the peer's BYE matters still, for what it
 			// says of this side's writes in flight.
-			if m.Type == wire.TypeBye {
+			switch m.Type {
+			case wire.TypeBye:
 				c.onByeLocked(&m, ds)
+			case wire.TypeConfirm:
+				c.snd.onConfirmLocked(&m, ds)
 			}
 			continue
 		}
@@ -864,6 +875,8 @@ func (c *Channel) onFramesLocked(b []byte, ds *deliveries) {
 			c.rcv.onErrorLocked(&m, ds)
 		case wire.TypeBye:
 			c.onByeLocked(&m, ds)
+		case wire.TypeConfirm:
+			c.snd.onConfirmLocked(&m, ds)
 		default:
 			c.failLocked(fmt.Errorf("%w: %s from %s on an open channel", ErrProtocol, m.Type, c.peer), ds, stateFailed)
 		}
@@ -884,6 +897,7 @@ func (c *Channel) flushLocked() {
 	if c.state != stateConnected {
 		return
 	}
+	c.rcv.takeConfirmsLocked(false) // CONFIRMs ride with what goes out
 	queued, credits := len(c.outq), c.credits
 	for len(c.outq) > 0 {
 		// One credit stays in reserve for a CREDIT message.

@@ -104,9 +104,10 @@ func TestInProcessBasics(t *testing.T) {
 			_ = got.Release()
 		}
 		// The sender hears of its writes' completion after the receiver
-		// has the bytes: wait for it.
+		// has the bytes, and of their CONFIRM (tcp's default checksum
+		// mode) later still: wait for both.
 		deadline := time.Now().Add(10 * time.Second)
-		for sa = a.ch.Stats(); sa.WritesInFlight != 0 && time.Now().Before(deadline); sa = a.ch.Stats() {
+		for sa = a.ch.Stats(); (sa.WritesInFlight != 0 || sa.Unconfirmed != 0) && time.Now().Before(deadline); sa = a.ch.Stats() {
 			time.Sleep(time.Millisecond)
 		}
 		if sa.RequestsIn != 20 || sa.ReRequestsIn != 6 || sa.SendsPending != 0 || sa.Kept != 0 || sa.WritesInFlight != 0 || sa.WritesOut != 14 {
@@ -290,8 +291,10 @@ func TestChecksumDetectsCorruption(t *testing.T) {
 				}
 			}
 		}
-		if n := b.ch.Stats().ChecksumFailures; n != 2 {
-			t.Fatalf("%d checksum failures counted, want 2", n)
+		// Every write of "bad" is corrupted: each is asked for again
+		// MaxChecksumRetries times before the Recv fails.
+		if st := b.ch.Stats(); st.ChecksumFailures != 2*(1+MaxChecksumRetries) || st.ChecksumRetries != 2*MaxChecksumRetries {
+			t.Fatalf("%d checksum failures, %d retries; want %d, %d", st.ChecksumFailures, st.ChecksumRetries, 2*(1+MaxChecksumRetries), 2*MaxChecksumRetries)
 		}
 	})
 }

@@ -16,8 +16,8 @@
 // Beyond TensorFlow's transport: many control messages in flight per channel,
 // paced by credits over a ring of posted receive buffers (credits ride back
 // in every header, or in a CREDIT message when there is nothing else to
-// send); names mapped to small indexes after first use; an optional checksum
-// mode (CRC-32C of the source, verified on arrival); cancellation and
+// send); names mapped to small indexes after first use; checksum mode
+// (CRC-32C of the source, verified on arrival; see Checksums); cancellation and
 // deadlines on Recv; and every completed transfer says which path it took in
 // a Transfer and in a debug log record.
 //
@@ -55,6 +55,48 @@
 // the refusal too (or the tensor, changed since, fits). A Recv withdrawn
 // for any other reason (its context ended, no path to its device) leaves
 // the Send waiting for the next request of its key and step, as before.
+//
+// # Checksums
+//
+// In checksum mode the sender takes the CRC-32C (Castagnoli) of the source
+// and sends it ahead of the write (CHECKSUM, or in META_DATA_RESPONSE), and
+// the receiver checks the bytes that arrived. It is on by default where
+// bytes cross a network that may change them unnoticed (tcp: a veth pair
+// does not check TCP checksums, and some NIC offloads miss errors) and off
+// elsewhere (DefaultChecksum, WithChecksum). Peers that both offer it in
+// their HELLO (wire.HelloConfirm) also confirm: the receiver answers every
+// write it takes in with CONFIRM, and the sender keeps the source until
+// then, so Send's done (and Stats.WritesOut) says delivered only once the
+// receiver found the bytes intact. A write that arrived corrupted is asked
+// for again with TENSOR_RE_REQUEST for the same request and buffer, and
+// written again from the source kept; after MaxChecksumRetries such
+// retries the receiver gives up with CONFIRM carrying wire.ConfirmBad:
+// its Recv fails with a *ChecksumError naming the sender, the Send with
+// one naming the receiver. Results taken in chunks (WithProxyChunk) are
+// not asked for again (their chunks went on to the proxy as they landed):
+// a corrupted one fails at once, both sides told. A clean transfer costs
+// one CONFIRM frame more than checksum mode without confirmations, and no
+// SEND more in a stream of Recvs: a CONFIRM waits up to 200 µs for another
+// control frame to ride with (most often the next Recv's request), and
+// goes alone only then.
+//
+// With a peer whose HELLO lacks HelloConfirm nothing changes: no CONFIRM,
+// a corrupted write fails the Recv, and the Send is done when written. A
+// peer of the first release refuses a HELLO that carries the flags of
+// this one (wire.ErrFlags at Connect); a side that chose checksums off
+// (WithChecksum(false)) sends none, the HELLO of the first release, and
+// connects to such a peer in checksum mode off as before.
+//
+// Closing with confirmations outstanding: a side that closes posts the
+// CONFIRMs still queued ahead of its BYE, in the same SEND (as many as fit
+// one: some 300), and a sender takes CONFIRMs on a stopped channel too,
+// so the CONFIRMs say which writes arrived intact before the BYE's count
+// is read; a write the count covers but no CONFIRM does (it arrived
+// corrupted, its retry cut short by the close) fails with ErrClosed, as
+// its Recv did. If neither a CONFIRM nor the peer's BYE can come (the
+// peer is gone, or its BYE does not come in time) a write is reported as
+// without confirmations: delivered if its write completed while the
+// channel was up.
 //
 // # Closing
 //

@@ -2,6 +2,7 @@ package rendezvous_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -81,4 +82,29 @@ func Example() {
 	// Output:
 	// float32[2 3] 24 B [0 1 2 3 4 5] path: direct meta-data round trip: true
 	// float32[2 3] 24 B [10 11 12 13 14 15] path: direct meta-data round trip: false
+}
+
+// Checksum mode is on by default where bytes cross a network that may
+// change them unnoticed; WithChecksum chooses for a channel.
+func ExampleDefaultChecksum() {
+	for _, p := range []string{"tcp", "onnode", "ibverbs"} {
+		fmt.Printf("%s: %v\n", p, rendezvous.DefaultChecksum(p))
+	}
+	fmt.Println("tries at most:", 1+rendezvous.MaxChecksumRetries)
+	// Output:
+	// tcp: true
+	// onnode: false
+	// ibverbs: false
+	// tries at most: 3
+}
+
+// A Recv whose tensor arrived corrupted on every try fails with a
+// *ChecksumError naming the sender; it matches ErrChecksum.
+func ExampleChecksumError() {
+	var err error = &rendezvous.ChecksumError{Peer: "rank 1", Key: "grad", Step: 7, Tries: 3, Got: 0x1234, Want: 0x5678}
+	var ce *rendezvous.ChecksumError
+	if errors.As(err, &ce) && errors.Is(err, rendezvous.ErrChecksum) {
+		fmt.Println(ce.Peer, ce.Tries)
+	}
+	// Output: rank 1 3
 }

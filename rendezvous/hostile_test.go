@@ -59,7 +59,7 @@ func hostileChannel(t testing.TB) (*Channel, func()) {
 		opts: options{ring: 8, sendSlots: 4, maxStrings: 1 << 20, maxTensor: 1 << 20, checksum: true},
 		mem:  mem, qp: &stubQP{}, slot: wire.MaxFrame, provider: "stub", devName: "stub", peer: "hostile",
 		pollDone: make(chan struct{}), byeSent: make(chan struct{}),
-		state: stateConnected, credits: 8, sqMax: 64, threshold: 2, checksum: true,
+		state: stateConnected, credits: 8, sqMax: 64, threshold: 2, checksum: true, confirm: true,
 	}
 	c.initHalves()
 	c.log = slog.New(discard{})
@@ -186,6 +186,8 @@ func TestHostileFramesFailTheChannel(t *testing.T) {
 		{"hello on an open channel", wire.Message{Type: wire.TypeHello, Ring: 2, Slot: wire.MaxFrame}},
 		{"undefined name index", wire.Message{Type: wire.TypeRequest, Req: 3, NameIndex: 77}},
 		{"re-request of nothing", wire.Message{Type: wire.TypeReRequest, Req: 42}},
+		{"confirm of nothing", wire.Message{Type: wire.TypeConfirm, Req: 42}},
+		{"confirm of a request not written", wire.Message{Type: wire.TypeConfirm, Flags: wire.ConfirmBad, Req: 1}},
 	}
 	for _, tc := range cases {
 		c, done := hostileChannel(t)

@@ -91,6 +91,14 @@ type options struct {
 	// corrupt, when set, changes the bytes of a source after its checksum
 	// is taken and before it is written (fault injection for tests).
 	corrupt func(key string, step int64, b []byte)
+
+	// checksumSet: WithChecksum chose the mode; otherwise it is the
+	// provider's default (DefaultChecksum), which a peer's choice
+	// overrides. firstRelease (tests): the HELLO a peer of the first
+	// release sends, without the flags of confirmations
+	// (checksumHello), to test the fallback with such a peer.
+	checksumSet  bool
+	firstRelease bool
 }
 
 // Option configures a channel made by New.
@@ -117,11 +125,16 @@ func WithRing(n int) Option {
 	}
 }
 
-// WithChecksum turns checksum mode on: the sender sends the CRC-32C of every
-// tensor it writes, and the receiver verifies it on arrival (ErrChecksum).
-// Both peers must agree.
+// WithChecksum turns checksum mode on or off: the sender sends the CRC-32C
+// of every tensor it writes, and the receiver verifies it on arrival. With
+// a peer that offers confirmations (every peer of this release), the
+// sender keeps the source until the receiver confirms it, and a write that
+// arrives corrupted is asked for again, up to MaxChecksumRetries times,
+// before both sides fail it with a *ChecksumError (ErrChecksum). Without
+// this option the mode is the provider's default (DefaultChecksum: on for
+// tcp) and follows a peer that chose; peers that both chose must agree.
 func WithChecksum(on bool) Option {
-	return func(o *options) error { o.checksum = on; return nil }
+	return func(o *options) error { o.checksum, o.checksumSet = on, true; return nil }
 }
 
 // WithLogger sets the structured logger; transfers are logged at debug level.

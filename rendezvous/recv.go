@@ -28,6 +28,13 @@ type receiver struct {
 	nextName uint32
 	cache    map[string]tensor.Meta // the meta-data cache
 
+	// confirms are the CONFIRMs not queued yet: they wait, at most
+	// confirmDelay (confirmTimer), for another control frame to ride with
+	// (takeConfirmsLocked).
+	confirms     []wire.Message
+	confirmTimer *time.Timer
+	confirmArmed bool
+
 	stats recvCounters
 }
 
@@ -36,6 +43,9 @@ type recvCounters struct {
 	bytesIn, errors, nameDefs, checksumFailures, chunksIn              atomic.Uint64
 	// grants counts the grants given for result buffers (verbsio.Granter).
 	grants atomic.Uint64
+	// checksumRetries counts the corrupted arrivals asked for again;
+	// confirmsOut the CONFIRMs sent.
+	checksumRetries, confirmsOut atomic.Uint64
 }
 
 func newReceiver(c *Channel) receiver {
@@ -84,6 +94,8 @@ type request struct {
 	// pair (first) and its rails, where the provider gives grants; they
 	// are revoked before buf is freed or handed on.
 	grants []verbsio.Grant
+	// tries counts the writes of the tensor that arrived corrupted.
+	tries int
 }
 
 // RecvOption changes one Recv.
@@ -645,6 +657,7 @@ func (rv *receiver) onWriteLocked(imm uint32, ds *deliveries) {
 	// The last write is in: the peer may write the buffer no more.
 	rv.revokeLocked(r, 0)
 	if r.cancelled {
+		rv.confirmLocked(r, 0)
 		rv.forgetLocked(r)
 		return
 	}
@@ -656,21 +669,32 @@ func (rv *receiver) onWriteLocked(imm uint32, ds *deliveries) {
 		host = b[:meta.ByteSize]
 	}
 	if c.checksum {
-		if !r.hasCRC {
+		switch {
+		case !r.hasCRC && !c.confirm:
 			c.protocolLocked(ds, "write for request %d without a checksum in checksum mode", imm)
 			return
-		}
-		if host != nil {
+		case !r.hasCRC:
+			// A peer that confirms sends none for a source it cannot
+			// read (device memory, in the provider's default mode): the
+			// tensor is taken unverified.
+		case host != nil:
 			if got := crc32.Checksum(host, castagnoli); got != r.crc {
 				rv.stats.checksumFailures.Add(1)
+				r.tries++
+				if rv.retryLocked(r) {
+					return
+				}
+				rv.confirmLocked(r, wire.ConfirmBad)
+				err := &ChecksumError{Peer: c.peer, Key: r.key.name, Step: r.key.step, Tries: r.tries, Got: got, Want: r.crc}
 				r.hasCRC = false
-				rv.finishLocked(r, nil, fmt.Errorf("%w: %q step %d from %s: CRC-32C %#08x, sender's %#08x (%d bytes)", ErrChecksum, r.key.name, r.key.step, c.peer, got, r.crc, len(host)), ds)
+				rv.finishLocked(r, nil, err, ds)
 				return
 			}
-		} else {
+		default:
 			r.hasCRC = false // GPU memory: not verifiable here
 		}
 	}
+	rv.confirmLocked(r, 0)
 	if r.path == PathSerialized {
 		t, err := tensor.DecodeStringTensor(meta, host, c.opts.maxStrings)
 		// The strings were copied out: the buffer is free again.
@@ -691,4 +715,108 @@ func (rv *receiver) onWriteLocked(imm uint32, ds *deliveries) {
 		r.buf = nil // owned by t now
 	}
 	rv.finishLocked(r, t, err, ds)
+}
+
+// confirmDelay is how long a CONFIRM waits for another control frame
+// to ride with (a request of the next Recv, most often) before it goes
+// alone: the sender keeps the source that much longer, and a stream of
+// Recvs sends no more SENDs than without confirmations.
+const confirmDelay = 200 * time.Microsecond
+
+// confirmLocked sends CONFIRM for r's write, with flags (wire.ConfirmBad:
+// it arrived corrupted on every try), when the channel confirms
+// (Channel.confirm): with the next control frame, or alone after
+// confirmDelay.
+func (rv *receiver) confirmLocked(r *request, flags uint8) {
+	c := rv.c
+	if !c.confirm {
+		return
+	}
+	rv.confirms = append(rv.confirms, wire.Message{Type: wire.TypeConfirm, Flags: flags, Req: r.idx})
+	rv.stats.confirmsOut.Add(1)
+	if rv.confirmArmed {
+		return
+	}
+	rv.confirmArmed = true
+	if rv.confirmTimer == nil {
+		rv.confirmTimer = time.AfterFunc(confirmDelay, rv.confirmsDue)
+	} else {
+		rv.confirmTimer.Reset(confirmDelay)
+	}
+}
+
+// confirmsDue sends the CONFIRMs that found nothing to ride with.
+func (rv *receiver) confirmsDue() {
+	c := rv.c
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	rv.confirmArmed = false
+	if c.state != stateConnected || len(rv.confirms) == 0 {
+		return
+	}
+	rv.takeConfirmsLocked(true)
+	c.flushLocked()
+}
+
+// takeConfirmsLocked queues the waiting CONFIRMs on the channel, when
+// something else is about to go out (a frame queued, or credits to
+// return), or always when now.
+func (rv *receiver) takeConfirmsLocked(now bool) {
+	c := rv.c
+	if len(rv.confirms) == 0 || !now && len(c.outq) == 0 && c.owed < c.threshold {
+		return
+	}
+	for i := range rv.confirms {
+		c.enqueueLocked(&rv.confirms[i])
+	}
+	rv.confirms = rv.confirms[:0]
+}
+
+// retryLocked asks the sender to write r's tensor again into the same
+// buffer, its write having arrived corrupted: a TENSOR_RE_REQUEST for a
+// request the sender answered, which a peer that confirms takes as that.
+// It reports false when r may not be retried: no confirmations with this
+// peer, MaxChecksumRetries reached, a result taken in chunks (parts of it
+// went on to the proxy already), or no grant to be had for the buffer.
+func (rv *receiver) retryLocked(r *request) bool {
+	c := rv.c
+	if !c.confirm || r.tries > MaxChecksumRetries || r.chunk > 0 || r.cancelled {
+		return false
+	}
+	mr, ok := c.mem.Region(r.buf.Addr(), r.buf.Len())
+	if !ok {
+		return false
+	}
+	if err := rv.grantLocked(r, mr); err != nil {
+		c.log.Debug("rendezvous: no grant to ask again for a corrupted write", "peer", c.peer, "key", r.key.name, "step", r.key.step, "err", err)
+		return false
+	}
+	m := wire.Message{Type: wire.TypeReRequest, Req: r.idx}
+	m.Addr, m.RKey, m.Capacity = rv.bufTarget(r)
+	c.railKeys(&m, r.buf.Addr(), r.buf.Len())
+	rv.railGrantsLocked(r, &m)
+	c.enqueueLocked(&m)
+	rv.stats.checksumRetries.Add(1)
+	c.log.Debug("rendezvous: checksum mismatch, asking again", "peer", c.peer, "key", r.key.name, "step", r.key.step, "try", r.tries)
+	return true
+}
+
+// confirmsAheadLocked copies into b the CONFIRMs queued on the channel, as
+// many as fit with room kept for a frame of reserve bytes after them, and
+// returns their length. A closing side posts them ahead of its BYE (the
+// rest of its queue is dropped), so that the peer knows which of its
+// writes arrived intact before the BYE says the channel is done.
+func (rv *receiver) confirmsAheadLocked(b []byte, reserve int) int {
+	rv.takeConfirmsLocked(true)
+	n := 0
+	for _, it := range rv.c.outq {
+		if it.write != nil || len(it.frame) < wire.HeaderLen || wire.Type(it.frame[1]) != wire.TypeConfirm {
+			continue
+		}
+		if n+len(it.frame)+reserve > len(b) {
+			break
+		}
+		n += copy(b[n:], it.frame)
+	}
+	return n
 }

@@ -39,6 +39,12 @@ type sender struct {
 	// errorsQueued counts the ERROR_STATUS in the channel's queue (see
 	// Channel.withholdingLocked).
 	errorsQueued int
+	// awaiting are the writes that wait for the receiver's CONFIRM, by
+	// request (checksum mode with confirmations, Channel.confirm): from
+	// the time they are queued until the CONFIRM, or until the send ends
+	// otherwise. Their sources are kept: a write that arrived corrupted is
+	// written again when the receiver asks (TENSOR_RE_REQUEST).
+	awaiting map[uint32]*sendEntry
 
 	stats sendCounters
 }
@@ -49,6 +55,9 @@ type sendCounters struct {
 	pendingRefused, namesRefused                    atomic.Uint64
 	// refused counts the Sends the peer refused (CANCEL with a reason).
 	refused atomic.Uint64
+	// rewrites counts the writes made again on the peer's request, their
+	// first having arrived corrupted; confirmsIn the CONFIRMs received.
+	rewrites, confirmsIn atomic.Uint64
 }
 
 // statsLocked fills in what the sender holds now.
@@ -62,12 +71,18 @@ func (s *sender) statsLocked(st *Stats) {
 	st.WritesInFlight = len(s.writes) + len(s.striping)
 	st.RequestsParked = s.parked
 	st.Names = len(s.peerNames)
+	for _, e := range s.awaiting {
+		if e.written && !e.held {
+			st.Unconfirmed++
+		}
+	}
 }
 
 func newSender(c *Channel) sender {
 	return sender{
 		c: c, peerNames: map[uint32]string{}, sends: map[skey]*sendEntry{}, kept: map[uint32]*sendEntry{},
 		writes: map[uint64]*sendEntry{}, striping: map[uint64]*sendEntry{}, held: map[uint64]*sendEntry{}, nextWrite: 1,
+		awaiting: map[uint32]*sendEntry{},
 	}
 }
 
@@ -98,6 +113,7 @@ type sendEntry struct {
 	stage    tensor.Buffer
 	crc      uint32
 	crcSent  bool
+	noCRC    bool // checksum mode, but no host view to take one from
 
 	railKeys    []uint32
 	railPending int
@@ -137,6 +153,26 @@ type sendEntry struct {
 	awaitBye    bool
 	byeFollowed bool
 	localFailed bool
+	// seq is the write's sequence in writes (and held), once posted.
+	seq uint64
+
+	// With confirmations (Channel.confirm): needConfirm, the write waits
+	// in sender.awaiting for the receiver's CONFIRM and the source is kept
+	// until then; written, its last work request completed; confirmed,
+	// the CONFIRM came (confirmErr: it said the write arrived corrupted
+	// every time); rewrite, a TENSOR_RE_REQUEST came for it before its
+	// completion did, so it is written again once that comes; retries,
+	// how many times it was asked for again. pristine is the source as it
+	// was before the test hook (options.corrupt) changed it, put back
+	// once the write has read it, as a corruption in flight would leave
+	// it.
+	needConfirm bool
+	written     bool
+	confirmed   bool
+	confirmErr  error
+	rewrite     bool
+	retries     int
+	pristine    []byte
 }
 
 // Send hands t to the peer under key and step. It never waits for the
@@ -155,7 +191,11 @@ func (c *Channel) Send(key string, step int64, t *tensor.Tensor) error {
 
 // SendFunc is Send that gives t back: done runs once with nil when t has been
 // written (or needed no write), or with the error that dropped it. t must not
-// change until then. A write in flight when the channel fails or closes keeps
+// change until then. In checksum mode with a peer that confirms (see
+// WithChecksum), written means confirmed: the receiver checked the bytes,
+// and t is kept until it did, so that a write that arrived corrupted can
+// be made again; if every try arrived corrupted, done gets a
+// *ChecksumError naming the receiver. A write in flight when the channel fails or closes keeps
 // t until the queue pair can read it no more: until its work requests
 // complete (or are flushed), at the latest until Close has destroyed the
 // queue pairs, so done may come only from Close. done runs on the channel's
@@ -216,13 +256,15 @@ func (s *sender) put(k skey, t *tensor.Tensor, serr error, done func(error)) err
 }
 
 // inFlightLocked reports whether writes are posted whose arrival is not
-// known yet.
-func (s *sender) inFlightLocked() bool { return len(s.writes) > 0 || len(s.striping) > 0 }
+// known yet, or not confirmed yet.
+func (s *sender) inFlightLocked() bool {
+	return len(s.writes) > 0 || len(s.striping) > 0 || len(s.awaiting) > 0
+}
 
 // pendingLocked reports whether the sender waits on the peer: a Send or a
 // request not matched, a tensor kept for a re-request, or a write in flight.
 func (s *sender) pendingLocked() bool {
-	return len(s.sends) > 0 || len(s.kept) > 0 || len(s.writes) > 0 || len(s.striping) > 0
+	return len(s.sends) > 0 || len(s.kept) > 0 || len(s.writes) > 0 || len(s.striping) > 0 || len(s.awaiting) > 0
 }
 
 // failLocked drops everything the sender holds with err. A write posted
@@ -247,6 +289,16 @@ func (s *sender) failLocked(err error, ds *deliveries) {
 		e.untilQP = true // the rails' parts: released with the queue pairs
 		s.holdLocked(k, e, err, ds)
 	}
+	for _, e := range s.awaiting {
+		if e.written && !e.held {
+			// Written, not confirmed yet: the CONFIRM may come still,
+			// ahead of the peer's BYE (Channel.postByeLocked), and says
+			// what arrived; without one the send ends with err.
+			e.held, e.heldErr, e.awaitBye = true, err, true
+			e.byeFollowed = s.c.state == stateClosed
+			s.held[e.seq] = e
+		}
+	}
 }
 
 // holdLocked ends send e, whose write of sequence seq was posted, with err.
@@ -270,10 +322,18 @@ func (s *sender) holdLocked(seq uint64, e *sendEntry, err error, ds *deliveries)
 	// The write's fate is what the peer's BYE says, which may be among
 	// the completions still queued (a write's completion may come before
 	// the BYE that counts it, and the channel may have failed before
-	// either was handled).
+	// either was handled). With confirmations, what its CONFIRM says,
+	// which comes ahead of the BYE.
 	e.awaitBye = e.immEnd != 0 && !e.untilQP
+	if e.needConfirm {
+		e.awaitBye = !e.confirmed && !e.untilQP
+		if e.confirmed {
+			e.heldErr = e.confirmErr
+		}
+	}
 	e.byeFollowed = s.c.state == stateClosed
 	s.held[seq] = e
+	e.seq = seq
 }
 
 // settledLocked says the peer's BYE came: no held write awaits one any
@@ -290,13 +350,33 @@ func (s *sender) settledLocked(ds *deliveries) {
 
 // finishAwaitingLocked ends the held writes that waited for a BYE of the
 // peer's that did not come, the completion goroutine having handled every
-// completion queued: with the error the channel failed with.
+// completion queued: with the error the channel failed with (but see
+// unconfirmedLocked).
 func (s *sender) finishAwaitingLocked(ds *deliveries) {
 	for seq, e := range s.held {
 		if e.awaitBye && e.wrsOut <= 0 && !e.untilQP {
 			delete(s.held, seq)
+			s.unconfirmedLocked(e, false)
 			s.endHeldLocked(e, ds)
 		}
+	}
+}
+
+// unconfirmedLocked decides a held write that awaited its CONFIRM when
+// neither it nor the peer's BYE will come (the channel failed, or the
+// peer's BYE did not come in time), as without confirmations: delivered
+// if its write completed while the channel was up (written), which then
+// reported it delivered at once, or if completed says so (Close's rule,
+// releaseHeld). Reporting it failed would make a tensor the peer may well
+// have taken look lost, and a Send that failed must be safe to make
+// again. A write the receiver found corrupted and asked for again is not
+// written (its rewrite is queued or dropped), so it is never taken for
+// delivered here.
+func (s *sender) unconfirmedLocked(e *sendEntry, completed bool) {
+	if e.needConfirm && !e.confirmed && (e.written || completed) {
+		e.heldErr = nil
+		s.stats.writesOut.Add(1)
+		s.stats.bytesOut.Add(uint64(e.n))
 	}
 }
 
@@ -314,7 +394,10 @@ func (s *sender) settleLocked(count uint32, ds *deliveries) {
 		return
 	}
 	in := s.imms - uint64(behind)
-	arrived := func(e *sendEntry) bool { return e.immEnd != 0 && e.immEnd <= in }
+	// With confirmations, a write that arrived is delivered only if its
+	// CONFIRM said so (onConfirmLocked): the count does not say whether
+	// its checksum matched.
+	arrived := func(e *sendEntry) bool { return e.immEnd != 0 && e.immEnd <= in && !e.needConfirm }
 	for seq, e := range s.writes {
 		if !arrived(e) {
 			continue // failed with the channel
@@ -351,7 +434,11 @@ func (s *sender) releaseHeld() {
 	s.c.mu.Lock()
 	for k, e := range s.held {
 		delete(s.held, k)
-		if e.awaitBye && e.byeFollowed && e.wrsOut <= 0 && !e.localFailed {
+		completed := e.awaitBye && e.byeFollowed && e.wrsOut <= 0 && !e.localFailed
+		switch {
+		case e.needConfirm && e.awaitBye:
+			s.unconfirmedLocked(e, completed)
+		case completed && !e.needConfirm:
 			e.heldErr = nil // completed, and no BYE said otherwise
 		}
 		s.endHeldLocked(e, &ds)
@@ -364,6 +451,8 @@ func (s *sender) releaseHeld() {
 // done runs with the error it was dropped with.
 func (s *sender) endHeldLocked(e *sendEntry, ds *deliveries) {
 	e.held = false
+	s.unawaitLocked(e)
+	s.restoreLocked(e)
 	if e.stage != nil {
 		_ = e.stage.Free()
 		e.stage = nil
@@ -505,7 +594,7 @@ func (s *sender) serveLocked(e *sendEntry, ds *deliveries) {
 		// Changed, but it fits the buffer: say so and write at once.
 		m := wire.Message{Type: wire.TypeMetaResponse, Flags: wire.RespWriteFollows, Req: e.req}
 		m.Meta.SetMeta(meta)
-		if c.checksum {
+		if c.checksum && !e.noCRC {
 			m.Flags |= wire.RespChecksum
 			m.Checksum = e.crc
 			e.crcSent = true
@@ -516,7 +605,7 @@ func (s *sender) serveLocked(e *sendEntry, ds *deliveries) {
 	}
 	m := wire.Message{Type: wire.TypeMetaResponse, Req: e.req}
 	m.Meta.SetMeta(meta)
-	if c.checksum {
+	if c.checksum && !e.noCRC {
 		m.Flags |= wire.RespChecksum
 		m.Checksum = e.crc
 		e.crcSent = true
@@ -599,10 +688,17 @@ func (s *sender) prepareLocked(e *sendEntry, ds *deliveries) error {
 	}
 	e.n = int64(n)
 	if c.checksum {
-		if e.src == nil {
+		switch {
+		case e.src == nil && c.confirm && !c.opts.checksumSet:
+			// Device memory the CPU cannot read, in the provider's
+			// default mode: written without a checksum (the receiver
+			// takes it unverified, Transfer.Checksummed false).
+			e.noCRC = true
+		case e.src == nil:
 			return fmt.Errorf("%w: checksum mode needs a host view of %q step %d", ErrBadTensor, e.key.name, e.key.step)
+		default:
+			e.crc = crc32.Checksum(e.src, castagnoli)
 		}
-		e.crc = crc32.Checksum(e.src, castagnoli)
 	}
 	e.prepared = true
 	return nil
@@ -610,20 +706,122 @@ func (s *sender) prepareLocked(e *sendEntry, ds *deliveries) error {
 
 func (s *sender) queueWriteLocked(e *sendEntry) {
 	c := s.c
-	if c.checksum && !e.crcSent {
+	if c.checksum && !e.crcSent && !e.noCRC {
 		m := wire.Message{Type: wire.TypeChecksum, Req: e.req, Checksum: e.crc}
 		c.enqueueLocked(&m)
 		e.crcSent = true
 	}
+	if c.confirm && !e.needConfirm {
+		e.needConfirm = true
+		s.awaiting[e.req] = e
+	}
 	if c.opts.corrupt != nil && e.src != nil {
+		if e.pristine == nil {
+			e.pristine = append([]byte(nil), e.src...)
+		}
 		c.opts.corrupt(e.key.name, e.key.step, e.src)
 	}
 	c.outq = append(c.outq, outItem{write: e})
 }
 
+// restoreLocked puts back a source the test hook changed (options.corrupt)
+// once no work request reads it.
+func (s *sender) restoreLocked(e *sendEntry) {
+	if e.pristine != nil {
+		copy(e.src, e.pristine)
+		e.pristine = nil
+	}
+}
+
+// unawaitLocked takes e out of the writes awaiting a CONFIRM.
+func (s *sender) unawaitLocked(e *sendEntry) {
+	if e.needConfirm && s.awaiting[e.req] == e {
+		delete(s.awaiting, e.req)
+	}
+}
+
+// onConfirmLocked takes the receiver's CONFIRM for a write: it arrived
+// intact (the send ends delivered) or, with ConfirmBad, corrupted on every
+// try (it ends with a *ChecksumError). It is taken on a stopped channel
+// too: CONFIRMs come ahead of the peer's BYE and say which of the held
+// writes arrived.
+func (s *sender) onConfirmLocked(m *wire.Message, ds *deliveries) {
+	c := s.c
+	s.stats.confirmsIn.Add(1)
+	e, ok := s.awaiting[m.Req]
+	if !ok || e.confirmed || e.rewrite || (!e.written && e.immEnd == 0) {
+		if c.state == stateConnected {
+			c.protocolLocked(ds, "%s for request %d, which awaits none", m.Type, m.Req)
+		}
+		return
+	}
+	e.confirmed = true
+	if m.Flags&wire.ConfirmBad != 0 {
+		e.confirmErr = &ChecksumError{Peer: c.peer, Key: e.key.name, Step: e.key.step, Tries: e.retries + 1, Sending: true}
+	} else {
+		s.stats.writesOut.Add(1)
+		s.stats.bytesOut.Add(uint64(e.n))
+	}
+	if e.held {
+		e.heldErr, e.awaitBye = e.confirmErr, false
+		if e.wrsOut <= 0 && !e.untilQP {
+			delete(s.held, e.seq)
+			s.endHeldLocked(e, ds)
+		}
+		return
+	}
+	if e.written {
+		s.unawaitLocked(e)
+		s.dropLocked(e, e.confirmErr, ds)
+	}
+	// Otherwise its completion ends it (writeDoneLocked).
+}
+
+// rewriteLocked writes e again, to the buffer the peer's
+// TENSOR_RE_REQUEST named: its first write arrived corrupted.
+func (s *sender) rewriteLocked(e *sendEntry) {
+	e.posted, e.wseq, e.firstChunk, e.railPending, e.immEnd = 0, 0, 0, 0, 0
+	e.written, e.untilQP, e.localFailed = false, false, false
+	s.stats.rewrites.Add(1)
+	s.c.log.Debug("rendezvous: writing again, the receiver found the write corrupted", "peer", s.c.peer, "key", e.key.name, "step", e.key.step, "retry", e.retries)
+	s.queueWriteLocked(e)
+}
+
+// onRetryLocked takes a TENSOR_RE_REQUEST for a request whose write
+// awaits its CONFIRM: the write arrived corrupted, and the receiver asks
+// for it again (at most MaxChecksumRetries times).
+func (s *sender) onRetryLocked(e *sendEntry, m *wire.Message, ds *deliveries) {
+	c := s.c
+	switch {
+	case e.confirmed || e.rewrite || (!e.written && e.immEnd == 0):
+		c.protocolLocked(ds, "%s for request %d, whose write is not complete", m.Type, m.Req)
+		return
+	case e.retries >= MaxChecksumRetries:
+		c.protocolLocked(ds, "%s for request %d asks for its write a %d-th time, at most %d", m.Type, m.Req, e.retries+2, 1+MaxChecksumRetries)
+		return
+	case m.Addr == 0 || m.Capacity < uint64(e.n):
+		c.protocolLocked(ds, "%s for request %d: buffer at %#x of %d bytes for %d", m.Type, m.Req, m.Addr, m.Capacity, e.n)
+		return
+	}
+	e.retries++
+	s.stats.reRequestsIn.Add(1)
+	e.raddr, e.rkey, e.rcap = m.Addr, m.RKey, m.Capacity
+	e.railKeys = append(e.railKeys[:0], m.RailKeys[:m.NumRailKeys]...)
+	e.chunkShift = m.ChunkShift
+	if !e.written {
+		e.rewrite = true // written again once its completion comes
+		return
+	}
+	s.rewriteLocked(e)
+}
+
 func (s *sender) onReRequestLocked(m *wire.Message, ds *deliveries) {
 	e, ok := s.kept[m.Req]
 	if !ok {
+		if e, ok := s.awaiting[m.Req]; ok {
+			s.onRetryLocked(e, m, ds)
+			return
+		}
 		s.c.protocolLocked(ds, "%s for request %d, which awaits none", m.Type, m.Req)
 		return
 	}
@@ -699,6 +897,8 @@ func (s *sender) dropLocked(e *sendEntry, err error, ds *deliveries) {
 	if e.held {
 		return
 	}
+	s.unawaitLocked(e)
+	s.restoreLocked(e)
 	if e.stage != nil {
 		if c.state == stateConnected || err == nil {
 			_ = e.stage.Free()
@@ -783,6 +983,20 @@ func (s *sender) writeDoneLocked(seq uint64, ds *deliveries) {
 		return
 	}
 	delete(s.writes, seq)
+	if e.needConfirm {
+		s.restoreLocked(e)
+		e.written = true
+		switch {
+		case e.rewrite:
+			e.rewrite = false
+			s.rewriteLocked(e)
+		case e.confirmed:
+			s.unawaitLocked(e)
+			s.dropLocked(e, e.confirmErr, ds)
+		}
+		// Otherwise the source is kept for the CONFIRM.
+		return
+	}
 	s.stats.writesOut.Add(1)
 	s.stats.bytesOut.Add(uint64(e.n))
 	s.dropLocked(e, nil, ds)
@@ -827,6 +1041,7 @@ func (s *sender) postWriteLocked(e *sendEntry) bool {
 		wrs = append(wrs, wr)
 	}
 	s.writes[seq] = e
+	e.seq = seq
 	if err := c.qp.PostSend(wrs); err != nil {
 		// Part of the chain may be posted: the source stays until the
 		// queue pair is gone.
@@ -866,6 +1081,7 @@ func (s *sender) postChunksLocked(e *sendEntry) bool {
 		e.wseq = s.nextWrite
 		s.nextWrite++
 		s.writes[e.wseq] = e
+		e.seq = e.wseq
 	}
 	var wrs []verbsio.SendWR
 	credits, sq, chunks := c.credits, c.sqOut, 0

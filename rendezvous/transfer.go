@@ -112,6 +112,16 @@ type Stats struct {
 	NameDefs uint64
 	// ChecksumFailures is the number of arrivals that failed verification.
 	ChecksumFailures uint64
+	// ChecksumRetries is the number of those this side asked for again
+	// (a TENSOR_RE_REQUEST to the same buffer; with a peer that confirms,
+	// at most MaxChecksumRetries per Recv); Rewrites the number of writes
+	// this side made again on the peer's asking.
+	ChecksumRetries, Rewrites uint64
+	// ConfirmsOut is the number of CONFIRMs this side sent, one per write
+	// it took in with confirmations on (checksum mode, see WithChecksum);
+	// ConfirmsIn the number it received. With confirmations, WritesOut
+	// and BytesOut count a write once confirmed.
+	ConfirmsOut, ConfirmsIn uint64
 	// Staged is the number of sends whose source was not in registered memory
 	// and was copied into a registered block first.
 	Staged uint64
@@ -168,6 +178,9 @@ type Stats struct {
 	// WritesInFlight is the number of writes posted and not completed yet,
 	// striped writes included, at the time of the call.
 	WritesInFlight int
+	// Unconfirmed is the number of writes completed whose CONFIRM has not
+	// come yet (their sources kept), at the time of the call.
+	Unconfirmed int
 	// RequestsParked is the number of the peer's requests waiting here for
 	// a Send, at the time of the call: at most WithMaxPendingRequests.
 	RequestsParked int

@@ -40,15 +40,29 @@ func TestMain(m *testing.M) {
 //	stream KEY KIND N COUNT MS     Send steps 0..COUNT-1 of shape [N], one per MS milliseconds
 //	race N                         SendFunc "t" steps 0..N-1, float32 [256], noting each done
 //	report                         wait for the race's dones (closing after 3s), answer "report " and 1 (nil) or 0 per step
+//	sendfn KEY STEP KIND DIM...    SendFunc a patterned tensor, noting its done
+//	done KEY STEP                  wait for that done (10s at most), answer "done nil" or "done ERR"
+//	stats                          answer "stats" and the channel's counters (Rewrites ConfirmsIn WritesOut ControlOut)
 //	sync                           answer "ok"
 //	quit                           close and exit
+//
+// GDRLINK_RDV_CHECKSUM=1 turns checksum mode on, =default leaves it to
+// the provider's default; either way the peer corrupts (after the
+// checksum is taken) every write of keys starting with "corrupt" and the
+// first write of keys starting with "once".
 func peerMain(in io.Reader, out io.Writer) int {
 	provider := os.Getenv("GDRLINK_RDV_PROVIDER")
 	var opts []Option
-	if os.Getenv("GDRLINK_RDV_CHECKSUM") == "1" {
-		opts = append(opts, WithChecksum(true), func(o *options) error {
-			o.corrupt = func(key string, _ int64, b []byte) {
-				if strings.HasPrefix(key, "corrupt") {
+	if v := os.Getenv("GDRLINK_RDV_CHECKSUM"); v == "1" || v == "default" {
+		if v == "1" {
+			opts = append(opts, WithChecksum(true))
+		}
+		once := map[skey]bool{}
+		opts = append(opts, func(o *options) error {
+			o.corrupt = func(key string, step int64, b []byte) {
+				first := !once[skey{key, step}]
+				once[skey{key, step}] = true
+				if strings.HasPrefix(key, "corrupt") || strings.HasPrefix(key, "once") && first {
 					b[len(b)-1] ^= 0x01
 				}
 			}
@@ -96,6 +110,7 @@ func peerMain(in io.Reader, out io.Writer) int {
 	}
 	var raceErr []error
 	var raceDone sync.WaitGroup
+	dones := map[skey]chan error{}
 	for sc.Scan() {
 		f := strings.Fields(sc.Text())
 		if len(f) == 0 {
@@ -172,6 +187,36 @@ func peerMain(in io.Reader, out io.Writer) int {
 				}
 			}
 			fmt.Fprintln(out, "report", b.String())
+		case "sendfn":
+			step, _ := strconv.ParseInt(f[2], 10, 64)
+			t, err := makeTensor(s.pool, f[3], tensor.Shape(ints(4)), f[1], step)
+			if err != nil {
+				return fail(err)
+			}
+			ch := make(chan error, 1)
+			dones[skey{f[1], step}] = ch
+			if err := s.ch.SendFunc(f[1], step, t, func(err error) { _ = t.Release(); ch <- err }); err != nil {
+				return fail(err)
+			}
+		case "done":
+			step, _ := strconv.ParseInt(f[2], 10, 64)
+			select {
+			case err := <-dones[skey{f[1], step}]:
+				var ce *ChecksumError
+				switch {
+				case err == nil:
+					fmt.Fprintln(out, "done nil")
+				case errors.As(err, &ce):
+					fmt.Fprintf(out, "done checksum peer=%q tries=%d sending=%v: %v\n", ce.Peer, ce.Tries, ce.Sending, err)
+				default:
+					fmt.Fprintf(out, "done other: %v\n", err)
+				}
+			case <-time.After(10 * time.Second):
+				fmt.Fprintln(out, "done none")
+			}
+		case "stats":
+			st := s.ch.Stats()
+			fmt.Fprintln(out, "stats", st.Rewrites, st.ConfirmsIn, st.WritesOut, st.ControlOut)
 		case "sync":
 			fmt.Fprintln(out, "ok")
 		case "quit":

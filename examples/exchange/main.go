@@ -40,7 +40,7 @@ const envSteps = "GDRLINK_EXCHANGE_STEPS"
 func main() {
 	steps := flag.Int("steps", 10, "steps of the stream")
 	provider := flag.String("provider", "", "verbs provider for the pair (default: the best both have; GDRLINK_PROVIDER)")
-	checksum := flag.Bool("checksum", false, "checksum mode: verify a CRC-32C of every tensor (GDRLINK_CHECKSUM)")
+	checksum := flag.Bool("checksum", false, "checksum mode on every provider: verify a CRC-32C of every tensor (GDRLINK_CHECKSUM=1; without it, each provider's default: on for tcp)")
 	verbose := flag.Bool("v", false, "print every transfer")
 	flag.Parse()
 	if v := os.Getenv(envSteps); v != "" {

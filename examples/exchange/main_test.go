@@ -21,7 +21,8 @@ func TestMain(m *testing.M) {
 }
 
 // The program's job, short: two processes, every tensor of the stream
-// checked byte for byte, with and without checksum mode, on the provider
+// checked byte for byte, with the provider's default checksum mode (off
+// on onnode, on for tcp) and with checksum mode chosen, on the provider
 // the front door picks (onnode here) and on tcp.
 func TestExchange(t *testing.T) {
 	for _, provider := range []string{"", "tcp"} {

@@ -69,10 +69,18 @@ const (
 	// TypeHello is what peers trade before connecting: endpoints, ring
 	// depth, options.
 	TypeHello
+	// TypeConfirm is CONFIRM: in checksum mode with a peer that offers it
+	// (HelloConfirm), the receiver says that the write answering a request
+	// arrived and matched its checksum, so the sender may give the source
+	// back and report it delivered; with ConfirmBad, that it did not and
+	// the receiver gives up (it asks again with TENSOR_RE_REQUEST instead,
+	// a bounded number of times). A peer that did not offer HelloConfirm
+	// is never sent one.
+	TypeConfirm
 	numTypes
 )
 
-var typeNames = [numTypes]string{"", "TENSOR_REQUEST", "META_DATA_RESPONSE", "TENSOR_RE_REQUEST", "ERROR_STATUS", "CREDIT", "CHECKSUM", "CANCEL", "BYE", "HELLO"}
+var typeNames = [numTypes]string{"", "TENSOR_REQUEST", "META_DATA_RESPONSE", "TENSOR_RE_REQUEST", "ERROR_STATUS", "CREDIT", "CHECKSUM", "CANCEL", "BYE", "HELLO", "CONFIRM"}
 
 // String names the type as the protocol description does.
 func (t Type) String() string {
@@ -143,9 +151,28 @@ const (
 
 // Flags of HELLO.
 const (
-	// HelloChecksum: the peer runs in checksum mode.
+	// HelloChecksum: the peer runs in checksum mode (with HelloChecksumAuto:
+	// would, by its provider's default).
 	HelloChecksum uint8 = 1 << iota
-	helloAll            = HelloChecksum
+	// HelloChecksumAuto: the peer's checksum mode is its provider's
+	// default, not its user's choice: it follows a peer whose mode is a
+	// choice. Without it, the mode is required, as from a peer of the
+	// first release.
+	HelloChecksumAuto
+	// HelloConfirm: in checksum mode the peer keeps every source until the
+	// receiver's CONFIRM, writes it again on a TENSOR_RE_REQUEST for a
+	// request it answered (the checksum failed), and confirms the writes
+	// it takes in. Both peers must offer it for either to use it.
+	HelloConfirm
+	helloAll = HelloChecksum | HelloChecksumAuto | HelloConfirm
+)
+
+// Flags of CONFIRM.
+const (
+	// ConfirmBad: the write arrived but did not match its checksum, and the
+	// receiver asks no more: the send fails.
+	ConfirmBad uint8 = 1 << iota
+	confirmAll       = ConfirmBad
 )
 
 // Code is the reason of an ERROR_STATUS. Unknown codes decode as they are,
@@ -241,7 +268,8 @@ type Endpoint struct {
 //	BYE                 [Flags(ByeImms) [Imms]]
 //	CHECKSUM            Req Checksum
 //	CANCEL              Req [Code]
-//	HELLO               Flags(HelloChecksum) Ring Slot Text(peer name) Host Endpoints
+//	CONFIRM             Flags(ConfirmBad) Req
+//	HELLO               Flags(HelloChecksum|HelloChecksumAuto|HelloConfirm) Ring Slot Text(peer name) Host Endpoints
 //
 // Credits rides in every header. ChunkShift is optional in both requests so
 // that frames without it are exactly the frames of the first release: in
@@ -334,6 +362,8 @@ func (m *Message) Len() int {
 		n += 4 + 2 + 2 + len(m.Text)
 	case TypeChecksum:
 		n += 4 + 4
+	case TypeConfirm:
+		n += 1 + 4
 	case TypeCancel:
 		n += 4
 		if m.Code != 0 {
@@ -414,6 +444,9 @@ func (m *Message) Append(b []byte) []byte {
 	case TypeChecksum:
 		b = le.AppendUint32(b, m.Req)
 		b = le.AppendUint32(b, m.Checksum)
+	case TypeConfirm:
+		b = append(b, m.Flags)
+		b = le.AppendUint32(b, m.Req)
 	case TypeCancel:
 		b = le.AppendUint32(b, m.Req)
 		if m.Code != 0 {
@@ -573,6 +606,12 @@ func Decode(b []byte, m *Message) (int, error) {
 	case TypeChecksum:
 		m.Req = r.u32()
 		m.Checksum = r.u32()
+	case TypeConfirm:
+		m.Flags = r.u8()
+		if r.err == nil && m.Flags&^confirmAll != 0 {
+			return 0, fmt.Errorf("%w: %#x in %s", ErrFlags, m.Flags, t)
+		}
+		m.Req = r.u32()
 	case TypeCancel:
 		m.Req = r.u32()
 		m.Code = 0

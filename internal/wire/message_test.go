@@ -49,6 +49,9 @@ func samples(t testing.TB) []Message {
 		{Type: TypeCancel, Req: 4, Code: CodeTooLarge},
 		{Type: TypeBye, Flags: ByeImms, Imms: 0xfffffffe},
 		{Type: TypeBye, Credits: 2, Flags: ByeImms},
+		{Type: TypeConfirm, Credits: 1, Req: 13},
+		{Type: TypeConfirm, Flags: ConfirmBad, Req: 0xffffffff},
+		func() Message { h := hello; h.Flags = HelloChecksum | HelloChecksumAuto | HelloConfirm; return h }(),
 	}
 }
 
@@ -179,6 +182,9 @@ func TestDecodeRejects(t *testing.T) {
 		{"response flags", func() []byte { b := good(4); b[8] = 0x10; return b }(), ErrFlags},
 		{"final and write follows", func() []byte { b := good(4); b[8] = RespFinal | RespWriteFollows; return b }(), ErrFlags},
 		{"hello flags", func() []byte { b := good(16); b[8] = 0x10; return b }(), ErrFlags},
+		{"confirm flags", func() []byte { b := good(23); b[8] = 0x02; return b }(), ErrFlags},
+		{"confirm cut", func() []byte { b := good(22); return setLen(b[:len(b)-1]) }(), ErrTruncated},
+		{"confirm trailing", func() []byte { b := append(good(22), 0); return setLen(b) }(), ErrLength},
 		{"cancel trailing code 0", func() []byte { b := append(good(14), 0, 0); return setLen(b) }(), ErrField},
 		{"cancel code and trailing", func() []byte { b := append(good(19), 0); return setLen(b) }(), ErrLength},
 		{"bye flags 0", func() []byte { b := append(good(15), 0); return setLen(b) }(), ErrFlags},
