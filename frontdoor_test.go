@@ -46,6 +46,14 @@ type childReport struct {
 	// GDRLINK_METRICS_ADDR): each sample named "name{label=value,...}" with
 	// the provider and device labels left out and their samples summed.
 	Scraped map[string]float64 `json:"scraped"`
+	// Digests are the collective job's results (a hash each), to compare
+	// across ranks.
+	Digests []string `json:"digests,omitempty"`
+	// FailRank, Failure and FailMS are what the collective that lost a
+	// rank said, and how long it took.
+	FailRank int     `json:"fail_rank,omitempty"`
+	Failure  string  `json:"failure,omitempty"`
+	FailMS   float64 `json:"fail_ms,omitempty"`
 }
 
 func runChild(job string) error {
@@ -76,6 +84,13 @@ func runChild(job string) error {
 		err = ringJob(ctx, g, &rep)
 	case "gpu":
 		err = gpuJob(ctx, g, &rep)
+	case "collectives":
+		err = collJob(ctx, g, &rep)
+	case "collectives-kill":
+		// A rank is dead: no barrier.
+		if err = killJob(ctx, g, &rep); err == nil {
+			return json.NewEncoder(os.Stdout).Encode(rep)
+		}
 	default:
 		err = fmt.Errorf("unknown job %q", job)
 	}

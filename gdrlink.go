@@ -17,6 +17,7 @@ import (
 	"github.com/gdrlink/gdrlink/alloc/visitor"
 	"github.com/gdrlink/gdrlink/internal/bootstrap"
 	"github.com/gdrlink/gdrlink/internal/closed"
+	"github.com/gdrlink/gdrlink/internal/collective"
 	"github.com/gdrlink/gdrlink/internal/hostcard"
 	"github.com/gdrlink/gdrlink/internal/jobauth"
 	"github.com/gdrlink/gdrlink/rendezvous"
@@ -83,6 +84,13 @@ type Group struct {
 	closed bool
 	peers  map[int]*peer
 	wg     sync.WaitGroup
+
+	// The collectives run one at a time: collMu holds the turn, collSeq
+	// counts the calls made, collErr is the failure that ended them.
+	coll    collective.Backend
+	collMu  sync.Mutex
+	collSeq uint64
+	collErr error
 }
 
 // device is one provider's open device, protection domain and the pool's
@@ -124,6 +132,7 @@ func Join(ctx context.Context, opts ...Option) (*Group, error) {
 	g := &Group{cfg: cfg, log: cfg.log, devs: map[string]*device{}, peers: map[int]*peer{}, unusable: map[string]error{}, ready: make(chan struct{})}
 	g.ctx, g.cancel = context.WithCancel(context.Background())
 	g.metrics = newMetrics(g)
+	g.coll = collective.NewRing(ringTransport{g})
 	bc.OnCall = g.onCall
 	var usable []string
 	for _, name := range builtin {
