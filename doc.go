@@ -47,6 +47,19 @@
 // result through the pinned proxy, serialized for string tensors, none for
 // dead and empty ones) and over which provider.
 //
+// # Collectives
+//
+// AllReduce (Sum, Average), Broadcast and AllGather work in place on pool
+// tensors, over a ring of the same zero-copy connections: each rank talks
+// to its two neighbours only, the pieces go out straight from the
+// caller's tensor, and the result is the same bits on every rank (the
+// order of additions is fixed per element). Every rank calls them in the
+// same order; a rank that dies fails every other rank's call with a
+// *collective.RankError naming it. The report says how the bytes came,
+// as Transfer does for a Recv.
+//
+//	rep, err := g.AllReduce(ctx, grad, gdrlink.Average)
+//
 // # Connections and providers
 //
 // Nothing is connected at Join. The first exchange between two ranks

@@ -52,6 +52,14 @@ type childReport struct {
 	Incarnation uint64 `json:"incarnation"`
 	// Failovers is Stats.Failovers at the end.
 	Failovers int `json:"failovers"`
+	// Digests are the collective job's results (a hash each), to compare
+	// across ranks.
+	Digests []string `json:"digests,omitempty"`
+	// FailRank, Failure and FailMS are what the collective that lost a
+	// rank said, and how long it took.
+	FailRank int     `json:"fail_rank,omitempty"`
+	Failure  string  `json:"failure,omitempty"`
+	FailMS   float64 `json:"fail_ms,omitempty"`
 }
 
 func runChild(job string) error {
@@ -86,6 +94,13 @@ func runChild(job string) error {
 		err = rejoinJob(ctx, g, &rep)
 	case "failover":
 		err = failoverJob(ctx, g, &rep)
+	case "collectives":
+		err = collJob(ctx, g, &rep)
+	case "collectives-kill":
+		// A rank is dead: no barrier.
+		if err = killJob(ctx, g, &rep); err == nil {
+			return json.NewEncoder(os.Stdout).Encode(rep)
+		}
 	default:
 		err = fmt.Errorf("unknown job %q", job)
 	}

@@ -18,6 +18,7 @@ import (
 	"github.com/gdrlink/gdrlink/alloc/visitor"
 	"github.com/gdrlink/gdrlink/internal/bootstrap"
 	"github.com/gdrlink/gdrlink/internal/closed"
+	"github.com/gdrlink/gdrlink/internal/collective"
 	"github.com/gdrlink/gdrlink/internal/hostcard"
 	"github.com/gdrlink/gdrlink/internal/jobauth"
 	"github.com/gdrlink/gdrlink/rendezvous"
@@ -97,6 +98,13 @@ type Group struct {
 	peerInc   map[int]uint64
 	rejoinSig chan struct{}
 	wg        sync.WaitGroup
+
+	// The collectives run one at a time: collMu holds the turn, collSeq
+	// counts the calls made, collErr is the failure that ended them.
+	coll    collective.Backend
+	collMu  sync.Mutex
+	collSeq uint64
+	collErr error
 }
 
 // device is one provider's open device, protection domain and the pool's
@@ -142,6 +150,7 @@ func Join(ctx context.Context, opts ...Option) (*Group, error) {
 		peerInc: map[int]uint64{}, rejoinSig: make(chan struct{}), peerPools: map[peerPoolKey]*alloc.Pool{}}
 	g.ctx, g.cancel = context.WithCancel(context.Background())
 	g.metrics = newMetrics(g)
+	g.coll = collective.NewRing(ringTransport{g})
 	bc.OnCall = g.onCall
 	bc.OnRejoin = g.onRejoin
 	var usable []string

@@ -23,41 +23,8 @@ func TestJob64(t *testing.T) {
 	if testing.Short() {
 		t.Skip("64 processes: not in -short")
 	}
-	if os.Geteuid() != 0 {
-		t.Skip("creating a network namespace and a veth pair needs root")
-	}
-	ip, err := exec.LookPath("ip")
-	if err != nil {
-		t.Skip("the ip command is not installed (Debian package iproute2)")
-	}
+	ip, ns, hostIP := vethNamespace(t, "job")
 	const size = 64
-	id := os.Getpid() % 60000
-	ns := fmt.Sprintf("gdrl-job-%d", id)
-	host, peer := fmt.Sprintf("gdrj%d", id), fmt.Sprintf("gdrk%d", id)
-	run := func(args ...string) {
-		t.Helper()
-		if out, err := exec.Command(ip, args...).CombinedOutput(); err != nil {
-			t.Fatalf("ip %s: %v: %s", strings.Join(args, " "), err, out)
-		}
-	}
-	t.Cleanup(func() {
-		_ = exec.Command(ip, "link", "del", host).Run()
-		_ = exec.Command(ip, "netns", "del", ns).Run()
-	})
-	if out, err := exec.Command(ip, "netns", "add", ns).CombinedOutput(); err != nil {
-		t.Skipf("cannot create a network namespace here: %v: %s", err, out)
-	}
-	// A /30 of 10.253.0.0/16 picked by the process id.
-	slot := id % 16384
-	prefix, last := fmt.Sprintf("10.253.%d.", slot/64), slot%64*4
-	hostIP, peerIP := fmt.Sprintf("%s%d", prefix, last+1), fmt.Sprintf("%s%d", prefix, last+2)
-	run("-n", ns, "link", "set", "lo", "up")
-	run("link", "add", host, "type", "veth", "peer", "name", peer)
-	run("link", "set", peer, "netns", ns)
-	run("addr", "add", hostIP+"/30", "dev", host)
-	run("link", "set", host, "up")
-	run("-n", ns, "addr", "add", peerIP+"/30", "dev", peer)
-	run("-n", ns, "link", "set", peer, "up")
 
 	upper := func(r int) bool { return r >= size/2 }
 	// Half the ranks listen on the veth address, beyond loopback: the job
@@ -104,6 +71,51 @@ func TestJob64(t *testing.T) {
 	if total["onnode"]/2 != 62 || (total["tcp"]+total["ibverbs"])/2 != 2 {
 		t.Errorf("connections %v (counted at both ends), want 62 onnode and 2 tcp or ibverbs pairs", total)
 	}
+}
+
+// vethNamespace makes a network namespace joined to this one by a veth
+// pair, both removed when t ends: a second host, as far as the network
+// stack can tell. It returns the ip command, the namespace, and the
+// address of this side of the pair (the namespace's side is the next
+// address). It skips t where that cannot be done (not root, no ip
+// command, no namespaces).
+func vethNamespace(t *testing.T, tag string) (ip, ns, hostIP string) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("creating a network namespace and a veth pair needs root")
+	}
+	ip, err := exec.LookPath("ip")
+	if err != nil {
+		t.Skip("the ip command is not installed (Debian package iproute2)")
+	}
+	id := os.Getpid() % 60000
+	ns = fmt.Sprintf("gdrl-%s-%d", tag, id)
+	host, peer := fmt.Sprintf("gdr%c%d", tag[0], id), fmt.Sprintf("gdr%c%dp", tag[0], id)
+	run := func(args ...string) {
+		t.Helper()
+		if out, err := exec.Command(ip, args...).CombinedOutput(); err != nil {
+			t.Fatalf("ip %s: %v: %s", strings.Join(args, " "), err, out)
+		}
+	}
+	t.Cleanup(func() {
+		_ = exec.Command(ip, "link", "del", host).Run()
+		_ = exec.Command(ip, "netns", "del", ns).Run()
+	})
+	if out, err := exec.Command(ip, "netns", "add", ns).CombinedOutput(); err != nil {
+		t.Skipf("cannot create a network namespace here: %v: %s", err, out)
+	}
+	// A /30 of 10.253.0.0/16 picked by the process id and the tag.
+	slot := (id + int(tag[0])*97) % 16384
+	prefix, last := fmt.Sprintf("10.253.%d.", slot/64), slot%64*4
+	hostIP, peerIP := fmt.Sprintf("%s%d", prefix, last+1), fmt.Sprintf("%s%d", prefix, last+2)
+	run("-n", ns, "link", "set", "lo", "up")
+	run("link", "add", host, "type", "veth", "peer", "name", peer)
+	run("link", "set", peer, "netns", ns)
+	run("addr", "add", hostIP+"/30", "dev", host)
+	run("link", "set", host, "up")
+	run("-n", ns, "addr", "add", peerIP+"/30", "dev", peer)
+	run("-n", ns, "link", "set", peer, "up")
+	return ip, ns, hostIP
 }
 
 // TestOtherPIDNamespace: two processes of one kernel and one network

@@ -13,6 +13,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/gdrlink/gdrlink/alloc"
+	"github.com/gdrlink/gdrlink/collective"
 	"github.com/gdrlink/gdrlink/rendezvous"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
@@ -72,6 +73,9 @@ type metrics struct {
 	took      *prometheus.HistogramVec
 	errs      *prometheus.CounterVec
 
+	collectives, collectiveBytes *prometheus.CounterVec
+	collectiveTook               *prometheus.HistogramVec
+
 	mu     sync.RWMutex
 	series map[seriesKey]*series
 
@@ -99,6 +103,16 @@ func newMetrics(g *Group) *metrics {
 			Name: "gdrlink_errors_total", Help: "Receives that failed, by kind of error.",
 		}, []string{"kind"}),
 		series: map[seriesKey]*series{},
+		collectives: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "gdrlink_collectives_total", Help: "Collective calls (allreduce, broadcast, allgather), by backend and result (ok, error).",
+		}, []string{"op", "backend", "result"}),
+		collectiveBytes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "gdrlink_collective_bytes_total", Help: "Bytes collectives put on the wire (out) and took in (in), by op and backend.",
+		}, []string{"op", "backend", "direction"}),
+		collectiveTook: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "gdrlink_collective_duration_seconds", Help: "Time of successful collective calls, by op and backend.",
+			Buckets: durationBuckets,
+		}, []string{"op", "backend"}),
 
 		connections:       prometheus.NewDesc("gdrlink_connections", "Peers connected, by provider.", []string{"provider"}, nil),
 		requests:          prometheus.NewDesc("gdrlink_protocol_requests_total", "TENSOR_REQUESTs sent, over every connection.", nil, nil),
@@ -125,6 +139,20 @@ func newMetrics(g *Group) *metrics {
 	}
 	m.errs.WithLabelValues("other")
 	return m
+}
+
+// collective counts one collective call.
+func (m *metrics) collective(op, backend string, rep collective.Report, err error) {
+	result := "ok"
+	if err != nil {
+		result = "error"
+	}
+	m.collectives.WithLabelValues(op, backend, result).Inc()
+	m.collectiveBytes.WithLabelValues(op, backend, "out").Add(float64(rep.Sent))
+	m.collectiveBytes.WithLabelValues(op, backend, "in").Add(float64(rep.Received))
+	if err == nil {
+		m.collectiveTook.WithLabelValues(op, backend).Observe(rep.Took.Seconds())
+	}
 }
 
 // recv counts what one Recv did.
@@ -163,6 +191,9 @@ func (m *metrics) Describe(ch chan<- *prometheus.Desc) {
 	m.bytes.Describe(ch)
 	m.took.Describe(ch)
 	m.errs.Describe(ch)
+	m.collectives.Describe(ch)
+	m.collectiveBytes.Describe(ch)
+	m.collectiveTook.Describe(ch)
 	for _, d := range []*prometheus.Desc{m.connections, m.requests, m.reRequests, m.metaResponses, m.writes,
 		m.checksumFailures, m.checksumRetries, m.keepalives, m.creditStalls, m.retransmits, m.failovers, m.rejoins, m.poolInUse, m.poolReserved, m.poolArenas,
 		m.poolFragmentation, m.registrations, m.bar1Used, m.bar1Total} {
@@ -177,6 +208,9 @@ func (m *metrics) Collect(ch chan<- prometheus.Metric) {
 	m.bytes.Collect(ch)
 	m.took.Collect(ch)
 	m.errs.Collect(ch)
+	m.collectives.Collect(ch)
+	m.collectiveBytes.Collect(ch)
+	m.collectiveTook.Collect(ch)
 	m.collectStats(ch, m.g.Stats())
 	// Absent, not zero, without a GPU or without NVML.
 	if bus, used, total, ok := m.g.bar1(); ok {

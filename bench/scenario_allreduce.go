@@ -1,0 +1,380 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/gdrlink/gdrlink"
+	"github.com/gdrlink/gdrlink/tensor"
+)
+
+func init() {
+	register(Scenario{
+		Name: "allreduce",
+		Doc:  "AllReduce (sum) of float32 tensors, 4 KiB..256 MiB, on 2, 4 and 8 worker processes: algorithm bandwidth and bytes on the wire per worker, vs Open MPI's MPI_Allreduce",
+		Run:  runAllReduce,
+		Plots: []Plot{
+			{File: "allreduce-bandwidth.svg", Title: "AllReduce algorithm bandwidth (size / time) vs MPI_Allreduce", Unit: "GB/s", CasePrefix: "ring/"},
+		},
+	})
+	// The bench binary re-executes itself as the job's ranks.
+	if os.Getenv(allReduceRankEnv) != "" {
+		os.Exit(runAllReduceRank())
+	}
+}
+
+const (
+	allReduceRankEnv  = "GDRLINK_BENCH_ALLREDUCE"
+	allReduceSizesEnv = "GDRLINK_BENCH_ALLREDUCE_SIZES"
+	allReduceRepsEnv  = "GDRLINK_BENCH_ALLREDUCE_REPS"
+	allReduceMinSize  = 4 << 10
+	allReduceMaxSize  = 256 << 20
+
+	// The allreduce scenario's -set keys.
+	setAllReduceWorkers   = "allreduce.workers"   // comma-separated worker counts (default 2,4,8)
+	setAllReduceProviders = "allreduce.providers" // comma-separated providers (default onnode)
+	setAllReduceMPI       = "allreduce.mpi"       // "off" skips the Open MPI baseline
+)
+
+// allReduceRow is what rank 0 of a job prints for one size: the median
+// time of one call, and the bytes it put on the wire.
+type allReduceRow struct {
+	Size    int64   `json:"size"`
+	Seconds float64 `json:"seconds"`
+	Sent    int64   `json:"sent"`
+	Links   string  `json:"links"`
+	Err     string  `json:"err,omitempty"`
+}
+
+func runAllReduce(ctx context.Context, env *Env) error {
+	sizes := env.sizes(allReduceMinSize, allReduceMaxSize)
+	workers := []int{2, 4, 8}
+	if env.Quick {
+		workers = []int{2, 3}
+	}
+	if v, ok := env.Args[setAllReduceWorkers]; ok {
+		workers = nil
+		for _, f := range strings.Split(v, ",") {
+			n, err := strconv.Atoi(f)
+			if err != nil || n < 2 {
+				return fmt.Errorf("%w: -set %s=%s: want worker counts of at least 2", errUsage, setAllReduceWorkers, v)
+			}
+			workers = append(workers, n)
+		}
+	}
+	providers := []string{"onnode"}
+	if v, ok := env.Args[setAllReduceProviders]; ok {
+		providers = strings.Split(v, ",")
+	}
+	reps := max(env.Reps, 1)
+	mpi, mpiErr := buildMPIAllReduce(ctx)
+	if env.Args[setAllReduceMPI] == "off" {
+		mpiErr = errors.New("-set " + setAllReduceMPI + "=off")
+	}
+	if mpiErr != nil {
+		env.Log.Info("MPI_Allreduce baseline skipped", "reason", mpiErr)
+	} else {
+		defer os.RemoveAll(filepath.Dir(mpi))
+	}
+	for _, w := range workers {
+		var base map[int64]float64
+		baseNote := ""
+		if mpiErr == nil {
+			var err error
+			if base, err = runMPIAllReduce(ctx, mpi, w, sizes, reps); err != nil {
+				env.Log.Info("MPI_Allreduce baseline failed", "workers", w, "err", err)
+				baseNote = fmt.Sprintf("; no baseline: MPI_Allreduce failed: %v", err)
+			}
+		} else {
+			baseNote = fmt.Sprintf("; no baseline: %v", mpiErr)
+		}
+		for _, prov := range providers {
+			rows, err := runRingAllReduce(ctx, prov, w, sizes, reps)
+			if err != nil {
+				return fmt.Errorf("%d workers on %s: %w", w, prov, err)
+			}
+			for _, row := range rows {
+				d := time.Duration(row.Seconds * float64(time.Second))
+				b, name := 0.0, ""
+				if sec, ok := base[row.Size]; ok {
+					b, name = rateGBs(row.Size, time.Duration(sec*float64(time.Second))), "mpi-allreduce"
+				}
+				note := fmt.Sprintf("%d worker processes, float32 sum, median of %d; received over %s%s", w, reps, row.Links, baseNote)
+				r := newResult("allreduce", fmt.Sprintf("ring/%s/%dw", prov, w), row.Size, rateGBs(row.Size, d), "GB/s", b, name)
+				r.Note = note
+				env.Emit(r)
+				wire := newResult("allreduce", fmt.Sprintf("wire/%s/%dw", prov, w), row.Size, float64(row.Sent), "B", 0, "")
+				wire.Note = fmt.Sprintf("bytes one worker put on the wire per call; a ring's least is 2(W-1)/W × size = %d", 2*int64(w-1)*row.Size/int64(w))
+				env.Emit(wire)
+			}
+		}
+	}
+	return nil
+}
+
+// runRingAllReduce runs a job of w processes of this binary over provider
+// and returns rank 0's rows.
+func runRingAllReduce(ctx context.Context, provider string, w int, sizes []int64, reps int) ([]allReduceRow, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	lf, err := ln.(*net.TCPListener).File()
+	root := ln.Addr().String()
+	ln.Close()
+	if err != nil {
+		return nil, err
+	}
+	defer lf.Close()
+	key, err := gdrlink.NewJobKey()
+	if err != nil {
+		return nil, err
+	}
+	var ss []string
+	for _, s := range sizes {
+		ss = append(ss, strconv.FormatInt(s, 10))
+	}
+	cmds := make([]*exec.Cmd, w)
+	var out0 bytes.Buffer
+	errs := make([]bytes.Buffer, w)
+	for r := range w {
+		c := exec.CommandContext(ctx, self, "-test.run=^$")
+		c.Env = append(os.Environ(), allReduceRankEnv+"=1", allReduceSizesEnv+"="+strings.Join(ss, ","), allReduceRepsEnv+"="+strconv.Itoa(reps),
+			"GDRLINK_RANK="+strconv.Itoa(r), "GDRLINK_SIZE="+strconv.Itoa(w), "GDRLINK_ROOT="+root, "GDRLINK_PROVIDER="+provider, "GDRLINK_JOB_KEY="+key)
+		if r == 0 {
+			c.ExtraFiles = []*os.File{lf}
+			c.Stdout = &out0
+		}
+		c.Stderr = &errs[r]
+		c.WaitDelay = 5 * time.Second
+		if err := c.Start(); err != nil {
+			for _, c := range cmds[:r] {
+				c.Process.Kill()
+				c.Wait()
+			}
+			return nil, err
+		}
+		cmds[r] = c
+	}
+	var failed []error
+	for r, c := range cmds {
+		if err := c.Wait(); err != nil {
+			failed = append(failed, fmt.Errorf("rank %d: %w: %s", r, err, strings.TrimSpace(errs[r].String())))
+		}
+	}
+	if len(failed) > 0 {
+		return nil, errors.Join(failed...)
+	}
+	var rows []allReduceRow
+	sc := bufio.NewScanner(&out0)
+	for sc.Scan() {
+		var row allReduceRow
+		if err := json.Unmarshal(sc.Bytes(), &row); err != nil {
+			return nil, fmt.Errorf("rank 0 printed %q: %w", sc.Text(), err)
+		}
+		if row.Err != "" {
+			return nil, errors.New(row.Err)
+		}
+		rows = append(rows, row)
+	}
+	if len(rows) != len(sizes) {
+		return nil, fmt.Errorf("rank 0 reported %d sizes of %d", len(rows), len(sizes))
+	}
+	return rows, nil
+}
+
+// runAllReduceRank is one rank of the job: for each size, one AllReduce to
+// warm up, then reps timed, each after a barrier; rank 0 prints a row per
+// size.
+func runAllReduceRank() int {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
+	defer cancel()
+	if err := allReduceRank(ctx); err != nil {
+		fmt.Fprintf(os.Stderr, "rank %s: %v\n", os.Getenv("GDRLINK_RANK"), err)
+		return 1
+	}
+	return 0
+}
+
+func allReduceRank(ctx context.Context) error {
+	var opts []gdrlink.Option
+	if os.Getenv("GDRLINK_RANK") == "0" {
+		ln, err := net.FileListener(os.NewFile(3, "root"))
+		if err != nil {
+			return err
+		}
+		opts = append(opts, gdrlink.WithRootListener(ln))
+	}
+	reps, err := strconv.Atoi(os.Getenv(allReduceRepsEnv))
+	if err != nil {
+		return err
+	}
+	g, err := gdrlink.Join(ctx, opts...)
+	if err != nil {
+		return err
+	}
+	defer g.Close()
+	enc := json.NewEncoder(os.Stdout)
+	for _, f := range strings.Split(os.Getenv(allReduceSizesEnv), ",") {
+		size, err := strconv.ParseInt(f, 10, 64)
+		if err != nil {
+			return err
+		}
+		t, err := g.NewTensor(tensor.Float32, size/4)
+		if err != nil {
+			return err
+		}
+		v, _ := tensor.View[float32](t)
+		for i := range v {
+			v[i] = float32(i%7) / 8
+		}
+		if _, err := g.AllReduce(ctx, t, gdrlink.Average); err != nil {
+			return err
+		}
+		times := make([]float64, reps)
+		row := allReduceRow{Size: size}
+		for i := range times {
+			if err := g.Barrier(ctx); err != nil {
+				return err
+			}
+			start := time.Now()
+			rep, err := g.AllReduce(ctx, t, gdrlink.Average)
+			if err != nil {
+				return err
+			}
+			times[i] = time.Since(start).Seconds()
+			row.Sent = rep.Sent
+			var links []string
+			for _, l := range rep.Links {
+				links = append(links, l.Provider+"/"+l.Path.String())
+			}
+			row.Links = strings.Join(links, ",")
+		}
+		_ = t.Release()
+		row.Seconds = median(times)
+		if g.Rank() == 0 {
+			if err := enc.Encode(row); err != nil {
+				return err
+			}
+		}
+	}
+	return g.Barrier(ctx)
+}
+
+// mpiAllReduceSource times MPI_Allreduce (float32 sum, in place) for each
+// size given, after one call to warm up, reps times, each after a
+// barrier; rank 0 prints "size seconds..." per size.
+const mpiAllReduceSource = `#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+int main(int argc, char **argv) {
+	MPI_Init(&argc, &argv);
+	int rank;
+	MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+	int reps = atoi(argv[1]);
+	for (int a = 2; a < argc; a++) {
+		long size = atol(argv[a]);
+		long n = size / 4;
+		float *buf = malloc(size);
+		for (long i = 0; i < n; i++) buf[i] = (float)(i % 7) / 8;
+		MPI_Allreduce(MPI_IN_PLACE, buf, n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+		if (rank == 0) printf("%ld", size);
+		for (int r = 0; r < reps; r++) {
+			MPI_Barrier(MPI_COMM_WORLD);
+			double t0 = MPI_Wtime();
+			MPI_Allreduce(MPI_IN_PLACE, buf, n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+			double t = MPI_Wtime() - t0;
+			if (rank == 0) printf(" %.9f", t);
+		}
+		if (rank == 0) { printf("\n"); fflush(stdout); }
+		free(buf);
+	}
+	MPI_Finalize();
+	return 0;
+}
+`
+
+// buildMPIAllReduce compiles the MPI baseline with mpicc into a temporary
+// directory, or says why it cannot.
+func buildMPIAllReduce(ctx context.Context) (string, error) {
+	for _, tool := range []string{"mpicc", "mpirun"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			return "", fmt.Errorf("%s not installed (Debian packages libopenmpi-dev and openmpi-bin): %w", tool, err)
+		}
+	}
+	dir, err := os.MkdirTemp("", "gdrlink-mpi-allreduce")
+	if err != nil {
+		return "", err
+	}
+	src, bin := filepath.Join(dir, "allreduce.c"), filepath.Join(dir, "allreduce")
+	if err := os.WriteFile(src, []byte(mpiAllReduceSource), 0o644); err != nil {
+		os.RemoveAll(dir)
+		return "", err
+	}
+	if out, err := exec.CommandContext(ctx, "mpicc", "-O2", "-o", bin, src).CombinedOutput(); err != nil {
+		os.RemoveAll(dir)
+		return "", fmt.Errorf("mpicc (is libopenmpi-dev installed?): %w: %s", err, bytes.TrimSpace(out))
+	}
+	return bin, nil
+}
+
+// runMPIAllReduce runs the baseline on w processes and returns the median
+// seconds per size.
+func runMPIAllReduce(ctx context.Context, bin string, w int, sizes []int64, reps int) (map[int64]float64, error) {
+	// Open MPI's defaults otherwise: it yields the processor while it
+	// waits only when there are more processes than cores.
+	args := []string{"--allow-run-as-root", "--oversubscribe", "-np", strconv.Itoa(w), bin, strconv.Itoa(reps)}
+	for _, s := range sizes {
+		args = append(args, strconv.FormatInt(s, 10))
+	}
+	cctx, cancel := context.WithTimeout(ctx, 20*time.Minute)
+	defer cancel()
+	c := exec.CommandContext(cctx, "mpirun", args...)
+	var stderr bytes.Buffer
+	c.Stderr = &stderr
+	out, err := c.Output()
+	if err != nil {
+		return nil, fmt.Errorf("mpirun: %w: %s", err, bytes.TrimSpace(stderr.Bytes()))
+	}
+	return parseMPIAllReduce(out, reps)
+}
+
+// parseMPIAllReduce reads the baseline's lines: a size and reps times.
+func parseMPIAllReduce(out []byte, reps int) (map[int64]float64, error) {
+	res := map[int64]float64{}
+	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+		f := strings.Fields(line)
+		if len(f) != reps+1 {
+			return nil, fmt.Errorf("MPI baseline line %q: want a size and %d times", line, reps)
+		}
+		size, err := strconv.ParseInt(f[0], 10, 64)
+		if err != nil || size <= 0 {
+			return nil, fmt.Errorf("MPI baseline line %q: bad size", line)
+		}
+		ts := make([]float64, reps)
+		for i := range ts {
+			if ts[i], err = strconv.ParseFloat(f[i+1], 64); err != nil || !(ts[i] > 0) || math.IsInf(ts[i], 0) {
+				return nil, fmt.Errorf("MPI baseline line %q: bad time %q", line, f[i+1])
+			}
+		}
+		res[size] = median(ts)
+	}
+	return res, nil
+}

@@ -1,0 +1,78 @@
+package main
+
+import (
+	"math"
+	"strings"
+	"testing"
+)
+
+// TestAllReduceScenarioQuick runs the scenario on 2 and 3 processes of
+// this test binary: every size has its bandwidth, and bytes on the wire
+// close to the ring's least, 2(W-1)/W × size; the MPI baseline is there
+// or its absence said.
+func TestAllReduceScenarioQuick(t *testing.T) {
+	code, out, errOut := runBench(t, "-quick", "-json", "-reps", "1", "-max-size", "64KiB", "-scenario", "allreduce")
+	if code != exitOK {
+		t.Fatalf("exit %d: %s", code, errOut)
+	}
+	rs := parseLines(t, out)
+	bw, wire := 0, 0
+	for _, r := range rs {
+		switch {
+		case strings.HasPrefix(r.Case, "ring/onnode/"):
+			bw++
+			if !(r.Value > 0) || r.Unit != "GB/s" {
+				t.Errorf("%s %d: %v %s", r.Case, r.SizeBytes, r.Value, r.Unit)
+			}
+			if r.Baseline == 0 && !strings.Contains(r.Note, "no baseline") {
+				t.Errorf("%s %d: no baseline, and the note does not say why: %q", r.Case, r.SizeBytes, r.Note)
+			}
+		case strings.HasPrefix(r.Case, "wire/onnode/"):
+			wire++
+			w := 2.0
+			if strings.HasSuffix(r.Case, "/3w") {
+				w = 3
+			}
+			least := 2 * (w - 1) / w * float64(r.SizeBytes)
+			if math.Abs(r.Value-least) > 64 {
+				t.Errorf("%s %d: %v bytes on the wire, want about %v", r.Case, r.SizeBytes, r.Value, least)
+			}
+		}
+	}
+	if n := len(sweepSizes(allReduceMinSize, 64<<10)); bw != 2*n || wire != 2*n {
+		t.Errorf("%d bandwidth and %d wire results, want %d each", bw, wire, 2*n)
+	}
+}
+
+func TestParseMPIAllReduce(t *testing.T) {
+	got, err := parseMPIAllReduce([]byte("4096 0.000010 0.000030 0.000020\n8192 0.1 0.2 0.3\n"), 3)
+	if err != nil || got[4096] != 0.00002 || got[8192] != 0.2 || len(got) != 2 {
+		t.Fatalf("%v, %v", got, err)
+	}
+	for _, bad := range []string{"4096 0.1 0.2\n", "x 1 2 3\n", "4096 1 2 -3\n", "4096 1 2 NaN\n", "4096 1 2 Inf\n", "-5 1 2 3\n"} {
+		if _, err := parseMPIAllReduce([]byte(bad), 3); err == nil {
+			t.Errorf("%q parsed", bad)
+		}
+	}
+}
+
+// FuzzParseMPIAllReduce: the baseline's output parses to positive times or
+// an error, never a panic.
+func FuzzParseMPIAllReduce(f *testing.F) {
+	f.Add([]byte("4096 0.000010 0.000030 0.000020\n"), 3)
+	f.Add([]byte("1 1e-9\n2 Inf\n"), 1)
+	f.Fuzz(func(t *testing.T, b []byte, reps int) {
+		if reps < 1 || reps > 64 {
+			return
+		}
+		m, err := parseMPIAllReduce(b, reps)
+		if err != nil {
+			return
+		}
+		for size, s := range m {
+			if size <= 0 || !(s > 0) || math.IsInf(s, 0) {
+				t.Fatalf("size %d: %v seconds", size, s)
+			}
+		}
+	})
+}

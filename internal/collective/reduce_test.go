@@ -1,0 +1,99 @@
+package collective
+
+import (
+	"math"
+	"strings"
+	"testing"
+)
+
+// Every half converts to float32 and back to itself; NaNs stay NaNs.
+func TestHalfRoundTrip(t *testing.T) {
+	for _, h := range []half{halfF16, halfBF16} {
+		for i := range 1 << 16 {
+			f := h.to(uint16(i))
+			if math.IsNaN(float64(f)) {
+				if !math.IsNaN(float64(h.to(h.from(f)))) {
+					t.Fatalf("NaN %#04x does not stay NaN", i)
+				}
+				continue
+			}
+			if got := h.from(f); got != uint16(i) {
+				t.Fatalf("%#04x → %v → %#04x", i, f, got)
+			}
+		}
+	}
+}
+
+// Rounding to half is to nearest, ties to even: checked against float64
+// arithmetic on the halves on either side of values between them.
+func TestHalfRounding(t *testing.T) {
+	for _, h := range []half{halfF16, halfBF16} {
+		for i := range 1<<15 - 1 {
+			lo, hi := h.to(uint16(i)), h.to(uint16(i+1))
+			if math.IsInf(float64(hi), 0) || math.IsNaN(float64(hi)) {
+				continue
+			}
+			mid := float32((float64(lo) + float64(hi)) / 2)
+			want := uint16(i)
+			if i&1 == 1 {
+				want = uint16(i + 1)
+			}
+			if float64(mid) == (float64(lo)+float64(hi))/2 {
+				if got := h.from(mid); got != want {
+					t.Fatalf("tie %v between %#04x and %#04x → %#04x, want %#04x", mid, i, i+1, got, want)
+				}
+			}
+			above := math.Nextafter32(mid, hi)
+			if got := h.from(above); got != uint16(i+1) && above < hi {
+				t.Fatalf("%v just above the middle of %#04x and %#04x → %#04x", above, i, i+1, got)
+			}
+			below := math.Nextafter32(mid, lo)
+			if got := h.from(below); got != uint16(i) && below > lo {
+				t.Fatalf("%v just below the middle of %#04x and %#04x → %#04x", below, i, i+1, got)
+			}
+		}
+	}
+	if got := f16ToF32(f32ToF16(1e30)); !math.IsInf(float64(got), 1) {
+		t.Fatalf("1e30 as float16: %v, want +Inf", got)
+	}
+}
+
+func TestParseAbort(t *testing.T) {
+	for _, tc := range []struct {
+		text string
+		rank int
+		ok   bool
+	}{
+		{abortText(3, errString("x")).Error(), 3, true},
+		{"rendezvous: error from peer: rank 2 for \"k\" step 1: code 5: " + abortText(0, errString("y")).Error(), 0, true},
+		{abortMarker + "8: too big", -1, false},
+		{abortMarker + "-1: negative", -1, false},
+		{abortMarker + "+1: signed", -1, false},
+		{abortMarker + "99999999999999999999: huge", -1, false},
+		{abortMarker + "2", -1, false},
+		{"nothing here", -1, false},
+	} {
+		r, ok := parseAbort(tc.text, 8)
+		if r != tc.rank || ok != tc.ok {
+			t.Errorf("%q: %d %v, want %d %v", tc.text, r, ok, tc.rank, tc.ok)
+		}
+	}
+}
+
+type errString string
+
+func (e errString) Error() string { return string(e) }
+
+func FuzzParseAbort(f *testing.F) {
+	f.Add(abortText(3, errString("lost")).Error(), 8)
+	f.Add(abortMarker+"x:", 4)
+	f.Fuzz(func(t *testing.T, text string, size int) {
+		r, ok := parseAbort(text, size)
+		if ok && (r < 0 || r >= size || !strings.Contains(text, abortMarker)) {
+			t.Fatalf("%q of %d: rank %d", text, size, r)
+		}
+		if !ok && r != -1 {
+			t.Fatalf("%q: not ok but rank %d", text, r)
+		}
+	})
+}

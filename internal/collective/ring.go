@@ -1,0 +1,615 @@
+package collective
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/gdrlink/gdrlink/collective"
+	"github.com/gdrlink/gdrlink/rendezvous"
+	"github.com/gdrlink/gdrlink/tensor"
+	"github.com/gdrlink/gdrlink/verbsio"
+)
+
+// KeyPrefix begins the keys the ring sends under; a program's own Send and
+// Recv keys should not begin with it.
+const KeyPrefix = "gdrlink/collective/"
+
+const (
+	defaultSegment = 1 << 20
+	defaultLanes   = 16
+	// abortGrace is how long a failing rank waits for its sends in flight
+	// before it closes its link to its successor, and how long a
+	// neighbour's closing waits for a better cause (run.fail).
+	abortGrace = time.Second
+)
+
+// Ring is the built-in backend: a ring over the job's zero-copy links.
+// AllReduce is a reduce-scatter followed by an all-gather, each of
+// Size()-1 steps in which every rank sends one chunk of the tensor to its
+// successor (rank+1) and receives one from its predecessor, straight into
+// a registered tensor; the chunk sent is a piece of the caller's tensor
+// itself, not a copy. Each chunk is cut into segments (WithSegment, at
+// most WithLanes of them), and each segment goes through the steps on its
+// own, so sending, receiving and reducing overlap.
+//
+// The order of additions is fixed per element, so every rank gets the
+// same bits and a call gives the same bits every time: the tensor's
+// elements are cut into Size() chunks by index (chunk c is elements
+// [N·c/Size, N·(c+1)/Size)), and chunk c is summed left to right from rank
+// c around the ring: ((x_c + x_c+1) + x_c+2) + … + x_c-1 (indices mod
+// Size), whatever the timing, the segments or the transport. Its last
+// adder, rank c-1, owns it (and divides it, for Average), and the
+// all-gather copies those bits, unchanged, to every other rank. 16-bit
+// floats are added in float32 and rounded to nearest even after each
+// addition.
+type Ring struct {
+	tr      Transport
+	segment int64
+	lanes   int
+}
+
+// RingOption configures a Ring.
+type RingOption func(*Ring)
+
+// WithSegment sets the size in bytes ring steps are cut into (default 1
+// MiB; at most WithLanes segments per chunk).
+func WithSegment(n int64) RingOption {
+	return func(r *Ring) {
+		if n > 0 {
+			r.segment = n
+		}
+	}
+}
+
+// WithLanes bounds the segments per chunk, each in flight on its own
+// (default 16).
+func WithLanes(n int) RingOption {
+	return func(r *Ring) {
+		if n > 0 {
+			r.lanes = n
+		}
+	}
+}
+
+// NewRing returns the ring backend over tr.
+func NewRing(tr Transport, opts ...RingOption) *Ring {
+	r := &Ring{tr: tr, segment: defaultSegment, lanes: defaultLanes}
+	for _, o := range opts {
+		o(r)
+	}
+	return r
+}
+
+// Name is "ring".
+func (r *Ring) Name() string { return "ring" }
+
+// AllReduce reduces t over every rank in place (see Ring).
+func (r *Ring) AllReduce(ctx context.Context, seq uint64, t *tensor.Tensor, op Op) (collective.Report, error) {
+	const name = "allreduce"
+	if err := checkHost("allreduce", t); err != nil {
+		return collective.Report{Op: name}, err
+	}
+	if op != Sum && op != Average {
+		return collective.Report{Op: name}, fmt.Errorf("%w: reduction %s", ErrBadArgument, op)
+	}
+	k, err := kernelFor(t.Meta().DType)
+	if err != nil {
+		return collective.Report{Op: name}, err
+	}
+	x := r.newRun(name, seq, t)
+	x.rep.Reduce = op.String()
+	x.kern, x.avg = k, op == Average
+	n := x.n
+	elems := x.elems()
+	x.chunks = make([]span, n)
+	for c := range n {
+		x.chunks[c] = span{elems * int64(c) / int64(n), elems*int64(c+1)/int64(n) - elems*int64(c)/int64(n)}
+	}
+	if n == 1 {
+		return x.finish(nil)
+	}
+	x.steps = 2 * (n - 1)
+	return x.finish(x.runLanes(ctx, x.allReduceLane))
+}
+
+// Broadcast copies root's t to every rank's t, down the ring from root:
+// every segment is forwarded as soon as it lands.
+func (r *Ring) Broadcast(ctx context.Context, seq uint64, t *tensor.Tensor, root int) (collective.Report, error) {
+	const name = "broadcast"
+	if err := checkHost("broadcast", t); err != nil {
+		return collective.Report{Op: name}, err
+	}
+	if root < 0 || root >= r.tr.Size() {
+		return collective.Report{Op: name}, fmt.Errorf("%w: root %d of %d ranks", ErrBadArgument, root, r.tr.Size())
+	}
+	x := r.newRun(name, seq, t)
+	x.root = root
+	x.chunks = []span{{0, x.elems()}}
+	if x.n == 1 {
+		return x.finish(nil)
+	}
+	x.steps = 1
+	return x.finish(x.runLanes(ctx, x.broadcastLane))
+}
+
+// AllGather writes every rank's in into out, rank i's at byte offset i ×
+// in's byte size: out has in's element type and Size() times its
+// elements (shape [Size(), in's shape...] is the usual one). Each slot
+// goes around the ring once.
+func (r *Ring) AllGather(ctx context.Context, seq uint64, in, out *tensor.Tensor) (collective.Report, error) {
+	const name = "allgather"
+	if err := checkHost("allgather input", in); err != nil {
+		return collective.Report{Op: name}, err
+	}
+	if err := checkHost("allgather output", out); err != nil {
+		return collective.Report{Op: name}, err
+	}
+	n := r.tr.Size()
+	im, om := in.Meta(), out.Meta()
+	if im.DType != om.DType || om.ByteSize != int64(n)*im.ByteSize {
+		return collective.Report{Op: name}, fmt.Errorf("%w: allgather of %s into %s: want %s with %d times the elements", ErrBadArgument, im, om, im.DType, n)
+	}
+	x := r.newRun(name, seq, out)
+	each := x.elems() / int64(n)
+	x.chunks = make([]span, n)
+	for c := range n {
+		x.chunks[c] = span{each * int64(c), each}
+	}
+	src, _ := in.Bytes()
+	copy(x.bytes(x.chunks[x.rank]), src)
+	if n == 1 {
+		return x.finish(nil)
+	}
+	x.steps = n - 1
+	return x.finish(x.runLanes(ctx, x.allGatherLane))
+}
+
+// span is a range of elements.
+type span struct{ off, n int64 }
+
+// run is one collective call on this rank.
+type run struct {
+	r          *Ring
+	op         string
+	seq        uint64
+	n, rank    int
+	root       int
+	t          *tensor.Tensor
+	data       []byte
+	esize      int64
+	chunks     []span
+	lanes      int
+	kern       kernel
+	avg        bool
+	start      time.Time
+	next, prev Link
+	nextRank   int
+	prevRank   int
+
+	parent context.Context
+	ctx    context.Context
+	cancel context.CancelFunc
+	sends  sync.WaitGroup
+
+	// steps is the number of steps of each lane: those the successor
+	// may wait for.
+	steps int
+
+	mu  sync.Mutex
+	rep collective.Report
+	err error // the first failure
+	// weak is a neighbour's closing, which waits for a better cause
+	// (fail) until weakTimer fires.
+	weak      error
+	weakTimer *time.Timer
+	sentUpTo  []int // per lane: the steps whose sends were made
+}
+
+func (r *Ring) newRun(op string, seq uint64, t *tensor.Tensor) *run {
+	data, _ := t.Bytes()
+	x := &run{r: r, op: op, seq: seq, n: r.tr.Size(), rank: r.tr.Rank(), t: t, data: data, esize: int64(t.Meta().DType.Size()), start: time.Now()}
+	x.nextRank, x.prevRank = (x.rank+1)%x.n, (x.rank+x.n-1)%x.n
+	x.rep = collective.Report{Op: op, Backend: r.Name(), Ranks: x.n, Bytes: int64(len(data))}
+	return x
+}
+
+func (x *run) elems() int64 { return int64(len(x.data)) / x.esize }
+
+func (x *run) mod(i int) int { return ((i % x.n) + x.n) % x.n }
+
+// seg is segment k of chunk c.
+func (x *run) seg(c, k int) span {
+	ch := x.chunks[c]
+	lo := ch.off + ch.n*int64(k)/int64(x.lanes)
+	hi := ch.off + ch.n*int64(k+1)/int64(x.lanes)
+	return span{lo, hi - lo}
+}
+
+func (x *run) bytes(s span) []byte {
+	return x.data[s.off*x.esize : (s.off+s.n)*x.esize]
+}
+
+func (x *run) key(k int) string { return KeyPrefix + strconv.Itoa(k) }
+
+func (x *run) step(s int) int64 { return int64(x.seq)*int64(2*x.n) + int64(s) }
+
+func (x *run) finish(err error) (collective.Report, error) {
+	x.rep.Took = time.Since(x.start)
+	x.rep.Segments = max(x.lanes, 1)
+	return x.rep, err
+}
+
+// runLanes connects to the neighbours and runs lane(k) for every segment
+// lane at once; on a failure it tells the successor, waits a while for
+// its sends and closes its links.
+func (x *run) runLanes(ctx context.Context, lane func(k int) error) error {
+	x.setLanes()
+	x.sentUpTo = make([]int, x.lanes)
+	if err := ctx.Err(); err != nil {
+		// Ended before it began: tell the successor, whose lanes wait
+		// for their first step, if the link is there at once.
+		err := &collective.RankError{Op: x.op, Rank: x.rank, Err: fmt.Errorf("rank %d: %w", x.rank, context.Cause(ctx))}
+		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), abortGrace)
+		defer cancel()
+		if next, lerr := x.r.tr.Link(tctx, x.nextRank); lerr == nil {
+			for k := range x.lanes {
+				for s := range x.steps {
+					_ = next.SendError(x.key(k), x.step(s), abortText(x.rank, err))
+				}
+			}
+		}
+		return err
+	}
+	var err error
+	if x.next, err = x.r.tr.Link(ctx, x.nextRank); err != nil {
+		return x.linkFailed(ctx, x.nextRank, err)
+	}
+	if x.prev, err = x.r.tr.Link(ctx, x.prevRank); err != nil {
+		return x.linkFailed(ctx, x.prevRank, err)
+	}
+	x.parent = ctx
+	x.ctx, x.cancel = context.WithCancel(ctx)
+	defer x.cancel()
+	var wg sync.WaitGroup
+	for k := range x.lanes {
+		wg.Go(func() {
+			if err := lane(k); err != nil {
+				x.fail(err)
+			}
+		})
+	}
+	wg.Wait()
+	x.mu.Lock()
+	if x.weakTimer != nil {
+		x.weakTimer.Stop()
+	}
+	if x.err == nil {
+		x.err = x.weak
+	}
+	ferr := x.err
+	x.mu.Unlock()
+	if ferr == nil {
+		x.sends.Wait()
+		return nil
+	}
+	x.abort(ferr)
+	return ferr
+}
+
+// setLanes picks the number of segments per chunk: enough for segments
+// of the ring's size, at most its lanes, at most the smallest chunk's
+// elements.
+func (x *run) setLanes() {
+	biggest := int64(0)
+	smallest := int64(-1)
+	for _, c := range x.chunks {
+		biggest = max(biggest, c.n*x.esize)
+		if smallest < 0 || c.n < smallest {
+			smallest = c.n
+		}
+	}
+	x.lanes = int(min(int64(x.r.lanes), max(1, (biggest+x.r.segment-1)/x.r.segment), max(1, smallest)))
+}
+
+// linkFailed is the error of a link to peer that could not be had.
+func (x *run) linkFailed(ctx context.Context, peer int, err error) error {
+	if ctx.Err() != nil {
+		return &collective.RankError{Op: x.op, Rank: x.rank, Err: fmt.Errorf("rank %d waiting for its link to rank %d: %w", x.rank, peer, err)}
+	}
+	return &collective.RankError{Op: x.op, Rank: peer, Err: err}
+}
+
+// fail records the first failure and stops the other lanes. A
+// neighbour that closed its link is a weak cause: it may have closed
+// because its own collective failed (and its process ended) before this
+// rank heard why along the ring. So that failure waits up to abortGrace
+// for a better one (a lost rank, an abort naming one, this rank's
+// deadline) before it stops the lanes.
+func (x *run) fail(err error) {
+	x.mu.Lock()
+	if x.err != nil {
+		x.mu.Unlock()
+		return
+	}
+	if weakCause(err) {
+		if x.weak == nil {
+			x.weak = err
+			x.weakTimer = time.AfterFunc(abortGrace, func() { x.settle(err) })
+		}
+		x.mu.Unlock()
+		return
+	}
+	x.err = err
+	x.mu.Unlock()
+	x.cancel()
+}
+
+// settle makes err the failure unless a better one came.
+func (x *run) settle(err error) {
+	x.mu.Lock()
+	if x.err == nil {
+		x.err = err
+	}
+	x.mu.Unlock()
+	x.cancel()
+}
+
+// weakCause reports whether err is a neighbour's closing: the rank named
+// closed its link in good order, which says that it stopped, not why.
+func weakCause(err error) bool {
+	var re *collective.RankError
+	return errors.As(err, &re) && re.Rank >= 0 && errors.Is(err, rendezvous.ErrClosed) && !errors.Is(err, verbsio.ErrPeerLost)
+}
+
+// abort tells the successor which rank failed, on every step of every
+// lane it has not sent (the successor may be waiting for any of them, or
+// ask for them later), and gives the sends in flight a moment. Sends
+// still out then are ones the successor will never ask for (it failed
+// too), and each holds a piece of the caller's tensor: the link to the
+// successor is closed to drop them. Otherwise the links stay, so that
+// the successor hears of the failure, with the rank at fault, rather
+// than as a link's end. The link to the predecessor holds no sends, only
+// receives, which the failure cancelled.
+func (x *run) abort(err error) {
+	var re *collective.RankError
+	rank := x.rank
+	if errors.As(err, &re) && re.Rank >= 0 {
+		rank = re.Rank
+	}
+	if x.nextRank != rank {
+		for k := range x.lanes {
+			for s := x.sentUpTo[k]; s < x.steps; s++ {
+				_ = x.next.SendError(x.key(k), x.step(s), abortText(rank, err))
+			}
+		}
+	}
+	done := make(chan struct{})
+	go func() { x.sends.Wait(); close(done) }()
+	select {
+	case <-done:
+		return
+	case <-time.After(abortGrace):
+	}
+	_ = x.next.Abort()
+	<-done
+}
+
+// send offers span s of the tensor to the successor as lane k's step.
+func (x *run) send(k, step int, s span) (<-chan error, error) {
+	p, err := piece(x.t, s.off*x.esize, s.n*x.esize)
+	if err != nil {
+		return nil, &collective.RankError{Op: x.op, Rank: x.rank, Err: err}
+	}
+	done := make(chan error, 1)
+	x.sends.Add(1)
+	n := s.n * x.esize
+	err = x.next.SendFunc(x.key(k), x.step(step), p, func(err error) {
+		if err == nil {
+			x.mu.Lock()
+			x.rep.Sent += n
+			x.mu.Unlock()
+		} else {
+			x.fail(x.linkErr(x.nextRank, err))
+		}
+		done <- err
+		x.sends.Done()
+	})
+	if err != nil {
+		x.sends.Done()
+		return nil, x.linkErr(x.nextRank, err)
+	}
+	x.mu.Lock()
+	x.sentUpTo[k] = step + 1
+	x.mu.Unlock()
+	return done, nil
+}
+
+// result is one receive's outcome.
+type result struct {
+	t   *tensor.Tensor
+	tr  rendezvous.Transfer
+	err error
+}
+
+// recv asks the predecessor for lane k's step.
+func (x *run) recv(k, step int) chan result {
+	ch := make(chan result, 1)
+	x.prev.RecvFunc(x.ctx, x.key(k), x.step(step), func(t *tensor.Tensor, tr rendezvous.Transfer, err error) {
+		if err != nil && x.ctx.Err() == nil {
+			// Stop every lane now, not when this one gets here: it may
+			// be waiting on something the failure holds up.
+			x.fail(x.linkErr(x.prevRank, err))
+		}
+		ch <- result{t, tr, err}
+	})
+	return ch
+}
+
+// take waits for a receive and checks what came.
+func (x *run) take(ch chan result, want span) (*tensor.Tensor, error) {
+	res := <-ch
+	if res.err != nil {
+		return nil, x.linkErr(x.prevRank, res.err)
+	}
+	x.mu.Lock()
+	addLink(&x.rep, x.prevRank, res.tr)
+	x.mu.Unlock()
+	b, err := res.t.Bytes()
+	if err == nil && (res.t.Meta().DType != x.t.Meta().DType || int64(len(b)) != want.n*x.esize) {
+		err = fmt.Errorf("%w: rank %d sent %s for %d elements of %s", rendezvous.ErrProtocol, x.prevRank, res.t.Meta(), want.n, x.t.Meta().DType)
+	}
+	if err != nil {
+		_ = res.t.Release()
+		return nil, &collective.RankError{Op: x.op, Rank: x.prevRank, Err: err}
+	}
+	return res.t, nil
+}
+
+// drain releases what a receive still brings after a failure.
+func drain(ch chan result) {
+	if ch == nil {
+		return
+	}
+	if res := <-ch; res.t != nil {
+		_ = res.t.Release()
+	}
+}
+
+// linkErr names the rank a link failure is about: the neighbour itself,
+// the rank a neighbour's abort names, or this rank when its own context
+// ended.
+func (x *run) linkErr(peer int, err error) error {
+	var re *collective.RankError
+	if errors.As(err, &re) {
+		return err
+	}
+	if x.parent.Err() != nil {
+		return &collective.RankError{Op: x.op, Rank: x.rank, Err: fmt.Errorf("rank %d: %w: %w", x.rank, context.Cause(x.parent), err)}
+	}
+	if x.ctx.Err() != nil {
+		// Another lane failed first and stopped this one.
+		return &collective.RankError{Op: x.op, Rank: -1, Err: err}
+	}
+	if errors.Is(err, rendezvous.ErrRemote) {
+		if r, ok := parseAbort(err.Error(), x.n); ok {
+			return &collective.RankError{Op: x.op, Rank: r, Err: err}
+		}
+	}
+	if errors.Is(err, verbsio.ErrPeerLost) || errors.Is(err, rendezvous.ErrClosed) {
+		return &collective.RankError{Op: x.op, Rank: peer, Err: fmt.Errorf("rank %d lost: %w", peer, err)}
+	}
+	return &collective.RankError{Op: x.op, Rank: peer, Err: err}
+}
+
+// allReduceLane runs segment k through the reduce-scatter and the
+// all-gather.
+func (x *run) allReduceLane(k int) error {
+	n, r := x.n, x.rank
+	total := 2 * (n - 1)
+	rsSent := make([]<-chan error, n-1)
+	cur := x.recv(k, 0)
+	for s := 0; s < total; s++ {
+		var sendC, recvC int
+		if s < n-1 {
+			sendC, recvC = x.mod(r-s), x.mod(r-s-1)
+		} else {
+			a := s - (n - 1)
+			sendC, recvC = x.mod(r+1-a), x.mod(r-a)
+			if a == 0 && x.avg {
+				x.kern.div(x.bytes(x.seg(sendC, k)), n)
+			}
+		}
+		done, err := x.send(k, s, x.seg(sendC, k))
+		if err != nil {
+			drain(cur)
+			return err
+		}
+		if s < n-1 {
+			rsSent[s] = done
+		}
+		var nxt chan result
+		if s+1 < total {
+			nxt = x.recv(k, s+1)
+		}
+		want := x.seg(recvC, k)
+		got, err := x.take(cur, want)
+		if err != nil {
+			drain(nxt)
+			return err
+		}
+		in, _ := got.Bytes()
+		if s < n-1 {
+			x.kern.add(x.bytes(want), in)
+		} else {
+			// The bytes overwritten went out in reduce-scatter step a;
+			// they have reached the successor (the chunk came round
+			// since), and the send's completion says so here too.
+			var err error
+			select {
+			case err = <-rsSent[s-(n-1)]:
+			case <-x.ctx.Done():
+				err = x.ctx.Err()
+			}
+			if err != nil {
+				_ = got.Release()
+				drain(nxt)
+				return x.linkErr(x.nextRank, err)
+			}
+			copy(x.bytes(want), in)
+		}
+		_ = got.Release()
+		cur = nxt
+	}
+	return nil
+}
+
+// allGatherLane runs segment k of every slot around the ring.
+func (x *run) allGatherLane(k int) error {
+	n, r := x.n, x.rank
+	cur := x.recv(k, 0)
+	for a := 0; a < n-1; a++ {
+		if _, err := x.send(k, a, x.seg(x.mod(r-a), k)); err != nil {
+			drain(cur)
+			return err
+		}
+		var nxt chan result
+		if a+1 < n-1 {
+			nxt = x.recv(k, a+1)
+		}
+		want := x.seg(x.mod(r-a-1), k)
+		got, err := x.take(cur, want)
+		if err != nil {
+			drain(nxt)
+			return err
+		}
+		in, _ := got.Bytes()
+		copy(x.bytes(want), in)
+		_ = got.Release()
+		cur = nxt
+	}
+	return nil
+}
+
+// broadcastLane passes segment k down the ring from the root.
+func (x *run) broadcastLane(k int) error {
+	pos := x.mod(x.rank - x.root)
+	s := x.seg(0, k)
+	if pos != 0 {
+		got, err := x.take(x.recv(k, 0), s)
+		if err != nil {
+			return err
+		}
+		in, _ := got.Bytes()
+		copy(x.bytes(s), in)
+		_ = got.Release()
+	}
+	if pos == x.n-1 {
+		return nil
+	}
+	_, err := x.send(k, 0, s)
+	return err
+}

@@ -1,0 +1,346 @@
+package collective
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/gdrlink/gdrlink/collective"
+	"github.com/gdrlink/gdrlink/tensor"
+	"github.com/gdrlink/gdrlink/verbsio"
+)
+
+// runRanks runs f for every rank of a job of size ranks at once.
+func runRanks(t *testing.T, size int, opts []RingOption, f func(r int, b *Ring) error) []error {
+	t.Helper()
+	j := newMemJob(size)
+	errs := make([]error, size)
+	var wg sync.WaitGroup
+	for r := range size {
+		wg.Go(func() { errs[r] = f(r, NewRing(memTransport{j, r}, opts...)) })
+	}
+	wg.Wait()
+	return errs
+}
+
+// chunkOf is the chunk element i of n falls in, for size ranks (the
+// partition Ring documents).
+func chunkOf(i, n int64, size int) int {
+	for c := range size {
+		if i < n*int64(c+1)/int64(size) {
+			return c
+		}
+	}
+	return size - 1
+}
+
+var shapes = []struct {
+	n    int64
+	opts []RingOption
+}{
+	{0, nil}, {1, nil}, {5, nil}, {1000, nil}, {1000, []RingOption{WithSegment(64), WithLanes(3)}},
+	{70001, []RingOption{WithSegment(4096), WithLanes(5)}},
+}
+
+// TestAllReduceFloat32Order: random float32s, whose sums round, come out
+// as the documented fold from rank c for chunk c, bit for bit, on every
+// rank.
+func TestAllReduceFloat32Order(t *testing.T) {
+	for size := 1; size <= 6; size++ {
+		for _, sh := range shapes {
+			for _, op := range []Op{Sum, Average} {
+				t.Run(fmt.Sprintf("%d-ranks-%d-%s", size, sh.n, op), func(t *testing.T) {
+					in := make([][]float32, size)
+					rng := rand.New(rand.NewPCG(uint64(size), uint64(sh.n)))
+					for r := range in {
+						in[r] = make([]float32, sh.n)
+						for i := range in[r] {
+							in[r][i] = float32(rng.NormFloat64() * math.Pow(10, float64(rng.IntN(6))))
+						}
+					}
+					want := make([]float32, sh.n)
+					for i := range want {
+						c := chunkOf(int64(i), sh.n, size)
+						v := in[c][i]
+						for s := 1; s < size; s++ {
+							v += in[(c+s)%size][i]
+						}
+						if op == Average {
+							v /= float32(size)
+						}
+						want[i] = v
+					}
+					got := make([][]float32, size)
+					errs := runRanks(t, size, sh.opts, func(r int, b *Ring) error {
+						x := newTensor(tensor.Float32, sh.n)
+						v, _ := tensor.View[float32](x)
+						copy(v, in[r])
+						rep, err := b.AllReduce(context.Background(), 7, x, op)
+						if err == nil && size > 1 && sh.n >= int64(size) && (rep.Received == 0 || rep.Sent == 0 || rep.Backend != "ring") {
+							err = fmt.Errorf("report %+v", rep)
+						}
+						got[r] = v
+						return err
+					})
+					for r := range size {
+						if errs[r] != nil {
+							t.Fatalf("rank %d: %v", r, errs[r])
+						}
+						for i := range want {
+							if math.Float32bits(got[r][i]) != math.Float32bits(want[i]) {
+								t.Fatalf("rank %d element %d: %v, want %v", r, i, got[r][i], want[i])
+							}
+						}
+					}
+				})
+			}
+		}
+	}
+}
+
+// TestAllReduceTypes: exact sums of integers and of floats holding small
+// integers, for every type the ring reduces.
+func TestAllReduceTypes(t *testing.T) {
+	const size, n = 4, 3001
+	types := []tensor.DType{tensor.Int8, tensor.Int16, tensor.Int32, tensor.Int64, tensor.Uint8, tensor.Uint16, tensor.Uint32,
+		tensor.Uint64, tensor.Float16, tensor.BFloat16, tensor.Float32, tensor.Float64, tensor.Complex64, tensor.Complex128}
+	val := func(r, i int) int64 { return int64((r*7+i*13)%50) - 10 }
+	for _, dt := range types {
+		t.Run(dt.String(), func(t *testing.T) {
+			errs := runRanks(t, size, []RingOption{WithSegment(256)}, func(r int, b *Ring) error {
+				x := newTensor(dt, n)
+				for i := range n {
+					set(x, i, val(r, i))
+				}
+				if _, err := b.AllReduce(context.Background(), 0, x, Sum); err != nil {
+					return err
+				}
+				for i := range n {
+					var w int64
+					for q := range size {
+						w += val(q, i)
+					}
+					if got := get(x, i); got != w && !(dt == tensor.Uint8 && got == int64(uint8(w))) && !(dt >= tensor.Uint8 && dt <= tensor.Uint64 && got == wrapU(dt, w)) {
+						return fmt.Errorf("element %d: %d, want %d", i, got, w)
+					}
+				}
+				return nil
+			})
+			for r, err := range errs {
+				if err != nil {
+					t.Errorf("rank %d: %v", r, err)
+				}
+			}
+		})
+	}
+	// Bool and strings do not add: a typed error, before any traffic.
+	errs := runRanks(t, 2, nil, func(r int, b *Ring) error {
+		_, err := b.AllReduce(context.Background(), 0, newTensor(tensor.Bool, 4), Sum)
+		return err
+	})
+	for _, err := range errs {
+		if !errors.Is(err, ErrBadArgument) {
+			t.Errorf("bool allreduce: %v, want ErrBadArgument", err)
+		}
+	}
+}
+
+func wrapU(dt tensor.DType, w int64) int64 {
+	switch dt {
+	case tensor.Uint16:
+		return int64(uint16(w))
+	case tensor.Uint32:
+		return int64(uint32(w))
+	}
+	return w
+}
+
+// set and get write and read element i as an integer value.
+func set(x *tensor.Tensor, i int, v int64) {
+	b, _ := x.Bytes()
+	switch x.Meta().DType {
+	case tensor.Int8, tensor.Uint8:
+		as[int8](b)[i] = int8(v)
+	case tensor.Int16, tensor.Uint16:
+		as[int16](b)[i] = int16(v)
+	case tensor.Int32, tensor.Uint32:
+		as[int32](b)[i] = int32(v)
+	case tensor.Int64, tensor.Uint64:
+		as[int64](b)[i] = v
+	case tensor.Float16:
+		as[uint16](b)[i] = f32ToF16(float32(v))
+	case tensor.BFloat16:
+		as[uint16](b)[i] = f32ToBF16(float32(v))
+	case tensor.Float32:
+		as[float32](b)[i] = float32(v)
+	case tensor.Float64:
+		as[float64](b)[i] = float64(v)
+	case tensor.Complex64:
+		as[complex64](b)[i] = complex(float32(v), float32(-v))
+	case tensor.Complex128:
+		as[complex128](b)[i] = complex(float64(v), float64(-v))
+	}
+}
+
+func get(x *tensor.Tensor, i int) int64 {
+	b, _ := x.Bytes()
+	switch x.Meta().DType {
+	case tensor.Int8:
+		return int64(as[int8](b)[i])
+	case tensor.Uint8:
+		return int64(as[uint8](b)[i])
+	case tensor.Int16:
+		return int64(as[int16](b)[i])
+	case tensor.Uint16:
+		return int64(as[uint16](b)[i])
+	case tensor.Int32:
+		return int64(as[int32](b)[i])
+	case tensor.Uint32:
+		return int64(as[uint32](b)[i])
+	case tensor.Int64, tensor.Uint64:
+		return as[int64](b)[i]
+	case tensor.Float16:
+		return int64(f16ToF32(as[uint16](b)[i]))
+	case tensor.BFloat16:
+		return int64(bf16ToF32(as[uint16](b)[i]))
+	case tensor.Float32:
+		return int64(as[float32](b)[i])
+	case tensor.Float64:
+		return int64(as[float64](b)[i])
+	case tensor.Complex64:
+		c := as[complex64](b)[i]
+		if real(c) != -imag(c) {
+			return math.MinInt64
+		}
+		return int64(real(c))
+	case tensor.Complex128:
+		c := as[complex128](b)[i]
+		if real(c) != -imag(c) {
+			return math.MinInt64
+		}
+		return int64(real(c))
+	}
+	return math.MinInt64
+}
+
+// TestBroadcastAndAllGather: every root, and slots of every rank.
+func TestBroadcastAndAllGather(t *testing.T) {
+	for size := 1; size <= 5; size++ {
+		for _, sh := range shapes {
+			for root := range size {
+				errs := runRanks(t, size, sh.opts, func(r int, b *Ring) error {
+					x := newTensor(tensor.Int32, sh.n)
+					v, _ := tensor.View[int32](x)
+					for i := range v {
+						v[i] = int32(r*1000003 + i)
+					}
+					if _, err := b.Broadcast(context.Background(), 3, x, root); err != nil {
+						return err
+					}
+					for i := range v {
+						if v[i] != int32(root*1000003+i) {
+							return fmt.Errorf("broadcast from %d: element %d is %d", root, i, v[i])
+						}
+					}
+					return nil
+				})
+				for r, err := range errs {
+					if err != nil {
+						t.Fatalf("%d ranks, %d elements, rank %d: %v", size, sh.n, r, err)
+					}
+				}
+			}
+			errs := runRanks(t, size, sh.opts, func(r int, b *Ring) error {
+				in, out := newTensor(tensor.Float64, sh.n), newTensor(tensor.Float64, sh.n*int64(size))
+				v, _ := tensor.View[float64](in)
+				for i := range v {
+					v[i] = float64(r) + float64(i)/1e6
+				}
+				if _, err := b.AllGather(context.Background(), 1, in, out); err != nil {
+					return err
+				}
+				o, _ := tensor.View[float64](out)
+				for q := range size {
+					for i := range sh.n {
+						if w := float64(q) + float64(i)/1e6; o[int64(q)*sh.n+i] != w {
+							return fmt.Errorf("slot %d element %d: %v, want %v", q, i, o[int64(q)*sh.n+i], w)
+						}
+					}
+				}
+				return nil
+			})
+			for r, err := range errs {
+				if err != nil {
+					t.Fatalf("allgather, %d ranks, %d elements, rank %d: %v", size, sh.n, r, err)
+				}
+			}
+		}
+	}
+}
+
+// TestDeadRankNamed: a rank that never comes and dies fails every other
+// rank's AllReduce with a RankError naming it, whether it was a
+// neighbour or heard of along the ring.
+func TestDeadRankNamed(t *testing.T) {
+	const size, dead = 5, 2
+	j := newMemJob(size)
+	errs := make([]error, size)
+	var wg sync.WaitGroup
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	for r := range size {
+		if r == dead {
+			continue
+		}
+		wg.Go(func() {
+			x := newTensor(tensor.Float32, 100000)
+			_, errs[r] = NewRing(memTransport{j, r}, WithSegment(4096)).AllReduce(ctx, 0, x, Sum)
+		})
+	}
+	time.Sleep(50 * time.Millisecond)
+	j.kill(dead)
+	wg.Wait()
+	for r, err := range errs {
+		t.Logf("rank %d: %v", r, err)
+		if r == dead {
+			continue
+		}
+		var re *collective.RankError
+		if !errors.As(err, &re) || re.Rank != dead {
+			t.Errorf("rank %d: %v, want a RankError naming rank %d", r, err, dead)
+		}
+	}
+	if !errors.Is(errs[dead+1], verbsio.ErrPeerLost) {
+		t.Errorf("rank %d (successor of the dead one): %v, want ErrPeerLost", dead+1, errs[dead+1])
+	}
+}
+
+// TestDeadlineNamesSelf: a rank whose context ends fails with a RankError
+// naming itself, and the others, told along the ring, name it too.
+func TestDeadlineNamesSelf(t *testing.T) {
+	const size, late = 3, 1
+	errs := runRanks(t, size, nil, func(r int, b *Ring) error {
+		d := 20 * time.Second
+		if r == late {
+			d = -time.Second // ended before the call
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), d)
+		defer cancel()
+		_, err := b.AllReduce(ctx, 0, newTensor(tensor.Int64, 10), Sum)
+		return err
+	})
+	for r, err := range errs {
+		var re *collective.RankError
+		if !errors.As(err, &re) || re.Rank != late {
+			t.Errorf("rank %d: %v, want a RankError naming rank %d", r, err, late)
+		}
+	}
+	if !errors.Is(errs[late], context.DeadlineExceeded) {
+		t.Errorf("rank %d: %v, want DeadlineExceeded", late, errs[late])
+	}
+}
