@@ -59,7 +59,7 @@ func (b *Budget) give(n int64) {
 	b.reserved -= n
 }
 
-func (b *Budget) String() string {
+func (b *Budget) describe() string {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return fmt.Sprintf("budget %q (%d of %d bytes reserved by its pools)", b.name, b.reserved, b.limit)

@@ -63,11 +63,11 @@ func (p *Pool) grow(rounded int) error {
 		}
 		room = min(room, b.room())
 		if int64(rounded) > room {
-			return p.exhausted(rounded, fmt.Errorf("%v", b))
+			return p.exhausted(rounded, errors.New(b.describe()))
 		}
 		size = max(int(min(int64(size), room))&^(p.cfg.align-1), rounded)
 		if !b.take(int64(size)) {
-			return p.exhausted(rounded, fmt.Errorf("%v", b))
+			return p.exhausted(rounded, errors.New(b.describe()))
 		}
 		taken = int64(size)
 	}
@@ -85,7 +85,7 @@ func (p *Pool) grow(rounded int) error {
 			b.give(taken - int64(a.Size()))
 		case int64(a.Size()) > taken && !b.take(int64(a.Size())-taken):
 			b.give(taken)
-			err = errors.Join(fmt.Errorf("%w: pool %q: source %s made a region of %d bytes for %d asked, beyond %v", ErrPoolExhausted, p.cfg.name, p.src.Name(), a.Size(), taken, b), p.dropArena(a))
+			err = errors.Join(fmt.Errorf("%w: pool %q: source %s made a region of %d bytes for %d asked, beyond %s", ErrPoolExhausted, p.cfg.name, p.src.Name(), a.Size(), taken, b.describe()), p.dropArena(a))
 		}
 	}
 	p.mu.Lock()

@@ -9,10 +9,15 @@ import (
 )
 
 // The goals of the public surface: every public package together, and the
-// front door (the module's root package) alone.
+// front door (the module's root package) alone. They were 450 and 40 until
+// the collectives (AllReduce, Broadcast, AllGather, ReduceOp, Sum, Average
+// on the front door; the collective package's report and errors) and
+// rejoining (Rejoined, Incarnation, WaitRejoin) arrived; alloc.Budget and
+// the checksum errors came with them. Raise them only for a capability,
+// and say which here.
 const (
-	maxTotal     = 450
-	maxFrontDoor = 40
+	maxTotal     = 465
+	maxFrontDoor = 42
 )
 
 // TestPublicSurface prints the exported identifiers per public package
