@@ -45,6 +45,17 @@ func failoverable(err error) bool {
 		!errors.Is(err, rendezvous.ErrRemote) && !errors.Is(err, rendezvous.ErrProtocol)
 }
 
+// moveOn reports whether what failed on ch with err goes to the next
+// connection: ch was lost, or replaced (its Close ended what it held).
+func (p *peer) moveOn(ch *rendezvous.Channel, err error) bool {
+	if failoverable(err) {
+		return true
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.retired[ch] && !p.closed
+}
+
 // failover replaces ch, which failed with cause, if it is still the
 // peer's connection: the peer waits for a new one (the lower rank makes
 // it), and ch is closed, which gives back the Sends it held (sent on the
@@ -57,6 +68,10 @@ func (p *peer) failover(ch *rendezvous.Channel, cause error) {
 		return // not the current connection: handled already
 	}
 	p.ch = nil
+	if p.retired == nil {
+		p.retired = map[*rendezvous.Channel]bool{}
+	}
+	p.retired[ch] = true // what its Close ends is sent or asked again
 	p.failedProv, p.provider = p.provider, ""
 	p.done = make(chan struct{})
 	p.started = false
@@ -87,7 +102,7 @@ func (p *peer) failover(ch *rendezvous.Channel, cause error) {
 // again on the next connection.
 func (p *peer) sendOn(ch *rendezvous.Channel, key string, step int64, t *tensor.Tensor) error {
 	err := ch.SendFunc(key, step, t, func(err error) { p.sent(ch, key, step, t, err) })
-	if err != nil && failoverable(err) {
+	if err != nil && p.moveOn(ch, err) {
 		p.failover(ch, err)
 		return p.send(key, step, t)
 	}
@@ -98,7 +113,7 @@ func (p *peer) sendOn(ch *rendezvous.Channel, key string, step int64, t *tensor.
 // connection would not change) gives t back to the pool; dropped because
 // the connection failed sends it again.
 func (p *peer) sent(ch *rendezvous.Channel, key string, step int64, t *tensor.Tensor, err error) {
-	if err == nil || !failoverable(err) {
+	if err == nil || !p.moveOn(ch, err) {
 		_ = t.Release()
 		return
 	}
@@ -125,7 +140,7 @@ func (p *peer) recvFailover(ctx context.Context, key string, step int64, opts ..
 			return nil, Transfer{}, err
 		}
 		t, tr, err := ch.Recv(ctx, key, step, opts...)
-		if err == nil || !failoverable(err) || moves >= maxFailovers || ctx.Err() != nil {
+		if err == nil || !p.moveOn(ch, err) || moves >= maxFailovers || ctx.Err() != nil {
 			return t, tr, err
 		}
 		lost = err

@@ -6,7 +6,10 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"syscall"
+	"time"
 
+	"github.com/gdrlink/gdrlink/internal/bootstrap"
 	"github.com/gdrlink/gdrlink/internal/hostcard"
 	"github.com/gdrlink/gdrlink/rendezvous"
 	"github.com/gdrlink/gdrlink/tensor"
@@ -51,6 +54,8 @@ type peer struct {
 	failovers    int
 	failedProv   string
 	kickFailover bool
+	// retired are the connections failover replaced.
+	retired map[*rendezvous.Channel]bool
 }
 
 // queuedSend is a Send made before the connection was up.
@@ -111,8 +116,20 @@ func (p *peer) start() {
 			kick.payload = []byte(kickReconnect)
 		}
 		p.mu.Unlock()
-		if _, err := g.boot.Call(ctx, p.rank, kick.Append(nil)); err != nil {
-			p.fail(fmt.Errorf("gdrlink: rank %d asking rank %d to connect: %w", g.Rank(), p.rank, err))
+		for round := 0; ; round++ {
+			_, err := g.boot.Call(ctx, p.rank, kick.Append(nil))
+			if err == nil {
+				return
+			}
+			// As in connect: after a failover, a cut call is tried again.
+			if !p.reconnecting() || round >= maxReconnectRounds || ctx.Err() != nil || refused(err) || errors.Is(err, bootstrap.ErrRefused) {
+				p.fail(fmt.Errorf("gdrlink: rank %d asking rank %d to connect: %w", g.Rank(), p.rank, err))
+				return
+			}
+			select {
+			case <-time.After(time.Duration(50<<round) * time.Millisecond):
+			case <-ctx.Done():
+			}
 		}
 	}()
 }
@@ -143,6 +160,47 @@ func (p *peer) connect(ctx context.Context) {
 		return
 	}
 	var errs []error
+	for round := 0; ; round++ {
+		if p.connectRound(ctx, cands, &errs) {
+			return
+		}
+		// A connection being made again after a failover may be cut as
+		// well (what cut the old one may still be at work): try again,
+		// a few times, unless the peer's process is gone (its ports
+		// refuse) or the time is up.
+		if !p.reconnecting() || round >= maxReconnectRounds || ctx.Err() != nil || refused(errors.Join(errs...)) {
+			break
+		}
+		select {
+		case <-time.After(time.Duration(50<<round) * time.Millisecond):
+		case <-ctx.Done():
+		}
+	}
+	err := fmt.Errorf("gdrlink: rank %d could not connect to rank %d: %w", g.Rank(), p.rank, errors.Join(errs...))
+	g.boot.Call(ctx, p.rank, connMsg{kind: giveUpMsg, payload: []byte(err.Error())}.Append(nil))
+	p.fail(err)
+}
+
+// maxReconnectRounds bounds the rounds over every candidate provider that
+// making a connection again after a failover takes.
+const maxReconnectRounds = 4
+
+// reconnecting reports whether the peer's connection is being made again
+// after a failover.
+func (p *peer) reconnecting() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.failovers > 0
+}
+
+// refused reports whether err says a port of the peer refused a
+// connection: its process is gone.
+func refused(err error) bool { return errors.Is(err, syscall.ECONNREFUSED) }
+
+// connectRound tries each candidate provider once and reports whether one
+// connected; the failures are added to errs.
+func (p *peer) connectRound(ctx context.Context, cands []string, errs *[]error) bool {
+	g := p.g
 	for _, prov := range cands {
 		actx, cancel := context.WithCancel(ctx)
 		p.mu.Lock()
@@ -158,7 +216,7 @@ func (p *peer) connect(ctx context.Context) {
 			if err == nil {
 				cancel()
 				p.markConnected(ch, prov)
-				return
+				return true
 			}
 			ch.Close()
 		}
@@ -168,14 +226,12 @@ func (p *peer) connect(ctx context.Context) {
 		}
 		cancel()
 		g.log.Warn("gdrlink: provider failed, trying the next", "rank", g.Rank(), "peer", p.rank, "provider", prov, "err", err)
-		errs = append(errs, fmt.Errorf("%s: %w", prov, err))
+		*errs = append(*errs, fmt.Errorf("%s: %w", prov, err))
 		if ctx.Err() != nil {
 			break
 		}
 	}
-	err := fmt.Errorf("gdrlink: rank %d could not connect to rank %d: %w", g.Rank(), p.rank, errors.Join(errs...))
-	g.boot.Call(ctx, p.rank, connMsg{kind: giveUpMsg, payload: []byte(err.Error())}.Append(nil))
-	p.fail(err)
+	return false
 }
 
 // newChannel opens a protocol channel to rank on provider's device.

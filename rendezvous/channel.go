@@ -90,6 +90,10 @@ type Channel struct {
 	// peerByeLocked).
 	byeSent chan struct{}
 	peerBye chan struct{}
+	// lost is why a post failed, while the channel waits for its flushed
+	// completions (lostLocked); lostTimer fails it if none comes.
+	lost      error
+	lostTimer *time.Timer
 	// async counts deliveries run on goroutines of their own (runAsync):
 	// Close waits for them, so that every source is back with its owner
 	// when it returns.
@@ -620,6 +624,9 @@ func (c *Channel) failLocked(err error, ds *deliveries, st chanState) {
 	}
 	c.state = st
 	c.failErr = err
+	if c.lostTimer != nil {
+		c.lostTimer.Stop()
+	}
 	c.disarmKeepaliveLocked()
 	c.rcv.failLocked(err, ds)
 	c.snd.failLocked(err, ds)
@@ -698,6 +705,45 @@ func checkKey(key string) error {
 	return nil
 }
 
+// lostGrace bounds how long a channel whose post failed waits for its
+// completion queue to end in flushed work requests (lostLocked).
+const lostGrace = 500 * time.Millisecond
+
+// lostLocked takes a failed post: the queue pair is in error. Its
+// completion queue holds, in order, what completed before (writes the peer
+// delivered here among them) and then the flushed work requests; the
+// completion goroutine fails the channel when it reaches the first of
+// those, having delivered everything before it. Failing at once would fail
+// Recvs whose tensor had arrived and been acknowledged to the sender, who
+// then has nothing left to send again. Until then nothing more is posted;
+// if no flushed completion comes within lostGrace, the channel fails
+// anyway.
+func (c *Channel) lostLocked(err error, ds *deliveries) {
+	if c.state != stateConnected {
+		return
+	}
+	if !c.started {
+		c.failLocked(c.peerLost(err), ds, stateFailed)
+		return
+	}
+	if c.lost == nil {
+		c.lost = c.peerLost(err)
+		c.lostTimer = time.AfterFunc(lostGrace, c.lostTimeout)
+	}
+}
+
+// lostTimeout fails a channel whose failed post was not followed by a
+// flushed completion within lostGrace.
+func (c *Channel) lostTimeout() {
+	var ds deliveries
+	c.mu.Lock()
+	if c.state == stateConnected && c.lost != nil {
+		c.failLocked(c.lost, &ds, stateFailed)
+	}
+	c.mu.Unlock()
+	ds.run()
+}
+
 func (c *Channel) peerLost(cause error) error {
 	return fmt.Errorf("%w: %s (%s on %s): %w", verbsio.ErrPeerLost, c.peer, c.provider, c.devName, cause)
 }
@@ -730,9 +776,9 @@ func (c *Channel) poll() {
 		for i := 0; i < n; i++ {
 			c.handleLocked(&comps[i], &ds)
 		}
-		if len(c.recvWRs) > 0 && c.state == stateConnected {
+		if len(c.recvWRs) > 0 && c.state == stateConnected && c.lost == nil {
 			if err := c.qp.PostRecv(c.recvWRs); err != nil {
-				c.failLocked(c.peerLost(err), &ds, stateFailed)
+				c.lostLocked(err, &ds)
 			} else {
 				c.owed += len(c.recvWRs)
 			}
@@ -790,7 +836,11 @@ func (c *Channel) handleLocked(wc *verbsio.Completion, ds *deliveries) {
 	}
 	if wc.Status != verbsio.StatusSuccess {
 		if c.state == stateConnected {
-			c.failLocked(c.peerLost(fmt.Errorf("%s %s: %w", wc.Op, wc.Status, wc.Status.Err())), ds, stateFailed)
+			cause := c.lost // a failed post saw it first
+			if cause == nil {
+				cause = c.peerLost(fmt.Errorf("%s %s: %w", wc.Op, wc.Status, wc.Status.Err()))
+			}
+			c.failLocked(cause, ds, stateFailed)
 		}
 		if kind == wridCtrl {
 			c.freeSlots = append(c.freeSlots, int(id))
@@ -894,7 +944,7 @@ func (c *Channel) enqueueLocked(m *wire.Message) {
 // It counts a credit stall (Stats.CreditStalls) when it leaves work queued
 // for want of credits.
 func (c *Channel) flushLocked() {
-	if c.state != stateConnected {
+	if c.state != stateConnected || c.lost != nil {
 		return
 	}
 	c.rcv.takeConfirmsLocked(false) // CONFIRMs ride with what goes out
@@ -999,7 +1049,7 @@ func (c *Channel) postCtrlLocked(slot, n int, bye bool) bool {
 	if err := c.qp.PostSend([]verbsio.SendWR{wr}); err != nil {
 		c.freeSlots = append(c.freeSlots, slot)
 		var ds deliveries
-		c.failLocked(c.peerLost(err), &ds, stateFailed)
+		c.lostLocked(err, &ds)
 		c.runAsync(ds)
 		return false
 	}

@@ -1049,7 +1049,7 @@ func (s *sender) postWriteLocked(e *sendEntry) bool {
 		e.untilQP = true
 		var ds deliveries
 		s.holdLocked(seq, e, err, &ds)
-		c.failLocked(c.peerLost(err), &ds, stateFailed)
+		c.lostLocked(err, &ds)
 		c.runAsync(ds)
 		return false
 	}
@@ -1115,7 +1115,7 @@ func (s *sender) postChunksLocked(e *sendEntry) bool {
 			e.untilQP = true
 			var ds deliveries
 			s.holdLocked(e.wseq, e, err, &ds)
-			c.failLocked(c.peerLost(err), &ds, stateFailed)
+			c.lostLocked(err, &ds)
 			c.runAsync(ds)
 			return false
 		}
