@@ -782,6 +782,9 @@ func (s *sender) onConfirmLocked(m *wire.Message, ds *deliveries) {
 func (s *sender) rewriteLocked(e *sendEntry) {
 	e.posted, e.wseq, e.firstChunk, e.railPending, e.immEnd = 0, 0, 0, 0, 0
 	e.written, e.untilQP, e.localFailed = false, false, false
+	// The checksum goes again ahead of the write: the frame that carried
+	// it may be what was corrupted on the way.
+	e.crcSent = false
 	s.stats.rewrites.Add(1)
 	s.c.log.Debug("rendezvous: writing again, the receiver found the write corrupted", "peer", s.c.peer, "key", e.key.name, "step", e.key.step, "retry", e.retries)
 	s.queueWriteLocked(e)
