@@ -106,6 +106,82 @@ func TestFailover(t *testing.T) {
 	})
 }
 
+// TestFailoverIbverbsToTCP: in the Soft-RoCE guest (GDRLINK_TEST_ROCE_VETH=1,
+// as root), two network namespaces joined by veth, a Soft-RoCE device on
+// each end, the two ranks streaming over "ibverbs,tcp": the test drops all
+// RoCE traffic (UDP 4791) of one namespace with nftables mid-stream, and
+// the stream moves to tcp with every tensor right. (On one namespace,
+// Soft-RoCE delivers between local addresses without the network stack,
+// where no rule can drop it.)
+func TestFailoverIbverbsToTCP(t *testing.T) {
+	if os.Getenv("GDRLINK_TEST_ROCE_VETH") != "1" {
+		t.Skip("skipping: set GDRLINK_TEST_ROCE_VETH=1 where this test may make namespaces and Soft-RoCE devices (the guest of make test-rdma does)")
+	}
+	ip, _ := failoverTools(t)
+	var tools []string
+	for _, name := range []string{"rdma", "nft"} {
+		p, err := exec.LookPath(name)
+		if err != nil {
+			t.Fatalf("GDRLINK_TEST_ROCE_VETH=1 but %s is missing (Debian: iproute2, nftables): %v", name, err)
+		}
+		tools = append(tools, p)
+	}
+	rdma, nft := tools[0], tools[1]
+	run := func(args ...string) {
+		t.Helper()
+		if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
+			t.Fatalf("%v: %v: %s", args, err, out)
+		}
+	}
+	id := os.Getpid()
+	nsA, nsB := fmt.Sprintf("gdrfa-%d", id), fmt.Sprintf("gdrfb-%d", id)
+	va, vb := fmt.Sprintf("fva%d", id%100000), fmt.Sprintf("fvb%d", id%100000)
+	ra, rb := fmt.Sprintf("rxfa%d", id%100000), fmt.Sprintf("rxfb%d", id%100000)
+	exec.Command("modprobe", "veth").Run()
+	run(ip, "netns", "add", nsA)
+	t.Cleanup(func() { exec.Command(ip, "netns", "del", nsA).Run() })
+	run(ip, "netns", "add", nsB)
+	t.Cleanup(func() { exec.Command(ip, "netns", "del", nsB).Run() })
+	run(ip, "link", "add", va, "type", "veth", "peer", "name", vb)
+	run(ip, "link", "set", va, "netns", nsA)
+	run(ip, "link", "set", vb, "netns", nsB)
+	run(ip, "-n", nsA, "addr", "add", "10.233.0.1/24", "dev", va)
+	run(ip, "-n", nsB, "addr", "add", "10.233.0.2/24", "dev", vb)
+	for _, ns := range []string{nsA, nsB} {
+		run(ip, "-n", ns, "link", "set", "lo", "up")
+	}
+	run(ip, "-n", nsA, "link", "set", va, "up")
+	run(ip, "-n", nsB, "link", "set", vb, "up")
+	run(ip, "netns", "exec", nsA, rdma, "link", "add", ra, "type", "rxe", "netdev", va)
+	t.Cleanup(func() { exec.Command(ip, "netns", "exec", nsA, rdma, "link", "delete", ra).Run() })
+	run(ip, "netns", "exec", nsB, rdma, "link", "add", rb, "type", "rxe", "netdev", vb)
+	t.Cleanup(func() { exec.Command(ip, "netns", "exec", nsB, rdma, "link", "delete", rb).Run() })
+	const table = "gdrlink_failover_test"
+	reps := runFailoverJobIn(t, func(r int) ([]string, []string) {
+		ns, dev := nsA, ra
+		if r == 1 {
+			ns, dev = nsB, rb
+		}
+		return []string{ip, "netns", "exec", ns}, []string{"RDMA_DEVICE=" + dev}
+	}, "10.233.0.1", "ibverbs,tcp", func() {
+		time.Sleep(700 * time.Millisecond)
+		for _, cmd := range [][]string{
+			{"add", "table", "inet", table},
+			{"add", "chain", "inet", table, "out", "{ type filter hook output priority 0; }"},
+			{"add", "chain", "inet", table, "in", "{ type filter hook input priority 0; }"},
+			{"add", "rule", "inet", table, "out", "udp", "dport", "4791", "drop"},
+			{"add", "rule", "inet", table, "in", "udp", "dport", "4791", "drop"},
+		} {
+			if out, err := exec.Command(ip, append([]string{"netns", "exec", nsA, nft}, cmd...)...).CombinedOutput(); err != nil {
+				t.Errorf("nft %v: %v: %s", cmd, err, out)
+				return
+			}
+		}
+		t.Log("dropping RoCE (UDP 4791) in rank 0's namespace from now on")
+	})
+	checkFailover(t, reps, "ibverbs", "tcp")
+}
+
 // failoverRootPort is the bootstrap root's port in the failover job.
 const failoverRootPort = "29500"
 
@@ -129,6 +205,13 @@ func failoverTools(t *testing.T) (ip, ss string) {
 // reports.
 func runFailoverJob(t *testing.T, wrap []string, provider string, fault func()) [2]childReport {
 	t.Helper()
+	return runFailoverJobIn(t, func(int) ([]string, []string) { return wrap, nil }, "127.0.0.1", provider, fault)
+}
+
+// runFailoverJobIn is runFailoverJob with each rank's command prefix and
+// extra environment given by per(rank), and the root at rootIP.
+func runFailoverJobIn(t *testing.T, per func(rank int) (wrap, env []string), rootIP, provider string, fault func()) [2]childReport {
+	t.Helper()
 	self, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)
@@ -140,10 +223,12 @@ func runFailoverJob(t *testing.T, wrap []string, provider string, fault func()) 
 	var cmds []*exec.Cmd
 	var outs, errs []*bytes.Buffer
 	for r := range 2 {
+		wrap, env := per(r)
 		args := append(append([]string(nil), wrap...), self, "-test.run=^$")
 		cmd := exec.Command(args[0], args[1:]...)
 		cmd.Env = append(os.Environ(), "GDRLINK_TEST_JOB=failover", "GDRLINK_RANK="+strconv.Itoa(r), "GDRLINK_SIZE=2",
-			"GDRLINK_ROOT=127.0.0.1:"+failoverRootPort, "GDRLINK_JOB_KEY="+key, "GDRLINK_PROVIDER="+provider)
+			"GDRLINK_ROOT="+rootIP+":"+failoverRootPort, "GDRLINK_JOB_KEY="+key, "GDRLINK_PROVIDER="+provider)
+		cmd.Env = append(cmd.Env, env...)
 		var out, errb bytes.Buffer
 		cmd.Stdout, cmd.Stderr = &out, &errb
 		if err := cmd.Start(); err != nil {
