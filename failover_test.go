@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"slices"
 	"strconv"
+	"sync"
 	"testing"
 	"time"
 
@@ -56,6 +57,9 @@ func failoverJob(ctx context.Context, g *Group, rep *childReport) error {
 		}
 		t.Release()
 		rep.Received++
+		if rep.Received == failoverSteps/6 {
+			fmt.Fprintln(os.Stderr, failoverProgress) // the test's cue
+		}
 		if p := tr.Provider; len(rep.Paths) == 0 || rep.Paths[len(rep.Paths)-1] != p {
 			rep.Paths = append(rep.Paths, p)
 		}
@@ -86,7 +90,7 @@ func TestFailover(t *testing.T) {
 			// Twice, while the stream runs: reset every connection but
 			// the bootstrap's control connection to the root.
 			for range 2 {
-				time.Sleep(700 * time.Millisecond)
+				time.Sleep(300 * time.Millisecond)
 				out, err := exec.Command(ip, "netns", "exec", ns, ss, "-K", "-t", "state", "established",
 					"( sport != :"+failoverRootPort+" and dport != :"+failoverRootPort+" )").CombinedOutput()
 				if err != nil {
@@ -164,7 +168,6 @@ func TestFailoverIbverbsToTCP(t *testing.T) {
 		}
 		return []string{ip, "netns", "exec", ns}, []string{"RDMA_DEVICE=" + dev}
 	}, "10.233.0.1", "ibverbs,tcp", func() {
-		time.Sleep(700 * time.Millisecond)
 		for _, cmd := range [][]string{
 			{"add", "table", "inet", table},
 			{"add", "chain", "inet", table, "out", "{ type filter hook output priority 0; }"},
@@ -181,6 +184,10 @@ func TestFailoverIbverbsToTCP(t *testing.T) {
 	})
 	checkFailover(t, reps, "ibverbs", "tcp")
 }
+
+// failoverProgress is what rank 0 of the failover job prints (on stderr)
+// once a sixth of the stream has arrived: the test injects its fault then.
+const failoverProgress = "failover job: streaming"
 
 // failoverRootPort is the bootstrap root's port in the failover job.
 const failoverRootPort = "29500"
@@ -221,7 +228,8 @@ func runFailoverJobIn(t *testing.T, per func(rank int) (wrap, env []string), roo
 		t.Fatal(err)
 	}
 	var cmds []*exec.Cmd
-	var outs, errs []*bytes.Buffer
+	var outs []*bytes.Buffer
+	var errs []*syncBuffer
 	for r := range 2 {
 		wrap, env := per(r)
 		args := append(append([]string(nil), wrap...), self, "-test.run=^$")
@@ -229,12 +237,13 @@ func runFailoverJobIn(t *testing.T, per func(rank int) (wrap, env []string), roo
 		cmd.Env = append(os.Environ(), "GDRLINK_TEST_JOB=failover", "GDRLINK_RANK="+strconv.Itoa(r), "GDRLINK_SIZE=2",
 			"GDRLINK_ROOT="+rootIP+":"+failoverRootPort, "GDRLINK_JOB_KEY="+key, "GDRLINK_PROVIDER="+provider)
 		cmd.Env = append(cmd.Env, env...)
-		var out, errb bytes.Buffer
-		cmd.Stdout, cmd.Stderr = &out, &errb
+		var out bytes.Buffer
+		errb := &syncBuffer{}
+		cmd.Stdout, cmd.Stderr = &out, errb
 		if err := cmd.Start(); err != nil {
 			t.Fatal(err)
 		}
-		cmds, outs, errs = append(cmds, cmd), append(outs, &out), append(errs, &errb)
+		cmds, outs, errs = append(cmds, cmd), append(outs, &out), append(errs, errb)
 	}
 	t.Cleanup(func() {
 		for _, c := range cmds {
@@ -244,6 +253,13 @@ func runFailoverJobIn(t *testing.T, per func(rank int) (wrap, env []string), roo
 			}
 		}
 	})
+	// The fault comes once the stream runs (process start is slow in the
+	// emulated guest).
+	for deadline := time.Now().Add(time.Minute); !bytes.Contains(errs[0].Bytes(), []byte(failoverProgress)); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("rank 0 did not start streaming within a minute: %s", errs[0].String())
+		}
+	}
 	fault()
 	done := make(chan struct{})
 	go func() {
@@ -295,3 +311,24 @@ func checkFailover(t *testing.T, reps [2]childReport, paths ...string) {
 	}
 	t.Logf("%d tensors, every byte right; failovers counted %d and %d; providers in turn %v", reps[0].Received, reps[0].Failovers, reps[1].Failovers, reps[0].Paths)
 }
+
+// syncBuffer is a buffer a child process writes while the test reads it.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+// Bytes is a copy of what was written so far.
+func (s *syncBuffer) Bytes() []byte {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return bytes.Clone(s.b.Bytes())
+}
+
+func (s *syncBuffer) String() string { return string(s.Bytes()) }
