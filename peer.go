@@ -166,6 +166,7 @@ func (g *Group) newChannel(provider string, rank int) (*rendezvous.Channel, erro
 		rendezvous.WithName(fmt.Sprintf("rank %d", g.Rank())),
 		rendezvous.WithLogger(g.log),
 		rendezvous.WithChecksum(g.cfg.checksum),
+		rendezvous.WithPeerTimeout(g.cfg.peerTimeout),
 	}
 	return rendezvous.New(d.dev, d.pd, g.channelMemory(d), append(opts, g.gpuOptions()...)...)
 }
