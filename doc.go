@@ -76,8 +76,8 @@
 //
 // Every option has an environment variable, and an option given in Go wins:
 // GDRLINK_PROVIDER, GDRLINK_POOL_LIMIT, GDRLINK_CHECKSUM, GDRLINK_GPU,
-// GDRLINK_CONNECT_TIMEOUT, GDRLINK_LOG, and the verbs device's RDMA_*
-// variables (WithVerbsConfig).
+// GDRLINK_CONNECT_TIMEOUT, GDRLINK_PEER_TIMEOUT, GDRLINK_LOG, and the
+// verbs device's RDMA_* variables (WithVerbsConfig).
 //
 // # Layers
 //

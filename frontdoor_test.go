@@ -101,6 +101,8 @@ func runChild(job string) error {
 		if err = killJob(ctx, g, &rep); err == nil {
 			return json.NewEncoder(os.Stdout).Encode(rep)
 		}
+	case "stop":
+		return stopJob(ctx, g) // no barrier: rank 0 stays stopped
 	default:
 		err = fmt.Errorf("unknown job %q", job)
 	}
@@ -399,16 +401,17 @@ func TestEnvironment(t *testing.T) {
 		}
 		return func(k string) (string, bool) { v, ok := m[k]; return v, ok }
 	}
-	c, err := fromEnv(env("GDRLINK_PROVIDER", "tcp", "GDRLINK_POOL_LIMIT", "8GiB", "GDRLINK_CHECKSUM", "1", "GDRLINK_CONNECT_TIMEOUT", "5s", "GDRLINK_LOG", "debug", "GDRLINK_METRICS_ADDR", ":9400"))
+	c, err := fromEnv(env("GDRLINK_PROVIDER", "tcp", "GDRLINK_POOL_LIMIT", "8GiB", "GDRLINK_CHECKSUM", "1", "GDRLINK_CONNECT_TIMEOUT", "5s", "GDRLINK_LOG", "debug", "GDRLINK_METRICS_ADDR", ":9400", "GDRLINK_PEER_TIMEOUT", "2m"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.provider != "tcp" || c.poolLimit != 8<<30 || !c.checksum || c.connectTimeout != 5*time.Second || c.log == nil || c.metricsAddr != ":9400" {
+	if c.provider != "tcp" || c.poolLimit != 8<<30 || !c.checksum || c.connectTimeout != 5*time.Second || c.peerTimeout != 2*time.Minute || c.log == nil || c.metricsAddr != ":9400" {
 		t.Errorf("config %+v", c)
 	}
 	for _, bad := range [][]string{
 		{"GDRLINK_PROVIDER", "carrier-pigeon"}, {"GDRLINK_POOL_LIMIT", "lots"}, {"GDRLINK_CHECKSUM", "maybe"},
 		{"GDRLINK_CONNECT_TIMEOUT", "-1s"}, {"GDRLINK_LOG", "loud"}, {"GDRLINK_METRICS_ADDR", "9400"},
+		{"GDRLINK_PEER_TIMEOUT", "0"}, {"GDRLINK_PEER_TIMEOUT", "soon"}, {"GDRLINK_PEER_TIMEOUT", "48h"},
 	} {
 		if _, err := fromEnv(env(bad...)); !errors.Is(err, verbsio.ErrBadConfig) || !strings.Contains(err.Error(), bad[0]) {
 			t.Errorf("%s=%s: %v, want ErrBadConfig naming it", bad[0], bad[1], err)
@@ -426,8 +429,17 @@ func TestEnvironment(t *testing.T) {
 	if err := WithChecksum(false)(&c); err != nil || !c.checksumSet || c.checksum {
 		t.Errorf("WithChecksum(false) after GDRLINK_CHECKSUM=1: set %v on %v, %v", c.checksumSet, c.checksum, err)
 	}
+	if c, _ := fromEnv(env()); c.peerTimeout != 30*time.Second {
+		t.Errorf("default peer timeout %v, want 30s", c.peerTimeout)
+	}
+	if err := WithPeerTimeout(-time.Second)(&c); !errors.Is(err, verbsio.ErrBadConfig) {
+		t.Errorf("WithPeerTimeout(-1s): %v, want ErrBadConfig", err)
+	}
 	// A Go option wins over the variable.
-	c, _ = fromEnv(env("GDRLINK_PROVIDER", "onnode"))
+	c, _ = fromEnv(env("GDRLINK_PROVIDER", "onnode", "GDRLINK_PEER_TIMEOUT", "1m"))
+	if err := WithPeerTimeout(5 * time.Second)(&c); err != nil || c.peerTimeout != 5*time.Second {
+		t.Errorf("WithPeerTimeout after GDRLINK_PEER_TIMEOUT: %v, %v", c.peerTimeout, err)
+	}
 	if err := WithProvider("tcp")(&c); err != nil || c.provider != "tcp" {
 		t.Errorf("WithProvider after GDRLINK_PROVIDER: %q, %v", c.provider, err)
 	}

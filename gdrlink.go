@@ -257,6 +257,7 @@ func (g *Group) setup(ctx context.Context) error {
 		return err
 	}
 	vc.JobKey, vc.Insecure = g.cfg.key.Bytes(), g.cfg.insecure
+	vc.PeerTimeout = g.cfg.peerTimeout // the providers' timers outlast the channels'
 	if vc.ListenAddr == "" {
 		// Listen where the bootstrap reaches this rank, so peers on
 		// other hosts (or namespaces) can reach the tcp provider too.

@@ -34,6 +34,7 @@ type config struct {
 	checksum       bool
 	checksumSet    bool // checksum was chosen, not the provider's default
 	connectTimeout time.Duration
+	peerTimeout    time.Duration
 	log            *slog.Logger
 	verbs          *verbsio.Config
 	gpu            int // -1: none
@@ -177,6 +178,28 @@ func WithConnectTimeout(d time.Duration) Option {
 	}
 }
 
+// WithPeerTimeout sets how long a peer may stay silent while this process
+// waits on it (a Recv not answered, a Send not asked for or not written)
+// before the connection fails (GDRLINK_PEER_TIMEOUT, a Go duration;
+// default 30s, at most verbsio.MaxPeerTimeout). The failure matches
+// verbsio.ErrPeerLost and rendezvous.ErrPeerTimeout and names the peer and
+// how long it was silent. Heartbeats that the peer's process answers run
+// while anything is pending on either side, so a peer counts as silent
+// when its process is stopped (SIGSTOP, a debugger, a pause of that
+// length) or its network is cut, never because it has nothing to send;
+// a pause shorter than d is survived. The providers' own timers (tcp's
+// TCP_USER_TIMEOUT and keepalive) are set never to give up first. Every
+// rank should use the same value. See "Liveness" in the README.
+func WithPeerTimeout(d time.Duration) Option {
+	return func(c *config) error {
+		if d <= 0 || d > verbsio.MaxPeerTimeout {
+			return fmt.Errorf("%w: peer timeout %v, want a positive duration of at most %v", verbsio.ErrBadConfig, d, verbsio.MaxPeerTimeout)
+		}
+		c.peerTimeout = d
+		return nil
+	}
+}
+
 // WithLogger sets the structured logger (GDRLINK_LOG=debug, info, warn or
 // error logs text to standard error at that level; default: nothing).
 // Connections are logged at info, transfers at debug.
@@ -237,7 +260,7 @@ func WithInsecure(on bool) Option {
 // fromEnv reads the variables behind the options. Rank, size and root are
 // left to the bootstrap's reading of the launchers unless given.
 func fromEnv(lookup func(string) (string, bool)) (config, error) {
-	c := config{connectTimeout: verbsio.DefaultConfig().ConnectTimeout, gpu: -1}
+	c := config{connectTimeout: verbsio.DefaultConfig().ConnectTimeout, peerTimeout: verbsio.DefaultConfig().PeerTimeout, gpu: -1}
 	get := func(k string) string { v, _ := lookup(k); return strings.TrimSpace(v) }
 	if v := get("GDRLINK_PROVIDER"); v != "" {
 		if err := WithProvider(v)(&c); err != nil {
@@ -264,6 +287,13 @@ func fromEnv(lookup func(string) (string, bool)) (config, error) {
 			return c, fmt.Errorf("%w: GDRLINK_CONNECT_TIMEOUT=%q is not a positive duration", verbsio.ErrBadConfig, v)
 		}
 		c.connectTimeout = d
+	}
+	if v := get("GDRLINK_PEER_TIMEOUT"); v != "" {
+		d, err := time.ParseDuration(v)
+		if err != nil || d <= 0 || d > verbsio.MaxPeerTimeout {
+			return c, fmt.Errorf("%w: GDRLINK_PEER_TIMEOUT=%q is not a positive duration of at most %v", verbsio.ErrBadConfig, v, verbsio.MaxPeerTimeout)
+		}
+		c.peerTimeout = d
 	}
 	if v := get("GDRLINK_GPU"); v != "" {
 		n, err := strconv.Atoi(v)

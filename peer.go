@@ -243,6 +243,7 @@ func (g *Group) newChannel(provider string, rank int) (*rendezvous.Channel, erro
 	opts := []rendezvous.Option{
 		rendezvous.WithName(fmt.Sprintf("rank %d", g.Rank())),
 		rendezvous.WithLogger(g.log),
+		rendezvous.WithPeerTimeout(g.cfg.peerTimeout),
 	}
 	if g.cfg.checksumSet {
 		opts = append(opts, rendezvous.WithChecksum(g.cfg.checksum))

@@ -143,6 +143,7 @@ type Channel struct {
 	kaSeen   uint64      // arrivals when the keepalive timer was armed
 	kaTimer  *time.Timer // nil until work is first pending
 	kaArmed  bool
+	live     liveness
 
 	snd sender   // the sending half (send.go)
 	rcv receiver // the receiving half (recv.go)
@@ -169,7 +170,7 @@ type outItem struct {
 // control buffers from mem (which must be registered with pd). Receives are
 // posted at once where the provider allows it.
 func New(dev verbsio.Device, pd verbsio.ProtectionDomain, mem Memory, opts ...Option) (*Channel, error) {
-	o := options{ring: defaultRing, sendSlots: defaultSendSlots, maxStrings: defaultMaxStringBytes, maxTensor: defaultMaxTensorBytes, stripeMin: defaultStripeMin, keepalive: defaultKeepalive, chunkShift: uint8(bits.TrailingZeros(defaultProxyChunk)), log: slog.New(discard{})}
+	o := options{ring: defaultRing, sendSlots: defaultSendSlots, maxStrings: defaultMaxStringBytes, maxTensor: defaultMaxTensorBytes, stripeMin: defaultStripeMin, keepalive: defaultKeepalive, peerTimeout: DefaultPeerTimeout, chunkShift: uint8(bits.TrailingZeros(defaultProxyChunk)), log: slog.New(discard{})}
 	for _, f := range opts {
 		if f == nil {
 			continue
@@ -336,6 +337,7 @@ func (c *Channel) Connect(ctx context.Context, peerHello []byte) error {
 	c.peer = peer
 	c.credits = int(m.Ring)
 	c.checksum, c.confirm = checksum, confirm
+	c.live.peerRing = int(m.Ring)
 	c.mu.Unlock()
 	if err := c.qp.Connect(ctx, ep); err != nil {
 		return fmt.Errorf("rendezvous: connecting to %s: %w", peer, err)

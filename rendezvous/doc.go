@@ -39,7 +39,12 @@
 // with an error wrapping verbsio.ErrPeerLost that names the peer. A channel
 // with pending work sends a keepalive to a peer silent for a keepalive
 // interval (WithKeepalive), so that this holds on RDMA too, where a queue
-// pair learns of a dead peer only by sending to it.
+// pair learns of a dead peer only by sending to it. A NIC or kernel answers
+// for a stopped process, though, so the keepalive is a heartbeat that the
+// peer's process answers through the credit scheme, and a peer silent for
+// the peer timeout (WithPeerTimeout, 30s by default) with work pending
+// fails the channel with ErrPeerTimeout, which wraps verbsio.ErrPeerLost.
+// A pause shorter than that, of either side, is survived.
 //
 // # Refusals
 //

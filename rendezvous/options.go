@@ -22,8 +22,11 @@ const (
 	defaultMaxStringBytes = 1 << 30
 	defaultMaxTensorBytes = 64 << 30
 	defaultKeepalive      = time.Second
-	defaultProxyChunk     = 4 << 20
-	defaultStripeMin      = 4 << 20
+	// DefaultPeerTimeout is how long a channel with work pending waits for
+	// a sign of life from its peer before it fails (WithPeerTimeout).
+	DefaultPeerTimeout = 30 * time.Second
+	defaultProxyChunk  = 4 << 20
+	defaultStripeMin   = 4 << 20
 	// defaultMaxPending and defaultMaxNames bound what a peer may make a
 	// channel hold (WithMaxPendingRequests, WithMaxNames).
 	defaultMaxPending = 4096
@@ -85,9 +88,12 @@ type options struct {
 	rails      []railConfig
 	stripeMin  int64
 	keepalive  time.Duration
-	chunkShift uint8 // proxy results come in chunks of 1<<chunkShift; 0: one write
-	maxPending int   // the peer's requests parked for Sends not made yet; 0: the default
-	maxNames   int   // the peer's name indexes; 0: the default
+	// peerTimeout fails a channel whose peer was silent that long with
+	// work pending; 0: never (WithPeerTimeout).
+	peerTimeout time.Duration
+	chunkShift  uint8 // proxy results come in chunks of 1<<chunkShift; 0: one write
+	maxPending  int   // the peer's requests parked for Sends not made yet; 0: the default
+	maxNames    int   // the peer's name indexes; 0: the default
 	// corrupt, when set, changes the bytes of a source after its checksum
 	// is taken and before it is written (fault injection for tests).
 	corrupt func(key string, step int64, b []byte)
@@ -211,11 +217,13 @@ func WithProxyChunk(n int) Option {
 }
 
 // WithKeepalive sets the keepalive interval (default 1s; 0
-// turns keepalives off). While the channel has pending work (a Recv not
+// turns keepalives off, but for the heartbeats of a peer timeout, which then
+// go every quarter of it: see WithPeerTimeout). While the channel has pending work (a Recv not
 // answered, a Send or a request of the peer not matched, a tensor kept for
 // a re-request, a write in flight) and nothing has arrived from the peer for
 // d, it sends a keepalive: a CREDIT frame, which the peer's NIC must
-// acknowledge. A dead peer makes that send fail as soon as the transport
+// acknowledge (with a peer timeout, WithPeerTimeout, it is a heartbeat the
+// peer answers). A dead peer makes that send fail as soon as the transport
 // gives up on it, and the channel fails every pending request with
 // verbsio.ErrPeerLost; without it, a queue pair that has nothing to send
 // never learns that its peer is gone. An idle channel sends nothing.
@@ -234,6 +242,43 @@ func WithKeepalive(d time.Duration) Option {
 			return fmt.Errorf("%w: keepalive interval %v", ErrBadOption, d)
 		}
 		o.keepalive = d
+		return nil
+	}
+}
+
+// WithPeerTimeout sets how long the peer may stay silent while the
+// channel has work pending (default DefaultPeerTimeout, 30s; 0: for ever,
+// as before there was one). Past it, the channel fails every pending
+// request with an error matching ErrPeerTimeout (and so
+// verbsio.ErrPeerLost) that names the peer and how long it was silent.
+//
+// Silence is judged on what the peer's process does, not its NIC or
+// kernel: a stopped process (SIGSTOP, a debugger) or one whose network is
+// cut is silent; one that merely has nothing to send is not, because the
+// keepalives become heartbeats that a live peer answers. A heartbeat is a
+// run of CREDIT frames, sent when the peer was silent for a keepalive
+// interval (WithKeepalive, or a quarter of d if that is shorter or off),
+// that brings the credits the peer owes this side up to the point where
+// the credit scheme makes the peer return them (max(2, ring/4) of its
+// ring, see WithRing): the peer's answer is the CREDIT it sends back. So
+// a peer of an earlier release, which knows nothing of heartbeats, answers
+// them too, and no frame or flag is new on the wire. Heartbeats follow the
+// credit scheme as keepalives do, and take no more than that quarter of
+// the peer's ring: none goes out while the peer owes that many already.
+//
+// A pause shorter than d on either side is survived: the peer's frames wait
+// in its receive queue and the stream resumes. Frames are delivered in
+// order behind the writes on the queue pair, so a single write that takes
+// longer than d to cross the link is silence to its receiver: d must
+// exceed the longest write's time on the wire. A process that was itself
+// stopped (its keepalive timer fired late) does not count the time it was
+// stopped against its peer.
+func WithPeerTimeout(d time.Duration) Option {
+	return func(o *options) error {
+		if d < 0 {
+			return fmt.Errorf("%w: peer timeout %v", ErrBadOption, d)
+		}
+		o.peerTimeout = d
 		return nil
 	}
 }

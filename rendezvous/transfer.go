@@ -128,8 +128,9 @@ type Stats struct {
 	// Striped is the number of writes this side striped over its rails.
 	Striped uint64
 	// Keepalives is the number of CREDIT frames sent as keepalives to a
-	// silent peer while work was pending (WithKeepalive). They count in
-	// ControlOut, not in CreditsOnly.
+	// silent peer while work was pending (WithKeepalive), the frames of
+	// heartbeats included (WithPeerTimeout). They count in ControlOut, not
+	// in CreditsOnly.
 	Keepalives uint64
 	// ChunksIn is the number of chunk writes with immediate received for
 	// pipelined proxy results (WithProxyChunk), the last of each included;

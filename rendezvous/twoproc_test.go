@@ -38,6 +38,7 @@ func TestMain(m *testing.M) {
 //	senderr KEY STEP TEXT...       SendError
 //	many PREFIX NKEYS STEP KIND N  Send PREFIX0..PREFIX{NKEYS-1}, shape [N]
 //	stream KEY KIND N COUNT MS     Send steps 0..COUNT-1 of shape [N], one per MS milliseconds
+//	recv KEY KIND N COUNT          Recv and check steps 0..COUNT-1 of shape [N] in the background, then answer "recvd COUNT" or "recverr STEP ERROR"
 //	race N                         SendFunc "t" steps 0..N-1, float32 [256], noting each done
 //	report                         wait for the race's dones (closing after 3s), answer "report " and 1 (nil) or 0 per step
 //	sendfn KEY STEP KIND DIM...    SendFunc a patterned tensor, noting its done
@@ -76,6 +77,22 @@ func peerMain(in io.Reader, out io.Writer) int {
 			return 1
 		}
 		opts = append(opts, withStripeMin(n))
+	}
+	if v := os.Getenv("GDRLINK_RDV_PEER_TIMEOUT"); v != "" {
+		d, err := time.ParseDuration(v)
+		if err != nil {
+			fmt.Fprintf(out, "error GDRLINK_RDV_PEER_TIMEOUT: %v\n", err)
+			return 1
+		}
+		opts = append(opts, WithPeerTimeout(d))
+	}
+	if v := os.Getenv("GDRLINK_RDV_KEEPALIVE"); v != "" {
+		d, err := time.ParseDuration(v)
+		if err != nil {
+			fmt.Fprintf(out, "error GDRLINK_RDV_KEEPALIVE: %v\n", err)
+			return 1
+		}
+		opts = append(opts, WithKeepalive(d))
 	}
 	fail := func(err error) int {
 		fmt.Fprintf(out, "error %v\n", err)
@@ -155,6 +172,9 @@ func peerMain(in io.Reader, out io.Writer) int {
 					time.Sleep(time.Duration(ms) * time.Millisecond)
 				}
 			}()
+		case "recv":
+			v := ints(3)
+			go recvStream(s.ch, out, f[1], f[2], tensor.Shape{v[0]}, v[1])
 		case "race":
 			n := int(ints(1)[0])
 			raceErr = make([]error, n)

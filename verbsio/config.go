@@ -45,6 +45,13 @@ type Config struct {
 	// ConnectTimeout bounds Connect when the caller's context has no deadline
 	// (GDRLINK_CONNECT_TIMEOUT, a Go duration; default 30s).
 	ConnectTimeout time.Duration
+	// PeerTimeout is how long a peer may stay silent while a channel has
+	// work pending before the channel fails (GDRLINK_PEER_TIMEOUT, a Go
+	// duration; default 30s; rendezvous.WithPeerTimeout enforces it).
+	// Providers with liveness timers of their own set them so that they
+	// never give up on a peer sooner (tcp: TCP_USER_TIMEOUT and the
+	// keepalive probes).
+	PeerTimeout time.Duration
 	// JobKey is the job's key material (the front door's, derived from
 	// GDRLINK_JOB_KEY or GDRLINK_JOB_KEY_FILE); nil means the job has none.
 	// Providers that accept connections (tcp lanes, the onnode socket)
@@ -62,17 +69,23 @@ const (
 	defaultTimeout        = 14
 	defaultRetryCount     = 7
 	defaultConnectTimeout = 30 * time.Second
+	defaultPeerTimeout    = 30 * time.Second
 )
+
+// MaxPeerTimeout is the longest Config.PeerTimeout (a day): socket timers
+// derived from it stay within what the kernel takes.
+const MaxPeerTimeout = 24 * time.Hour
 
 // DefaultConfig returns the configuration with every default filled in.
 func DefaultConfig() Config {
-	return Config{GIDIndex: -1, QueueDepth: defaultQueueDepth, Timeout: defaultTimeout, RetryCount: defaultRetryCount, ConnectTimeout: defaultConnectTimeout}
+	return Config{GIDIndex: -1, QueueDepth: defaultQueueDepth, Timeout: defaultTimeout, RetryCount: defaultRetryCount, ConnectTimeout: defaultConnectTimeout, PeerTimeout: defaultPeerTimeout}
 }
 
-// Resolve returns c with its zero QueueDepth, Timeout, RetryCount and
-// ConnectTimeout replaced by their defaults, and checks the ranges: queue
-// depth 1..65536, timeout 0..31, retry count 0..7, SL 0..15, MTU one of
-// 0/256/512/1024/2048/4096, traffic class 0..255. A value out of range is
+// Resolve returns c with its zero QueueDepth, Timeout, RetryCount,
+// ConnectTimeout and PeerTimeout replaced by their defaults, and checks the
+// ranges: queue depth 1..65536, timeout 0..31, retry count 0..7, SL
+// 0..15, MTU one of 0/256/512/1024/2048/4096, traffic class 0..255, peer
+// timeout up to MaxPeerTimeout. A value out of range is
 // an error wrapping ErrBadConfig that names its variable. Providers call it
 // first thing in Open.
 func (c Config) Resolve() (Config, error) {
@@ -94,6 +107,9 @@ func (c Config) withDefaults() Config {
 	}
 	if c.ConnectTimeout == 0 {
 		c.ConnectTimeout = d.ConnectTimeout
+	}
+	if c.PeerTimeout == 0 {
+		c.PeerTimeout = d.PeerTimeout
 	}
 	return c
 }
@@ -120,6 +136,8 @@ func (c Config) validate() error {
 		return bad("RDMA_QP_SL", c.SL, "0..15")
 	case c.TrafficClass < 0 || c.TrafficClass > 255:
 		return bad("RDMA_TRAFFIC_CLASS", c.TrafficClass, "0..255")
+	case c.PeerTimeout < 0 || c.PeerTimeout > MaxPeerTimeout:
+		return bad("GDRLINK_PEER_TIMEOUT", c.PeerTimeout, "a positive duration of at most "+MaxPeerTimeout.String())
 	}
 	switch c.MTU {
 	case 0, 256, 512, 1024, 2048, 4096:
@@ -156,6 +174,13 @@ func configFromLookup(lookup func(string) (string, bool)) (Config, error) {
 			return c, fmt.Errorf("%w: GDRLINK_CONNECT_TIMEOUT=%q is not a positive duration", ErrBadConfig, v)
 		}
 		c.ConnectTimeout = d
+	}
+	if v, ok := lookup("GDRLINK_PEER_TIMEOUT"); ok {
+		d, err := time.ParseDuration(v)
+		if err != nil || d <= 0 || d > MaxPeerTimeout {
+			return c, fmt.Errorf("%w: GDRLINK_PEER_TIMEOUT=%q is not a positive duration of at most %v", ErrBadConfig, v, MaxPeerTimeout)
+		}
+		c.PeerTimeout = d
 	}
 	ints := []struct {
 		name string

@@ -14,13 +14,14 @@ func TestConfigFromEnv(t *testing.T) {
 		"RDMA_DEVICE": "mlx5_1", "RDMA_DEVICE_PORT": "2", "RDMA_GID_INDEX": "3", "RDMA_QP_PKEY_INDEX": "1",
 		"RDMA_QP_QUEUE_DEPTH": "512", "RDMA_QP_TIMEOUT": "18", "RDMA_QP_RETRY_COUNT": "5", "RDMA_QP_SL": "3",
 		"RDMA_QP_MTU": "4096", "RDMA_TRAFFIC_CLASS": "106", "GDRLINK_LISTEN_ADDR": "10.0.0.1:0", "GDRLINK_CONNECT_TIMEOUT": "5s",
+		"GDRLINK_PEER_TIMEOUT": "90s",
 	}
 	c, err := configFromLookup(func(k string) (string, bool) { v, ok := env[k]; return v, ok })
 	if err != nil {
 		t.Fatal(err)
 	}
 	want := Config{Device: "mlx5_1", Port: 2, GIDIndex: 3, PKeyIndex: 1, QueueDepth: 512, Timeout: 18, RetryCount: 5, SL: 3,
-		MTU: 4096, TrafficClass: 106, ListenAddr: "10.0.0.1:0", ConnectTimeout: 5 * time.Second}
+		MTU: 4096, TrafficClass: 106, ListenAddr: "10.0.0.1:0", ConnectTimeout: 5 * time.Second, PeerTimeout: 90 * time.Second}
 	if !reflect.DeepEqual(c, want) {
 		t.Errorf("got %+v\nwant %+v", c, want)
 	}
@@ -40,6 +41,7 @@ func TestConfigFromEnvBad(t *testing.T) {
 		{"RDMA_QP_QUEUE_DEPTH", "0"}, {"RDMA_QP_QUEUE_DEPTH", "70000"}, {"RDMA_QP_TIMEOUT", "32"},
 		{"RDMA_QP_RETRY_COUNT", "8"}, {"RDMA_QP_SL", "16"}, {"RDMA_QP_MTU", "1500"},
 		{"RDMA_TRAFFIC_CLASS", "256"}, {"GDRLINK_CONNECT_TIMEOUT", "soon"}, {"GDRLINK_CONNECT_TIMEOUT", "-1s"},
+		{"GDRLINK_PEER_TIMEOUT", "soon"}, {"GDRLINK_PEER_TIMEOUT", "0"}, {"GDRLINK_PEER_TIMEOUT", "-3s"}, {"GDRLINK_PEER_TIMEOUT", "25h"},
 	} {
 		t.Run(tc.name+"="+tc.value, func(t *testing.T) {
 			_, err := configFromLookup(func(k string) (string, bool) {
@@ -158,11 +160,14 @@ func TestChoose(t *testing.T) {
 func TestResolve(t *testing.T) {
 	c, err := Config{Device: "x", ListenAddr: "127.0.0.1:0"}.Resolve()
 	want := Config{Device: "x", ListenAddr: "127.0.0.1:0", QueueDepth: defaultQueueDepth, Timeout: defaultTimeout,
-		RetryCount: defaultRetryCount, ConnectTimeout: defaultConnectTimeout}
+		RetryCount: defaultRetryCount, ConnectTimeout: defaultConnectTimeout, PeerTimeout: defaultPeerTimeout}
 	if err != nil || !reflect.DeepEqual(c, want) {
 		t.Errorf("Resolve of a zero config: %+v, %v; want %+v", c, err, want)
 	}
 	if _, err := (Config{SL: 16}).Resolve(); !errors.Is(err, ErrBadConfig) || !strings.Contains(err.Error(), "RDMA_QP_SL") {
 		t.Errorf("Resolve with SL 16: %v, want ErrBadConfig naming RDMA_QP_SL", err)
+	}
+	if _, err := (Config{PeerTimeout: -time.Second}).Resolve(); !errors.Is(err, ErrBadConfig) || !strings.Contains(err.Error(), "GDRLINK_PEER_TIMEOUT") {
+		t.Errorf("Resolve with a negative peer timeout: %v, want ErrBadConfig naming GDRLINK_PEER_TIMEOUT", err)
 	}
 }

@@ -115,13 +115,14 @@ func (o Options) withDefaults() Options {
 // and the tables of its protection domains, completion queues and queue
 // pairs. It implements verbsio.Device.
 type device struct {
-	cfg    verbsio.Config
-	opt    Options
-	key    jobauth.Key // the zero Key: lanes are not authenticated
-	ln     net.Listener
-	addr   string
-	host   string
-	userTO time.Duration
+	cfg       verbsio.Config
+	opt       Options
+	key       jobauth.Key // the zero Key: lanes are not authenticated
+	ln        net.Listener
+	addr      string
+	host      string
+	userTO    time.Duration
+	keepalive net.KeepAliveConfig
 
 	mu     sync.Mutex
 	closed bool
@@ -201,18 +202,44 @@ func openDevice(cfg verbsio.Config, opt Options) (*device, error) {
 		adv = advertised(ln.Addr().(*net.TCPAddr))
 	}
 	host, _ := hostid.Get()
-	// The ack timeout of ibverbs (4.096 us * 2^Timeout, RetryCount+1 tries)
-	// becomes TCP_USER_TIMEOUT, with a floor so a loaded host is not taken
-	// for a dead one.
-	to := time.Duration(4096<<uint(cfg.Timeout)) * time.Nanosecond * time.Duration(cfg.RetryCount+1)
-	to = max(to, 10*time.Second)
-	d := &device{cfg: cfg, opt: opt, key: key, ln: ln, addr: adv, host: host, userTO: to,
+	to, ka := socketLiveness(cfg)
+	d := &device{cfg: cfg, opt: opt, key: key, ln: ln, addr: adv, host: host, userTO: to, keepalive: ka,
 		pds: map[*pd]struct{}{}, cqs: map[*cq]struct{}{}, qps: map[uint32]*qp{},
 		nextQP: rand.Uint32N(1 << 20), keys: map[uint32]struct{}{}, conns: map[net.Conn]*pending{},
 		lanes: map[net.Conn]struct{}{}, retransOf: tcpRetransmits}
 	d.wg.Add(1)
 	go d.acceptLoop()
 	return d, nil
+}
+
+// Socket liveness: the kernel gives up on a connection whose data or
+// keepalive probes go unacknowledged for TCP_USER_TIMEOUT.
+const (
+	// userTimeoutFloor keeps a loaded host from being taken for a dead one.
+	userTimeoutFloor = 10 * time.Second
+	keepaliveIdle    = 5 * time.Second
+	keepaliveMinGap  = 2 * time.Second
+	// maxKeepaliveCount is Linux's bound on TCP_KEEPCNT.
+	maxKeepaliveCount = 127
+)
+
+// socketLiveness derives TCP_USER_TIMEOUT and the keepalive probes of the
+// lanes from cfg. The ack timeout of ibverbs (4.096 us * 2^Timeout,
+// RetryCount+1 tries) becomes the user timeout, with a floor of 10s, and
+// never less than one and a half peer timeouts: the channel above judges
+// its peer's silence itself (rendezvous.WithPeerTimeout) and names it, so
+// the socket must not give up first. A stopped peer process leaves its
+// kernel acknowledging until its receive buffer fills; past that, only
+// the user timeout ends the connection, which thus outlasts any pause the
+// peer timeout allows. Keepalives start after 5s of quiet and probe every
+// 2s (or more, so that the probes last as long as the user timeout within
+// Linux's 127 probes).
+func socketLiveness(cfg verbsio.Config) (time.Duration, net.KeepAliveConfig) {
+	to := time.Duration(4096<<uint(cfg.Timeout)) * time.Nanosecond * time.Duration(cfg.RetryCount+1)
+	to = max(to, userTimeoutFloor, cfg.PeerTimeout+cfg.PeerTimeout/2)
+	gap := max(keepaliveMinGap, (to-keepaliveIdle+maxKeepaliveCount-1)/maxKeepaliveCount)
+	count := max(5, int((to-keepaliveIdle+gap-1)/gap))
+	return to, net.KeepAliveConfig{Enable: true, Idle: keepaliveIdle, Interval: gap, Count: count}
 }
 
 func advertised(a *net.TCPAddr) string {
@@ -373,7 +400,7 @@ func (d *device) tune(c net.Conn) {
 		return
 	}
 	tc.SetNoDelay(true)
-	tc.SetKeepAliveConfig(net.KeepAliveConfig{Enable: true, Idle: 5 * time.Second, Interval: 2 * time.Second, Count: 5})
+	tc.SetKeepAliveConfig(d.keepalive)
 	if n := d.opt.SocketBuffer; n > 0 {
 		setBuffer(tc, n)
 	}

@@ -114,7 +114,10 @@
 // with StatusRemoteOperation.
 //
 // A dead peer (connection reset or closed, or TCP_USER_TIMEOUT expired,
-// which follows Config.Timeout and RetryCount with a floor of 10s) puts the
+// which follows Config.Timeout and RetryCount with a floor of 10s, and is
+// never shorter than one and a half Config.PeerTimeout, so that a paused
+// peer is judged by the channel's peer timeout rather than cut by the
+// socket first; keepalive probes last as long) puts the
 // queue pair in the error state: work requests already sent complete with
 // StatusRetryExceeded, whose Err wraps verbsio.ErrPeerLost, the others and
 // every posted receive with StatusFlushed.
