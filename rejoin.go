@@ -24,10 +24,6 @@ import (
 // of its rank, the job already running.
 func (g *Group) Rejoined() bool { return g.boot.Rejoined() }
 
-// Incarnation is the incarnation of rank r's process as this rank knows
-// it: 1 for the job's first processes, one more each time r rejoined.
-func (g *Group) Incarnation(r int) uint64 { return g.boot.Incarnation(r) }
-
 // WaitRejoin waits until rank r runs as a process newer than incarnation
 // after (a rejoin this rank has taken in: its old peer state is gone) and
 // returns r's incarnation. A process that serves a rank which may restart

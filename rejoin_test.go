@@ -26,7 +26,7 @@ const rejoinSteps = 3
 // (GDRLINK_TEST_HOLD=1) or returns (the barrier follows in runChild).
 func rejoinJob(ctx context.Context, g *Group, rep *childReport) error {
 	from, _ := strconv.Atoi(os.Getenv("GDRLINK_TEST_FROM"))
-	rep.Rejoined, rep.Incarnation = g.Rejoined(), g.Incarnation(g.Rank())
+	rep.Rejoined, rep.Incarnation = g.Rejoined(), g.boot.Incarnation(g.Rank())
 	for step := from; step < from+rejoinSteps; step++ {
 		t, err := g.NewTensor(tensor.Float32, 64<<10)
 		if err != nil {
@@ -173,8 +173,8 @@ func testRejoin(t *testing.T, provider string) {
 	if !rep.Rejoined || rep.Incarnation != 2 {
 		t.Errorf("new rank 1: rejoined %v, incarnation %d; want true, 2", rep.Rejoined, rep.Incarnation)
 	}
-	if g.Incarnation(1) != 2 || g.Stats().Rejoins != 1 {
-		t.Errorf("rank 0: incarnation of rank 1 %d, rejoins %d; want 2, 1", g.Incarnation(1), g.Stats().Rejoins)
+	if g.boot.Incarnation(1) != 2 || g.Stats().Rejoins != 1 {
+		t.Errorf("rank 0: incarnation of rank 1 %d, rejoins %d; want 2, 1", g.boot.Incarnation(1), g.Stats().Rejoins)
 	}
 	t.Logf("%s: rank 1 rejoined and resumed the stream %v after it was started", provider, time.Since(start).Round(time.Millisecond))
 }

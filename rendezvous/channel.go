@@ -170,7 +170,7 @@ type outItem struct {
 // control buffers from mem (which must be registered with pd). Receives are
 // posted at once where the provider allows it.
 func New(dev verbsio.Device, pd verbsio.ProtectionDomain, mem Memory, opts ...Option) (*Channel, error) {
-	o := options{ring: defaultRing, sendSlots: defaultSendSlots, maxStrings: defaultMaxStringBytes, maxTensor: defaultMaxTensorBytes, stripeMin: defaultStripeMin, keepalive: defaultKeepalive, peerTimeout: DefaultPeerTimeout, chunkShift: uint8(bits.TrailingZeros(defaultProxyChunk)), log: slog.New(discard{})}
+	o := options{ring: defaultRing, sendSlots: defaultSendSlots, maxStrings: defaultMaxStringBytes, maxTensor: defaultMaxTensorBytes, stripeMin: defaultStripeMin, keepalive: defaultKeepalive, peerTimeout: defaultPeerTimeout, chunkShift: uint8(bits.TrailingZeros(defaultProxyChunk)), log: slog.New(discard{})}
 	for _, f := range opts {
 		if f == nil {
 			continue

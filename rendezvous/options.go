@@ -22,9 +22,9 @@ const (
 	defaultMaxStringBytes = 1 << 30
 	defaultMaxTensorBytes = 64 << 30
 	defaultKeepalive      = time.Second
-	// DefaultPeerTimeout is how long a channel with work pending waits for
+	// defaultPeerTimeout is how long a channel with work pending waits for
 	// a sign of life from its peer before it fails (WithPeerTimeout).
-	DefaultPeerTimeout = 30 * time.Second
+	defaultPeerTimeout = 30 * time.Second
 	defaultProxyChunk  = 4 << 20
 	defaultStripeMin   = 4 << 20
 	// defaultMaxPending and defaultMaxNames bound what a peer may make a
@@ -247,7 +247,7 @@ func WithKeepalive(d time.Duration) Option {
 }
 
 // WithPeerTimeout sets how long the peer may stay silent while the
-// channel has work pending (default DefaultPeerTimeout, 30s; 0: for ever,
+// channel has work pending (default 30s; 0: for ever,
 // as before there was one). Past it, the channel fails every pending
 // request with an error matching ErrPeerTimeout (and so
 // verbsio.ErrPeerLost) that names the peer and how long it was silent.

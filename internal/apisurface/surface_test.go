@@ -12,7 +12,7 @@ import (
 // front door (the module's root package) alone. They were 450 and 40 until
 // the collectives (AllReduce, Broadcast, AllGather, ReduceOp, Sum, Average
 // on the front door; the collective package's report and errors) and
-// rejoining (Rejoined, Incarnation, WaitRejoin) arrived; alloc.Budget and
+// rejoining (Rejoined, WaitRejoin) and the peer timeout (WithPeerTimeout) arrived; alloc.Budget and
 // the checksum errors came with them. Raise them only for a capability,
 // and say which here.
 const (

@@ -204,14 +204,14 @@ func send(g *gdrlink.Group, steps, size int, pace time.Duration, from int, rep *
 
 // sendResume tells a sender that rejoined as incarnation inc the step to
 // resume at.
-func sendResume(g *gdrlink.Group, inc uint64, step int) error {
+func sendResume(g *gdrlink.Group, step int) error {
 	t, err := g.NewTensor(tensor.Int64, 1)
 	if err != nil {
 		return err
 	}
 	b, _ := t.Bytes()
 	binary.LittleEndian.PutUint64(b, uint64(step))
-	return g.Send(1, "resume", int64(inc), t)
+	return g.Send(1, "resume", 0, t) // a new process: its peer state is new too
 }
 
 // resumeStep is, in a sender that rejoined, the step the receiver wants
@@ -219,7 +219,7 @@ func sendResume(g *gdrlink.Group, inc uint64, step int) error {
 func resumeStep(ctx context.Context, g *gdrlink.Group, wait time.Duration) (int, error) {
 	rctx, cancel := context.WithTimeout(ctx, wait)
 	defer cancel()
-	t, _, err := g.Recv(rctx, 0, "resume", int64(g.Incarnation(g.Rank())))
+	t, _, err := g.Recv(rctx, 0, "resume", 0) // a new process: its peer state is new too
 	if err != nil {
 		return 0, fmt.Errorf("waiting for the step to resume at: %w", err)
 	}
@@ -232,6 +232,7 @@ func resumeStep(ctx context.Context, g *gdrlink.Group, wait time.Duration) (int,
 }
 
 func recv(ctx context.Context, g *gdrlink.Group, steps, size int, wait time.Duration, from int, rejoin bool, rep *report) error {
+	senderInc := uint64(1) // the sender's incarnation, one more at each rejoin
 	want := make([]byte, size)
 	for i := from; i < steps; i++ {
 		rctx, cancel := context.WithTimeout(ctx, wait)
@@ -244,12 +245,13 @@ func recv(ctx context.Context, g *gdrlink.Group, steps, size int, wait time.Dura
 				rep.Lost, rep.ErrAt = fmt.Sprintf("step %d: %v", i, err), time.Now().UnixNano()
 			}
 			wctx, wcancel := context.WithTimeout(ctx, wait)
-			inc, werr := g.WaitRejoin(wctx, 1, g.Incarnation(1))
+			inc, werr := g.WaitRejoin(wctx, 1, senderInc)
 			wcancel()
 			if werr != nil {
 				return fmt.Errorf("step %d: %w (and no new sender: %w)", i, err, werr)
 			}
-			if err := sendResume(g, inc, i); err != nil {
+			senderInc = inc
+			if err := sendResume(g, i); err != nil {
 				return err
 			}
 			rep.Rejoins++
