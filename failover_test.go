@@ -8,8 +8,10 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -160,13 +162,29 @@ func TestFailoverIbverbsToTCP(t *testing.T) {
 	t.Cleanup(func() { exec.Command(ip, "netns", "exec", nsA, rdma, "link", "delete", ra).Run() })
 	run(ip, "netns", "exec", nsB, rdma, "link", "add", rb, "type", "rxe", "netdev", vb)
 	t.Cleanup(func() { exec.Command(ip, "netns", "exec", nsB, rdma, "link", "delete", rb).Run() })
+	// Each device's RoCE v2 GID of its address appears once the kernel
+	// has added it.
+	for dev, gid := range map[string]string{ra: "0000:0000:0000:0000:0000:ffff:0ae9:0001", rb: "0000:0000:0000:0000:0000:ffff:0ae9:0002"} {
+		found := false
+		for deadline := time.Now().Add(15 * time.Second); !found && time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+			files, _ := filepath.Glob("/sys/class/infiniband/" + dev + "/ports/1/gids/*")
+			for _, f := range files {
+				if b, err := os.ReadFile(f); err == nil && strings.TrimSpace(string(b)) == gid {
+					found = true
+				}
+			}
+		}
+		if !found {
+			t.Fatalf("%s has no GID %s after 15 s", dev, gid)
+		}
+	}
 	const table = "gdrlink_failover_test"
 	reps := runFailoverJobIn(t, func(r int) ([]string, []string) {
 		ns, dev := nsA, ra
 		if r == 1 {
 			ns, dev = nsB, rb
 		}
-		return []string{ip, "netns", "exec", ns}, []string{"RDMA_DEVICE=" + dev}
+		return []string{ip, "netns", "exec", ns}, []string{"RDMA_DEVICE=" + dev, "GDRLINK_LOG=warn"}
 	}, "10.233.0.1", "ibverbs,tcp", func() {
 		for _, cmd := range [][]string{
 			{"add", "table", "inet", table},
@@ -277,6 +295,13 @@ func runFailoverJobIn(t *testing.T, per func(rank int) (wrap, env []string), roo
 		<-done
 		t.Fatal("the job did not end within 2 minutes")
 	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			for r, e := range errs {
+				t.Logf("rank %d's stderr:\n%s", r, e.String())
+			}
+		}
+	})
 	var reps [2]childReport
 	for r, c := range cmds {
 		if !c.ProcessState.Success() {
