@@ -52,6 +52,8 @@ type childReport struct {
 	Incarnation uint64 `json:"incarnation"`
 	// Failovers is Stats.Failovers at the end.
 	Failovers int `json:"failovers"`
+	// Log is what the rank wrote on stderr (set by the tests that read it).
+	Log string `json:"-"`
 	// Digests are the collective job's results (a hash each), to compare
 	// across ranks.
 	Digests []string `json:"digests,omitempty"`
