@@ -39,10 +39,13 @@ const maxFailovers = 3
 var errFailingOver = errors.New("gdrlink: failing over")
 
 // failoverable reports whether err says the connection is lost, not that
-// the peer refused, closed or answered with an error.
+// the peer refused, closed, answered with an error, or went silent past the
+// peer timeout (a stopped process answers no new connection either, and
+// the timeout is the caller's bound on waiting for it).
 func failoverable(err error) bool {
 	return errors.Is(err, verbsio.ErrPeerLost) && !errors.Is(err, rendezvous.ErrClosed) &&
-		!errors.Is(err, rendezvous.ErrRemote) && !errors.Is(err, rendezvous.ErrProtocol)
+		!errors.Is(err, rendezvous.ErrRemote) && !errors.Is(err, rendezvous.ErrProtocol) &&
+		!errors.Is(err, rendezvous.ErrPeerTimeout)
 }
 
 // moveOn reports whether what failed on ch with err goes to the next
@@ -60,7 +63,12 @@ func (p *peer) moveOn(ch *rendezvous.Channel, err error) bool {
 // peer's connection: the peer waits for a new one (the lower rank makes
 // it), and ch is closed, which gives back the Sends it held (sent on the
 // new connection).
-func (p *peer) failover(ch *rendezvous.Channel, cause error) {
+func (p *peer) failover(ch *rendezvous.Channel, cause error) { p.replace(ch, cause, true) }
+
+// replace is failover; restart says whether to make the next connection
+// now (false where the caller is taking the lower rank's new connection
+// in: the higher rank then asks for none).
+func (p *peer) replace(ch *rendezvous.Channel, cause error, restart bool) {
 	g := p.g
 	p.mu.Lock()
 	if p.closed || p.ch != ch || !p.isDone() {
@@ -77,6 +85,10 @@ func (p *peer) failover(ch *rendezvous.Channel, cause error) {
 	p.started = false
 	p.failovers++
 	p.kickFailover = !p.lower
+	// The kick names the connection to replace by the lower rank's hello
+	// for it: one that comes after the lower rank replaced it already is
+	// stale and changes nothing.
+	p.kickFor, p.peerHello = p.peerHello, nil
 	prov := p.failedProv
 	p.mu.Unlock()
 	g.log.Warn("gdrlink: connection lost, making it again", "rank", g.Rank(), "peer", p.rank, "provider", prov, "err", cause)
@@ -95,7 +107,9 @@ func (p *peer) failover(ch *rendezvous.Channel, cause error) {
 	} else {
 		_ = ch.Close()
 	}
-	p.start()
+	if restart {
+		p.start()
+	}
 }
 
 // sendOn sends t on ch; a send the connection's failure drops is sent

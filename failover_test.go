@@ -242,7 +242,7 @@ func failoverTools(t *testing.T) (ip, ss string) {
 // reports.
 func runFailoverJob(t *testing.T, wrap []string, provider string, fault func()) [2]childReport {
 	t.Helper()
-	return runFailoverJobIn(t, func(int) ([]string, []string) { return wrap, nil }, "127.0.0.1", provider, fault)
+	return runFailoverJobIn(t, func(int) ([]string, []string) { return wrap, []string{"GDRLINK_LOG=warn"} }, "127.0.0.1", provider, fault)
 }
 
 // runFailoverJobIn is runFailoverJob with each rank's command prefix and

@@ -1,6 +1,7 @@
 package gdrlink
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -54,6 +55,10 @@ type peer struct {
 	failovers    int
 	failedProv   string
 	kickFailover bool
+	// peerHello is, at the higher rank, the lower rank's hello for the
+	// current connection; kickFor that of the connection a reconnect kick
+	// asks to replace.
+	peerHello, kickFor []byte
 	// retired are the connections failover replaced.
 	retired map[*rendezvous.Channel]bool
 }
@@ -113,7 +118,7 @@ func (p *peer) start() {
 		p.mu.Lock()
 		kick := connMsg{kind: kickMsg}
 		if p.kickFailover {
-			kick.payload = []byte(kickReconnect)
+			kick.payload = append([]byte(kickReconnect), p.kickFor...)
 		}
 		p.mu.Unlock()
 		for round := 0; ; round++ {
@@ -275,10 +280,11 @@ func (g *Group) onCall(ctx context.Context, from int, req []byte) ([]byte, error
 		if !p.lower {
 			return nil, fmt.Errorf("%w: rank %d asked rank %d to connect, but the lower rank connects", verbsio.ErrBadFrame, from, g.Rank())
 		}
-		if string(m.payload) == kickReconnect {
-			// The higher rank lost the connection: so has this one,
-			// whether or not it noticed yet.
-			if ch, _ := p.connected(); ch != nil {
+		if id, ok := bytes.CutPrefix(m.payload, []byte(kickReconnect)); ok {
+			// The higher rank lost the connection named by this rank's
+			// hello for it: so has this side, whether or not it noticed
+			// yet. A kick for a connection replaced since is stale.
+			if ch, _ := p.connected(); ch != nil && (len(id) == 0 || bytes.Equal(ch.Hello(), id)) {
 				p.failover(ch, fmt.Errorf("%w: rank %d lost its side of the connection", verbsio.ErrPeerLost, from))
 			}
 		}
@@ -318,7 +324,7 @@ func (p *peer) accept(provider string, hello []byte) ([]byte, error) {
 	if cur, _ := p.connected(); cur != nil {
 		// The lower rank connects again only when it lost the
 		// connection: so has this side, whether or not it noticed yet.
-		p.failover(cur, fmt.Errorf("%w: rank %d reconnects", verbsio.ErrPeerLost, p.rank))
+		p.replace(cur, fmt.Errorf("%w: rank %d reconnects", verbsio.ErrPeerLost, p.rank), false)
 	}
 	p.mu.Lock()
 	if p.closed || p.isDone() {
@@ -330,6 +336,7 @@ func (p *peer) accept(provider string, hello []byte) ([]byte, error) {
 	p.gen++
 	gen := p.gen
 	p.ch, p.provider, p.started = ch, provider, true
+	p.peerHello = hello
 	p.mu.Unlock()
 	if old != nil {
 		old.Close() // an earlier attempt the lower rank gave up on
