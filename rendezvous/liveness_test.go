@@ -239,13 +239,14 @@ func TestLivenessReceiverStopped(t *testing.T) {
 				time.Sleep(10 * time.Millisecond)
 			}
 			checkTimedOut(t, p.local.ch.Err(), time.Since(start))
-			// The Sends not written fail with it. (One may have been
-			// asked for before the peer stopped: its write, posted, ends
-			// when it completes or the queue pair goes.)
-			var timedOut int
+			// The Sends not written fail with it. (One or two may have
+			// been asked for before the peer stopped, the signal taking
+			// effect a moment after it was sent: their writes, posted,
+			// end when they complete or the queue pair goes.)
+			var timedOut, delivered int
 			wait := time.After(liveMargin)
 		collect:
-			for timedOut < 9 {
+			for timedOut+delivered < 10 {
 				select {
 				case err := <-sendErr:
 					switch {
@@ -254,14 +255,15 @@ func TestLivenessReceiverStopped(t *testing.T) {
 					case err != nil:
 						t.Fatalf("a Send after the stop: %v, want nil or ErrPeerTimeout", err)
 					default:
+						delivered++
 						t.Logf("a Send after the stop was delivered")
 					}
 				case <-wait:
 					break collect
 				}
 			}
-			if timedOut < 9 {
-				t.Fatalf("%d of the 10 Sends after the stop failed with ErrPeerTimeout, want 9 or more", timedOut)
+			if timedOut < 8 {
+				t.Fatalf("%d of the 10 Sends after the stop failed with ErrPeerTimeout (%d delivered), want 8 or more", timedOut, delivered)
 			}
 			t.Logf("%d of the 10 Sends after the stop failed", timedOut)
 		})
