@@ -458,7 +458,10 @@ type Stats struct {
 	Unusable map[string]string
 	// Protocol sums the protocol counters of every connection.
 	Protocol rendezvous.Stats
-	// Pool is the registered tensor pool's.
+	// Pool is the registered tensor pool's, with the result pools of the
+	// peers added in where a provider gives each peer its own (bytes,
+	// arenas, blocks and counts summed; the name, limit and free-space
+	// figures are the tensor pool's).
 	Pool alloc.Stats
 	// Registrations is the number of arena registrations the group holds
 	// with its providers: each arena of the pool, and of the pinned proxy
@@ -506,6 +509,11 @@ func (g *Group) Stats() Stats {
 	if g.pool != nil {
 		s.Pool = g.pool.Stats()
 	}
+	g.mu.Lock()
+	for _, p := range g.peerPools {
+		addPoolStats(&s.Pool, p.Stats())
+	}
+	g.mu.Unlock()
 	for _, name := range builtin {
 		d := g.devs[name]
 		if d == nil {
@@ -595,4 +603,18 @@ func (g *Group) Close() error {
 		errs = append(errs, d.dev.Close())
 	}
 	return errors.Join(errs...)
+}
+
+// addPoolStats adds pool b's bytes, arenas, blocks and counts into a.
+func addPoolStats(a *alloc.Stats, b alloc.Stats) {
+	a.InUse += b.InUse
+	a.Requested += b.Requested
+	a.PeakInUse += b.PeakInUse
+	a.Reserved += b.Reserved
+	a.Arenas += b.Arenas
+	a.Blocks += b.Blocks
+	a.Allocs += b.Allocs
+	a.Frees += b.Frees
+	a.ArenasCreated += b.ArenasCreated
+	a.ArenasReleased += b.ArenasReleased
 }
