@@ -235,6 +235,10 @@ func saturate(v, limit float64) float64 {
 }
 
 // QuantizeBF16 is Quantize32 for bfloat16 values.
+//
+// The per-format loops are written out on purpose: one loop taking the
+// widening as a function value runs QuantizeBF16 at two thirds the speed
+// (0.87 against 1.3 GB/s, BenchmarkQuantizeBF16), the call not inlined.
 func (c Codec) QuantizeBF16(dst []int32, src []uint16, exp uint8) error {
 	if len(dst) != len(src) {
 		return fmt.Errorf("%w: %d significands for %d values", ErrLength, len(dst), len(src))
