@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/gdrlink/gdrlink/rendezvous"
 	"github.com/gdrlink/gdrlink/tensor"
@@ -31,6 +32,9 @@ import (
 // replace a connection the higher rank lost.
 const kickReconnect = "reconnect"
 
+// maxRetired is how many replaced connections a peer remembers.
+const maxRetired = 8
+
 // maxFailovers bounds the connections one Recv waits through.
 const maxFailovers = 3
 
@@ -56,7 +60,7 @@ func (p *peer) moveOn(ch *rendezvous.Channel, err error) bool {
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return p.retired[ch] && !p.closed
+	return slices.Contains(p.retired, ch) && !p.closed
 }
 
 // failover replaces ch, which failed with cause, if it is still the
@@ -76,10 +80,13 @@ func (p *peer) replace(ch *rendezvous.Channel, cause error, restart bool) {
 		return // not the current connection: handled already
 	}
 	p.ch = nil
-	if p.retired == nil {
-		p.retired = map[*rendezvous.Channel]bool{}
+	// What its Close ends is sent or asked again. Only the last few are
+	// kept: an older one's Close and the callbacks it ran are long over,
+	// and a job whose links flap for days must not keep every one.
+	p.retired = append(p.retired, ch)
+	if len(p.retired) > maxRetired {
+		p.retired = slices.Delete(p.retired, 0, len(p.retired)-maxRetired)
 	}
-	p.retired[ch] = true // what its Close ends is sent or asked again
 	p.failedProv, p.provider = p.provider, ""
 	p.done = make(chan struct{})
 	p.started = false

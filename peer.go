@@ -59,8 +59,8 @@ type peer struct {
 	// current connection; kickFor that of the connection a reconnect kick
 	// asks to replace.
 	peerHello, kickFor []byte
-	// retired are the connections failover replaced.
-	retired map[*rendezvous.Channel]bool
+	// retired are the last connections failover replaced (maxRetired).
+	retired []*rendezvous.Channel
 }
 
 // queuedSend is a Send made before the connection was up.
