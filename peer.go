@@ -126,14 +126,9 @@ func (p *peer) start() {
 			if err == nil {
 				return
 			}
-			// As in connect: after a failover, a cut call is tried again.
-			if !p.reconnecting() || round >= maxReconnectRounds || ctx.Err() != nil || refused(err) || errors.Is(err, bootstrap.ErrRefused) {
+			if errors.Is(err, bootstrap.ErrRefused) || !p.retryAfter(ctx, round, err) {
 				p.fail(fmt.Errorf("gdrlink: rank %d asking rank %d to connect: %w", g.Rank(), p.rank, err))
 				return
-			}
-			select {
-			case <-time.After(time.Duration(50<<round) * time.Millisecond):
-			case <-ctx.Done():
 			}
 		}
 	}()
@@ -169,16 +164,8 @@ func (p *peer) connect(ctx context.Context) {
 		if p.connectRound(ctx, cands, &errs) {
 			return
 		}
-		// A connection being made again after a failover may be cut as
-		// well (what cut the old one may still be at work): try again,
-		// a few times, unless the peer's process is gone (its ports
-		// refuse) or the time is up.
-		if !p.reconnecting() || round >= maxReconnectRounds || ctx.Err() != nil || refused(errors.Join(errs...)) {
+		if !p.retryAfter(ctx, round, errors.Join(errs...)) {
 			break
-		}
-		select {
-		case <-time.After(time.Duration(50<<round) * time.Millisecond):
-		case <-ctx.Done():
 		}
 	}
 	err := fmt.Errorf("gdrlink: rank %d could not connect to rank %d: %w", g.Rank(), p.rank, errors.Join(errs...))
@@ -189,6 +176,23 @@ func (p *peer) connect(ctx context.Context) {
 // maxReconnectRounds bounds the rounds over every candidate provider that
 // making a connection again after a failover takes.
 const maxReconnectRounds = 4
+
+// retryAfter reports whether to try making the connection again after
+// round failed with err, having waited for it: a connection being made
+// again after a failover may be cut as well (what cut the old one may
+// still be at work), so it is tried a few times with a growing pause,
+// unless the peer's process is gone (its ports refuse) or ctx ended.
+func (p *peer) retryAfter(ctx context.Context, round int, err error) bool {
+	if !p.reconnecting() || round >= maxReconnectRounds || ctx.Err() != nil || refused(err) {
+		return false
+	}
+	select {
+	case <-time.After(time.Duration(50<<round) * time.Millisecond):
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
 
 // reconnecting reports whether the peer's connection is being made again
 // after a failover.
