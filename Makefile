@@ -2,8 +2,11 @@
 GO      ?= go
 # Packages whose tests run under the race detector (all of them).
 PKGS    ?= ./...
+# Nested modules (their own go.mod, so the core module does not depend on
+# what they import); vet and unit run in each of them too.
+NESTED  ?= contrib/gorgonia examples/ddp
 
-.PHONY: run test vet unit benchonce bench test-rdma fuzz fault-matrix
+.PHONY: run test vet unit nested benchonce bench test-rdma fuzz fault-matrix
 
 ## run: the main job on the embedded default (no RDMA NIC, no GPU needed).
 run:
@@ -14,11 +17,17 @@ test: vet unit benchonce
 
 vet:
 	$(GO) vet $(PKGS)
+	@for m in $(NESTED); do echo "go vet in $$m"; (cd $$m && $(GO) vet ./...) || exit 1; done
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
 	  if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
 unit:
 	$(GO) test -race -count=1 -timeout 20m $(PKGS)
+	@for m in $(NESTED); do echo "go test in $$m"; (cd $$m && $(GO) test -race -count=1 -timeout 10m ./...) || exit 1; done
+
+## nested: vet and race-detected tests of the nested modules alone.
+nested:
+	@for m in $(NESTED); do echo "go vet && go test -race in $$m"; (cd $$m && $(GO) vet ./... && $(GO) test -race -count=1 -timeout 10m ./...) || exit 1; done
 
 benchonce:
 	$(GO) test -run '^$$' -bench . -benchtime=1x -count=1 -timeout 20m $(PKGS)
