@@ -1,0 +1,105 @@
+package adaptspin
+
+import (
+	"fmt"
+	"testing"
+	"time"
+)
+
+const us = time.Microsecond
+
+func budgets(p *Policy, n int) []time.Duration {
+	out := make([]time.Duration, n)
+	for i := range out {
+		out[i] = p.Budget()
+	}
+	return out
+}
+
+func TestLearns(t *testing.T) {
+	p := New(Bounds{Max: 200 * us, Min: 2 * us})
+	// A wake-up taken to cost 20us: the cap is 16 of them, within Max.
+	if got := p.Budget(); got != 200*us {
+		t.Fatalf("first budget %v, want the cap 200us", got)
+	}
+	// Waits that poll in vain halve the budget down to Min.
+	for range 10 {
+		p.Slept()
+	}
+	if got := p.Stats().Budget; got != 2*us {
+		t.Fatalf("after 10 vain polls the budget is %v, want Min 2us", got)
+	}
+	// One wait in 16 still polls for the cap.
+	bs := budgets(p, 32)
+	probes := 0
+	for _, b := range bs {
+		switch b {
+		case 200 * us:
+			probes++
+		case 2 * us:
+		default:
+			t.Fatalf("budget %v, want 2us or the 200us probe", b)
+		}
+	}
+	if probes != 2 {
+		t.Fatalf("%d probes in 32 waits, want 2: %v", probes, bs)
+	}
+	// A probe answered after 30us raises the budget at once to 2*30+2.
+	p.Polled(30 * us)
+	if got := p.Stats().Budget; got != 62*us {
+		t.Fatalf("after a 30us answer the budget is %v, want 62us", got)
+	}
+	// Quicker answers bring it down gradually.
+	for range 40 {
+		p.Polled(5 * us)
+	}
+	if got := p.Stats().Budget; got < 12*us || got > 13*us {
+		t.Fatalf("after 40 answers in 5us the budget is %v, want about 12us", got)
+	}
+}
+
+func TestWakeCostCaps(t *testing.T) {
+	p := New(Bounds{Max: time.Millisecond, Min: us})
+	for range 100 {
+		p.Woke(5 * us)
+	}
+	if got := p.Stats().Wake; got < 5*us || got > 6*us {
+		t.Fatalf("wake estimate %v after 100 samples of 5us", got)
+	}
+	p.Polled(500 * us)
+	if got := p.Budget(); got > 81*us {
+		t.Fatalf("budget %v with wake-ups at 5us, want at most 16 of them", got)
+	}
+}
+
+func TestNeverPolls(t *testing.T) {
+	p := New(Bounds{})
+	for i, b := range budgets(p, 20) {
+		if b != 0 {
+			t.Fatalf("wait %d polls %v with Max 0", i, b)
+		}
+	}
+	p.Polled(10 * us)
+	if b := p.Budget(); b != 0 {
+		t.Fatalf("budget %v after a poll with Max 0", b)
+	}
+}
+
+func ExamplePolicy() {
+	p := New(Bounds{Max: DefaultMax, Min: DefaultMin})
+	fmt.Println("at first:", p.Stats().Budget)
+	// Completions come 10us after each Wait starts: the budget comes
+	// down toward twice that.
+	for range 30 {
+		p.Polled(10 * time.Microsecond)
+	}
+	fmt.Println("quick answers:", p.Stats().Budget.Round(time.Microsecond))
+	// Then a long pause: the waits poll in vain and sleep.
+	p.Slept()
+	p.Slept()
+	fmt.Println("after two vain polls:", p.Stats().Budget.Round(time.Microsecond))
+	// Output:
+	// at first: 200µs
+	// quick answers: 22µs
+	// after two vain polls: 6µs
+}
