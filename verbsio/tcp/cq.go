@@ -5,18 +5,20 @@ import (
 	"fmt"
 	"runtime"
 	"sync"
+	"sync/atomic"
+	"time"
 
+	"github.com/gdrlink/gdrlink/internal/adaptspin"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
-// spinPolls is how many times Wait polls, yielding in between, before it
-// sleeps on the queue's channel.
-const spinPolls = 64
-
 // cq is a completion queue: a growing FIFO and a channel that wakes a
-// sleeping Wait.
+// sleeping Wait. While Wait polls, it also reads the lanes of the queue
+// pairs attached to it (see poll.go), for as long as the queue's spin
+// policy says.
 type cq struct {
-	dev *device
+	dev  *device
+	spin *adaptspin.Policy
 
 	mu     sync.Mutex
 	q      []verbsio.Completion
@@ -25,10 +27,17 @@ type cq struct {
 	refs   int // queue pairs using it
 	notify chan struct{}
 	done   chan struct{}
+
+	queued   atomic.Int64 // len(q)-head, so an empty Poll takes no lock
+	qps      atomic.Pointer[[]*qp]
+	sleepers atomic.Int32
+	pushed   atomic.Int64 // when a completion last woke a sleeper (UnixNano)
 }
 
 func newCQ(d *device, depth int) *cq {
-	return &cq{dev: d, q: make([]verbsio.Completion, 0, min(depth, 4096)), notify: make(chan struct{}, 1), done: make(chan struct{})}
+	c := &cq{dev: d, spin: adaptspin.New(adaptspin.Bounds{Max: max(d.opt.Spin, 0), Min: min(max(d.opt.Spin, 0), adaptspin.DefaultMin)}), q: make([]verbsio.Completion, 0, min(depth, 4096)), notify: make(chan struct{}, 1), done: make(chan struct{})}
+	c.qps.Store(&[]*qp{})
+	return c
 }
 
 func (c *cq) push(cs ...verbsio.Completion) {
@@ -41,15 +50,62 @@ func (c *cq) push(cs ...verbsio.Completion) {
 		return
 	}
 	c.q = append(c.q, cs...)
+	c.queued.Store(int64(len(c.q) - c.head))
 	c.mu.Unlock()
-	select {
-	case c.notify <- struct{}{}:
-	default:
+	if c.sleepers.Load() > 0 {
+		c.pushed.Store(time.Now().UnixNano())
+		select {
+		case c.notify <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// attach adds q to the queue pairs whose lanes Wait reads; detach takes it
+// out.
+func (c *cq) attach(q *qp) {
+	for {
+		old := c.qps.Load()
+		for _, x := range *old {
+			if x == q {
+				return
+			}
+		}
+		nl := append(append([]*qp(nil), *old...), q)
+		if c.qps.CompareAndSwap(old, &nl) {
+			return
+		}
+	}
+}
+
+func (c *cq) detach(q *qp) {
+	for {
+		old := c.qps.Load()
+		nl := make([]*qp, 0, len(*old))
+		for _, x := range *old {
+			if x != q {
+				nl = append(nl, x)
+			}
+		}
+		if c.qps.CompareAndSwap(old, &nl) {
+			return
+		}
 	}
 }
 
 // Poll moves up to len(out) completions into out without blocking.
 func (c *cq) Poll(out []verbsio.Completion) (int, error) {
+	if len(out) == 0 {
+		return 0, nil
+	}
+	if c.queued.Load() == 0 {
+		select {
+		case <-c.done:
+			return 0, fmt.Errorf("%w: completion queue", verbsio.ErrClosed)
+		default:
+			return 0, nil
+		}
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.closed {
@@ -63,29 +119,68 @@ func (c *cq) Poll(out []verbsio.Completion) (int, error) {
 		k := copy(c.q, c.q[c.head:])
 		c.q, c.head = c.q[:k], 0
 	}
+	c.queued.Store(int64(len(c.q) - c.head))
 	return n, nil
 }
 
-// Wait polls a few times, yielding in between, then sleeps until a
-// completion arrives, ctx ends or the queue closes.
+// progress reads the lanes of the attached queue pairs once.
+func (c *cq) progress() bool {
+	did := false
+	for _, q := range *c.qps.Load() {
+		if q.poll() {
+			did = true
+		}
+	}
+	return did
+}
+
+// Wait polls, reading the lanes itself, for as long as the queue's spin
+// policy says, then sleeps until a completion arrives, ctx ends or the
+// queue closes.
 func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 	if len(out) == 0 {
 		return 0, nil
 	}
+	start := time.Now()
+	budget := c.spin.Budget()
 	for i := 0; ; i++ {
 		n, err := c.Poll(out)
 		if n > 0 || err != nil {
+			c.spin.Polled(time.Since(start))
 			return n, err
 		}
-		if i < spinPolls {
-			runtime.Gosched()
+		if c.progress() {
 			continue
+		}
+		if i&7 == 7 {
+			if err := ctx.Err(); err != nil {
+				return 0, err
+			}
+			if time.Since(start) >= budget {
+				break
+			}
+		}
+		runtime.Gosched()
+	}
+	c.spin.Slept()
+	for {
+		c.sleepers.Add(1)
+		n, err := c.Poll(out)
+		if n > 0 || err != nil {
+			c.sleepers.Add(-1)
+			return n, err
 		}
 		select {
 		case <-c.notify:
+			c.sleepers.Add(-1)
+			if p := c.pushed.Load(); p > 0 {
+				c.spin.Woke(time.Duration(time.Now().UnixNano() - p))
+			}
 		case <-ctx.Done():
+			c.sleepers.Add(-1)
 			return 0, ctx.Err()
 		case <-c.done:
+			c.sleepers.Add(-1)
 			return 0, fmt.Errorf("%w: completion queue", verbsio.ErrClosed)
 		}
 	}

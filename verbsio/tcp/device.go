@@ -15,6 +15,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/gdrlink/gdrlink/internal/adaptspin"
 	"github.com/gdrlink/gdrlink/internal/hostid"
 	"github.com/gdrlink/gdrlink/internal/jobauth"
 	"github.com/gdrlink/gdrlink/tensor"
@@ -65,6 +66,11 @@ type Options struct {
 	// (GDRLINK_ADVERTISE_ADDR); "" means the listener's address, with an
 	// unspecified IP replaced by the first up non-loopback interface address.
 	AdvertiseAddr string
+	// Spin is the longest CompletionQueue.Wait polls, reading the lanes
+	// itself, before it sleeps (GDRLINK_TCP_SPIN, a Go duration; there 0
+	// never polls). Within it each queue learns from its own waits how
+	// long to poll. 0 means 200us; negative never polls.
+	Spin time.Duration
 }
 
 // Defaults of Options, and the largest inline payload.
@@ -95,6 +101,16 @@ func OptionsFromEnv() (Options, error) {
 		o.SocketBuffer = n
 	}
 	o.AdvertiseAddr = os.Getenv("GDRLINK_ADVERTISE_ADDR")
+	if v := os.Getenv("GDRLINK_TCP_SPIN"); v != "" {
+		d, err := time.ParseDuration(v)
+		if err != nil || d < 0 {
+			return o, fmt.Errorf("%w: GDRLINK_TCP_SPIN=%q, want a duration", verbsio.ErrBadConfig, v)
+		}
+		o.Spin = d
+		if d == 0 {
+			o.Spin = -1
+		}
+	}
 	return o, nil
 }
 
@@ -107,6 +123,9 @@ func (o Options) withDefaults() Options {
 	}
 	if o.RNRTimeout == 0 {
 		o.RNRTimeout = defaultRNRTimeout
+	}
+	if o.Spin == 0 {
+		o.Spin = adaptspin.DefaultMax
 	}
 	return o
 }

@@ -43,7 +43,7 @@ func FuzzFrame(f *testing.F) {
 		done := make(chan struct{})
 		tg.qp.wg.Add(1)
 		go func() {
-			tg.qp.serve(c1, srcKey{qp: 4242, nonce: 1})
+			tg.qp.serve(newInLane(c1, srcKey{qp: 4242, nonce: 1}))
 			close(done)
 		}()
 		go io.Copy(io.Discard, c2)

@@ -127,6 +127,7 @@ type transfer struct {
 	m      *mr
 	g      *grant
 	out    bool // the region's bytes go to the peer (a read)
+	raw    bool // a polling waiter's: its reads never block, so no deadline wakes them
 	fenced bool // cut short: the request fails
 }
 
@@ -154,7 +155,7 @@ func (t *transfer) end() (fenced bool) {
 	}
 	m.mu.Unlock()
 	t.m, t.g = nil, nil
-	if fenced && !t.out {
+	if fenced && !t.out && !t.raw {
 		t.c.SetReadDeadline(time.Time{})
 	}
 	return fenced
@@ -175,6 +176,9 @@ func (m *mr) fenceLocked(g *grant) {
 				continue
 			}
 			t.fenced = true
+			if t.raw {
+				continue
+			}
 			if t.out {
 				t.c.SetWriteDeadline(pastDeadline)
 			} else {

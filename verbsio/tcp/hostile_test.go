@@ -35,6 +35,31 @@ func newTarget(t testing.TB, access verbsio.Access) *target {
 }
 
 // newTargetRNR is newTarget with how long a send waits for a receive.
+// poller plays a CompletionQueue.Wait that polls the queue pair's lanes
+// (see poll.go) for the whole test, racing the lanes' goroutines: every
+// hostile frame meets whichever reader takes it first, and must be refused
+// the same way by both.
+func (tg *target) poller(t testing.TB) {
+	done := make(chan struct{})
+	stopped := make(chan struct{})
+	go func() {
+		defer close(stopped)
+		for {
+			select {
+			case <-done:
+				return
+			default:
+			}
+			tg.qp.poll()
+			time.Sleep(20 * time.Microsecond)
+		}
+	}()
+	t.Cleanup(func() {
+		close(done)
+		<-stopped
+	})
+}
+
 func newTargetRNR(t testing.TB, access verbsio.Access, rnr time.Duration) *target {
 	t.Helper()
 	dev, err := openDevice(verbsio.Config{}, Options{RNRTimeout: rnr})
@@ -72,6 +97,7 @@ func newTargetRNR(t testing.TB, access verbsio.Access, rnr time.Duration) *targe
 	}
 	t.Cleanup(func() { q.Close() })
 	tg.qp = q.(*qp)
+	tg.poller(t)
 	return tg
 }
 

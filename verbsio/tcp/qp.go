@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -53,7 +54,16 @@ type qp struct {
 	connecting bool
 	remote     *endpointData
 	out        []*outLane
-	in         map[net.Conn]srcKey
+	in         map[net.Conn]*inLane
+	// The lanes a polling CompletionQueue.Wait reads (see poll.go).
+	inLanes      atomic.Pointer[[]*inLane]
+	outLanes     atomic.Pointer[[]*outLane]
+	polledFrames atomic.Int64 // requests a polling waiter applied
+	// sending: a PostSend or the sequencer is writing to lane 0; rest is
+	// what a PostSend's write left for the sequencer.
+	sending    bool
+	rest       net.Buffers
+	inlineHdrs []byte
 	inCount    map[srcKey]int
 	inWant     map[srcKey]int
 	inReady    chan struct{}
@@ -111,7 +121,7 @@ type expect struct {
 }
 
 type outLane struct {
-	c    net.Conn
+	lane
 	mu   sync.Mutex
 	fifo []expect
 	jobs chan net.Buffers
@@ -132,7 +142,7 @@ func newQP(p *pd, cfg verbsio.QPConfig) (*qp, error) {
 	}
 	q := &qp{pd: p, dev: d, scq: scq, rcq: rcq, nonce: rand.Uint64(), lanes: d.opt.Lanes,
 		maxSend: cfg.MaxSendWR, maxRecv: cfg.MaxRecvWR, maxSGE: cfg.MaxSGE, inline: cfg.MaxInline,
-		in: map[net.Conn]srcKey{}, inCount: map[srcKey]int{}, inWant: map[srcKey]int{},
+		in: map[net.Conn]*inLane{}, inCount: map[srcKey]int{}, inWant: map[srcKey]int{},
 		inReady: make(chan struct{}), rqPosted: make(chan struct{}), kick: make(chan struct{}, 1), closing: make(chan struct{})}
 	if q.maxSend == 0 {
 		q.maxSend = d.cfg.QueueDepth
@@ -179,6 +189,7 @@ func newQP(p *pd, cfg verbsio.QPConfig) (*qp, error) {
 		c.mu.Lock()
 		c.refs++
 		c.mu.Unlock()
+		c.attach(q)
 	}
 	return q, nil
 }
@@ -245,7 +256,9 @@ func (q *qp) Connect(ctx context.Context, remote verbsio.Endpoint) error {
 			return abort(fmt.Errorf("%w: tcp: connecting lane %d to %s: %w", ctxerr.Sentinel(ctx, verbsio.ErrPeerLost), i, ep.addr, err))
 		}
 		q.dev.addLane(c)
-		lanes = append(lanes, &outLane{c: c})
+		l := &outLane{}
+		l.init(c)
+		lanes = append(lanes, l)
 	}
 	select {
 	case <-q.inReady:
@@ -263,6 +276,7 @@ func (q *qp) Connect(ctx context.Context, remote verbsio.Endpoint) error {
 		return fmt.Errorf("%w: queue pair %v while connecting: %w", verbsio.ErrQPState, q.state, q.why)
 	}
 	q.out = lanes
+	q.outLanes.Store(&lanes)
 	q.state = verbsio.QPReady
 	for i, l := range lanes {
 		q.wg.Add(1)
@@ -303,13 +317,15 @@ func (q *qp) addInbound(c net.Conn, h hello) bool {
 	if q.remote != nil && k != (srcKey{q.remote.qp, q.remote.nonce}) {
 		return false
 	}
-	q.in[c] = k
+	l := newInLane(c, k)
+	q.in[c] = l
+	q.setInLanesLocked()
 	q.dev.addLane(c)
 	q.inCount[k]++
 	q.inWant[k] = int(h.lanes)
 	q.checkInReadyLocked()
 	q.wg.Add(1)
-	go q.serve(c, k)
+	go q.serve(l)
 	return true
 }
 
@@ -338,11 +354,100 @@ func (q *qp) PostSend(wrs []verbsio.SendWR) error {
 	}
 	q.sq = append(q.sq, ws...)
 	q.unsent = append(q.unsent, ws...)
+	if !q.sending && !q.stop {
+		if batch := q.inlineBatchLocked(); batch != nil {
+			// Sent from this goroutine, as a NIC's doorbell would: no
+			// hand-off to the sequencer while lane 0 is idle.
+			q.sending = true
+			q.mu.Unlock()
+			rest, err := q.sendInline(batch)
+			q.mu.Lock()
+			switch {
+			case err != nil:
+				q.sending = false
+				q.failLocked(fmt.Errorf("%w: tcp: sending to the peer: %w", verbsio.ErrPeerLost, err), true)
+				return nil
+			case rest != nil:
+				q.rest = rest // the sequencer writes it, then clears sending
+			default:
+				q.sending = false
+				if len(q.unsent) == 0 {
+					return nil
+				}
+			}
+		}
+	}
 	select {
 	case q.kick <- struct{}{}:
 	default:
 	}
 	return nil
+}
+
+// maxInlineBatch is the most bytes a PostSend writes itself.
+const maxInlineBatch = 64 << 10
+
+// inlineBatchLocked takes the unsent work requests for PostSend to write
+// itself, or returns nil when they are for the sequencer (a striped write,
+// too many bytes, a lane without a descriptor).
+func (q *qp) inlineBatchLocked() []*swr {
+	if len(q.out) == 0 || q.out[0].rc == nil || len(q.unsent) > 16 {
+		return nil
+	}
+	size := 0
+	for _, w := range q.unsent {
+		if q.striped(w) {
+			return nil
+		}
+		size += w.n
+	}
+	if size > maxInlineBatch {
+		return nil
+	}
+	batch := q.unsent
+	q.unsent = nil
+	for _, w := range batch {
+		w.sent = true
+	}
+	return batch
+}
+
+// sendInline writes batch to lane 0 without waiting; what the socket did
+// not take is returned for the sequencer. The caller set q.sending.
+func (q *qp) sendInline(batch []*swr) (net.Buffers, error) {
+	l0 := q.out[0]
+	bufs := q.frames(l0, batch, &q.inlineHdrs)
+	rest, err := writeRaw(l0.rc, bufs)
+	if len(rest) == 0 {
+		rest = nil
+	}
+	return rest, err
+}
+
+// frames registers the responses batch expects on l and returns its frames
+// (headers into *hdrs, payloads in place).
+func (q *qp) frames(l *outLane, batch []*swr, hdrs *[]byte) net.Buffers {
+	bufs := make(net.Buffers, 0, 2*len(batch))
+	if cap(*hdrs) < len(batch)*headerLen {
+		*hdrs = make([]byte, 0, max(len(batch), 64)*headerLen)
+	}
+	h := (*hdrs)[:0]
+	for _, w := range batch {
+		hd := w.header(w.n)
+		e := expect{w: w, token: w.token}
+		if w.op == verbsio.OpRead {
+			e.read, e.n = true, uint32(w.n)
+		}
+		l.expect(e)
+		start := len(h)
+		h = hd.Append(h)
+		bufs = append(bufs, h[start:len(h):len(h)])
+		if w.op != verbsio.OpRead {
+			bufs = append(bufs, w.bufs...)
+		}
+	}
+	*hdrs = h
+	return bufs
 }
 
 func (q *qp) prepare(wr *verbsio.SendWR) (*swr, error) {
@@ -448,6 +553,7 @@ func (q *qp) Close() error {
 	q.pd.mu.Unlock()
 	q.pd.dropGrantsOf(q)
 	for _, c := range []*cq{q.scq, q.rcq} {
+		c.detach(q)
 		c.mu.Lock()
 		c.refs--
 		c.mu.Unlock()
@@ -547,10 +653,11 @@ func (q *qp) respond(e expect, st verbsio.Status) {
 	}
 }
 
-// sequencer sends posted work requests in order.
+// sequencer sends posted work requests in order: those a PostSend left to
+// it, and what a PostSend's own write did not get into the socket.
 func (q *qp) sequencer() {
 	defer q.wg.Done()
-	hdrs := make([]byte, 0, 64*headerLen)
+	var hdrs []byte
 	for {
 		select {
 		case <-q.kick:
@@ -559,7 +666,25 @@ func (q *qp) sequencer() {
 		}
 		for {
 			q.mu.Lock()
-			if q.state != verbsio.QPReady || q.stop || len(q.unsent) == 0 {
+			if q.state != verbsio.QPReady {
+				q.mu.Unlock()
+				break
+			}
+			l0 := q.out[0]
+			if rest := q.rest; rest != nil {
+				q.rest = nil
+				q.mu.Unlock()
+				_, err := rest.WriteTo(l0.c)
+				q.mu.Lock()
+				q.sending = false
+				q.mu.Unlock()
+				if err != nil {
+					q.fail(fmt.Errorf("%w: tcp: sending to the peer: %w", verbsio.ErrPeerLost, err), true)
+					return
+				}
+				continue
+			}
+			if q.sending || q.stop || len(q.unsent) == 0 {
 				q.mu.Unlock()
 				break
 			}
@@ -583,30 +708,18 @@ func (q *qp) sequencer() {
 			for _, w := range batch {
 				w.sent = true
 			}
-			l0 := q.out[0]
+			q.sending = true
 			q.mu.Unlock()
 			var err error
 			if len(batch) == 1 && q.striped(batch[0]) {
 				err = q.sendStriped(batch[0])
 			} else {
-				bufs := make(net.Buffers, 0, 2*len(batch))
-				hdrs = hdrs[:0]
-				for _, w := range batch {
-					h := w.header(w.n)
-					e := expect{w: w, token: w.token}
-					if w.op == verbsio.OpRead {
-						e.read, e.n = true, uint32(w.n)
-					}
-					l0.expect(e)
-					start := len(hdrs)
-					hdrs = h.Append(hdrs)
-					bufs = append(bufs, hdrs[start:len(hdrs):len(hdrs)])
-					if w.op != verbsio.OpRead {
-						bufs = append(bufs, w.bufs...)
-					}
-				}
+				bufs := q.frames(l0, batch, &hdrs)
 				_, err = bufs.WriteTo(l0.c)
 			}
+			q.mu.Lock()
+			q.sending = false
+			q.mu.Unlock()
 			if err != nil {
 				q.fail(fmt.Errorf("%w: tcp: sending to the peer: %w", verbsio.ErrPeerLost, err), true)
 				return
@@ -702,27 +815,46 @@ func (q *qp) laneWriter(l *outLane) {
 	}
 }
 
-// readResponses reads the responses on an outbound lane, in request order.
+// readResponses reads the responses on an outbound lane, in request order,
+// taking turns with a polling waiter (see poll.go).
 func (q *qp) readResponses(l *outLane) {
 	defer q.wg.Done()
 	var hb [headerLen]byte
-	for {
-		if _, err := io.ReadFull(l.c, hb[:]); err != nil {
-			q.fail(fmt.Errorf("%w: tcp: connection to the peer: %w", verbsio.ErrPeerLost, err), true)
-			return
+	var err error
+	for err == nil {
+		if l.rc != nil {
+			if err = l.waitReadable(q.closing); err != nil {
+				break
+			}
+			l.take()
+		} else {
+			l.rd.Lock()
 		}
-		h, err := parseHeader(hb[:])
-		if err == nil {
-			err = q.handleResponse(l, h)
+		for err == nil {
+			if err = l.err; err != nil {
+				break
+			}
+			if !l.ready() {
+				break
+			}
+			if _, err = io.ReadFull(l.c, hb[:]); err != nil {
+				break
+			}
+			var h header
+			if h, err = parseHeader(hb[:]); err == nil {
+				err = q.handleResponse(l, h)
+			}
 		}
-		if err != nil {
-			q.mu.Lock()
-			q.lastBad = err
-			q.mu.Unlock()
-			q.fail(fmt.Errorf("%w: %w", verbsio.ErrPeerLost, err), true)
-			return
-		}
+		l.rd.Unlock()
 	}
+	if errors.Is(err, verbsio.ErrBadFrame) {
+		q.mu.Lock()
+		q.lastBad = err
+		q.mu.Unlock()
+		q.fail(fmt.Errorf("%w: %w", verbsio.ErrPeerLost, err), true)
+		return
+	}
+	q.fail(fmt.Errorf("%w: tcp: connection to the peer: %w", verbsio.ErrPeerLost, err), true)
 }
 
 func (q *qp) handleResponse(l *outLane, h header) error {
@@ -813,52 +945,76 @@ func (q *qp) finishRecv(r *rwr, c *verbsio.Completion) {
 // (key, range, access, receive posted) before any of its payload is read;
 // a payload that has nowhere to go is read into a small scratch buffer and
 // dropped.
-func (q *qp) serve(c net.Conn, src srcKey) {
+func (q *qp) serve(l *inLane) {
 	defer q.wg.Done()
 	var hb [headerLen]byte
-	r := newResponder(c)
-	t := &transfer{c: c}
 	var err error
 	for err == nil {
-		if _, err = io.ReadFull(c, hb[:]); err != nil {
-			break
-		}
-		var f header
-		if f, err = parseHeader(hb[:]); err != nil {
-			break
-		}
-		switch f.op {
-		case opWrite, opWriteImm:
-			err = q.serveWrite(c, f, r, t)
-		case opSend:
-			err = q.serveSend(c, f, r)
-		case opReadReq:
-			src, aerr := q.pd.remote(q, t, f, verbsio.AccessRemoteRead)
-			if aerr != nil {
-				err = r.nak(f, verbsio.StatusRemoteAccess)
+		if l.rc != nil {
+			if err = l.waitReadable(q.closing); err != nil {
 				break
 			}
-			err = r.withPayload(header{op: opReadResp, token: f.token, length: f.length}, src)
-			// Cut short (the region closed), the response is torn and
-			// the lane ends with err; sent whole, it stands.
-			t.end()
-		default:
-			err = fmt.Errorf("%w: %s frame on a request lane", verbsio.ErrBadFrame, opName(f.op))
+			l.take()
+		} else {
+			l.rd.Lock()
 		}
+		for err == nil {
+			if err = l.err; err != nil {
+				break
+			}
+			if !l.ready() {
+				break
+			}
+			if _, err = io.ReadFull(l.c, hb[:]); err != nil {
+				break
+			}
+			var f header
+			if f, err = parseHeader(hb[:]); err != nil {
+				break
+			}
+			err = q.serveFrame(l, l.c, f, l.t)
+		}
+		l.rd.Unlock()
 	}
+	c := l.c
 	q.dev.closeLane(c)
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	delete(q.in, c)
+	q.setInLanesLocked()
 	if errors.Is(err, verbsio.ErrBadFrame) {
 		q.lastBad = err
 	}
-	if q.remote != nil && src == (srcKey{q.remote.qp, q.remote.nonce}) {
+	if q.remote != nil && l.src == (srcKey{q.remote.qp, q.remote.nonce}) {
 		if errors.Is(err, verbsio.ErrBadFrame) {
 			q.failLocked(err, true)
 		} else {
 			q.failLocked(fmt.Errorf("%w: tcp: connection from the peer: %w", verbsio.ErrPeerLost, err), true)
 		}
+	}
+}
+
+// serveFrame applies the request f, whose payload is read from in: the
+// connection itself (the lane's goroutine) or a rawReader (the waiter).
+func (q *qp) serveFrame(l *inLane, in io.Reader, f header, t *transfer) error {
+	r := l.resp
+	switch f.op {
+	case opWrite, opWriteImm:
+		return q.serveWrite(in, f, r, t)
+	case opSend:
+		return q.serveSend(in, f, r)
+	case opReadReq:
+		src, aerr := q.pd.remote(q, t, f, verbsio.AccessRemoteRead)
+		if aerr != nil {
+			return r.nak(f, verbsio.StatusRemoteAccess)
+		}
+		err := r.withPayload(header{op: opReadResp, token: f.token, length: f.length}, src)
+		// Cut short (the region closed), the response is torn and
+		// the lane ends with err; sent whole, it stands.
+		t.end()
+		return err
+	default:
+		return fmt.Errorf("%w: %s frame on a request lane", verbsio.ErrBadFrame, opName(f.op))
 	}
 }
 
@@ -923,12 +1079,12 @@ func (r *responder) withPayload(h header, payload []byte) error {
 	return err
 }
 
-func discard(c net.Conn, n uint32) error {
+func discard(c io.Reader, n uint32) error {
 	_, err := io.CopyN(io.Discard, c, int64(n))
 	return err
 }
 
-func (q *qp) serveWrite(c net.Conn, f header, resp *responder, t *transfer) error {
+func (q *qp) serveWrite(c io.Reader, f header, resp *responder, t *transfer) error {
 	var r *rwr
 	if f.op == opWriteImm && f.flags&flagLast != 0 {
 		if err := resp.flush(); err != nil {
@@ -982,7 +1138,7 @@ func (q *qp) serveWrite(c net.Conn, f header, resp *responder, t *transfer) erro
 	return resp.answer(header{op: opAck, token: f.token})
 }
 
-func (q *qp) serveSend(c net.Conn, f header, resp *responder) error {
+func (q *qp) serveSend(c io.Reader, f header, resp *responder) error {
 	if err := resp.flush(); err != nil {
 		return err
 	}

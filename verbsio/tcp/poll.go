@@ -1,0 +1,297 @@
+package tcp
+
+import (
+	"errors"
+	"io"
+	"net"
+	"os"
+	"runtime"
+	"sync"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// Who reads a connection. Each lane has a goroutine that sleeps in the
+// runtime's network poller until the connection is readable, and a waiter
+// in CompletionQueue.Wait that, while it polls, reads the lanes of its
+// queue pairs itself: a frame it can finish without blocking (a write, a
+// write with immediate or a send with a receive posted, an acknowledgement)
+// is read, applied and completed by the waiter, with no hand-off to another
+// goroutine on the way. Whoever holds a lane's rd mutex reads it; the
+// waiter only tries, the goroutine waits its turn. A frame the waiter leaves
+// (a read request, a write with immediate finding no receive posted, one not
+// yet arrived whole) stays in the socket for the goroutine.
+
+// lane is what both readers of a connection share.
+type lane struct {
+	c  net.Conn
+	rc syscall.RawConn // nil when c has no descriptor (tests): the goroutine alone reads
+	rd sync.Mutex
+	// err is why the waiter gave the lane up (under rd); the goroutine
+	// reports it.
+	err error
+	hb  [headerLen]byte // the waiter's header buffer (under rd)
+}
+
+func (l *lane) init(c net.Conn) {
+	l.c = c
+	if sc, ok := c.(syscall.Conn); ok {
+		l.rc, _ = sc.SyscallConn()
+	}
+}
+
+// readable reports whether a read would not block: a byte is waiting, the
+// peer closed, or the connection failed.
+func readable(fd uintptr) bool {
+	var b [1]byte
+	_, _, err := unix.Recvfrom(int(fd), b[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
+	return err != unix.EAGAIN && err != unix.EINTR
+}
+
+// waitReadable sleeps in the network poller until the connection is
+// readable (or closed, or failed). A read deadline set to fence a transfer
+// the waiter is making wakes it too; it then waits again.
+func (l *lane) waitReadable(closing <-chan struct{}) error {
+	for {
+		err := l.rc.Read(readable)
+		if err == nil || !errors.Is(err, os.ErrDeadlineExceeded) {
+			return err
+		}
+		select {
+		case <-closing:
+			return err
+		default:
+		}
+		runtime.Gosched()
+	}
+}
+
+// ready reports whether a read of the lane would not block (always, for a
+// lane the goroutine alone reads).
+func (l *lane) ready() bool {
+	if l.rc == nil {
+		return true
+	}
+	ok := true
+	l.rc.Control(func(fd uintptr) { ok = readable(fd) })
+	return ok
+}
+
+// take waits until the goroutine may read: the waiter holds rd only for a
+// frame already in the socket.
+func (l *lane) take() {
+	for !l.rd.TryLock() {
+		runtime.Gosched()
+	}
+}
+
+// peek reads the next frame's header without taking it, and how many bytes
+// are queued. ok is false when no whole header is queued.
+func (l *lane) peek() (h header, queued int, ok bool, err error) {
+	l.rc.Control(func(fd uintptr) {
+		n, _, rerr := unix.Recvfrom(int(fd), l.hb[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
+		if rerr != nil || n < headerLen {
+			return
+		}
+		queued, _ = unix.IoctlGetInt(int(fd), unix.SIOCINQ)
+		ok = true
+	})
+	if !ok {
+		return header{}, 0, false, nil
+	}
+	h, err = parseHeader(l.hb[:])
+	return h, queued, err == nil, err
+}
+
+// rawReader reads bytes already queued in the socket with read(2), never
+// waiting in the poller (the rest of a frame the waiter took is there).
+type rawReader struct{ rc syscall.RawConn }
+
+func (r rawReader) Read(b []byte) (int, error) {
+	if len(b) == 0 {
+		return 0, nil
+	}
+	for {
+		var n int
+		var err error
+		r.rc.Control(func(fd uintptr) { n, err = unix.Read(int(fd), b) })
+		switch {
+		case n > 0:
+			return n, nil
+		case err == nil:
+			return 0, io.ErrUnexpectedEOF
+		case err == unix.EAGAIN || err == unix.EINTR:
+			// Queued bytes are readable; a miss here is the peer's
+			// connection failing under us. Try again.
+			runtime.Gosched()
+		default:
+			return 0, err
+		}
+	}
+}
+
+// inLane is an accepted connection carrying the peer's requests.
+type inLane struct {
+	lane
+	src  srcKey
+	resp *responder
+	t    *transfer // the lane goroutine's
+	tw   *transfer // the waiter's
+}
+
+func newInLane(c net.Conn, src srcKey) *inLane {
+	l := &inLane{src: src, resp: newResponder(c), t: &transfer{c: c}, tw: &transfer{c: c, raw: true}}
+	l.init(c)
+	return l
+}
+
+// pollIn applies the frames of l that are queued whole and need no wait;
+// it reports whether it applied any.
+func (q *qp) pollIn(l *inLane) bool {
+	if l.rc == nil || !l.rd.TryLock() {
+		return false
+	}
+	defer l.rd.Unlock()
+	did := false
+	for range 16 {
+		if l.err != nil {
+			return did
+		}
+		f, queued, ok, _ := l.peek()
+		if !ok || queued < headerLen+int(f.length) || !q.quick(f) {
+			return did
+		}
+		r := rawReader{l.rc}
+		if _, err := io.ReadFull(r, l.hb[:]); err != nil {
+			l.fail(err)
+			return true
+		}
+		did = true
+		q.polledFrames.Add(1)
+		if err := q.serveFrame(l, r, f, l.tw); err != nil {
+			l.fail(err)
+			return true
+		}
+	}
+	return did
+}
+
+// fail gives the lane up: its goroutine, woken by the close, ends it with
+// err. Callers hold l.rd.
+func (l *lane) fail(err error) {
+	l.err = err
+	l.c.Close()
+}
+
+// quick reports whether the waiter can apply f without waiting: a write,
+// or a write with immediate or send finding a receive posted.
+func (q *qp) quick(f header) bool {
+	switch f.op {
+	case opWrite:
+		return true
+	case opWriteImm, opSend:
+		q.mu.Lock()
+		ok := len(q.rq) > 0 && !q.rqTaken
+		q.mu.Unlock()
+		return ok
+	}
+	return false
+}
+
+// pollOut takes the acknowledgements queued on an outbound lane.
+func (q *qp) pollOut(l *outLane) bool {
+	if l.rc == nil || !l.rd.TryLock() {
+		return false
+	}
+	defer l.rd.Unlock()
+	did := false
+	for range 16 {
+		if l.err != nil {
+			return did
+		}
+		h, _, ok, _ := l.peek()
+		if !ok || (h.op != opAck && h.op != opNak) {
+			return did
+		}
+		if _, err := io.ReadFull(rawReader{l.rc}, l.hb[:]); err != nil {
+			l.fail(err)
+			return true
+		}
+		did = true
+		if err := q.handleResponse(l, h); err != nil {
+			l.fail(err)
+			return true
+		}
+	}
+	return did
+}
+
+// poll is the waiter's turn at every lane of q.
+func (q *qp) poll() bool {
+	did := false
+	if ls := q.inLanes.Load(); ls != nil {
+		for _, l := range *ls {
+			if q.pollIn(l) {
+				did = true
+			}
+		}
+	}
+	if ls := q.outLanes.Load(); ls != nil {
+		for _, l := range *ls {
+			if q.pollOut(l) {
+				did = true
+			}
+		}
+	}
+	return did
+}
+
+// setInLanes replaces the snapshot of inbound lanes the waiter polls.
+// Callers hold q.mu.
+func (q *qp) setInLanesLocked() {
+	ls := make([]*inLane, 0, len(q.in))
+	for _, l := range q.in {
+		ls = append(ls, l)
+	}
+	q.inLanes.Store(&ls)
+}
+
+// writeRaw writes bufs with writev(2) without waiting; it returns what is
+// left when the socket took only part.
+func writeRaw(rc syscall.RawConn, bufs net.Buffers) (net.Buffers, error) {
+	for len(bufs) > 0 {
+		var n int
+		var err error
+		cerr := rc.Control(func(fd uintptr) { n, err = unix.Writev(int(fd), bufs) })
+		if cerr != nil {
+			return bufs, cerr
+		}
+		if err == unix.EINTR {
+			continue
+		}
+		if err == unix.EAGAIN {
+			return bufs, nil
+		}
+		if err != nil {
+			return bufs, err
+		}
+		bufs = consumed(bufs, n)
+		if n == 0 {
+			return bufs, nil
+		}
+	}
+	return nil, nil
+}
+
+// consumed drops the first n bytes of bufs.
+func consumed(bufs net.Buffers, n int) net.Buffers {
+	for len(bufs) > 0 && n >= len(bufs[0]) {
+		n -= len(bufs[0])
+		bufs = bufs[1:]
+	}
+	if n > 0 {
+		bufs[0] = bufs[0][n:]
+	}
+	return bufs
+}

@@ -1,0 +1,65 @@
+package tcp
+
+import (
+	"bytes"
+	"context"
+	"runtime"
+	"testing"
+	"time"
+
+	"github.com/gdrlink/gdrlink/verbsio"
+)
+
+// TestWaiterTakesFrames checks that a polling waiter reads and applies
+// requests itself: writes with immediate sent one at a time, each answered
+// by its acknowledgement, while a goroutine spins in the queue's Wait. Most
+// must be applied by the waiter (the lane's goroutine is woken by the
+// network poller, later), every one exactly once and in order.
+func TestWaiterTakesFrames(t *testing.T) {
+	tg := newTarget(t, verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite)
+	const n = 200
+	recvs := make([]verbsio.RecvWR, n)
+	for i := range recvs {
+		recvs[i].WRID = uint64(i)
+	}
+	if err := tg.qp.PostRecv(recvs); err != nil {
+		t.Fatal(err)
+	}
+	c := tg.dial(t)
+	got := make(chan verbsio.Completion, n)
+	go func() {
+		out := make([]verbsio.Completion, 1)
+		for range n {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			k, err := tg.cq.Wait(ctx, out)
+			cancel()
+			if err != nil || k != 1 {
+				close(got)
+				return
+			}
+			got <- out[0]
+		}
+	}()
+	base := tg.base()
+	for i := range n {
+		payload := bytes.Repeat([]byte{byte(i)}, 64)
+		r := exchange(t, c, header{op: opWriteImm, flags: flagLast, token: uint64(i + 1), raddr: base + 64, rkey: tg.mr.RKey(), imm: uint32(i), total: 64}, payload)
+		wantAck(t, "write with immediate", r)
+		cp, ok := <-got
+		if !ok {
+			t.Fatalf("waiter gave up at %d", i)
+		}
+		if cp.Status != verbsio.StatusSuccess || cp.Imm != uint32(i) || cp.WRID != uint64(i) {
+			t.Fatalf("completion %d: %+v", i, cp)
+		}
+		if m := tg.region()[64:128]; !bytes.Equal(m, payload) {
+			t.Fatalf("write %d landed as %x", i, m[:8])
+		}
+		runtime.Gosched()
+	}
+	polled := tg.qp.polledFrames.Load()
+	t.Logf("%d of %d requests applied by the polling waiter", polled, n)
+	if polled == 0 {
+		t.Fatalf("no request of %d was applied by the polling waiter", n)
+	}
+}
