@@ -1,6 +1,7 @@
 package tcp
 
 import (
+	"bytes"
 	"errors"
 	"io"
 	"net"
@@ -32,6 +33,7 @@ type lane struct {
 	// reports it.
 	err error
 	hb  [headerLen]byte // the waiter's header buffer (under rd)
+	pb  [peekMax]byte   // the waiter's peek buffer (under rd)
 }
 
 func (l *lane) init(c net.Conn) {
@@ -86,22 +88,60 @@ func (l *lane) take() {
 	}
 }
 
-// peek reads the next frame's header without taking it, and how many bytes
-// are queued. ok is false when no whole header is queued.
-func (l *lane) peek() (h header, queued int, ok bool, err error) {
+// peekMax is how much of the socket the waiter looks at in one peek: a
+// header and a payload of up to 4 KiB. Such a small frame is applied from
+// the peeked bytes (one more copy, cheaper than the read it saves) and
+// then dropped from the socket with MSG_TRUNC, which copies nothing; a
+// larger payload is read from the socket straight into its region.
+const peekMax = headerLen + 4096
+
+// peek looks at the next frame without taking it. ok is false when no
+// whole header is queued; whole says the frame's payload is queued too,
+// more that bytes of a following frame are.
+func (l *lane) peek() (h header, whole, more, ok bool, err error) {
+	var n, queued int
 	l.rc.Control(func(fd uintptr) {
-		n, _, rerr := unix.Recvfrom(int(fd), l.hb[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
+		var rerr error
+		n, _, rerr = unix.Recvfrom(int(fd), l.pb[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
 		if rerr != nil || n < headerLen {
+			n = 0
 			return
 		}
-		queued, _ = unix.IoctlGetInt(int(fd), unix.SIOCINQ)
-		ok = true
+		if n == len(l.pb) {
+			queued, _ = unix.IoctlGetInt(int(fd), unix.SIOCINQ)
+		}
 	})
-	if !ok {
-		return header{}, 0, false, nil
+	if n == 0 {
+		return header{}, false, false, false, nil
 	}
-	h, err = parseHeader(l.hb[:])
-	return h, queued, err == nil, err
+	if h, err = parseHeader(l.pb[:headerLen]); err != nil {
+		return h, false, false, false, err
+	}
+	queued = max(queued, n)
+	end := headerLen + int(h.length)
+	return h, queued >= end, queued > end, true, nil
+}
+
+// drop takes n bytes already peeked off the socket without copying them.
+func (l *lane) drop(n int) error {
+	for n > 0 {
+		var k uintptr
+		var errno syscall.Errno
+		l.rc.Control(func(fd uintptr) {
+			k, _, errno = unix.Syscall6(unix.SYS_RECVFROM, fd, 0, uintptr(n), unix.MSG_TRUNC|unix.MSG_DONTWAIT, 0, 0)
+		})
+		switch {
+		case errno == unix.EINTR || errno == unix.EAGAIN:
+			runtime.Gosched()
+		case errno != 0:
+			return errno
+		case k == 0:
+			return io.ErrUnexpectedEOF
+		default:
+			n -= int(k)
+		}
+	}
+	return nil
 }
 
 // rawReader reads bytes already queued in the socket with read(2), never
@@ -158,18 +198,28 @@ func (q *qp) pollIn(l *inLane) bool {
 		if l.err != nil {
 			return did
 		}
-		f, queued, ok, _ := l.peek()
-		if !ok || queued < headerLen+int(f.length) || !q.quick(f) {
+		f, whole, more, ok, _ := l.peek()
+		if !ok || !whole || !q.quick(f) {
 			return did
-		}
-		r := rawReader{l.rc}
-		if _, err := io.ReadFull(r, l.hb[:]); err != nil {
-			l.fail(err)
-			return true
 		}
 		did = true
 		q.polledFrames.Add(1)
-		if err := q.serveFrame(l, r, f, l.tw); err != nil {
+		var err error
+		if end := headerLen + int(f.length); end <= len(l.pb) {
+			// Off the socket first, so that the responder's look
+			// for a following request does not find this one.
+			if err = l.drop(end); err == nil {
+				l.resp.peeked, l.resp.more = true, more
+				err = q.serveFrame(l, bytes.NewReader(l.pb[headerLen:end]), f, l.tw)
+				l.resp.peeked = false
+			}
+		} else {
+			r := rawReader{l.rc}
+			if _, err = io.ReadFull(r, l.hb[:]); err == nil {
+				err = q.serveFrame(l, r, f, l.tw)
+			}
+		}
+		if err != nil {
 			l.fail(err)
 			return true
 		}
@@ -210,11 +260,11 @@ func (q *qp) pollOut(l *outLane) bool {
 		if l.err != nil {
 			return did
 		}
-		h, _, ok, _ := l.peek()
+		h, _, _, ok, _ := l.peek()
 		if !ok || (h.op != opAck && h.op != opNak) {
 			return did
 		}
-		if _, err := io.ReadFull(rawReader{l.rc}, l.hb[:]); err != nil {
+		if err := l.drop(headerLen); err != nil {
 			l.fail(err)
 			return true
 		}

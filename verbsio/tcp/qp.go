@@ -1027,6 +1027,10 @@ type responder struct {
 	c       net.Conn
 	rc      syscall.RawConn // nil when c has no descriptor (tests)
 	pending []byte
+	// peeked: the waiter applies a request it peeked, and more says
+	// whether the next one was queued behind it (so no SIOCINQ is needed
+	// to decide whether to hold this response back).
+	peeked, more bool
 }
 
 const maxPendingResponses = 64
@@ -1051,7 +1055,11 @@ func (r *responder) requestWaiting() bool {
 
 func (r *responder) answer(h header) error {
 	r.pending = h.Append(r.pending)
-	if len(r.pending) < maxPendingResponses*headerLen && r.requestWaiting() {
+	waiting := r.more
+	if !r.peeked {
+		waiting = r.requestWaiting()
+	}
+	if len(r.pending) < maxPendingResponses*headerLen && waiting {
 		return nil
 	}
 	return r.flush()
