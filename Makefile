@@ -6,7 +6,7 @@ PKGS    ?= ./...
 # what they import); vet and unit run in each of them too.
 NESTED  ?= contrib/gorgonia examples/ddp
 
-.PHONY: run test vet unit nested benchonce bench test-rdma fuzz fault-matrix
+.PHONY: run test vet unit nested benchonce bench test-rdma fuzz fault-matrix gpu-check
 
 ## run: the main job on the embedded default (no RDMA NIC, no GPU needed).
 run:
@@ -49,3 +49,8 @@ fault-matrix:
 ## fuzz: each fuzz target for a short while.
 fuzz:
 	./scripts/fuzz.sh
+
+## gpu-check: build the GPU test binaries, gdrcheck and bench into gpu-check/;
+## copy that directory to a GPU node and run gpu-check/gpu-check.sh run gpu-check.
+gpu-check:
+	GO=$(GO) ./scripts/gpu-check.sh build gpu-check

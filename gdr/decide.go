@@ -253,6 +253,25 @@ func numa(n *int) string {
 	return fmt.Sprint(*n)
 }
 
+// decideGPUByBusID is DecideGPU for the GPU at a PCI bus id, as
+// cuDeviceGetPCIBusId or NVML report it (any case, with or without the
+// domain). A GPU's CUDA ordinal depends on CUDA_VISIBLE_DEVICES and
+// CUDA_DEVICE_ORDER and its NVML index does not, so a caller that knows a
+// GPU by its CUDA ordinal must decide by its bus id: the index in Facts is
+// the index of the source that found the GPU.
+func decideGPUByBusID(f *Facts, busID string, p Policy) Decision {
+	addr, err := sysfs.ParsePCIAddress(busID)
+	if err != nil {
+		return Decision{GPU: -1, Mode: Unavailable, Reasons: []string{fmt.Sprintf("GPU bus id %q: %v", busID, err)}, Fixes: []string{}}
+	}
+	for _, g := range f.GPUs {
+		if g.PCIBusID == addr {
+			return DecideGPU(f, g.Index, p)
+		}
+	}
+	return Decision{GPU: -1, Mode: Unavailable, Reasons: []string{fmt.Sprintf("no GPU at %s", addr)}, Fixes: []string{}}
+}
+
 // DecideGPU decides for one GPU over every NIC of the node and returns the
 // best: Direct before Proxy before Unavailable, then the shortest path, then
 // a NIC on the GPU's NUMA node, then the NIC's name. It is a pure function:

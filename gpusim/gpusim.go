@@ -44,6 +44,12 @@ type Config struct {
 	Bandwidth float64
 	// MemoryLimit caps the device memory in bytes; 0 means no cap.
 	MemoryLimit int64
+	// ComputeCapability (major*10+minor), C2C and HostFlush are what the
+	// simulated device reports of NIC writes into its memory, for the
+	// proxy's choice of GPUDirect flush: the zero values report a GPU of
+	// unknown age whose driver cannot flush from the host.
+	ComputeCapability int
+	C2C, HostFlush    bool
 }
 
 // Direction is the direction of a copy.
@@ -79,6 +85,9 @@ type Stats struct {
 	BytesHtoD    int64
 	BytesDtoH    int64
 	FailedCopies int64
+	// RDMAFlushes counts simulated driver flushes of NIC writes
+	// (FlushRDMAWrites).
+	RDMAFlushes  int64
 	DeviceMemory int64
 	LiveStreams  int
 	LiveAllocs   int
@@ -164,7 +173,7 @@ type device struct {
 	seq  atomic.Int64
 	pace [2]pacer
 
-	copies, bytesHtoD, bytesDtoH, failed atomic.Int64
+	copies, bytesHtoD, bytesDtoH, failed, flushes atomic.Int64
 }
 
 var _ Device = (*device)(nil)
@@ -184,6 +193,26 @@ func New(cfg Config) Device {
 // Info implements proxy.Device; Simulated is true.
 func (d *device) Info() proxy.DeviceInfo {
 	return proxy.DeviceInfo{Name: d.cfg.Name, Ordinal: d.cfg.Ordinal, Simulated: true}
+}
+
+// GPUDirectFacts reports Config's ComputeCapability, C2C and HostFlush, for
+// the proxy's choice of GPUDirect flush.
+func (d *device) GPUDirectFacts() (computeCapability int, c2c, hostFlush bool) {
+	return d.cfg.ComputeCapability, d.cfg.C2C, d.cfg.HostFlush
+}
+
+// FlushRDMAWrites is a simulated driver flush of NIC writes, counted in
+// Stats; refused where Config.HostFlush is false, as the real driver
+// refuses.
+func (d *device) FlushRDMAWrites() error {
+	if err := d.usable(); err != nil {
+		return err
+	}
+	if !d.cfg.HostFlush {
+		return fmt.Errorf("%w: simulated device %s cannot flush NIC writes from the host", proxy.ErrCopyFailed, d.cfg.Name)
+	}
+	d.flushes.Add(1)
+	return nil
 }
 
 func (d *device) usable() error {
@@ -338,7 +367,7 @@ func (d *device) Stats() Stats {
 	defer d.mu.Unlock()
 	return Stats{
 		Copies: d.copies.Load(), BytesHtoD: d.bytesHtoD.Load(), BytesDtoH: d.bytesDtoH.Load(),
-		FailedCopies: d.failed.Load(), DeviceMemory: d.used, LiveStreams: len(d.streams), LiveAllocs: len(d.allocs),
+		FailedCopies: d.failed.Load(), RDMAFlushes: d.flushes.Load(), DeviceMemory: d.used, LiveStreams: len(d.streams), LiveAllocs: len(d.allocs),
 	}
 }
 

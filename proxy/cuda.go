@@ -15,13 +15,14 @@ type cudaDevice struct {
 	drv  *cuda.Driver
 	ctx  *cuda.Context
 	info DeviceInfo
+	gdr  gpuDirectFacts
 
 	mu     sync.Mutex
 	allocs map[DevicePtr]*cuda.DeviceMemory
 	closed bool
 }
 
-var _ Device = (*cudaDevice)(nil)
+var _ rdmaFlushDevice = (*cudaDevice)(nil)
 
 // NewCUDADevice returns the GPU with the given CUDA ordinal as a Device,
 // through the CUDA driver loaded at run time: it opens the driver and retains
@@ -40,7 +41,35 @@ func NewCUDADevice(ordinal int) (Device, error) {
 	if err != nil {
 		return nil, errors.Join(err, ctx.Close(), drv.Close())
 	}
-	return &cudaDevice{drv: drv, ctx: ctx, info: DeviceInfo{Name: name, Ordinal: ordinal, PCIBusID: bus}, allocs: map[DevicePtr]*cuda.DeviceMemory{}}, nil
+	f, err := d.Facts()
+	if err != nil {
+		return nil, errors.Join(err, ctx.Close(), drv.Close())
+	}
+	return &cudaDevice{drv: drv, ctx: ctx, info: DeviceInfo{Name: name, Ordinal: ordinal, PCIBusID: bus},
+		gdr: gpuDirectFactsOf(f), allocs: map[DevicePtr]*cuda.DeviceMemory{}}, nil
+}
+
+// flushWritesOptionHost is CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_HOST, the
+// bit of CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS that says
+// cuFlushGPUDirectRDMAWrites works from the host.
+const flushWritesOptionHost = 1
+
+// gpuDirectFactsOf reads the device facts that choose how Direct receives
+// flush. C2C attachment is not read from the driver yet: it reads as false.
+func gpuDirectFactsOf(f cuda.Facts) gpuDirectFacts {
+	return gpuDirectFacts{ComputeCapability: f.ComputeCapability, HostFlush: f.FlushWritesOptions&flushWritesOptionHost != 0}
+}
+
+// GPUDirectFacts reports what chooses how Direct receives flush (see
+// rdmaFlushDevice).
+func (d *cudaDevice) GPUDirectFacts() (computeCapability int, c2c, hostFlush bool) {
+	return d.gdr.ComputeCapability, d.gdr.C2C, d.gdr.HostFlush
+}
+
+// FlushRDMAWrites (see rdmaFlushDevice) is cuFlushGPUDirectRDMAWrites on
+// the device's primary context.
+func (d *cudaDevice) FlushRDMAWrites() error {
+	return mapErr(d.ctx.FlushGPUDirectRDMAWrites(), "GPUDirect RDMA flush")
 }
 
 // Info implements Device.

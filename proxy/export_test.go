@@ -18,7 +18,10 @@ const (
 	FlushOff  = flushOff
 )
 
-func (p *Proxy) NeedsFlush() bool  { return p.needsFlush() }
+func (p *Proxy) NeedsFlush() bool {
+	m, err := p.flushPlan()
+	return err != nil || m != flushNone
+}
 func (p *Proxy) Stats() proxyStats { return p.stats() }
 
 func (r *Receiver) Done() <-chan struct{} { return r.fin }

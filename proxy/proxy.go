@@ -73,8 +73,13 @@ func WithChunk(n int) Option {
 // writesOrdered says that the GPU orders a NIC's writes before its own later
 // reads (CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING of 100 or
 // more), so that no flush is needed. GDRLINK_GDR_FLUSH overrides that
-// choice: 1 always flushes, 0 never does, auto (the default) flushes unless
-// writes are ordered. A Direct receive that needs a flush and has no f fails.
+// choice: 1 always flushes, 0 never does, auto (the default) flushes, as
+// NCCL does, only when writes are not ordered and the GPU is below compute
+// capability 9.0 (or attached over C2C). A flush goes through the driver
+// where the device can flush from the host (the CUDA device: attribute
+// CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS with its host bit,
+// then cuFlushGPUDirectRDMAWrites), through f otherwise; f may be nil. A
+// Direct receive that needs a flush and has neither fails.
 func WithDirect(f DirectFlusher, writesOrdered bool) Option {
 	return func(c *config) error {
 		c.direct, c.flusher, c.ordered = true, f, writesOrdered
@@ -170,15 +175,16 @@ func (p *Proxy) mode() writeMode {
 	return modeProxy
 }
 
-// needsFlush reports whether Direct receives flush before completing.
-func (p *Proxy) needsFlush() bool {
-	switch p.cfg.flush {
-	case flushOn:
-		return true
-	case flushOff:
-		return false
+// flushPlan decides how Direct receives flush (chooseFlush), from the mode,
+// WithDirect's arguments and the device's facts.
+func (p *Proxy) flushPlan() (flushMethod, error) {
+	var facts *gpuDirectFacts
+	if fd, ok := p.dev.(rdmaFlushDevice); ok {
+		var f gpuDirectFacts
+		f.ComputeCapability, f.C2C, f.HostFlush = fd.GPUDirectFacts()
+		facts = &f
 	}
-	return !p.cfg.ordered
+	return chooseFlush(p.cfg.flush, p.cfg.ordered, facts, p.cfg.flusher != nil)
 }
 
 func (p *Proxy) begin() error {
@@ -440,15 +446,19 @@ func (r *Receiver) complete(err error) {
 }
 
 func (p *Proxy) flushDirect(addr uintptr) error {
-	if !p.needsFlush() {
-		return nil
+	m, err := p.flushPlan()
+	if err != nil {
+		return fmt.Errorf("%w (on %s)", err, p.dev.Info().Name)
 	}
-	if p.cfg.flusher == nil {
-		return fmt.Errorf("%w: a Direct receive on %s needs a GPUDirect flush (GDRLINK_GDR_FLUSH=%s) and the proxy has no flusher", ErrCopyFailed, p.dev.Info().Name, p.cfg.flush)
+	switch m {
+	case flushByDriver:
+		return p.dev.(rdmaFlushDevice).FlushRDMAWrites()
+	case flushByRead:
+		ctx, cancel := context.WithTimeout(context.Background(), p.cfg.flushTimout)
+		defer cancel()
+		return p.cfg.flusher.Flush(ctx, addr)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), p.cfg.flushTimout)
-	defer cancel()
-	return p.cfg.flusher.Flush(ctx, addr)
+	return nil
 }
 
 // Staged is a device tensor staged into a pinned proxy for a NIC that cannot

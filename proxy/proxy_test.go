@@ -614,3 +614,36 @@ func TestFailureMidwayKeepsProxyUntilTransportLetsGo(t *testing.T) {
 		})
 	}
 }
+
+// Under the default GDRLINK_GDR_FLUSH=auto and with no loopback flusher, a
+// Direct receive on a GPU below 9.0 whose driver flushes from the host
+// flushes through the driver once; on 9.0 it does not flush at all.
+func TestDirectFlushThroughDriver(t *testing.T) {
+	for _, c := range []struct {
+		name    string
+		cc      int
+		flushes int64
+	}{
+		{"ampere", 80, 1},
+		{"hopper", 90, 0},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Setenv("GDRLINK_GDR_FLUSH", "auto")
+			r := newRig(t, gpusim.Config{ComputeCapability: c.cc, HostFlush: true}, proxy.WithDirect(nil, false))
+			dst := r.alloc(t, 4096)
+			rc, err := r.px.Receive(dst, 4096, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := rc.ChunkArrived(0, 4096); err != nil {
+				t.Fatal(err)
+			}
+			if err := rc.Wait(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+			if got := r.sim.Stats().RDMAFlushes; got != c.flushes {
+				t.Fatalf("driver flushes %d, want %d", got, c.flushes)
+			}
+		})
+	}
+}

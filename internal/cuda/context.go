@@ -78,6 +78,23 @@ func (c *Context) do(s sym, detail string, args ...uintptr) error {
 // Synchronize waits for all work of the context (cuCtxSynchronize).
 func (c *Context) Synchronize() error { return c.do(symCtxSynchronize, c.dev.String()) }
 
+// cuFlushGPUDirectRDMAWrites' target and scope (cuda.h:
+// CUflushGPUDirectRDMAWritesTarget, CUflushGPUDirectRDMAWritesScope).
+const (
+	flushTargetCurrentCtx = 0
+	flushToOwner          = 100
+)
+
+// FlushGPUDirectRDMAWrites makes the NIC writes into this context's device
+// memory that have completed so far visible to the device's later work
+// (cuFlushGPUDirectRDMAWrites, current context, scope "to owner"). Where the
+// device's CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS lacks
+// the host bit, the driver refuses; drivers before CUDA 11.3 lack the call
+// (ErrNoDriver naming it).
+func (c *Context) FlushGPUDirectRDMAWrites() error {
+	return c.do(symFlushGPUDirectRDMAWrites, c.dev.String(), flushTargetCurrentCtx, flushToOwner)
+}
+
 // MemInfo is the device's free and total memory in bytes (cuMemGetInfo_v2).
 func (c *Context) MemInfo() (free, total int64, err error) {
 	var f, t uint64

@@ -63,6 +63,7 @@ const (
 	symIpcGetMemHandle
 	symIpcOpenMemHandle
 	symIpcCloseMemHandle
+	symFlushGPUDirectRDMAWrites
 	numSyms
 )
 
@@ -116,10 +117,12 @@ var symbolNames = [numSyms]struct {
 	symIpcGetMemHandle:             {"cuIpcGetMemHandle", false},
 	symIpcOpenMemHandle:            {"cuIpcOpenMemHandle_v2", false},
 	symIpcCloseMemHandle:           {"cuIpcCloseMemHandle", false},
+	symFlushGPUDirectRDMAWrites:    {"cuFlushGPUDirectRDMAWrites", true},
 }
 
 // Driver is a loaded CUDA driver. Open it once per program (or per
-// component); each Open takes a reference on the library that Close drops.
+// component). The library under it is loaded once per process and stays
+// loaded (see libraries); Close only ends this handle.
 type Driver struct {
 	path    string
 	lib     uintptr
@@ -147,9 +150,9 @@ func Open(path string) (*Driver, error) {
 	if path == "" {
 		path = DefaultLibrary
 	}
-	lib, err := dlopen(path)
+	lib, err := loadLibrary(path)
 	if err != nil {
-		return nil, fmt.Errorf("%w: dlopen %s: %v", ErrNoDriver, path, err)
+		return nil, err
 	}
 	d := &Driver{path: path, lib: lib}
 	var missing []string
@@ -167,21 +170,18 @@ func Open(path string) (*Driver, error) {
 		d.fns[symEventElapsedTime], _ = purego.Dlsym(lib, "cuEventElapsedTime")
 	}
 	if len(missing) > 0 {
-		_ = purego.Dlclose(lib)
 		return nil, fmt.Errorf("%w: %s lacks %v (driver too old?)", ErrNoDriver, path, missing)
 	}
 	purego.RegisterFunc(&d.ipcOpen, d.fns[symIpcOpenMemHandle])
 	if err := d.call(symInit, "", 0); err != nil {
-		_ = purego.Dlclose(lib)
 		var ce *Error
-		if errors.As(err, &ce) && (ce.Code == ErrorNoDevice || ce.Code == ErrorStubLibrary) {
+		if errors.As(err, &ce) && (ce.Code == ErrorNoDevice || ce.Code == ErrorStubLibrary || ce.Code == ErrorInsufficientDriver) {
 			return nil, fmt.Errorf("%w: %w", ErrNoDriver, err)
 		}
 		return nil, err
 	}
 	var v int32
 	if err := d.call(symDriverGetVersion, "", uintptr(unsafe.Pointer(&v))); err != nil {
-		_ = purego.Dlclose(lib)
 		return nil, err
 	}
 	d.version = int(v)
@@ -195,19 +195,15 @@ func (d *Driver) Path() string { return d.path }
 // (1000*major + 10*minor, e.g. 13000 for CUDA 13.0).
 func (d *Driver) Version() int { return d.version }
 
-// Close drops the reference Open took on the library. Handles made through
-// the driver must be closed first. Idempotent.
+// Close ends this handle: no call reaches the driver through it afterwards.
+// The library stays loaded for the life of the process (unloading libcuda
+// after cuInit is not safe: it keeps threads and device state). Handles made
+// through the driver must be closed first. Idempotent.
 func (d *Driver) Close() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if d.closed {
-		return nil
-	}
 	d.closed = true
 	d.gone.Store(true)
-	if err := purego.Dlclose(d.lib); err != nil {
-		return fmt.Errorf("cuda: dlclose %s: %v", d.path, err)
-	}
 	return nil
 }
 
@@ -267,6 +263,34 @@ func (d *Driver) ErrorName(r Result) string {
 		return r.Name()
 	}
 	return goString(p)
+}
+
+// libraries holds the driver libraries this process has loaded, by path. A
+// driver library, once loaded, stays loaded for the life of the process
+// (as libibverbs does in internal/ibv): this is the package's one piece of
+// process-wide state, and it only grows by the paths Open is given.
+var libraries struct {
+	mu  sync.Mutex
+	lib map[string]uintptr
+}
+
+// loadLibrary returns the handle of the library at path, loading it on the
+// first call for that path and never unloading it.
+func loadLibrary(path string) (uintptr, error) {
+	libraries.mu.Lock()
+	defer libraries.mu.Unlock()
+	if h, ok := libraries.lib[path]; ok {
+		return h, nil
+	}
+	h, err := dlopen(path)
+	if err != nil {
+		return 0, fmt.Errorf("%w: dlopen %s: %v", ErrNoDriver, path, err)
+	}
+	if libraries.lib == nil {
+		libraries.lib = make(map[string]uintptr)
+	}
+	libraries.lib[path] = h
+	return h, nil
 }
 
 // dlopen loads a library on one OS thread: dlerror's message is per thread,

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"unsafe"
 
+	"github.com/ebitengine/purego"
 	"golang.org/x/sys/unix"
 )
 
@@ -268,5 +269,74 @@ func TestClosedDriverMakesNoCalls(t *testing.T) {
 	}
 	if _, err := d.Device(0); !errors.Is(err, ErrClosed) {
 		t.Fatalf("Device after Close: %v", err)
+	}
+}
+
+func TestStandInDriverTooOld(t *testing.T) {
+	d := fakeDriver(t)
+	t.Setenv("FAKECUDA_INIT_RESULT", "35") // CUDA_ERROR_INSUFFICIENT_DRIVER
+	_, err := Open(d.Path())
+	if !errors.Is(err, ErrNoDriver) {
+		t.Fatalf("cuInit answering CUDA_ERROR_INSUFFICIENT_DRIVER: %v, want ErrNoDriver", err)
+	}
+	t.Setenv("FAKECUDA_INIT_RESULT", "999") // any other failure is not "no driver"
+	if _, err := Open(d.Path()); err == nil || errors.Is(err, ErrNoDriver) {
+		t.Fatalf("cuInit answering CUDA_ERROR_UNKNOWN: %v, want an error that is not ErrNoDriver", err)
+	}
+}
+
+// rtldNoload is glibc's RTLD_NOLOAD: dlopen succeeds only for a library
+// already loaded.
+const rtldNoload = 0x4
+
+func TestDriverLibraryStaysLoaded(t *testing.T) {
+	d := fakeDriver(t)
+	d2, err := Open(d.Path())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d2.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	if _, err := purego.Dlopen(d.Path(), purego.RTLD_NOW|rtldNoload); err != nil {
+		t.Fatalf("the driver library was unloaded after Close: %v", err)
+	}
+	// A driver opened again after every handle closed works.
+	d3, err := Open(d.Path())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d3.Close()
+	if n, err := d3.DeviceCount(); err != nil || n != 2 {
+		t.Fatalf("DeviceCount after reopening = %d, %v", n, err)
+	}
+}
+
+func TestStandInDriverFlushGPUDirectRDMAWrites(t *testing.T) {
+	d := fakeDriver(t)
+	dev, _ := d.Device(0)
+	c, err := dev.RetainPrimaryContext()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	counter, err := purego.Dlsym(d.lib, "fake_flushes")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := (*int32)(ptrAt(counter, 0))
+	before := *n
+	for i := 0; i < 3; i++ {
+		if err := c.FlushGPUDirectRDMAWrites(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := *n - before; got != 3 {
+		t.Fatalf("the driver saw %d flushes, want 3", got)
 	}
 }

@@ -18,6 +18,7 @@ const (
 	ErrorNotInitialized              Result = 3
 	ErrorDeinitialized               Result = 4
 	ErrorStubLibrary                 Result = 34
+	ErrorInsufficientDriver          Result = 35
 	ErrorDeviceUnavailable           Result = 46
 	ErrorNoDevice                    Result = 100
 	ErrorInvalidDevice               Result = 101
@@ -70,6 +71,7 @@ var resultNames = map[Result]string{
 	ErrorNotInitialized:              "CUDA_ERROR_NOT_INITIALIZED",
 	ErrorDeinitialized:               "CUDA_ERROR_DEINITIALIZED",
 	ErrorStubLibrary:                 "CUDA_ERROR_STUB_LIBRARY",
+	ErrorInsufficientDriver:          "CUDA_ERROR_INSUFFICIENT_DRIVER",
 	ErrorDeviceUnavailable:           "CUDA_ERROR_DEVICE_UNAVAILABLE",
 	ErrorNoDevice:                    "CUDA_ERROR_NO_DEVICE",
 	ErrorInvalidDevice:               "CUDA_ERROR_INVALID_DEVICE",

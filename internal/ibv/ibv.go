@@ -300,6 +300,11 @@ const (
 	AccessRemoteRead  = 4
 	// AccessMWBind lets memory windows be bound to a region.
 	AccessMWBind = 16
+	// AccessRelaxedOrdering (IBV_ACCESS_RELAXED_ORDERING, the first of
+	// IBV_ACCESS_OPTIONAL_RANGE) lets the NIC write the region with PCIe
+	// relaxed ordering where the device allows it; kernels that know
+	// optional flags drop it silently where the device does not.
+	AccessRelaxedOrdering = 1 << 20
 )
 
 // Send opcodes, as enum ibv_wr_opcode.

@@ -4,6 +4,7 @@ package nvml
 
 import (
 	"fmt"
+	"sync"
 
 	gonvml "github.com/NVIDIA/go-nvml/pkg/nvml"
 	"github.com/gdrlink/gdrlink/internal/sysfs"
@@ -20,21 +21,10 @@ func cstr(b []uint8) string {
 
 func gpus(libraryPath string) (Inventory, error) {
 	var inv Inventory
-	var opts []gonvml.LibraryOption
-	if libraryPath != "" {
-		opts = append(opts, gonvml.WithLibraryPath(libraryPath))
+	lib, err := session(libraryPath)
+	if err != nil {
+		return inv, err
 	}
-	lib := gonvml.New(opts...)
-	switch ret := lib.Init(); ret {
-	case gonvml.SUCCESS:
-	case gonvml.ERROR_LIBRARY_NOT_FOUND:
-		return inv, fmt.Errorf("%w: libnvidia-ml.so.1 not found", ErrNotAvailable)
-	case gonvml.ERROR_DRIVER_NOT_LOADED:
-		return inv, fmt.Errorf("%w: the NVIDIA kernel driver is not loaded", ErrNotAvailable)
-	default:
-		return inv, fmt.Errorf("nvml: init: %s", ret.Error())
-	}
-	defer lib.Shutdown()
 	if v, ret := lib.SystemGetDriverVersion(); ret == gonvml.SUCCESS {
 		inv.DriverVersion = v
 	}
@@ -101,17 +91,64 @@ func gpus(libraryPath string) (Inventory, error) {
 // (nvmlDeviceGetBAR1MemoryInfo): the bytes of it free and in all. A NIC
 // reaches GPU memory through BAR1.
 func BAR1(busID string) (free, total int64, err error) {
-	if r := gonvml.Init(); r != gonvml.SUCCESS {
-		return 0, 0, fmt.Errorf("nvmlInit: %s", gonvml.ErrorString(r))
+	lib, err := session("")
+	if err != nil {
+		return 0, 0, err
 	}
-	defer gonvml.Shutdown()
-	dev, r := gonvml.DeviceGetHandleByPciBusId(busID)
+	dev, r := lib.DeviceGetHandleByPciBusId(busID)
 	if r != gonvml.SUCCESS {
-		return 0, 0, fmt.Errorf("nvmlDeviceGetHandleByPciBusId(%s): %s", busID, gonvml.ErrorString(r))
+		return 0, 0, fmt.Errorf("nvmlDeviceGetHandleByPciBusId(%s): %s", busID, r.Error())
 	}
 	m, r := dev.GetBAR1MemoryInfo()
 	if r != gonvml.SUCCESS {
-		return 0, 0, fmt.Errorf("nvmlDeviceGetBAR1MemoryInfo(%s): %s", busID, gonvml.ErrorString(r))
+		return 0, 0, fmt.Errorf("nvmlDeviceGetBAR1MemoryInfo(%s): %s", busID, r.Error())
 	}
 	return int64(m.Bar1Free), int64(m.Bar1Total), nil
+}
+
+// sessions holds NVML as this process initialized it, by library path. NVML
+// is initialized once per process and never shut down (a driver library, once
+// loaded, stays loaded): this is the package's one piece of process-wide
+// state. Conclusive failures (no library, no kernel driver) are kept too;
+// any other failure is not, so a later call tries again.
+var sessions struct {
+	mu  sync.Mutex
+	lib map[string]gonvml.Interface
+	err map[string]error
+}
+
+// session returns NVML loaded from libraryPath ("" for the dynamic loader's
+// search) and initialized, doing both on the first call for that path.
+func session(libraryPath string) (gonvml.Interface, error) {
+	sessions.mu.Lock()
+	defer sessions.mu.Unlock()
+	if lib, ok := sessions.lib[libraryPath]; ok {
+		return lib, nil
+	}
+	if err, ok := sessions.err[libraryPath]; ok {
+		return nil, err
+	}
+	if sessions.lib == nil {
+		sessions.lib, sessions.err = make(map[string]gonvml.Interface), make(map[string]error)
+	}
+	var opts []gonvml.LibraryOption
+	if libraryPath != "" {
+		opts = append(opts, gonvml.WithLibraryPath(libraryPath))
+	}
+	lib := gonvml.New(opts...)
+	switch ret := lib.Init(); ret {
+	case gonvml.SUCCESS:
+	case gonvml.ERROR_LIBRARY_NOT_FOUND:
+		err := fmt.Errorf("%w: libnvidia-ml.so.1 not found", ErrNotAvailable)
+		sessions.err[libraryPath] = err
+		return nil, err
+	case gonvml.ERROR_DRIVER_NOT_LOADED:
+		err := fmt.Errorf("%w: the NVIDIA kernel driver is not loaded", ErrNotAvailable)
+		sessions.err[libraryPath] = err
+		return nil, err
+	default:
+		return nil, fmt.Errorf("nvml: init: %s", ret.Error())
+	}
+	sessions.lib[libraryPath] = lib
+	return lib, nil
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -35,6 +36,10 @@ type device struct {
 	// forced on a device that does not prove it bounds them, that.
 	grants    bool
 	grantsWhy string
+	// noRelaxed is set when a registration with relaxed ordering was
+	// refused (a kernel that predates optional access flags): later
+	// registrations ask without it.
+	noRelaxed atomic.Bool
 
 	mu       sync.Mutex
 	children int
@@ -371,7 +376,15 @@ func (p *pd) RegisterDMABuf(fd int, offset uint64, length int, iova uint64, acce
 	if p.d.grants {
 		flags |= ibv.AccessMWBind
 	}
-	m, err := p.pd.RegDMABufMR(offset, length, iova, fd, flags)
+	// A dma-buf is GPU memory: the NIC writes it with PCIe relaxed ordering
+	// where the device allows it, as NCCL does.
+	m, err := p.pd.RegDMABufMR(offset, length, iova, fd, dmabufFlags(flags, !p.d.noRelaxed.Load()))
+	if err != nil && !p.d.noRelaxed.Load() && (errors.Is(err, syscall.EINVAL) || errors.Is(err, syscall.EOPNOTSUPP)) {
+		if m2, err2 := p.pd.RegDMABufMR(offset, length, iova, fd, flags); err2 == nil {
+			p.d.noRelaxed.Store(true)
+			m, err = m2, nil
+		}
+	}
 	if err != nil {
 		p.dropChild()
 		if errors.Is(err, syscall.EOPNOTSUPP) {
@@ -383,6 +396,15 @@ func (p *pd) RegisterDMABuf(fd int, offset uint64, length int, iova uint64, acce
 		return nil, wrap(err)
 	}
 	return p.newMR(m, eff), nil
+}
+
+// dmabufFlags adds relaxed ordering to a dma-buf registration's flags when
+// relaxed is true.
+func dmabufFlags(flags int, relaxed bool) int {
+	if relaxed {
+		flags |= ibv.AccessRelaxedOrdering
+	}
+	return flags
 }
 
 type mr struct {

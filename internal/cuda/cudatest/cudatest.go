@@ -26,9 +26,9 @@ func SkipIfNoDriver(t testing.TB, err error) {
 	}
 	if errors.Is(err, cuda.ErrNoDriver) {
 		if Required() {
-			t.Fatalf("GDRLINK_REQUIRE_GPU=1 but the CUDA driver is missing: %v", err)
+			t.Fatalf("GDRLINK_REQUIRE_GPU=1 but there is no usable CUDA driver: %v", err)
 		}
-		t.Skipf("libcuda.so.1 not found: %v", err)
+		t.Skipf("no usable CUDA driver (libcuda.so.1 missing, no GPU, or the driver too old): %v", err)
 	}
 	t.Fatal(err)
 }

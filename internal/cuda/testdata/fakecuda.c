@@ -36,7 +36,11 @@ static int add(uintptr_t p, size_t n, int kind) {
 }
 #define NEED_CTX if (!current) return 201 /* CUDA_ERROR_INVALID_CONTEXT */
 
-CUresult cuInit(unsigned flags) { return getenv("FAKECUDA_NO_DEVICE") ? 100 : (flags ? 1 : 0); }
+CUresult cuInit(unsigned flags) {
+	const char *r = getenv("FAKECUDA_INIT_RESULT");
+	if (r) return atoi(r);
+	return getenv("FAKECUDA_NO_DEVICE") ? 100 : (flags ? 1 : 0);
+}
 CUresult cuDriverGetVersion(int *v) { *v = 13000; return 0; }
 CUresult cuGetErrorName(CUresult r, const char **s) {
 	if (r == 2) { *s = "CUDA_ERROR_OUT_OF_MEMORY"; return 0; }
@@ -55,6 +59,15 @@ CUresult cuDevicePrimaryCtxRetain(void **ctx, CUdevice d) { retained[d - 100]++;
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { return retained[d - 100]-- > 0 ? 0 : 201; }
 CUresult cuCtxSetCurrent(void *ctx) { current = ctx; return 0; }
 CUresult cuCtxSynchronize(void) { NEED_CTX; return 0; }
+/* fake_flushes counts flushes to the owner of the current context; another
+   target or scope is refused as the real driver refuses unknown values. */
+int fake_flushes;
+CUresult cuFlushGPUDirectRDMAWrites(int target, int scope) {
+	NEED_CTX;
+	if (target != 0 || (scope != 100 && scope != 200)) return 1;
+	fake_flushes++;
+	return 0;
+}
 CUresult cuMemGetInfo_v2(size_t *f, size_t *t) { NEED_CTX; *f = (size_t)79 << 30; *t = (size_t)80 << 30; return 0; }
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
 	void *m;
