@@ -63,6 +63,8 @@ const (
 	symIpcGetMemHandle
 	symIpcOpenMemHandle
 	symIpcCloseMemHandle
+	symMemcpyDtoDAsync
+	symDeviceCanAccessPeer
 	numSyms
 )
 
@@ -116,6 +118,8 @@ var symbolNames = [numSyms]struct {
 	symIpcGetMemHandle:             {"cuIpcGetMemHandle", false},
 	symIpcOpenMemHandle:            {"cuIpcOpenMemHandle_v2", false},
 	symIpcCloseMemHandle:           {"cuIpcCloseMemHandle", false},
+	symMemcpyDtoDAsync:             {"cuMemcpyDtoDAsync_v2", true},
+	symDeviceCanAccessPeer:         {"cuDeviceCanAccessPeer", true},
 }
 
 // Driver is a loaded CUDA driver. Open it once per program (or per
