@@ -16,6 +16,10 @@
 // surfaces at the next event of the stream, as a GPU's asynchronous errors
 // do), and Lose makes the device lost: queued work fails and every later
 // call returns proxy.ErrDeviceLost.
+//
+// A shareable device (Config.Shareable) stands in for CUDA IPC between two
+// processes: ExportSimulatedHandle, OpenSimulatedHandle and CopyDtoDAsync
+// (ipc.go), all simulated.
 package gpusim
 
 import (
@@ -50,6 +54,10 @@ type Config struct {
 	// unknown age whose driver cannot flush from the host.
 	ComputeCapability int
 	C2C, HostFlush    bool
+	// Shareable backs each allocation with its own sealed memfd, so that
+	// the device's ExportSimulatedHandle method (see ipc.go) can hand it to
+	// another process: the simulated counterpart of CUDA IPC.
+	Shareable bool
 }
 
 // Direction is the direction of a copy.
@@ -59,12 +67,18 @@ type Direction int
 const (
 	HostToDevice Direction = iota
 	DeviceToHost
+	// deviceToDevice: a copy between two device allocations (one may be a
+	// peer's, opened with OpenSimulatedHandle); it prints as "DtoD".
+	deviceToDevice
 )
 
 // String names the direction.
 func (d Direction) String() string {
-	if d == HostToDevice {
+	switch d {
+	case HostToDevice:
 		return "HtoD"
+	case deviceToDevice:
+		return "DtoD"
 	}
 	return "DtoH"
 }
@@ -84,6 +98,7 @@ type Stats struct {
 	Copies       int64
 	BytesHtoD    int64
 	BytesDtoH    int64
+	BytesDtoD    int64
 	FailedCopies int64
 	// RDMAFlushes counts simulated driver flushes of NIC writes
 	// (FlushRDMAWrites).
@@ -163,7 +178,9 @@ type device struct {
 	mu      sync.Mutex
 	allocs  spans // device memory
 	mems    map[uintptr][]byte
-	pinned  spans // host ranges registered as pinned
+	fds     map[uintptr]int  // memfd of a shareable allocation
+	opened  map[uintptr]bool // mappings of a peer's allocation
+	pinned  spans            // host ranges registered as pinned
 	used    int64
 	streams map[*stream]struct{}
 	closed  bool
@@ -171,9 +188,9 @@ type device struct {
 
 	lost atomic.Bool
 	seq  atomic.Int64
-	pace [2]pacer
+	pace [3]pacer
 
-	copies, bytesHtoD, bytesDtoH, failed, flushes atomic.Int64
+	copies, bytesHtoD, bytesDtoH, bytesDtoD, failed, flushes atomic.Int64
 }
 
 var _ Device = (*device)(nil)
@@ -183,7 +200,7 @@ func New(cfg Config) Device {
 	if cfg.Name == "" {
 		cfg.Name = "gpusim"
 	}
-	d := &device{cfg: cfg, streams: map[*stream]struct{}{}, mems: map[uintptr][]byte{}}
+	d := &device{cfg: cfg, streams: map[*stream]struct{}{}, mems: map[uintptr][]byte{}, fds: map[uintptr]int{}, opened: map[uintptr]bool{}}
 	for i := range d.pace {
 		d.pace[i].bw = cfg.Bandwidth
 	}
@@ -240,11 +257,21 @@ func (d *device) Alloc(n int) (proxy.DevicePtr, error) {
 	if d.cfg.MemoryLimit > 0 && d.used+int64(n) > d.cfg.MemoryLimit {
 		return 0, fmt.Errorf("%w: %d bytes asked, %d of %d in use on %s", proxy.ErrDeviceMemory, n, d.used, d.cfg.MemoryLimit, d.cfg.Name)
 	}
-	mem, err := unix.Mmap(-1, 0, n, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	fd := -1
+	var mem []byte
+	var err error
+	if d.cfg.Shareable {
+		fd, mem, err = shareableMem(d.cfg.Name, n)
+	} else {
+		mem, err = unix.Mmap(-1, 0, n, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	}
 	if err != nil {
 		return 0, fmt.Errorf("%w: mmap %d bytes: %w", proxy.ErrDeviceMemory, n, err)
 	}
 	base := uintptr(unsafe.Pointer(&mem[0]))
+	if fd >= 0 {
+		d.fds[base] = fd
+	}
 	d.allocs = d.allocs.insert(span{base, n})
 	d.mems[base] = mem
 	d.used += int64(n)
@@ -262,7 +289,15 @@ func (d *device) Free(p proxy.DevicePtr) error {
 	d.allocs = d.allocs.remove(i)
 	mem := d.mems[uintptr(p)]
 	delete(d.mems, uintptr(p))
-	d.used -= int64(len(mem))
+	if d.opened[uintptr(p)] {
+		delete(d.opened, uintptr(p))
+	} else {
+		d.used -= int64(len(mem))
+	}
+	if fd, ok := d.fds[uintptr(p)]; ok {
+		delete(d.fds, uintptr(p))
+		unix.Close(fd)
+	}
 	return unix.Munmap(mem)
 }
 
@@ -366,7 +401,7 @@ func (d *device) Stats() Stats {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	return Stats{
-		Copies: d.copies.Load(), BytesHtoD: d.bytesHtoD.Load(), BytesDtoH: d.bytesDtoH.Load(),
+		Copies: d.copies.Load(), BytesHtoD: d.bytesHtoD.Load(), BytesDtoH: d.bytesDtoH.Load(), BytesDtoD: d.bytesDtoD.Load(),
 		FailedCopies: d.failed.Load(), RDMAFlushes: d.flushes.Load(), DeviceMemory: d.used, LiveStreams: len(d.streams), LiveAllocs: len(d.allocs),
 	}
 }
@@ -396,7 +431,11 @@ func (d *device) Close() error {
 			first = err
 		}
 	}
+	for _, fd := range d.fds {
+		unix.Close(fd)
+	}
 	d.mems, d.allocs, d.used = map[uintptr][]byte{}, nil, 0
+	d.fds, d.opened = map[uintptr]int{}, map[uintptr]bool{}
 	return first
 }
 
@@ -535,9 +574,12 @@ func (d *device) copy(c CopyInfo, queued time.Time) error {
 		}
 	}
 	d.copies.Add(1)
-	if c.Dir == HostToDevice {
+	switch c.Dir {
+	case HostToDevice:
 		d.bytesHtoD.Add(int64(c.N))
-	} else {
+	case deviceToDevice:
+		d.bytesDtoD.Add(int64(c.N))
+	default:
 		d.bytesDtoH.Add(int64(c.N))
 	}
 	return nil

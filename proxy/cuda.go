@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -19,6 +20,7 @@ type cudaDevice struct {
 
 	mu     sync.Mutex
 	allocs map[DevicePtr]*cuda.DeviceMemory
+	ipcs   map[DevicePtr]*cuda.IPCMapping
 	closed bool
 }
 
@@ -46,7 +48,7 @@ func NewCUDADevice(ordinal int) (Device, error) {
 		return nil, errors.Join(err, ctx.Close(), drv.Close())
 	}
 	return &cudaDevice{drv: drv, ctx: ctx, info: DeviceInfo{Name: name, Ordinal: ordinal, PCIBusID: bus},
-		gdr: gpuDirectFactsOf(f), allocs: map[DevicePtr]*cuda.DeviceMemory{}}, nil
+		gdr: gpuDirectFactsOf(f), allocs: map[DevicePtr]*cuda.DeviceMemory{}, ipcs: map[DevicePtr]*cuda.IPCMapping{}}, nil
 }
 
 // flushWritesOptionHost is CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_HOST, the
@@ -241,10 +243,72 @@ func (d *cudaDevice) Close() error {
 	}
 	d.closed = true
 	var errs []error
+	for p, m := range d.ipcs {
+		errs = append(errs, m.Close())
+		delete(d.ipcs, p)
+	}
 	for p, m := range d.allocs {
 		errs = append(errs, m.Close())
 		delete(d.allocs, p)
 	}
 	errs = append(errs, d.ctx.Close(), d.drv.Close())
 	return errors.Join(errs...)
+}
+
+// The on-node IPC path reaches the methods below by a type assertion on
+// the Device that NewCUDADevice returns: another process's allocation
+// opened from its legacy IPC handle, device-to-device copies, and the
+// peer-access check.
+
+// OpenIPCHandle opens another process's allocation from its 64-byte
+// CUipcMemHandle (cuIpcOpenMemHandle_v2, peer access enabled lazily).
+func (d *cudaDevice) OpenIPCHandle(h [64]byte) (DevicePtr, error) {
+	m, err := d.ctx.OpenIPCHandle(cuda.IPCHandle{Reserved: h})
+	if err != nil {
+		return 0, mapErr(err, "IPC handle open")
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.ipcs[DevicePtr(m.Ptr)] = m
+	return DevicePtr(m.Ptr), nil
+}
+
+// CloseIPCHandle closes what OpenIPCHandle opened (cuIpcCloseMemHandle).
+func (d *cudaDevice) CloseIPCHandle(p DevicePtr) error {
+	d.mu.Lock()
+	m, ok := d.ipcs[p]
+	delete(d.ipcs, p)
+	d.mu.Unlock()
+	if !ok {
+		return fmt.Errorf("%w: %#x is not an opened IPC handle of this device handle", ErrWrongMemory, p)
+	}
+	return mapErr(m.Close(), "IPC handle close")
+}
+
+// CopyDtoDAsync queues a device-to-device copy (cuMemcpyDtoDAsync_v2).
+func (d *cudaDevice) CopyDtoDAsync(dst, src DevicePtr, n int, s Stream) error {
+	cs, err := d.stream(s)
+	if err != nil {
+		return err
+	}
+	return mapErr(d.ctx.MemcpyDtoDAsync(uintptr(dst), uintptr(src), n, cs), "device-to-device copy")
+}
+
+// CanAccessPeer reports whether this GPU and the GPU with the given PCI
+// bus id can reach each other's memory: the same device, or
+// cuDeviceCanAccessPeer both ways.
+func (d *cudaDevice) CanAccessPeer(busID string) (bool, error) {
+	if strings.EqualFold(busID, d.info.PCIBusID) {
+		return true, nil
+	}
+	peer, err := d.drv.DeviceByPCIBusID(busID)
+	if err != nil {
+		return false, err
+	}
+	self := d.ctx.Device()
+	a, err := self.CanAccessPeer(peer)
+	if err != nil || !a {
+		return false, err
+	}
+	return peer.CanAccessPeer(self)
 }

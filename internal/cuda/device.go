@@ -151,3 +151,37 @@ func (v Device) Facts() (Facts, error) {
 	f.DMABuf = *ints[3].dst != 0
 	return f, nil
 }
+
+// CanAccessPeer reports whether v can access peer's memory directly
+// (cuDeviceCanAccessPeer); a device can always access its own.
+func (v Device) CanAccessPeer(peer Device) (bool, error) {
+	if v.handle == peer.handle {
+		return true, nil
+	}
+	var x int32
+	if err := v.drv.call(symDeviceCanAccessPeer, fmt.Sprintf("%s and %s", v, peer), uintptr(unsafe.Pointer(&x)), uintptr(v.handle), uintptr(peer.handle)); err != nil {
+		return false, err
+	}
+	return x != 0, nil
+}
+
+// DeviceByPCIBusID returns the device with the given PCI bus id
+// ("0000:3b:00.0", any case), found among this process's visible devices:
+// ordinals differ between processes under CUDA_VISIBLE_DEVICES, bus ids do
+// not. It fails with ErrBadArgument when no visible device has it.
+func (d *Driver) DeviceByPCIBusID(bus string) (Device, error) {
+	n, err := d.DeviceCount()
+	if err != nil {
+		return Device{}, err
+	}
+	for i := 0; i < n; i++ {
+		v, err := d.Device(i)
+		if err != nil {
+			return Device{}, err
+		}
+		if b, err := v.PCIBusID(); err == nil && strings.EqualFold(b, bus) {
+			return v, nil
+		}
+	}
+	return Device{}, fmt.Errorf("%w: no visible CUDA device has PCI bus id %q", ErrBadArgument, bus)
+}

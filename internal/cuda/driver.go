@@ -64,6 +64,8 @@ const (
 	symIpcOpenMemHandle
 	symIpcCloseMemHandle
 	symFlushGPUDirectRDMAWrites
+	symMemcpyDtoDAsync
+	symDeviceCanAccessPeer
 	numSyms
 )
 
@@ -118,6 +120,8 @@ var symbolNames = [numSyms]struct {
 	symIpcOpenMemHandle:            {"cuIpcOpenMemHandle_v2", false},
 	symIpcCloseMemHandle:           {"cuIpcCloseMemHandle", false},
 	symFlushGPUDirectRDMAWrites:    {"cuFlushGPUDirectRDMAWrites", true},
+	symMemcpyDtoDAsync:             {"cuMemcpyDtoDAsync_v2", true},
+	symDeviceCanAccessPeer:         {"cuDeviceCanAccessPeer", true},
 }
 
 // Driver is a loaded CUDA driver. Open it once per program (or per

@@ -340,3 +340,77 @@ func TestStandInDriverFlushGPUDirectRDMAWrites(t *testing.T) {
 		t.Fatalf("the driver saw %d flushes, want 3", got)
 	}
 }
+
+// TestStandInDriverPeerCopy: the on-node IPC path's calls, a device to
+// device copy on a stream and the peer-access check.
+func TestStandInDriverPeerCopy(t *testing.T) {
+	d := fakeDriver(t)
+	d0, err := d.Device(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d1, err := d.Device(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		a, b Device
+		want bool
+	}{{d0, d0, true}, {d0, d1, true}, {d1, d0, false}} {
+		got, err := c.a.CanAccessPeer(c.b)
+		if err != nil || got != c.want {
+			t.Errorf("%s CanAccessPeer %s = %v, %v; want %v", c.a, c.b, got, err, c.want)
+		}
+	}
+	if v, err := d.DeviceByPCIBusID("0000:3B:01.0"); err != nil || v.Ordinal() != 1 {
+		t.Errorf("DeviceByPCIBusID: %v, %v", v, err)
+	}
+	if _, err := d.DeviceByPCIBusID("0000:99:00.0"); !errors.Is(err, ErrBadArgument) {
+		t.Errorf("DeviceByPCIBusID of an absent bus id: %v", err)
+	}
+	c, err := d0.RetainPrimaryContext()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	src, err := c.MemAlloc(256)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	dst, err := c.MemAlloc(256)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dst.Close()
+	in := make([]byte, 256)
+	for i := range in {
+		in[i] = byte(i * 3)
+	}
+	if err := c.MemcpyHtoD(src.Ptr, uintptr(unsafe.Pointer(&in[0])), 256); err != nil {
+		t.Fatal(err)
+	}
+	s, err := c.NewStream(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if err := c.MemcpyDtoDAsync(dst.Ptr, src.Ptr, 256, s); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Synchronize(); err != nil {
+		t.Fatal(err)
+	}
+	out := make([]byte, 256)
+	if err := c.MemcpyDtoH(uintptr(unsafe.Pointer(&out[0])), dst.Ptr, 256); err != nil {
+		t.Fatal(err)
+	}
+	for i := range out {
+		if out[i] != in[i] {
+			t.Fatalf("byte %d: %d, want %d", i, out[i], in[i])
+		}
+	}
+	if err := c.MemcpyDtoDAsync(dst.Ptr, src.Ptr+200, 100, s); err == nil {
+		t.Fatal("copy past the source allocation succeeded")
+	}
+}

@@ -95,6 +95,17 @@ func (c *Context) MemcpyDtoHAsync(dst, src uintptr, n int, s *Stream) error {
 	return c.do(symMemcpyDtoHAsync, fmt.Sprintf("%d bytes %#x -> %#x", n, src, dst), dst, src, uintptr(n), h)
 }
 
+// MemcpyDtoDAsync queues a copy of n bytes between two device ranges on s
+// (cuMemcpyDtoDAsync_v2); either may be another process's allocation
+// opened with OpenIPCHandle.
+func (c *Context) MemcpyDtoDAsync(dst, src uintptr, n int, s *Stream) error {
+	h, err := s.handle()
+	if err != nil {
+		return err
+	}
+	return c.do(symMemcpyDtoDAsync, fmt.Sprintf("%d bytes %#x -> %#x", n, src, dst), dst, src, uintptr(n), h)
+}
+
 // Event is a CUevent.
 type Event struct {
 	closer

@@ -130,6 +130,14 @@ CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *s, size_t n) { return copy(d
 CUresult cuMemcpyDtoH_v2(void *d, CUdeviceptr s, size_t n) { return copy(s, d, (void *)(uintptr_t)s, n); }
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *s, size_t n, void *st) { return st ? copy(d, (void *)(uintptr_t)d, s, n) : 400; }
 CUresult cuMemcpyDtoHAsync_v2(void *d, CUdeviceptr s, size_t n, void *st) { return st ? copy(s, d, (void *)(uintptr_t)s, n) : 400; }
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, void *st) {
+	if (!st) return 400;
+	if (!find(s, n)) return 1;
+	return copy(d, (void *)(uintptr_t)d, (void *)(uintptr_t)s, n);
+}
+/* Peer access only from a lower device to the next one (100 -> 101), so
+   that both answers and the argument order are checked. */
+CUresult cuDeviceCanAccessPeer(int *can, CUdevice a, CUdevice b) { *can = b == a + 1; return 0; }
 CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, size_t n) {
 	NEED_CTX;
 	if (!find(d, n)) return 1;
