@@ -98,6 +98,8 @@ func runChild(job string) error {
 		err = failoverJob(ctx, g, &rep)
 	case "collectives":
 		err = collJob(ctx, g, &rep)
+	case "switchml":
+		err = switchmlJob(ctx, g, &rep)
 	case "collectives-kill":
 		// A rank is dead: no barrier.
 		if err = killJob(ctx, g, &rep); err == nil {

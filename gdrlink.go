@@ -151,6 +151,9 @@ func Join(ctx context.Context, opts ...Option) (*Group, error) {
 	g.ctx, g.cancel = context.WithCancel(context.Background())
 	g.metrics = newMetrics(g)
 	g.coll = collective.NewRing(ringTransport{g})
+	if cfg.aggregator != "" {
+		g.coll = newSwitchML(g, g.coll)
+	}
 	bc.OnCall = g.onCall
 	bc.OnRejoin = g.onRejoin
 	var usable []string
@@ -571,8 +574,11 @@ func (g *Group) Close() error {
 	close(g.rejoinSig) // WaitRejoin sees the group closed
 	g.rejoinSig = make(chan struct{})
 	g.mu.Unlock()
-	g.cancel()
 	var errs []error
+	if s, ok := g.coll.(*switchML); ok {
+		errs = append(errs, s.Close())
+	}
+	g.cancel()
 	if g.metricsSrv != nil {
 		errs = append(errs, g.metricsSrv.close())
 	}

@@ -39,6 +39,10 @@ type config struct {
 	verbs          *verbsio.Config
 	gpu            int // -1: none
 	metricsAddr    string
+	// aggregator is the SwitchML aggregator's control endpoint (empty:
+	// AllReduce on the ring), aggregatorPort the RoCEv2 UDP port.
+	aggregator     string
+	aggregatorPort uint16
 	// key is the job key (zero: none), keySource where it came from.
 	key       jobauth.Key
 	keySource string
@@ -302,6 +306,18 @@ func fromEnv(lookup func(string) (string, bool)) (config, error) {
 		}
 		c.gpu = n
 	}
+	if v := get("GDRLINK_AGGREGATOR"); v != "" {
+		if err := WithAggregator(v)(&c); err != nil {
+			return c, fmt.Errorf("GDRLINK_AGGREGATOR=%q: %w", v, err)
+		}
+	}
+	if v := get("GDRLINK_AGGREGATOR_PORT"); v != "" {
+		p, err := strconv.ParseUint(v, 10, 16)
+		if err != nil || p == 0 {
+			return c, fmt.Errorf("%w: GDRLINK_AGGREGATOR_PORT=%q is not a UDP port", verbsio.ErrBadConfig, v)
+		}
+		c.aggregatorPort = uint16(p)
+	}
 	if v := get("GDRLINK_METRICS_ADDR"); v != "" {
 		if err := WithMetricsAddr(v)(&c); err != nil {
 			return c, fmt.Errorf("GDRLINK_METRICS_ADDR=%q: %w", v, err)
@@ -332,4 +348,24 @@ func fromEnv(lookup func(string) (string, bool)) (config, error) {
 func NewJobKey() (string, error) {
 	_, secret, err := jobauth.Generate()
 	return secret, err
+}
+
+// WithAggregator makes AllReduce of float32, float16, bfloat16 and int32
+// tensors run through a SwitchML aggregator (cmd/switchml-agg, or a switch)
+// whose control endpoint is at addr ("host:port"; GDRLINK_AGGREGATOR).
+// Every rank sets up the job with it on its first AllReduce, proving the
+// job key; values travel as block floating point, so float sums carry the
+// error bound of that format (README). The RoCEv2 traffic uses UDP port
+// 4791 on both sides unless GDRLINK_AGGREGATOR_PORT says otherwise; ranks
+// on one host with the aggregator on loopback receive on 127.0.0.2,
+// 127.0.0.3, ... (by rank). Other element types, Broadcast and AllGather
+// run on the ring.
+func WithAggregator(addr string) Option {
+	return func(c *config) error {
+		if _, _, err := net.SplitHostPort(addr); err != nil {
+			return fmt.Errorf("%w: aggregator %q: %w", verbsio.ErrBadConfig, addr, err)
+		}
+		c.aggregator = addr
+		return nil
+	}
 }

@@ -17,6 +17,8 @@ import (
 	"time"
 
 	"github.com/gdrlink/gdrlink"
+	"github.com/gdrlink/gdrlink/internal/jobauth"
+	"github.com/gdrlink/gdrlink/internal/switchml/aggsrv"
 	"github.com/gdrlink/gdrlink/tensor"
 )
 
@@ -46,6 +48,7 @@ const (
 	setAllReduceWorkers   = "allreduce.workers"   // comma-separated worker counts (default 2,4,8)
 	setAllReduceProviders = "allreduce.providers" // comma-separated providers (default onnode)
 	setAllReduceMPI       = "allreduce.mpi"       // "off" skips the Open MPI baseline
+	setAllReduceSwitchML  = "allreduce.switchml"  // "on" adds switchml rows: a software aggregator in this process
 )
 
 // allReduceRow is what rank 0 of a job prints for one size: the median
@@ -100,8 +103,23 @@ func runAllReduce(ctx context.Context, env *Env) error {
 		} else {
 			baseNote = fmt.Sprintf("; no baseline: %v", mpiErr)
 		}
+		if env.Args[setAllReduceSwitchML] == "on" {
+			rows, err := runRingAllReduce(ctx, "tcp", w, sizes, reps, true)
+			if err != nil {
+				return fmt.Errorf("%d workers through the aggregator: %w", w, err)
+			}
+			for _, row := range rows {
+				d := time.Duration(row.Seconds * float64(time.Second))
+				r := newResult("allreduce", fmt.Sprintf("switchml/%dw", w), row.Size, rateGBs(row.Size, d), "GB/s", 0, "")
+				r.Note = fmt.Sprintf("%d worker processes through a software aggregator (aggsrv, in the bench process) over UDP on loopback, float32 average, median of %d", w, reps)
+				env.Emit(r)
+				wire := newResult("allreduce", fmt.Sprintf("wire/switchml/%dw", w), row.Size, float64(row.Sent), "B", 0, "")
+				wire.Note = "bytes one worker sent per call: S, plus one 4 KiB message of exponents per queue pair used"
+				env.Emit(wire)
+			}
+		}
 		for _, prov := range providers {
-			rows, err := runRingAllReduce(ctx, prov, w, sizes, reps)
+			rows, err := runRingAllReduce(ctx, prov, w, sizes, reps, false)
 			if err != nil {
 				return fmt.Errorf("%d workers on %s: %w", w, prov, err)
 			}
@@ -126,7 +144,9 @@ func runAllReduce(ctx context.Context, env *Env) error {
 
 // runRingAllReduce runs a job of w processes of this binary over provider
 // and returns rank 0's rows.
-func runRingAllReduce(ctx context.Context, provider string, w int, sizes []int64, reps int) ([]allReduceRow, error) {
+// With aggregator, the job's AllReduce goes through a SwitchML aggregator
+// run in this process.
+func runRingAllReduce(ctx context.Context, provider string, w int, sizes []int64, reps int, aggregator bool) ([]allReduceRow, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
@@ -146,6 +166,15 @@ func runRingAllReduce(ctx context.Context, provider string, w int, sizes []int64
 	if err != nil {
 		return nil, err
 	}
+	var extra []string
+	if aggregator {
+		a, err := startAggregator(key, w)
+		if err != nil {
+			return nil, fmt.Errorf("aggregator: %w", err)
+		}
+		defer a.close()
+		extra = a.env
+	}
 	var ss []string
 	for _, s := range sizes {
 		ss = append(ss, strconv.FormatInt(s, 10))
@@ -157,6 +186,7 @@ func runRingAllReduce(ctx context.Context, provider string, w int, sizes []int64
 		c := exec.CommandContext(ctx, self, "-test.run=^$")
 		c.Env = append(os.Environ(), allReduceRankEnv+"=1", allReduceSizesEnv+"="+strings.Join(ss, ","), allReduceRepsEnv+"="+strconv.Itoa(reps),
 			"GDRLINK_RANK="+strconv.Itoa(r), "GDRLINK_SIZE="+strconv.Itoa(w), "GDRLINK_ROOT="+root, "GDRLINK_PROVIDER="+provider, "GDRLINK_JOB_KEY="+key)
+		c.Env = append(c.Env, extra...)
 		if r == 0 {
 			c.ExtraFiles = []*os.File{lf}
 			c.Stdout = &out0
@@ -377,4 +407,58 @@ func parseMPIAllReduce(out []byte, reps int) (map[int64]float64, error) {
 		res[size] = median(ts)
 	}
 	return res, nil
+}
+
+// runningAggregator is a SwitchML aggregator in this process.
+type runningAggregator struct {
+	env   []string // what the ranks need to use it
+	close func()
+}
+
+// startAggregator serves a software aggregator for a job of w ranks with
+// key on loopback: the ranks receive on 127.0.0.2, 127.0.0.3, ... at one
+// UDP port free on all of them.
+func startAggregator(secret string, w int) (*runningAggregator, error) {
+	key, err := jobauth.Parse(secret)
+	if err != nil {
+		return nil, err
+	}
+	for range 10 {
+		dc, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
+		if err != nil {
+			return nil, err
+		}
+		port := dc.LocalAddr().(*net.UDPAddr).Port
+		free := true
+		for r := range w {
+			c, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, byte(2+r)), Port: port})
+			if err != nil {
+				free = false
+				break
+			}
+			c.Close()
+		}
+		if !free {
+			dc.Close()
+			continue
+		}
+		dc.SetReadBuffer(8 << 20)
+		cl, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			dc.Close()
+			return nil, err
+		}
+		s, err := aggsrv.New(aggsrv.Config{Key: key, Control: cl, Data: dc, PeerPort: uint16(port), SetupTimeout: time.Minute})
+		if err != nil {
+			cl.Close()
+			dc.Close()
+			return nil, err
+		}
+		go s.Serve()
+		return &runningAggregator{
+			env:   []string{"GDRLINK_AGGREGATOR=" + cl.Addr().String(), "GDRLINK_AGGREGATOR_PORT=" + strconv.Itoa(port)},
+			close: func() { s.Close() },
+		}, nil
+	}
+	return nil, errors.New("no UDP port free on every loopback address")
 }

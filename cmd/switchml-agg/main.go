@@ -43,8 +43,14 @@ func run(args []string, getenv func(string) string, stdout, stderr io.Writer, st
 	control := fs.String("control", "127.0.0.1:4792", "TCP address of the control endpoint")
 	skipICRC := fs.Bool("skip-icrc", false, "accept packets without checking their ICRC (for senders that write IP IDs other than 0)")
 	timeout := fs.Duration("setup-timeout", 60*time.Second, "how long a job's workers have to announce themselves")
+	drop := fs.Float64("drop", 0, "drop this share (0..1) of the packets received and sent, at random, to test loss")
+	peerPort := fs.Uint("peer-port", 0, "UDP port the workers receive on (default 4791)")
 	verbose := fs.Bool("v", false, "log job setup and refused connections")
 	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	if *drop < 0 || *drop >= 1 || *peerPort > 0xffff {
+		fmt.Fprintln(stderr, "switchml-agg: -drop must be in [0, 1) and -peer-port a UDP port")
 		return 2
 	}
 	if *data == "" {
@@ -76,7 +82,7 @@ func run(args []string, getenv func(string) string, stdout, stderr io.Writer, st
 		fmt.Fprintln(stderr, "switchml-agg:", err)
 		return 1
 	}
-	cfg := aggsrv.Config{Key: key, Control: cl, Data: dc, SkipICRC: *skipICRC, SetupTimeout: *timeout, Seed: uint64(time.Now().UnixNano())}
+	cfg := aggsrv.Config{Key: key, Control: cl, Data: dc, SkipICRC: *skipICRC, SetupTimeout: *timeout, Seed: uint64(time.Now().UnixNano()), Drop: *drop, PeerPort: uint16(*peerPort)}
 	if *verbose {
 		cfg.Logger = slog.New(slog.NewTextHandler(stderr, nil))
 	}

@@ -18,6 +18,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math/rand/v2"
 	"net"
 	"net/netip"
 	"sort"
@@ -65,6 +66,9 @@ type Config struct {
 	Seed uint64
 	// Logger, when set, gets setup events and refused connections.
 	Logger *slog.Logger
+	// Drop, between 0 and 1, drops that share of the packets received
+	// and of the reply packets, at random (from Seed), to test loss.
+	Drop float64
 }
 
 // Stats counts the data path.
@@ -72,6 +76,7 @@ type Stats struct {
 	agg.Stats
 	BadPackets uint64 // UDP payloads that did not parse
 	BadICRC    uint64 // packets whose ICRC was wrong
+	Injected   uint64 // packets dropped on purpose (Config.Drop)
 	SendErrors uint64 // replies the socket refused
 	Jobs       int    // jobs running
 }
@@ -222,6 +227,7 @@ func (s *Server) logf(msg string, args ...any) {
 // data is the packet loop.
 func (s *Server) data() {
 	buf := make([]byte, 1<<16)
+	loss := rand.New(rand.NewPCG(s.cfg.Seed, 0x1055))
 	var out []agg.Reply
 	var wb []byte
 	for {
@@ -237,6 +243,11 @@ func (s *Server) data() {
 		b := buf[:n]
 		p, err := rocev2.ParseTransport(b)
 		s.mu.Lock()
+		if s.cfg.Drop > 0 && loss.Float64() < s.cfg.Drop {
+			s.stats.Injected++
+			s.mu.Unlock()
+			continue
+		}
 		if err != nil {
 			s.stats.BadPackets++
 			s.mu.Unlock()
@@ -257,6 +268,10 @@ func (s *Server) data() {
 		for i := range out {
 			j := s.jobs[out[i].Job]
 			if j == nil {
+				continue
+			}
+			if s.cfg.Drop > 0 && loss.Float64() < s.cfg.Drop {
+				s.stats.Injected++
 				continue
 			}
 			dst := j.addrs[out[i].Worker]

@@ -1,0 +1,540 @@
+// Package worker is a SwitchML worker in software: it all-reduces tensors
+// through an aggregator (package aggsrv, or a switch) by sending the RoCEv2
+// packets that a verbs NIC's unreliable-connected (UC) queue pairs would send
+// (RDMA WRITE FIRST/MIDDLE/LAST/ONLY, with immediate), over a plain UDP
+// socket, and by receiving the aggregator's writes into its result.
+//
+// # Messages
+//
+// A job has Window queue pairs; queue pair q owns the slots
+// [q*MsgSlots, (q+1)*MsgSlots) of the job's range and carries one message at
+// a time, of MsgSlots packets (one slot each). A tensor is cut into chunks of
+// MsgSlots*SlotBytes bytes (the last one padded with zeros); chunk c goes on
+// queue pair c mod Window, whose messages alternate the two sets of its
+// slots. Every worker cuts and schedules the same way, so a pool index holds
+// the same chunk on every worker.
+//
+// # Exponents
+//
+// A block is one slot (64 or 256 elements). Every worker must quantise a
+// block with the same exponent, the maximum of the workers' own (package
+// bfp). As in SwitchML, a message carries in its immediate the exponents of
+// the next chunk its queue pair will carry, and the aggregator's reply
+// brings their maximum back. The first chunk of each queue pair is preceded
+// by a message of zeros that carries only its exponents, so a float
+// AllReduce of S bytes sends S bytes plus one message per queue pair used
+// (int32 needs no exponents and sends exactly S bytes, rounded up to whole
+// messages).
+//
+// # Loss
+//
+// A message that gets no result within Timeout is resent whole, with new
+// PSNs, on the same queue pair. The aggregator answers a retransmission of a
+// completed message with its result again; such a second reply may arrive
+// after the queue pair has moved on, so each message writes its result to a
+// virtual address of its own (the queue pair's message count picks it), and
+// a reply whose address is not the current message's is dropped.
+package worker
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"net/netip"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/gdrlink/gdrlink/internal/jobauth"
+	"github.com/gdrlink/gdrlink/internal/switchml/aggsrv"
+	"github.com/gdrlink/gdrlink/internal/switchml/rocev2"
+)
+
+// Errors of the package.
+var (
+	// ErrAggregator means the aggregator failed: it refused the job,
+	// closed the control connection, or did not answer in time.
+	ErrAggregator = errors.New("switchml: aggregator failed")
+	// ErrClosed means the worker was closed.
+	ErrClosed = errors.New("switchml: worker closed")
+	// ErrConfig means a configuration that cannot work.
+	ErrConfig = errors.New("switchml: bad configuration")
+)
+
+// Defaults of Config.
+const (
+	DefaultSlotBytes = 1024
+	DefaultMsgSlots  = 4
+	DefaultWindow    = 8
+	DefaultTimeout   = 50 * time.Millisecond
+	DefaultRetries   = 200
+)
+
+// Config configures a worker.
+type Config struct {
+	// Control is the aggregator's control endpoint (host:port).
+	Control string
+	// Key is the job key the aggregator checks (zero on loopback without
+	// one).
+	Key jobauth.Key
+	// Job names the job, the same on every worker.
+	Job string
+	// Workers and Rank: the job's size and this worker's rank.
+	Workers, Rank int
+	// Local is this worker's IPv4 address for RoCE traffic; the worker
+	// binds it at Port. Workers on one host need one address each
+	// (127.0.0.2, 127.0.0.3, ... on loopback), as the aggregator writes to
+	// every worker at the same port.
+	Local [4]byte
+	// Port is the UDP port the worker receives on and the aggregator
+	// writes to; rocev2.Port when zero.
+	Port uint16
+	// DataPort is the aggregator's UDP port; rocev2.Port when zero.
+	DataPort uint16
+	// SlotBytes is 256 or 1024 (DefaultSlotBytes when zero).
+	SlotBytes int
+	// MsgSlots is the packets per message, 1..4 (DefaultMsgSlots).
+	MsgSlots int
+	// Window is the number of queue pairs (DefaultWindow).
+	Window int
+	// Timeout is how long a message waits for its result before it is
+	// resent (DefaultTimeout); Retries bounds the resends of one message
+	// (DefaultRetries).
+	Timeout time.Duration
+	Retries int
+	// DropSend and DropRecv, between 0 and 1, drop that share of the
+	// packets sent and received, at random, to test loss; Seed seeds it.
+	DropSend, DropRecv float64
+	Seed               uint64
+}
+
+// Stats counts a worker's traffic.
+type Stats struct {
+	Messages      uint64 // messages completed
+	Resent        uint64 // messages resent after a timeout
+	PacketsSent   uint64
+	BytesSent     uint64 // payload bytes sent (RDMA payload, no headers)
+	BytesReceived uint64 // payload bytes of results taken
+	StaleReplies  uint64 // reply packets dropped (old message, gap, bad ICRC)
+	Dropped       uint64 // packets dropped on purpose (DropSend, DropRecv)
+}
+
+// Worker is one member of a SwitchML job.
+type Worker struct {
+	cfg     Config
+	ctl     net.Conn
+	sock    *net.UDPConn
+	agg     netip.AddrPort
+	aggIP   [4]byte
+	base    int
+	slotEl  int // elements (int32) per slot
+	msgB    int // bytes per message
+	qps     []*qp
+	byQPN   map[uint32]*qp
+	opMu    sync.Mutex // one AllReduce at a time
+	mu      sync.Mutex
+	stats   Stats
+	rng     *rand.Rand
+	dead    chan struct{} // closed when the control connection ends
+	deadErr error
+	broken  error
+	mangle  func([]byte)          // tests: changes a packet about to be sent
+	link    func([]byte) [][]byte // tests: what the link delivers for a packet sent
+	closed  bool
+	wg      sync.WaitGroup
+}
+
+// qp is one of the worker's queue pairs.
+type qp struct {
+	qpn    uint32
+	aqpn   uint32 // the aggregator's
+	psn    uint32 // next PSN sent
+	set    int    // set of the next message
+	count  uint64 // messages sent (picks the reply address)
+	first  int    // first slot, job-relative
+	result chan reply
+	// receive side, owned by the receive loop
+	rpsn   uint32
+	active bool
+	va     uint64
+	buf    []byte
+	want   uint64 // address of the message awaited (0: none)
+}
+
+type reply struct {
+	va  uint64
+	imm uint32
+	buf []byte
+}
+
+const psnMask = 1<<24 - 1
+
+// vaBase is where results land: message m of queue pair q at
+// vaBase + (m<<20) + q<<12 (addresses only name replies; no memory is
+// behind them).
+const vaBase = 1 << 40
+
+// New sets a worker up with the aggregator: it binds the data socket,
+// announces the queue pairs and waits for the aggregator's. It returns when
+// every worker of the job has announced, or fails.
+func New(ctx context.Context, cfg Config) (*Worker, error) {
+	if cfg.SlotBytes == 0 {
+		cfg.SlotBytes = DefaultSlotBytes
+	}
+	if cfg.MsgSlots == 0 {
+		cfg.MsgSlots = DefaultMsgSlots
+	}
+	if cfg.Window == 0 {
+		cfg.Window = DefaultWindow
+	}
+	if cfg.Timeout == 0 {
+		cfg.Timeout = DefaultTimeout
+	}
+	if cfg.Retries == 0 {
+		cfg.Retries = DefaultRetries
+	}
+	if cfg.Port == 0 {
+		cfg.Port = rocev2.Port
+	}
+	if cfg.DataPort == 0 {
+		cfg.DataPort = rocev2.Port
+	}
+	switch {
+	case cfg.SlotBytes != 256 && cfg.SlotBytes != 1024:
+		return nil, fmt.Errorf("%w: %d-byte slots, want 256 or 1024", ErrConfig, cfg.SlotBytes)
+	case cfg.MsgSlots < 1 || cfg.MsgSlots > 4:
+		return nil, fmt.Errorf("%w: %d slots per message, want 1..4", ErrConfig, cfg.MsgSlots)
+	case cfg.Window < 1 || cfg.Window > 255:
+		return nil, fmt.Errorf("%w: window of %d, want 1..255", ErrConfig, cfg.Window)
+	case cfg.Workers < 1 || cfg.Rank < 0 || cfg.Rank >= cfg.Workers:
+		return nil, fmt.Errorf("%w: rank %d of %d", ErrConfig, cfg.Rank, cfg.Workers)
+	}
+	sock, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IP(cfg.Local[:]), Port: int(cfg.Port)})
+	if err != nil {
+		return nil, fmt.Errorf("switchml: data socket: %w", err)
+	}
+	if err := dontFragment(sock); err != nil {
+		sock.Close()
+		return nil, err
+	}
+	w := &Worker{cfg: cfg, sock: sock, byQPN: map[uint32]*qp{}, slotEl: cfg.SlotBytes / 4,
+		msgB: cfg.SlotBytes * cfg.MsgSlots, dead: make(chan struct{}),
+		rng: rand.New(rand.NewPCG(cfg.Seed, uint64(cfg.Rank)))}
+	if err := w.setup(ctx); err != nil {
+		sock.Close()
+		if w.ctl != nil {
+			w.ctl.Close()
+		}
+		return nil, err
+	}
+	w.wg.Add(2)
+	go w.watch()
+	go w.receive()
+	return w, nil
+}
+
+func dontFragment(c *net.UDPConn) error {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var serr error
+	if err := rc.Control(func(fd uintptr) {
+		serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_IP, unix.IP_MTU_DISCOVER, unix.IP_PMTUDISC_DO)
+	}); err != nil || serr != nil {
+		return fmt.Errorf("switchml: setting don't-fragment: %w", errors.Join(err, serr))
+	}
+	return nil
+}
+
+// setup is the control handshake.
+func (w *Worker) setup(ctx context.Context) error {
+	cfg := w.cfg
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "tcp", cfg.Control)
+	if err != nil {
+		return fmt.Errorf("%w: aggregator %s: %w", ErrAggregator, cfg.Control, err)
+	}
+	w.ctl = c
+	if dl, ok := ctx.Deadline(); ok {
+		c.SetDeadline(dl)
+	}
+	stop := context.AfterFunc(ctx, func() { c.SetDeadline(time.Unix(1, 0)) })
+	defer stop()
+	if !cfg.Key.IsZero() {
+		if err := jobauth.Initiate(c, cfg.Key, aggsrv.Purpose, uint32(cfg.Rank), jobauth.EndsOf(c, true)); err != nil {
+			return fmt.Errorf("%w: aggregator %s: %w", ErrAggregator, cfg.Control, err)
+		}
+	}
+	a := aggsrv.Announce{Job: cfg.Job, Workers: cfg.Workers, Rank: cfg.Rank, SlotBytes: cfg.SlotBytes,
+		Slots: cfg.Window * cfg.MsgSlots, Addr: cfg.Local, RKey: 0x5a00 | uint32(cfg.Rank)}
+	seed := rand.New(rand.NewPCG(cfg.Seed^0x51, uint64(cfg.Rank)))
+	for i := range cfg.Window {
+		q := &qp{qpn: uint32(0x1000 + i), psn: seed.Uint32() & psnMask, first: i * cfg.MsgSlots, result: make(chan reply, 1)}
+		w.qps = append(w.qps, q)
+		w.byQPN[q.qpn] = q
+		a.QPNs = append(a.QPNs, q.qpn)
+		a.PSNs = append(a.PSNs, q.psn)
+	}
+	body := a.Append(nil)
+	if _, err := c.Write(append(binary.BigEndian.AppendUint16(nil, uint16(len(body))), body...)); err != nil {
+		return fmt.Errorf("%w: aggregator %s: %w", ErrAggregator, cfg.Control, err)
+	}
+	var h [2]byte
+	if _, err := io.ReadFull(c, h[:]); err != nil {
+		return fmt.Errorf("%w: aggregator %s: no assignment: %w", ErrAggregator, cfg.Control, err)
+	}
+	n := int(binary.BigEndian.Uint16(h[:]))
+	if n > aggsrv.MaxMessage {
+		return fmt.Errorf("%w: aggregator %s: %d-byte assignment", ErrAggregator, cfg.Control, n)
+	}
+	b := make([]byte, n)
+	if _, err := io.ReadFull(c, b); err != nil {
+		return fmt.Errorf("%w: aggregator %s: %w", ErrAggregator, cfg.Control, err)
+	}
+	as, err := aggsrv.ParseAssignment(b)
+	if err != nil {
+		return fmt.Errorf("%w: aggregator %s: %w", ErrAggregator, cfg.Control, err)
+	}
+	if as.Err != "" {
+		return fmt.Errorf("%w: aggregator %s refused the job: %s", ErrAggregator, cfg.Control, as.Err)
+	}
+	if len(as.QPNs) != cfg.Window {
+		return fmt.Errorf("%w: aggregator %s: %d queue pairs for %d", ErrAggregator, cfg.Control, len(as.QPNs), cfg.Window)
+	}
+	c.SetDeadline(time.Time{})
+	w.base, w.aggIP = as.Base, as.Addr
+	w.agg = netip.AddrPortFrom(netip.AddrFrom4(as.Addr), cfg.DataPort)
+	for i, q := range w.qps {
+		q.aqpn, q.rpsn = as.QPNs[i], as.PSNs[i]
+	}
+	return nil
+}
+
+// watch notices the end of the control connection: the aggregator died or
+// ended the job (a worker left).
+func (w *Worker) watch() {
+	defer w.wg.Done()
+	_, err := io.Copy(io.Discard, w.ctl)
+	if err == nil {
+		err = io.EOF
+	}
+	w.mu.Lock()
+	w.deadErr = fmt.Errorf("%w: aggregator %s closed the job (it ended, or a worker left): %w", ErrAggregator, w.cfg.Control, err)
+	if w.closed {
+		w.deadErr = ErrClosed
+	}
+	w.mu.Unlock()
+	close(w.dead)
+}
+
+// Close leaves the job, which ends it for every worker. Since a worker
+// that lost a result needs the aggregator's job to get it again, Close first
+// sends one more (empty) message and waits for its result, or for another
+// worker to end the job: either shows every worker sent it, so every worker
+// has the results of everything before it.
+func (w *Worker) Close() error {
+	w.mu.Lock()
+	if w.closed {
+		w.mu.Unlock()
+		return nil
+	}
+	broken := w.broken
+	w.mu.Unlock()
+	if broken == nil {
+		w.opMu.Lock()
+		ctx, cancel := context.WithTimeout(context.Background(), w.cfg.Timeout*time.Duration(w.cfg.Retries))
+		w.exchange(ctx, w.qps[0], make([]byte, w.msgB), 0)
+		cancel()
+		w.opMu.Unlock()
+	}
+	w.mu.Lock()
+	w.closed = true
+	w.mu.Unlock()
+	err := errors.Join(w.ctl.Close(), w.sock.Close())
+	w.wg.Wait()
+	return err
+}
+
+// Stats returns the counters.
+func (w *Worker) Stats() Stats {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.stats
+}
+
+// receive is the UC responder of every queue pair: it reassembles the
+// aggregator's writes and hands a complete one to its queue pair.
+func (w *Worker) receive() {
+	defer w.wg.Done()
+	buf := make([]byte, 1<<16)
+	for {
+		n, from, err := w.sock.ReadFromUDPAddrPort(buf)
+		if err != nil {
+			if errors.Is(err, net.ErrClosed) {
+				return
+			}
+			continue
+		}
+		w.handle(buf[:n], from)
+	}
+}
+
+func (w *Worker) handle(b []byte, from netip.AddrPort) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.cfg.DropRecv > 0 && w.rng.Float64() < w.cfg.DropRecv {
+		w.stats.Dropped++
+		return
+	}
+	p, err := rocev2.ParseTransport(b)
+	if err != nil || !from.Addr().Is4() {
+		w.stats.StaleReplies++
+		return
+	}
+	ip := rocev2.IPv4{Src: from.Addr().As4(), Dst: w.cfg.Local, DontFragment: true, SrcPort: from.Port()}
+	if rocev2.CheckICRC(&ip, b) != nil {
+		w.stats.StaleReplies++
+		return
+	}
+	q := w.byQPN[p.DestQP]
+	if q == nil {
+		w.stats.StaleReplies++
+		return
+	}
+	if p.Opcode.Starts() {
+		q.active, q.va, q.buf = true, p.VA, q.buf[:0]
+		if int(p.DMALen) != w.msgB {
+			q.active = false
+		}
+	} else if !q.active || p.PSN != q.rpsn {
+		q.active = false
+	}
+	q.rpsn = (p.PSN + 1) & psnMask
+	if !q.active || len(p.Payload) != w.cfg.SlotBytes {
+		q.active = false
+		w.stats.StaleReplies++
+		return
+	}
+	q.buf = append(q.buf, p.Payload...)
+	if !p.Opcode.Ends() {
+		return
+	}
+	q.active = false
+	if len(q.buf) != w.msgB || q.va != q.want {
+		w.stats.StaleReplies++
+		return
+	}
+	q.want = 0
+	r := reply{va: q.va, imm: p.Imm, buf: append([]byte(nil), q.buf...)}
+	select {
+	case q.result <- r:
+	default:
+	}
+}
+
+// exchange sends one message on q (payload of msgB bytes, immediate imm)
+// and returns the result, resending on timeout.
+func (w *Worker) exchange(ctx context.Context, q *qp, payload []byte, imm uint32) ([]byte, uint32, error) {
+	set := q.set
+	q.set ^= 1
+	q.count++
+	va := uint64(vaBase) + q.count<<20 + uint64(q.first)<<8
+	w.mu.Lock()
+	q.want = va
+	w.mu.Unlock()
+	select {
+	case <-q.result: // a result that lost the race with a timeout
+	default:
+	}
+	ip := rocev2.IPv4{Src: w.cfg.Local, Dst: w.aggIP, DontFragment: true, SrcPort: w.cfg.Port}
+	var pkt []byte
+	t := time.NewTimer(0)
+	defer t.Stop()
+	<-t.C
+	for try := 0; ; try++ {
+		if try > w.cfg.Retries {
+			return nil, 0, fmt.Errorf("%w: aggregator %s (data %v): no result after %d sends of a message", ErrAggregator, w.cfg.Control, w.agg, try)
+		}
+		n := w.cfg.MsgSlots
+		for k := range n {
+			p := rocev2.Packet{DestQP: q.aqpn, PSN: q.psn, PKey: rocev2.DefaultPKey,
+				Payload: payload[k*w.cfg.SlotBytes : (k+1)*w.cfg.SlotBytes]}
+			q.psn = (q.psn + 1) & psnMask
+			switch {
+			case n == 1:
+				p.Opcode = rocev2.WriteOnlyWithImm
+			case k == 0:
+				p.Opcode = rocev2.WriteFirst
+			case k == n-1:
+				p.Opcode = rocev2.WriteLastWithImm
+			default:
+				p.Opcode = rocev2.WriteMiddle
+			}
+			if k == 0 {
+				p.VA, p.RKey, p.DMALen = va, uint32(2*(w.base+q.first)+set), uint32(w.msgB)
+			}
+			if p.Opcode.HasImm() {
+				p.Imm = imm
+			}
+			var err error
+			if pkt, err = rocev2.AppendUDP(pkt[:0], &ip, &p); err != nil {
+				return nil, 0, err
+			}
+			w.mu.Lock()
+			drop := w.cfg.DropSend > 0 && w.rng.Float64() < w.cfg.DropSend
+			if drop {
+				w.stats.Dropped++
+			} else {
+				w.stats.PacketsSent++
+				w.stats.BytesSent += uint64(len(p.Payload))
+			}
+			w.mu.Unlock()
+			if drop {
+				continue
+			}
+			if w.mangle != nil {
+				w.mangle(pkt)
+			}
+			out := [][]byte{pkt}
+			if w.link != nil {
+				out = w.link(pkt)
+			}
+			for _, b := range out {
+				if _, err := w.sock.WriteToUDPAddrPort(b, w.agg); err != nil && !errors.Is(err, unix.ECONNREFUSED) {
+					return nil, 0, fmt.Errorf("switchml: sending to aggregator %v: %w", w.agg, err)
+				}
+			}
+		}
+		if try > 0 {
+			w.mu.Lock()
+			w.stats.Resent++
+			w.mu.Unlock()
+		}
+		t.Reset(w.cfg.Timeout)
+		select {
+		case r := <-q.result:
+			if r.va != va {
+				continue
+			}
+			w.mu.Lock()
+			w.stats.Messages++
+			w.stats.BytesReceived += uint64(len(r.buf))
+			w.mu.Unlock()
+			return r.buf, r.imm, nil
+		case <-t.C:
+		case <-ctx.Done():
+			return nil, 0, fmt.Errorf("switchml: AllReduce through aggregator %s: %w", w.cfg.Control, ctx.Err())
+		case <-w.dead:
+			w.mu.Lock()
+			err := w.deadErr
+			w.mu.Unlock()
+			return nil, 0, err
+		}
+	}
+}

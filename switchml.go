@@ -1,0 +1,176 @@
+package gdrlink
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"strconv"
+	"sync"
+	"time"
+	"unsafe"
+
+	"github.com/gdrlink/gdrlink/collective"
+	coll "github.com/gdrlink/gdrlink/internal/collective"
+	"github.com/gdrlink/gdrlink/internal/switchml/bfp"
+	"github.com/gdrlink/gdrlink/internal/switchml/worker"
+	"github.com/gdrlink/gdrlink/rendezvous"
+	"github.com/gdrlink/gdrlink/tensor"
+)
+
+// switchML is the switchml backend: AllReduce of float32, float16,
+// bfloat16 and int32 tensors through a SwitchML aggregator
+// (GDRLINK_AGGREGATOR); other element types, Broadcast and AllGather run
+// on the ring.
+type switchML struct {
+	g    *Group
+	ring coll.Backend
+	addr string // the aggregator's control endpoint
+	port uint16 // the RoCEv2 UDP port of both sides
+
+	mu sync.Mutex
+	w  *worker.Worker
+}
+
+func newSwitchML(g *Group, ring coll.Backend) *switchML {
+	return &switchML{g: g, ring: ring, addr: g.cfg.aggregator, port: g.cfg.aggregatorPort}
+}
+
+func (s *switchML) Name() string { return "switchml" }
+
+func (s *switchML) Broadcast(ctx context.Context, seq uint64, t *tensor.Tensor, root int) (collective.Report, error) {
+	return s.ring.Broadcast(ctx, seq, t, root)
+}
+
+func (s *switchML) AllGather(ctx context.Context, seq uint64, in, out *tensor.Tensor) (collective.Report, error) {
+	return s.ring.AllGather(ctx, seq, in, out)
+}
+
+// worker returns the worker, setting the job up with the aggregator on
+// first use (every rank gets there in its first AllReduce).
+func (s *switchML) worker(ctx context.Context) (*worker.Worker, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.w != nil {
+		return s.w, nil
+	}
+	rank, size := s.g.Rank(), s.g.Size()
+	local, err := localIPv4(s.addr, rank)
+	if err != nil {
+		return nil, err
+	}
+	job := "gdrlink-" + strconv.Itoa(size)
+	if !s.g.cfg.key.IsZero() {
+		job = "gdrlink-" + s.g.cfg.key.Fingerprint()
+	}
+	w, err := worker.New(ctx, worker.Config{Control: s.addr, Key: s.g.cfg.key, Job: job, Workers: size, Rank: rank,
+		Local: local, Port: s.port, DataPort: s.port, Seed: uint64(time.Now().UnixNano())})
+	if err != nil {
+		return nil, err
+	}
+	s.w = w
+	return w, nil
+}
+
+// localIPv4 is the address the route to the aggregator leaves from; on
+// loopback, where every rank of a host would get 127.0.0.1, rank r takes
+// 127.0.0.(2+r), since the aggregator writes to every worker at one port.
+func localIPv4(aggregator string, rank int) ([4]byte, error) {
+	var a [4]byte
+	c, err := net.Dial("udp4", aggregator)
+	if err != nil {
+		return a, fmt.Errorf("switchml: route to aggregator %s: %w", aggregator, err)
+	}
+	defer c.Close()
+	ip := c.LocalAddr().(*net.UDPAddr).IP.To4()
+	if ip == nil {
+		return a, fmt.Errorf("switchml: no IPv4 address toward aggregator %s", aggregator)
+	}
+	if ip.IsLoopback() {
+		if rank > 252 {
+			return a, fmt.Errorf("switchml: rank %d: loopback has no address left for it", rank)
+		}
+		ip = net.IPv4(127, 0, 0, byte(2+rank)).To4()
+	}
+	copy(a[:], ip)
+	return a, nil
+}
+
+func (s *switchML) AllReduce(ctx context.Context, seq uint64, t *tensor.Tensor, op coll.Op) (collective.Report, error) {
+	const name = "allreduce"
+	start := time.Now()
+	if t == nil || t.Device() != tensor.Host || t.Meta().IsDead {
+		return s.ring.AllReduce(ctx, seq, t, op) // the ring reports what is wrong
+	}
+	dt := t.Meta().DType
+	switch dt {
+	case tensor.Float32, tensor.Float16, tensor.BFloat16, tensor.Int32:
+	default:
+		return s.ring.AllReduce(ctx, seq, t, op)
+	}
+	if op != coll.Sum && op != coll.Average {
+		return collective.Report{Op: name}, fmt.Errorf("%w: reduction %s", coll.ErrBadArgument, op)
+	}
+	b, err := t.Bytes()
+	if err != nil {
+		return collective.Report{Op: name}, fmt.Errorf("%w: %w", coll.ErrBadArgument, err)
+	}
+	rep := collective.Report{Op: name, Reduce: op.String(), Backend: s.Name(), Ranks: s.g.Size(), Bytes: int64(len(b))}
+	if len(b) == 0 {
+		return rep, nil
+	}
+	w, err := s.worker(ctx)
+	if err != nil {
+		return rep, err
+	}
+	st0 := w.Stats()
+	n := float64(s.g.Size())
+	switch dt {
+	case tensor.Float32:
+		x := unsafe.Slice((*float32)(unsafe.Pointer(&b[0])), len(b)/4)
+		if err = w.AllReduceFloat32(ctx, x); err == nil && op == coll.Average {
+			for i := range x {
+				x[i] = float32(float64(x[i]) / n)
+			}
+		}
+	case tensor.Int32:
+		x := unsafe.Slice((*int32)(unsafe.Pointer(&b[0])), len(b)/4)
+		if err = w.AllReduceInt32(ctx, x); err == nil && op == coll.Average {
+			for i := range x {
+				x[i] = int32(float64(x[i]) / n)
+			}
+		}
+	case tensor.Float16:
+		x := unsafe.Slice((*uint16)(unsafe.Pointer(&b[0])), len(b)/2)
+		if err = w.AllReduceFloat16(ctx, x); err == nil && op == coll.Average {
+			for i := range x {
+				x[i] = bfp.Float64ToF16(bfp.F16ToFloat64(x[i]) / n)
+			}
+		}
+	case tensor.BFloat16:
+		x := unsafe.Slice((*uint16)(unsafe.Pointer(&b[0])), len(b)/2)
+		if err = w.AllReduceBFloat16(ctx, x); err == nil && op == coll.Average {
+			for i := range x {
+				x[i] = bfp.Float64ToBF16(float64(bfp.BF16ToFloat32(x[i])) / n)
+			}
+		}
+	}
+	st := w.Stats()
+	rep.Sent, rep.Received = int64(st.BytesSent-st0.BytesSent), int64(st.BytesReceived-st0.BytesReceived)
+	rep.Links = []collective.LinkUse{{Peer: -1, Provider: "switchml", Device: s.addr, Path: rendezvous.PathNone,
+		Transfers: int(st.Messages - st0.Messages), Bytes: rep.Received}}
+	rep.Took = time.Since(start)
+	if err != nil {
+		return rep, fmt.Errorf("switchml AllReduce: %w", err)
+	}
+	return rep, nil
+}
+
+// Close leaves the aggregator's job.
+func (s *switchML) Close() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.w == nil {
+		return nil
+	}
+	return s.w.Close()
+}
