@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/adaptspin"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
@@ -29,13 +30,16 @@ type cq struct {
 	gone   atomic.Bool
 
 	sleepers atomic.Int32
+	pushed   atomic.Int64 // when a completion last woke a sleeper (UnixNano)
+	spin     *adaptspin.Policy
 	notify   chan struct{}
 	qps      atomic.Pointer[[]*qp] // queue pairs whose receives complete here
 	refs     int                   // queue pairs using the queue (under mu)
 }
 
 func newCQ(d *device, depth int) *cq {
-	c := &cq{dev: d, depth: depth, notify: make(chan struct{}, 1)}
+	c := &cq{dev: d, depth: depth, notify: make(chan struct{}, 1),
+		spin: adaptspin.New(adaptspin.Bounds{Max: d.opts.Spin, Min: min(d.opts.Spin, adaptspin.DefaultMin)})}
 	c.qps.Store(&[]*qp{})
 	return c
 }
@@ -46,6 +50,7 @@ func (c *cq) push(cs ...verbsio.Completion) {
 	c.queued.Store(int64(len(c.q) - c.head))
 	c.mu.Unlock()
 	if c.sleepers.Load() > 0 {
+		c.pushed.Store(time.Now().UnixNano())
 		c.wake()
 	}
 }
@@ -144,29 +149,33 @@ func (c *cq) Poll(out []verbsio.Completion) (int, error) {
 
 func (c *cq) isClosed() bool { return c.gone.Load() }
 
-// Wait implements verbsio.CompletionQueue: it polls for Options.Spin, then
-// sleeps until a completion arrives or ctx ends.
+// Wait implements verbsio.CompletionQueue: it polls for as long as the
+// queue's spin policy says (at most Options.Spin, learned from its own
+// waits: internal/adaptspin), then sleeps until a completion arrives or ctx
+// ends.
 func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 	if len(out) == 0 {
 		return 0, nil
 	}
-	spin := c.dev.opts.Spin
+	budget := c.spin.Budget()
 	start := time.Now()
 	for i := 0; ; i++ {
 		n, err := c.Poll(out)
 		if n > 0 || err != nil {
+			c.spin.Polled(time.Since(start))
 			return n, err
 		}
 		if i&63 == 63 {
 			if err := ctx.Err(); err != nil {
 				return 0, fmt.Errorf("%w: waiting for completions: %w", verbsio.ErrTimeout, err)
 			}
-			if time.Since(start) >= spin {
+			if time.Since(start) >= budget {
 				break
 			}
 			runtime.Gosched()
 		}
 	}
+	c.spin.Slept()
 	for {
 		c.sleep(true)
 		n, err := c.Poll(out)
@@ -176,6 +185,9 @@ func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 		}
 		select {
 		case <-c.notify:
+			if p := c.pushed.Load(); p > 0 {
+				c.spin.Woke(time.Duration(time.Now().UnixNano() - p))
+			}
 		case <-ctx.Done():
 			c.sleep(false)
 			return 0, fmt.Errorf("%w: waiting for completions: %w", verbsio.ErrTimeout, ctx.Err())

@@ -102,7 +102,7 @@
 // Immediates, receive completions and SEND payloads (small control messages,
 // which are copied) travel through a single-producer ring in a memfd that the
 // receiving queue pair owns. A completion queue's Wait spins on the rings of
-// its queue pairs for a short while (Options.Spin) and then sleeps on an
+// its queue pairs for as long as it learned pays (at most Options.Spin) and then sleeps on an
 // eventfd that the sender signals only when the receiver sleeps. A peer that
 // dies closes its end of the unix socket: its queue pairs enter the error
 // state and pending work requests complete with verbsio.StatusRetryExceeded

@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/adaptspin"
 	"github.com/gdrlink/gdrlink/internal/jobauth"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
@@ -77,8 +78,9 @@ func parseMechanism(s string) (Mechanism, error) {
 type Options struct {
 	// Mechanism is how writes cross into the peer (GDRLINK_ONNODE_MECH).
 	Mechanism Mechanism
-	// Spin is how long CompletionQueue.Wait polls before it sleeps
-	// (GDRLINK_ONNODE_SPIN, a Go duration; default 50us).
+	// Spin is the longest CompletionQueue.Wait polls before it sleeps;
+	// within it each queue learns from its own waits how long to poll
+	// (GDRLINK_ONNODE_SPIN, a Go duration; default 200us).
 	Spin time.Duration
 	// DeregTimeout bounds how long closing a memory region waits for writes
 	// of peers in flight (default 5s).
@@ -87,7 +89,7 @@ type Options struct {
 
 // Defaults of Options.
 const (
-	defaultSpin         = 50 * time.Microsecond
+	defaultSpin         = adaptspin.DefaultMax
 	defaultDeregTimeout = 5 * time.Second
 )
 
