@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/bootstrap"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
@@ -480,4 +481,24 @@ func FuzzConnMsg(f *testing.F) {
 			t.Fatalf("re-encoding differs")
 		}
 	})
+}
+
+// TestRootFromOptionRankFromEnv: under mpirun the rank and size come from
+// the environment and the root may come from WithRoot alone.
+func TestRootFromOptionRankFromEnv(t *testing.T) {
+	for _, v := range []string{"GDRLINK_RANK", "GDRLINK_SIZE", "GDRLINK_ROOT", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS", "GDRLINK_PEERS"} {
+		t.Setenv(v, "")
+	}
+	t.Setenv("OMPI_COMM_WORLD_RANK", "1")
+	t.Setenv("OMPI_COMM_WORLD_SIZE", "2")
+	if _, err := bootstrapConfig(config{}); !errors.Is(err, bootstrap.ErrNoRoot) {
+		t.Fatalf("no root anywhere: %v, want ErrNoRoot", err)
+	}
+	bc, err := bootstrapConfig(config{root: "127.0.0.1:29500"})
+	if err != nil {
+		t.Fatalf("root from WithRoot, rank from mpirun: %v", err)
+	}
+	if bc.Rank != 1 || bc.Size != 2 || bc.Root != "127.0.0.1:29500" {
+		t.Fatalf("config %+v, want rank 1 of 2 at 127.0.0.1:29500", bc)
+	}
 }

@@ -207,6 +207,11 @@ func bootstrapConfig(cfg config) (bootstrap.Config, error) {
 	if cfg.haveRank {
 		bc.Rank, bc.Size, err = cfg.rank, cfg.size, nil
 	}
+	if errors.Is(err, bootstrap.ErrNoRoot) && (cfg.root != "" || cfg.rootListener != nil) {
+		// The rank came from the environment (mpirun), the root from
+		// WithRoot or WithRootListener.
+		err = nil
+	}
 	if err != nil {
 		return bc, err
 	}

@@ -30,6 +30,7 @@ package bootstrap
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -225,10 +226,15 @@ func fromLookup(lookup func(string) (string, bool)) (Config, error) {
 		}
 	}
 	if c.Size > 1 && c.root() == "" {
-		return c, fmt.Errorf("%w: no root address: set GDRLINK_ROOT=host:port (or MASTER_ADDR and MASTER_PORT)", verbsio.ErrBadConfig)
+		return c, fmt.Errorf("%w: %w: set GDRLINK_ROOT=host:port (or MASTER_ADDR and MASTER_PORT)", verbsio.ErrBadConfig, ErrNoRoot)
 	}
 	return c, nil
 }
+
+// ErrNoRoot means a job of several ranks with no root address: FromEnv
+// returns the rest of the configuration with it, for a caller that has the
+// root from elsewhere.
+var ErrNoRoot = errors.New("no root address")
 
 func envInt(name, v string) (int, error) {
 	n, err := strconv.Atoi(strings.TrimSpace(v))
