@@ -12,8 +12,10 @@
 // A Policy keeps a poll budget and an estimate of what a wake-up costs
 // (from a completion's arrival to the sleeper running again, as the queue
 // measures it). A wait answered while polling after d moves the budget
-// toward 2d; a wait that polled its whole budget in vain and slept halves
-// it. One wait in 16 polls for the whole cap, so a queue that learned to
+// toward 4d (up at once, down slowly: a scheduling hiccup must not teach a
+// ping-pong to sleep); a wait that polled its whole budget in vain and
+// slept raises it to twice that wait when the wait was within the cap, and
+// halves it when it was not. One wait in 16 polls for the whole cap, so a queue that learned to
 // sleep finds out when polling would pay again. The cap is sixteen wake-ups
 // (within the caller's bounds): a completion later than that costs little
 // more for the sleep.
@@ -84,17 +86,24 @@ func (p *Policy) Budget() time.Duration {
 
 // Polled records a wait that a poll answered after d.
 func (p *Policy) Polled(d time.Duration) {
-	target := min(max(2*d+p.b.Min, p.b.Min), p.b.Max)
+	target := min(max(4*d+p.b.Min, p.b.Min), p.b.Max)
 	old := p.budget.Load()
 	if int64(target) > old {
 		p.budget.Store(int64(target)) // up at once: polling paid
 		return
 	}
-	p.budget.Store(old + (int64(target)-old)/4)
+	p.budget.Store(old + (int64(target)-old)/8)
 }
 
-// Slept records a wait that polled its budget in vain and slept.
-func (p *Policy) Slept() {
+// Slept records a wait that polled its budget in vain and slept, and was
+// answered after d in all. Where polling a little longer would have
+// answered it (d within the cap), the budget grows to cover it; where not,
+// it halves.
+func (p *Policy) Slept(d time.Duration) {
+	if c := p.cap(); d <= c {
+		p.budget.Store(max(p.budget.Load(), int64(min(2*d, c))))
+		return
+	}
 	p.budget.Store(max(p.budget.Load()/2, int64(p.b.Min)))
 }
 

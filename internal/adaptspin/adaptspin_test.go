@@ -22,12 +22,13 @@ func TestLearns(t *testing.T) {
 	if got := p.Budget(); got != 200*us {
 		t.Fatalf("first budget %v, want the cap 200us", got)
 	}
-	// Waits that poll in vain halve the budget down to Min.
+	// Waits far longer than the cap, slept through, halve the budget
+	// down to Min.
 	for range 10 {
-		p.Slept()
+		p.Slept(5 * time.Millisecond)
 	}
 	if got := p.Stats().Budget; got != 2*us {
-		t.Fatalf("after 10 vain polls the budget is %v, want Min 2us", got)
+		t.Fatalf("after 10 long waits the budget is %v, want Min 2us", got)
 	}
 	// One wait in 16 still polls for the cap.
 	bs := budgets(p, 32)
@@ -44,17 +45,23 @@ func TestLearns(t *testing.T) {
 	if probes != 2 {
 		t.Fatalf("%d probes in 32 waits, want 2: %v", probes, bs)
 	}
-	// A probe answered after 30us raises the budget at once to 2*30+2.
+	// A probe answered after 30us raises the budget at once to 4*30+2.
 	p.Polled(30 * us)
-	if got := p.Stats().Budget; got != 62*us {
-		t.Fatalf("after a 30us answer the budget is %v, want 62us", got)
+	if got := p.Stats().Budget; got != 122*us {
+		t.Fatalf("after a 30us answer the budget is %v, want 122us", got)
 	}
-	// Quicker answers bring it down gradually.
+	// Quicker answers bring it down slowly.
 	for range 40 {
 		p.Polled(5 * us)
 	}
-	if got := p.Stats().Budget; got < 12*us || got > 13*us {
-		t.Fatalf("after 40 answers in 5us the budget is %v, want about 12us", got)
+	if got := p.Stats().Budget; got < 22*us || got > 24*us {
+		t.Fatalf("after 40 answers in 5us the budget is %v, want about 22us", got)
+	}
+	// A wait slept through but answered within the cap (a hiccup) raises
+	// the budget to cover it instead of halving it.
+	p.Slept(40 * us)
+	if got := p.Stats().Budget; got != 80*us {
+		t.Fatalf("after a 40us wait slept through the budget is %v, want 80us", got)
 	}
 }
 
@@ -89,17 +96,17 @@ func ExamplePolicy() {
 	p := New(Bounds{Max: DefaultMax, Min: DefaultMin})
 	fmt.Println("at first:", p.Stats().Budget)
 	// Completions come 10us after each Wait starts: the budget comes
-	// down toward twice that.
-	for range 30 {
+	// down toward four times that.
+	for range 60 {
 		p.Polled(10 * time.Microsecond)
 	}
 	fmt.Println("quick answers:", p.Stats().Budget.Round(time.Microsecond))
-	// Then a long pause: the waits poll in vain and sleep.
-	p.Slept()
-	p.Slept()
-	fmt.Println("after two vain polls:", p.Stats().Budget.Round(time.Microsecond))
+	// Then a long pause: the waits poll in vain and sleep for 10ms.
+	p.Slept(10 * time.Millisecond)
+	p.Slept(10 * time.Millisecond)
+	fmt.Println("after two long waits:", p.Stats().Budget.Round(time.Microsecond))
 	// Output:
 	// at first: 200µs
-	// quick answers: 22µs
-	// after two vain polls: 6µs
+	// quick answers: 42µs
+	// after two long waits: 11µs
 }

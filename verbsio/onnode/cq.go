@@ -175,12 +175,12 @@ func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 			runtime.Gosched()
 		}
 	}
-	c.spin.Slept()
 	for {
 		c.sleep(true)
 		n, err := c.Poll(out)
 		if n > 0 || err != nil {
 			c.sleep(false)
+			c.spin.Slept(time.Since(start))
 			return n, err
 		}
 		select {
@@ -198,6 +198,7 @@ func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 			if c.sleepers.Load() > 0 && c.pending() {
 				c.wake()
 			}
+			c.spin.Slept(time.Since(start))
 			return n, err
 		}
 	}

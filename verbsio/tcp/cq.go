@@ -162,12 +162,12 @@ func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 		}
 		runtime.Gosched()
 	}
-	c.spin.Slept()
 	for {
 		c.sleepers.Add(1)
 		n, err := c.Poll(out)
 		if n > 0 || err != nil {
 			c.sleepers.Add(-1)
+			c.spin.Slept(time.Since(start))
 			return n, err
 		}
 		select {
