@@ -249,32 +249,45 @@ func (q *qp) quick(f header) bool {
 	return false
 }
 
-// pollOut takes the acknowledgements queued on an outbound lane.
+// pollOut takes the acknowledgements queued on an outbound lane: all that
+// one peek sees, dropped from the socket together.
 func (q *qp) pollOut(l *outLane) bool {
 	if l.rc == nil || !l.rd.TryLock() {
 		return false
 	}
 	defer l.rd.Unlock()
-	did := false
-	for range 16 {
-		if l.err != nil {
-			return did
+	if l.err != nil {
+		return false
+	}
+	n := 0
+	l.rc.Control(func(fd uintptr) {
+		k, _, err := unix.Recvfrom(int(fd), l.pb[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
+		if err == nil {
+			n = k
 		}
-		h, _, _, ok, _ := l.peek()
-		if !ok || (h.op != opAck && h.op != opNak) {
-			return did
+	})
+	took := 0
+	var err error
+	for ; took+headerLen <= n; took += headerLen {
+		var h header
+		if h, err = parseHeader(l.pb[took : took+headerLen]); err != nil || (h.op != opAck && h.op != opNak) {
+			err = nil // the lane's goroutine reads it, and fails it if it must
+			break
 		}
-		if err := l.drop(headerLen); err != nil {
-			l.fail(err)
-			return true
-		}
-		did = true
-		if err := q.handleResponse(l, h); err != nil {
-			l.fail(err)
-			return true
+		if err = q.handleResponse(l, h); err != nil {
+			took += headerLen
+			break
 		}
 	}
-	return did
+	if took > 0 {
+		if derr := l.drop(took); derr != nil && err == nil {
+			err = derr
+		}
+	}
+	if err != nil {
+		l.fail(err)
+	}
+	return took > 0
 }
 
 // poll is the waiter's turn at every lane of q.

@@ -388,10 +388,14 @@ func (q *qp) PostSend(wrs []verbsio.SendWR) error {
 const maxInlineBatch = 64 << 10
 
 // inlineBatchLocked takes the unsent work requests for PostSend to write
-// itself, or returns nil when they are for the sequencer (a striped write,
-// too many bytes, a lane without a descriptor).
+// itself when nothing else is in flight, or returns nil when they are for
+// the sequencer (others in flight, a striped write, too many bytes, a lane
+// without a descriptor).
 func (q *qp) inlineBatchLocked() []*swr {
-	if len(q.out) == 0 || q.out[0].rc == nil || len(q.unsent) > 16 {
+	if len(q.out) == 0 || q.out[0].rc == nil || len(q.unsent) > 16 || len(q.sq) > len(q.unsent) {
+		// Work requests still in flight: a stream, which the
+		// sequencer's batched writes serve better than one write per
+		// post.
 		return nil
 	}
 	size := 0
@@ -962,9 +966,12 @@ func (q *qp) serve(l *inLane) {
 			if err = l.err; err != nil {
 				break
 			}
-			if !l.ready() {
+			// The responder's look for a queued request (to hold its
+			// answer back) spares this one.
+			if !l.resp.sawNext && !l.ready() {
 				break
 			}
+			l.resp.sawNext = false
 			if _, err = io.ReadFull(l.c, hb[:]); err != nil {
 				break
 			}
@@ -1031,6 +1038,9 @@ type responder struct {
 	// whether the next one was queued behind it (so no SIOCINQ is needed
 	// to decide whether to hold this response back).
 	peeked, more bool
+	// sawNext: the last look (SIOCINQ) found a whole request header
+	// queued, so the lane's goroutine reads on without looking again.
+	sawNext bool
 }
 
 const maxPendingResponses = 64
@@ -1058,6 +1068,7 @@ func (r *responder) answer(h header) error {
 	waiting := r.more
 	if !r.peeked {
 		waiting = r.requestWaiting()
+		r.sawNext = waiting
 	}
 	if len(r.pending) < maxPendingResponses*headerLen && waiting {
 		return nil
