@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/gdrlink/gdrlink/internal/adaptspin"
+	"github.com/gdrlink/gdrlink/internal/cowlist"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
@@ -33,14 +34,13 @@ type cq struct {
 	pushed   atomic.Int64 // when a completion last woke a sleeper (UnixNano)
 	spin     *adaptspin.Policy
 	notify   chan struct{}
-	qps      atomic.Pointer[[]*qp] // queue pairs whose receives complete here
-	refs     int                   // queue pairs using the queue (under mu)
+	qps      cowlist.List[*qp] // queue pairs whose receives complete here
+	refs     int               // queue pairs using the queue (under mu)
 }
 
 func newCQ(d *device, depth int) *cq {
 	c := &cq{dev: d, depth: depth, notify: make(chan struct{}, 1),
 		spin: adaptspin.New(adaptspin.Bounds{Max: d.opts.Spin, Min: min(d.opts.Spin, adaptspin.DefaultMin)})}
-	c.qps.Store(&[]*qp{})
 	return c
 }
 
@@ -82,31 +82,6 @@ func (c *cq) take(out []verbsio.Completion) int {
 
 func (c *cq) pending() bool { return c.queued.Load() > 0 }
 
-func (c *cq) attach(q *qp) {
-	for {
-		old := c.qps.Load()
-		nl := append(append([]*qp(nil), *old...), q)
-		if c.qps.CompareAndSwap(old, &nl) {
-			return
-		}
-	}
-}
-
-func (c *cq) detach(q *qp) {
-	for {
-		old := c.qps.Load()
-		nl := make([]*qp, 0, len(*old))
-		for _, x := range *old {
-			if x != q {
-				nl = append(nl, x)
-			}
-		}
-		if c.qps.CompareAndSwap(old, &nl) {
-			return
-		}
-	}
-}
-
 func (c *cq) ref() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -133,7 +108,7 @@ func (c *cq) Poll(out []verbsio.Completion) (int, error) {
 		return n, nil
 	}
 	drained := false
-	for _, q := range *c.qps.Load() {
+	for _, q := range c.qps.Load() {
 		if q.drainIfReady() {
 			drained = true
 		}
@@ -217,7 +192,7 @@ func (c *cq) sleep(in bool) {
 	if n > 0 {
 		flag = 1
 	}
-	for _, q := range *c.qps.Load() {
+	for _, q := range c.qps.Load() {
 		q.setSleep(flag)
 	}
 }

@@ -346,7 +346,7 @@ func (q *qp) Connect(ctx context.Context, remote verbsio.Endpoint) error {
 	// Nobody else may connect any more: the name goes.
 	q.ln.Close()
 	q.ln = nil
-	q.recvCQ.attach(q)
+	q.recvCQ.qps.Add(q)
 	if q.recvCQ.sleepers.Load() > 0 {
 		q.setSleep(1)
 	}
@@ -890,7 +890,7 @@ func (q *qp) Close() error {
 		q.failLocked(verbsio.StatusFlushed, fmt.Errorf("%w: queue pair closed", verbsio.ErrFlushed))
 		q.state.Store(uint32(verbsio.QPClosed))
 		q.consMu.Unlock()
-		q.recvCQ.detach(q)
+		q.recvCQ.qps.Remove(q)
 		q.release()
 		q.sendMu.Unlock()
 	})

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/gdrlink/gdrlink/internal/adaptspin"
+	"github.com/gdrlink/gdrlink/internal/cowlist"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
@@ -29,14 +30,13 @@ type cq struct {
 	done   chan struct{}
 
 	queued   atomic.Int64 // len(q)-head, so an empty Poll takes no lock
-	qps      atomic.Pointer[[]*qp]
+	qps      cowlist.List[*qp]
 	sleepers atomic.Int32
 	pushed   atomic.Int64 // when a completion last woke a sleeper (UnixNano)
 }
 
 func newCQ(d *device, depth int) *cq {
 	c := &cq{dev: d, spin: adaptspin.New(adaptspin.Bounds{Max: max(d.opt.Spin, 0), Min: min(max(d.opt.Spin, 0), adaptspin.DefaultMin)}), q: make([]verbsio.Completion, 0, min(depth, 4096)), notify: make(chan struct{}, 1), done: make(chan struct{})}
-	c.qps.Store(&[]*qp{})
 	return c
 }
 
@@ -57,38 +57,6 @@ func (c *cq) push(cs ...verbsio.Completion) {
 		select {
 		case c.notify <- struct{}{}:
 		default:
-		}
-	}
-}
-
-// attach adds q to the queue pairs whose lanes Wait reads; detach takes it
-// out.
-func (c *cq) attach(q *qp) {
-	for {
-		old := c.qps.Load()
-		for _, x := range *old {
-			if x == q {
-				return
-			}
-		}
-		nl := append(append([]*qp(nil), *old...), q)
-		if c.qps.CompareAndSwap(old, &nl) {
-			return
-		}
-	}
-}
-
-func (c *cq) detach(q *qp) {
-	for {
-		old := c.qps.Load()
-		nl := make([]*qp, 0, len(*old))
-		for _, x := range *old {
-			if x != q {
-				nl = append(nl, x)
-			}
-		}
-		if c.qps.CompareAndSwap(old, &nl) {
-			return
 		}
 	}
 }
@@ -126,7 +94,7 @@ func (c *cq) Poll(out []verbsio.Completion) (int, error) {
 // progress reads the lanes of the attached queue pairs once.
 func (c *cq) progress() bool {
 	did := false
-	for _, q := range *c.qps.Load() {
+	for _, q := range c.qps.Load() {
 		if q.poll() {
 			did = true
 		}

@@ -189,7 +189,7 @@ func newQP(p *pd, cfg verbsio.QPConfig) (*qp, error) {
 		c.mu.Lock()
 		c.refs++
 		c.mu.Unlock()
-		c.attach(q)
+		c.qps.Add(q)
 	}
 	return q, nil
 }
@@ -557,7 +557,7 @@ func (q *qp) Close() error {
 	q.pd.mu.Unlock()
 	q.pd.dropGrantsOf(q)
 	for _, c := range []*cq{q.scq, q.rcq} {
-		c.detach(q)
+		c.qps.Remove(q)
 		c.mu.Lock()
 		c.refs--
 		c.mu.Unlock()
