@@ -65,6 +65,7 @@ const (
 	mwType2           = 2  // IBV_MW_TYPE_2
 	sizeGIDEntry      = 32 // struct ibv_gid_entry
 	qpTypeRC          = 2  // IBV_QPT_RC
+	qpTypeUC          = 3  // IBV_QPT_UC
 )
 
 // Attribute masks of ibv_modify_qp, as enum ibv_qp_attr_mask.

@@ -80,6 +80,7 @@ func layoutFacts() []struct {
 		{"offsetof(struct ibv_comp_channel, fd)", offCompChannelFD},
 		{"offsetof(struct ibv_qp, qp_num)", offQPNum},
 		{"IBV_QPT_RC", qpTypeRC},
+		{"IBV_QPT_UC", qpTypeUC},
 		{"IBV_QP_STATE", maskState},
 		{"IBV_QP_ACCESS_FLAGS", maskAccessFlags},
 		{"IBV_QP_PKEY_INDEX", maskPKeyIndex},

@@ -30,6 +30,12 @@ type loopQPs struct {
 
 func newLoopQPs(t *testing.T, c *Context, pd *PD) *loopQPs {
 	t.Helper()
+	return newLoop(t, c, pd, false)
+}
+
+// newLoop is newLoopQPs with RC queue pairs, or UC ones when uc is set.
+func newLoop(t *testing.T, c *Context, pd *PD, uc bool) *loopQPs {
+	t.Helper()
 	pa, err := c.QueryPort(1)
 	if err != nil {
 		t.Fatal(err)
@@ -57,7 +63,11 @@ func newLoopQPs(t *testing.T, c *Context, pd *PD) *loopQPs {
 		rtr.Global, rtr.DGID, rtr.SGIDIndex = true, e.GID, gidx
 	}
 	for i := range l.qp {
-		q, err := pd.CreateQP(l.cq, l.cq, QPCaps{MaxSendWR: 16, MaxRecvWR: 4, MaxSendSGE: 1, MaxRecvSGE: 1})
+		create := pd.CreateQP
+		if uc {
+			create = pd.CreateUCQP
+		}
+		q, err := create(l.cq, l.cq, QPCaps{MaxSendWR: 16, MaxRecvWR: 4, MaxSendSGE: 1, MaxRecvSGE: 1})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -65,7 +75,11 @@ func newLoopQPs(t *testing.T, c *Context, pd *PD) *loopQPs {
 		l.qp[i] = q
 	}
 	for i, q := range l.qp {
-		if err := q.ToInit(1, 0, AccessLocalWrite|AccessRemoteWrite|AccessRemoteRead); err != nil {
+		access := AccessLocalWrite | AccessRemoteWrite | AccessRemoteRead
+		if uc {
+			access = AccessLocalWrite | AccessRemoteWrite
+		}
+		if err := q.ToInit(1, 0, access); err != nil {
 			t.Fatal(err)
 		}
 		r := rtr

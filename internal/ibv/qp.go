@@ -12,13 +12,15 @@ import (
 // takes one crossing per postBatch requests.
 const postBatch = 256
 
-// QP is a reliable-connected queue pair.
+// QP is a reliable-connected queue pair, or an unreliable-connected one
+// made by CreateUCQP.
 type QP struct {
 	c    *Context
 	mu   sync.RWMutex
 	qp   uintptr
 	qpn  uint32
 	caps QPCaps
+	uc   bool // IBV_QPT_UC: no acknowledgements, retries or RDMA reads
 
 	// Work requests are built off the Go heap: sendMu guards send (postBatch
 	// struct ibv_send_wr, then their struct ibv_sge, then the bad_wr
@@ -32,6 +34,22 @@ type QP struct {
 // CreateQP makes a reliable-connected queue pair in RESET state. The
 // granted sizes are in Caps.
 func (p *PD) CreateQP(send, recv *CQ, want QPCaps) (*QP, error) {
+	return p.createQP(send, recv, want, qpTypeRC)
+}
+
+// CreateUCQP makes an unreliable-connected queue pair in RESET state: RDMA
+// WRITE (with or without immediate) and SEND only, no acknowledgements and
+// no retries; a lost packet drops its whole message at the receiver. Its
+// ToRTR and ToRTS set only the attributes UC takes (MaxDestRdAtomic,
+// MinRNRTimer, Timeout, RetryCount, RNRRetry and MaxRdAtomic are ignored).
+func (p *PD) CreateUCQP(send, recv *CQ, want QPCaps) (*QP, error) {
+	return p.createQP(send, recv, want, qpTypeUC)
+}
+
+// UC reports whether the queue pair is unreliable-connected.
+func (q *QP) UC() bool { return q.uc }
+
+func (p *PD) createQP(send, recv *CQ, want QPCaps, qpType uint32) (*QP, error) {
 	pd, err := p.live("ibv_create_qp")
 	if err != nil {
 		return nil, err
@@ -45,7 +63,7 @@ func (p *PD) CreateQP(send, recv *CQ, want QPCaps) (*QP, error) {
 	if send.cq == 0 || recv.cq == 0 {
 		return nil, p.c.errf("ibv_create_qp", syscall.EBADF, "completion queue closed")
 	}
-	a := cQPInitAttr{sendCQ: send.cq, recvCQ: recv.cq, qpType: qpTypeRC, cap: cQPCap{
+	a := cQPInitAttr{sendCQ: send.cq, recvCQ: recv.cq, qpType: qpType, cap: cQPCap{
 		maxSendWR: uint32(want.MaxSendWR), maxRecvWR: uint32(want.MaxRecvWR),
 		maxSendSGE: uint32(want.MaxSendSGE), maxRecvSGE: uint32(want.MaxRecvSGE), maxInlineData: uint32(want.MaxInline)}}
 	p.c.cnt.control.Add(1)
@@ -53,7 +71,7 @@ func (p *PD) CreateQP(send, recv *CQ, want QPCaps) (*QP, error) {
 	if qp == 0 {
 		return nil, p.c.errf("ibv_create_qp", orEIO(e), "%+v", want)
 	}
-	q := &QP{c: p.c, qp: qp, qpn: u32At(qp, offQPNum), caps: QPCaps{
+	q := &QP{c: p.c, qp: qp, qpn: u32At(qp, offQPNum), uc: qpType == qpTypeUC, caps: QPCaps{
 		MaxSendWR: int(a.cap.maxSendWR), MaxRecvWR: int(a.cap.maxRecvWR), MaxSendSGE: int(a.cap.maxSendSGE),
 		MaxRecvSGE: int(a.cap.maxRecvSGE), MaxInline: int(a.cap.maxInlineData)}}
 	q.sendWRMax = min(postBatch, max(q.caps.MaxSendWR, 1))
@@ -147,7 +165,11 @@ func (q *QP) ToRTR(r RTRAttr) error {
 		a.ahAttr.grh.hopLimit = uint8(r.HopLimit)
 		a.ahAttr.grh.trafficClass = uint8(r.TClass)
 	}
-	return q.modify("ibv_modify_qp(RTR)", &a, maskState|maskAV|maskPathMTU|maskDestQPN|maskRQPSN|maskMaxDestRdAtomic|maskMinRNRTimer,
+	mask := maskState | maskAV | maskPathMTU | maskDestQPN | maskRQPSN
+	if !q.uc {
+		mask |= maskMaxDestRdAtomic | maskMinRNRTimer
+	}
+	return q.modify("ibv_modify_qp(RTR)", &a, mask,
 		"qp %d -> qp %d gid %s mtu %d", q.qpn, r.DestQPN, r.DGID, r.MTU)
 }
 
@@ -155,8 +177,11 @@ func (q *QP) ToRTR(r RTRAttr) error {
 func (q *QP) ToRTS(r RTSAttr) error {
 	a := cQPAttr{qpState: QPSRTS, sqPSN: r.SQPSN, timeout: uint8(r.Timeout), retryCnt: uint8(r.RetryCount),
 		rnrRetry: uint8(r.RNRRetry), maxRdAtomic: uint8(r.MaxRdAtomic)}
-	return q.modify("ibv_modify_qp(RTS)", &a, maskState|maskSQPSN|maskTimeout|maskRetryCnt|maskRNRRetry|maskMaxQPRdAtomic,
-		"qp %d", q.qpn)
+	mask := maskState | maskSQPSN
+	if !q.uc {
+		mask |= maskTimeout | maskRetryCnt | maskRNRRetry | maskMaxQPRdAtomic
+	}
+	return q.modify("ibv_modify_qp(RTS)", &a, mask, "qp %d", q.qpn)
 }
 
 // ToError moves the queue pair to ERROR: outstanding work requests complete
