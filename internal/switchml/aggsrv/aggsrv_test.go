@@ -27,6 +27,13 @@ import (
 const childEnv = "GDRLINK_AGGSRV_TEST_SERVER"
 
 func TestMain(m *testing.M) {
+	if spec := os.Getenv(rxeWorkerEnv); spec != "" {
+		if err := runRXEWorker(spec); err != nil {
+			fmt.Fprintln(os.Stderr, "rxe worker:", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
 	if os.Getenv(childEnv) == "1" {
 		if err := runChild(); err != nil {
 			fmt.Fprintln(os.Stderr, "aggregator child:", err)
@@ -45,15 +52,23 @@ func runChild() error {
 		return err
 	}
 	peer, _ := strconv.Atoi(os.Getenv(childEnv + "_PEER_PORT"))
-	cl, err := net.Listen("tcp", "127.0.0.1:0")
+	// _ADDR, when set, is the address to serve on, with the data socket
+	// at RoCEv2's port (TestRXEWorkers).
+	host, dport := "127.0.0.1", 0
+	if a := os.Getenv(childEnv + "_ADDR"); a != "" {
+		host, dport = a, rocev2.Port
+	}
+	drop, _ := strconv.ParseFloat(os.Getenv(childEnv+"_DROP"), 64)
+	cl, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
 	if err != nil {
 		return err
 	}
-	dc, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	dc, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.ParseIP(host), Port: dport})
 	if err != nil {
 		return err
 	}
-	s, err := New(Config{Key: key, Control: cl, Data: dc, PeerPort: uint16(peer), Seed: 7, SetupTimeout: 30 * time.Second})
+	s, err := New(Config{Key: key, Control: cl, Data: dc, PeerPort: uint16(peer), Seed: 7, SetupTimeout: 30 * time.Second, Drop: drop,
+		SkipICRC: os.Getenv(childEnv+"_SKIP_ICRC") == "1"})
 	if err != nil {
 		return err
 	}

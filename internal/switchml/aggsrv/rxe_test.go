@@ -1,0 +1,482 @@
+package aggsrv
+
+import (
+	"bufio"
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/gdrlink/gdrlink/internal/ibv"
+	"github.com/gdrlink/gdrlink/internal/jobauth"
+)
+
+// rxeWorkerEnv makes the test binary a worker of TestRXEWorkers: the value
+// is "RANK WORKERS DEVICE CONTROL".
+const rxeWorkerEnv = "GDRLINK_AGGSRV_TEST_RXE_WORKER"
+
+// rxeVA is where every worker of TestRXEWorkers maps its result region:
+// the aggregator writes a message's result at the address its request
+// named, the same on every worker, as SwitchML's clients do.
+const rxeVA = 0x3e00_0000_0000
+
+// The message shape of TestRXEWorkers: up to three 1 KiB packets at MTU
+// 1024.
+const (
+	rxeSlotBytes = 1024
+	rxeMaxSlots  = 3
+	rxeMaxMsg    = rxeSlotBytes * rxeMaxSlots
+	rxeRounds    = 40
+)
+
+// rxeData is worker r's int32 payload of round m.
+func rxeData(r, m, size int) []byte {
+	rng := rand.New(rand.NewPCG(uint64(r), uint64(m)))
+	b := make([]byte, size)
+	for i := 0; i < size; i += 4 {
+		binary.LittleEndian.PutUint32(b[i:], uint32(rng.Int32N(1<<24)-1<<23))
+	}
+	return b
+}
+
+// rxeImm is worker r's immediate in round m: byte 3 is the round (the same
+// on every worker, so its maximum names the round a reply belongs to),
+// the others vary by worker as exponents would.
+func rxeImm(r, m int) uint32 {
+	return uint32(m&0xff)<<24 | uint32((r*37+m)&0xff)<<16 | uint32((r*11+3*m)&0xff)<<8 | uint32((255-r*5-m)&0xff)
+}
+
+// TestRXEWorkers: in the Soft-RoCE guest (GDRLINK_TEST_ROCE_VETH=1, as
+// root), the aggregator runs as its own process in a network namespace
+// joined to the root one by veth, whose root-side end has a Soft-RoCE
+// device (the guest's rxe owns UDP 4791 in the root namespace). Three
+// worker processes, each with its own address (GID) on that device, set
+// the job up over the control endpoint and all-reduce int32 messages of
+// three packets through real unreliable-connected queue pairs: RDMA WRITE
+// WITH IMMEDIATE to the aggregator with rkey = pool index|set and the
+// address of their result region (mapped at the same address in every
+// worker), the reply arriving as the aggregator's UC write with immediate
+// into that region. Each result must be the exact sum and the immediate
+// the bytewise maximum. Four runs: lossless with three-packet messages,
+// then with one-packet messages lossless, with 5% loss at the aggregator
+// and with 5% loss on the link (nftables in the aggregator's namespace,
+// both ways); the last three's results are bitwise equal. Replies are
+// told apart by byte 3 of the immediate, the round, the same on every
+// worker; a second reply to a resent message is dropped.
+func TestRXEWorkers(t *testing.T) {
+	if os.Getenv("GDRLINK_TEST_ROCE_VETH") != "1" {
+		t.Skip("skipping: set GDRLINK_TEST_ROCE_VETH=1 where this test may make namespaces and Soft-RoCE devices (the guest of make test-rdma does)")
+	}
+	if os.Geteuid() != 0 {
+		t.Fatal("GDRLINK_TEST_ROCE_VETH=1 but not root")
+	}
+	if err := ibv.Load(); err != nil {
+		t.Fatalf("GDRLINK_TEST_ROCE_VETH=1 but libibverbs: %v", err)
+	}
+	var tools []string
+	for _, name := range []string{"ip", "rdma", "nft"} {
+		p, err := exec.LookPath(name)
+		if err != nil {
+			t.Fatalf("GDRLINK_TEST_ROCE_VETH=1 but %s is missing (Debian: iproute2, nftables): %v", name, err)
+		}
+		tools = append(tools, p)
+	}
+	ip, rdma, nft := tools[0], tools[1], tools[2]
+	run := func(args ...string) {
+		t.Helper()
+		if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
+			t.Fatalf("%v: %v: %s", args, err, out)
+		}
+	}
+	id := os.Getpid() % 100000
+	ns, vr, vn, dev := fmt.Sprintf("gdrsw-%d", id), fmt.Sprintf("swr%d", id), fmt.Sprintf("swn%d", id), fmt.Sprintf("rxsw%d", id)
+	const workers = 3
+	exec.Command("modprobe", "veth").Run()
+	run(ip, "netns", "add", ns)
+	t.Cleanup(func() { exec.Command(ip, "netns", "del", ns).Run() })
+	run(ip, "link", "add", vr, "type", "veth", "peer", "name", vn)
+	t.Cleanup(func() { exec.Command(ip, "link", "del", vr).Run() })
+	run(ip, "link", "set", vn, "netns", ns)
+	for r := range workers {
+		run(ip, "addr", "add", fmt.Sprintf("10.234.0.%d/24", 10+r), "dev", vr)
+	}
+	run(ip, "-n", ns, "addr", "add", "10.234.0.2/24", "dev", vn)
+	run(ip, "-n", ns, "link", "set", "lo", "up")
+	run(ip, "-n", ns, "link", "set", vn, "up")
+	run(ip, "link", "set", vr, "up")
+	run(rdma, "link", "add", dev, "type", "rxe", "netdev", vr)
+	t.Cleanup(func() { exec.Command(rdma, "link", "delete", dev).Run() })
+	for r := range workers {
+		want := fmt.Sprintf("0000:0000:0000:0000:0000:ffff:0aea:00%02x", 10+r)
+		found := false
+		for deadline := time.Now().Add(15 * time.Second); !found && time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+			files, _ := filepath.Glob("/sys/class/infiniband/" + dev + "/ports/1/gids/*")
+			for _, f := range files {
+				if b, err := os.ReadFile(f); err == nil && strings.TrimSpace(string(b)) == want {
+					found = true
+				}
+			}
+		}
+		if !found {
+			t.Fatalf("%s has no GID %s after 15 s", dev, want)
+		}
+	}
+	_, secret, err := jobauth.Generate()
+	if err != nil {
+		t.Fatal(err)
+	}
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The ICRC of rxe's requests covers the IPv4 identification field,
+	// which rxe sets (__ip_select_ident) and a UDP socket does not show:
+	// the aggregator cannot check it (every request counts as BadICRC),
+	// so it runs with SkipICRC here. Its replies' ICRC is checked by the
+	// workers' rxe, which drops a packet whose ICRC is wrong.
+	skipICRC := "1"
+	if os.Getenv("GDRLINK_TEST_SWITCHML_ICRC") == "1" {
+		skipICRC = "0"
+	}
+	const table = "gdrlink_switchml_test"
+	runJob := func(name string, slots int, aggDrop string, link bool) []string {
+		t.Helper()
+		if link {
+			for _, cmd := range [][]string{
+				{"add", "table", "inet", table},
+				{"add", "chain", "inet", table, "out", "{ type filter hook output priority 0; }"},
+				{"add", "chain", "inet", table, "in", "{ type filter hook input priority 0; }"},
+				{"add", "rule", "inet", table, "out", "udp", "dport", "4791", "numgen", "random", "mod", "100", "<", "5", "counter", "drop"},
+				{"add", "rule", "inet", table, "in", "udp", "dport", "4791", "numgen", "random", "mod", "100", "<", "5", "counter", "drop"},
+			} {
+				run(append([]string{ip, "netns", "exec", ns, nft}, cmd...)...)
+			}
+			defer func() {
+				out, _ := exec.Command(ip, "netns", "exec", ns, nft, "list", "table", "inet", table).CombinedOutput()
+				t.Logf("%s: nft counters:\n%s", name, out)
+				exec.Command(ip, "netns", "exec", ns, nft, "delete", "table", "inet", table).Run()
+			}()
+		}
+		agg := exec.Command(ip, "netns", "exec", ns, self, "-test.run=^$")
+		agg.Env = append(os.Environ(), childEnv+"=1", childEnv+"_ADDR=10.234.0.2", childEnv+"_DROP="+aggDrop, childEnv+"_SKIP_ICRC="+skipICRC, jobauth.KeyEnv+"="+secret)
+		stdin, _ := agg.StdinPipe()
+		stdout, _ := agg.StdoutPipe()
+		agg.Stderr = os.Stderr
+		if err := agg.Start(); err != nil {
+			t.Fatal(err)
+		}
+		defer agg.Process.Kill()
+		out := bufio.NewScanner(stdout)
+		if !out.Scan() {
+			t.Fatalf("%s: the aggregator process said nothing", name)
+		}
+		f := strings.Fields(out.Text())
+		if len(f) != 3 || f[0] != "ready" {
+			t.Fatalf("%s: aggregator: %q", name, out.Text())
+		}
+		// Every worker keeps its control connection (the job) open until
+		// all have their results: one that left would end the job for a
+		// worker still resending its last message.
+		sums := make([]string, workers)
+		errs := make([]error, workers)
+		stdins := make([]io.WriteCloser, workers)
+		var wg, results sync.WaitGroup
+		for r := range workers {
+			ctx, cancel := context.WithTimeout(context.Background(), 240*time.Second)
+			defer cancel()
+			c := exec.CommandContext(ctx, self, "-test.run=^$")
+			c.Env = append(os.Environ(), rxeWorkerEnv+"="+fmt.Sprintf("%d %d %s %s %d", r, workers, dev, f[1], slots), jobauth.KeyEnv+"="+secret)
+			stdins[r], _ = c.StdinPipe()
+			wout, _ := c.StdoutPipe()
+			var stderr strings.Builder
+			c.Stderr = &stderr
+			if err := c.Start(); err != nil {
+				t.Fatal(err)
+			}
+			wg.Add(1)
+			results.Add(1)
+			go func() {
+				defer wg.Done()
+				got := false
+				sc := bufio.NewScanner(wout)
+				for sc.Scan() {
+					if s, ok := strings.CutPrefix(sc.Text(), "result "); ok && !got {
+						sums[r], got = s, true
+						results.Done()
+					} else {
+						t.Logf("%s: worker %d: %s", name, r, sc.Text())
+					}
+				}
+				if !got {
+					results.Done()
+				}
+				if err := c.Wait(); err != nil {
+					errs[r] = fmt.Errorf("worker %d: %w: %s", r, err, stderr.String())
+				}
+			}()
+		}
+		results.Wait()
+		for _, w := range stdins {
+			w.Close()
+		}
+		wg.Wait()
+		stdin.Close()
+		for out.Scan() {
+			t.Logf("%s: aggregator: %s", name, out.Text())
+		}
+		agg.Wait()
+		if err := errors.Join(errs...); err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		return sums
+	}
+	// Loss runs use one-packet messages: with several packets, a lost
+	// reply packet left the worker's rxe responder dropping every later
+	// message of that queue pair (see the run's log).
+	var first []string
+	for _, c := range []struct {
+		name        string
+		slots       int
+		drop        string
+		link, equal bool
+	}{{"lossless, 3-packet messages", 3, "0", false, false}, {"lossless", 1, "0", false, false},
+		{"aggregator loss 5%", 1, "0.05", false, true}, {"link loss 5%", 1, "0", true, true}} {
+		sums := runJob(c.name, c.slots, c.drop, c.link)
+		for r, s := range sums {
+			if s == "" || s != sums[0] {
+				t.Errorf("%s: worker %d result %q, worker 0 %q", c.name, r, s, sums[0])
+			}
+		}
+		if !c.equal {
+			first = sums
+		} else if sums[0] != first[0] {
+			t.Errorf("%s: result %s differs from the lossless run's %s", c.name, sums[0], first[0])
+		}
+	}
+}
+
+// runRXEWorker is one worker process of TestRXEWorkers: it prints the
+// SHA-256 of its results ("result HEX"), after checking each against the
+// exact sum it computes from every worker's known input.
+func runRXEWorker(spec string) error {
+	f := strings.Fields(spec)
+	if len(f) != 5 {
+		return fmt.Errorf("spec %q", spec)
+	}
+	rank, _ := strconv.Atoi(f[0])
+	workers, _ := strconv.Atoi(f[1])
+	dev, control := f[2], f[3]
+	slots, _ := strconv.Atoi(f[4])
+	if slots < 1 || slots > rxeMaxSlots {
+		return fmt.Errorf("%d slots", slots)
+	}
+	rxeMsg := slots * rxeSlotBytes
+	key, _, err := jobauth.FromEnv(os.Getenv)
+	if err != nil {
+		return err
+	}
+	if err := ibv.Load(); err != nil {
+		return err
+	}
+	c, err := ibv.Open(dev)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	myIP := [4]byte{10, 234, 0, byte(10 + rank)}
+	gidx := -1
+	pa, err := c.QueryPort(1)
+	if err != nil {
+		return err
+	}
+	for i := range pa.GIDTblLen {
+		e, err := c.QueryGID(1, i)
+		if err == nil && e.Type == ibv.GIDTypeRoCEv2 && [4]byte(e.GID[12:]) == myIP {
+			gidx = i
+		}
+	}
+	if gidx < 0 {
+		return fmt.Errorf("%s has no RoCE v2 GID for %v", dev, myIP)
+	}
+	pd, err := c.AllocPD()
+	if err != nil {
+		return err
+	}
+	defer pd.Close()
+	// The result region at the same address on every worker, two
+	// halves that messages alternate (as their sets do: a second reply
+	// to a resent message, arriving after the worker moved on, lands in
+	// the other half), then the request buffer.
+	mem, err := unix.MmapPtr(-1, 0, unsafe.Add(nil, rxeVA), 3*rxeMaxMsg, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE|unix.MAP_FIXED_NOREPLACE)
+	if err != nil {
+		return fmt.Errorf("mapping the result region at %#x: %w", rxeVA, err)
+	}
+	if uintptr(mem) != rxeVA {
+		return fmt.Errorf("result region mapped at %p, not %#x", mem, rxeVA)
+	}
+	buf := unsafe.Slice((*byte)(mem), 3*rxeMaxMsg)
+	req := buf[2*rxeMaxMsg : 2*rxeMaxMsg+rxeMsg]
+	snap := make([]byte, rxeMsg)
+	mr, err := pd.RegMR(rxeVA, 3*rxeMaxMsg, ibv.AccessLocalWrite|ibv.AccessRemoteWrite)
+	if err != nil {
+		return err
+	}
+	defer mr.Close()
+	cq, err := c.CreateCQ(256)
+	if err != nil {
+		return err
+	}
+	defer cq.Close()
+	qp, err := pd.CreateUCQP(cq, cq, ibv.QPCaps{MaxSendWR: 64, MaxRecvWR: 64, MaxSendSGE: 1, MaxRecvSGE: 1})
+	if err != nil {
+		return err
+	}
+	defer qp.Close()
+	psn := uint32(rank*1000+12345) & (1<<24 - 1)
+
+	// Job setup.
+	conn, err := net.DialTimeout("tcp", control, 30*time.Second)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(60 * time.Second))
+	if err := jobauth.Initiate(conn, key, Purpose, uint32(rank), jobauth.EndsOf(conn, true)); err != nil {
+		return err
+	}
+	a := Announce{Job: "rxe", Workers: workers, Rank: rank, SlotBytes: rxeSlotBytes, Slots: slots,
+		Addr: myIP, RKey: mr.RKey(), QPNs: []uint32{qp.QPN()}, PSNs: []uint32{psn}}
+	if err := writeMessage(conn, a.Append(nil)); err != nil {
+		return err
+	}
+	b, err := readMessage(conn)
+	if err != nil {
+		return err
+	}
+	as, err := ParseAssignment(b)
+	if err != nil {
+		return err
+	}
+	if as.Err != "" || len(as.QPNs) != 1 {
+		return fmt.Errorf("assignment %+v", as)
+	}
+	conn.SetDeadline(time.Time{})
+	var dgid ibv.GID
+	copy(dgid[10:], []byte{0xff, 0xff})
+	copy(dgid[12:], as.Addr[:])
+	if err := qp.ToInit(1, 0, ibv.AccessLocalWrite|ibv.AccessRemoteWrite); err != nil {
+		return err
+	}
+	if err := qp.ToRTR(ibv.RTRAttr{DestQPN: as.QPNs[0], RQPSN: as.PSNs[0], MTU: 1024, Global: true, DGID: dgid,
+		SGIDIndex: gidx, HopLimit: 64, Port: 1}); err != nil {
+		return err
+	}
+	if err := qp.ToRTS(ibv.RTSAttr{SQPSN: psn}); err != nil {
+		return err
+	}
+	recvs := make([]ibv.RecvWR, 32)
+	for i := range recvs {
+		recvs[i].WRID = 1 << 32
+	}
+	if _, err := qp.PostRecv(recvs, nil); err != nil {
+		return err
+	}
+
+	h := sha256.New()
+	sends, resent, stale := 0, 0, 0
+	wc := make([]ibv.WC, 16)
+	for m := range rxeRounds {
+		copy(req, rxeData(rank, m, rxeMsg))
+		want := make([]uint32, rxeMsg/4)
+		var wantImm [4]byte
+		for r := range workers {
+			d := rxeData(r, m, rxeMsg)
+			for i := range want {
+				want[i] += binary.LittleEndian.Uint32(d[4*i:])
+			}
+			var im [4]byte
+			binary.BigEndian.PutUint32(im[:], rxeImm(r, m))
+			for k := range im {
+				wantImm[k] = max(wantImm[k], im[k])
+			}
+		}
+		wr := ibv.SendWR{WRID: uint64(m), Opcode: ibv.WRWriteImm, Flags: ibv.SendSignaled, NumSGE: 1,
+			RemoteAddr: uint64(rxeVA + m&1*rxeMaxMsg), RKey: uint32(2*as.Base + m&1), Imm: rxeImm(rank, m)}
+		done := false
+		for try := 0; !done; try++ {
+			if try > 200 {
+				return fmt.Errorf("round %d: no result after %d sends (%d stale completions)", m, try, stale)
+			}
+			if try > 0 {
+				resent++
+			}
+			if sends > 48 {
+				return fmt.Errorf("round %d: %d send completions missing", m, sends)
+			}
+			if _, err := qp.PostSend([]ibv.SendWR{wr}, []ibv.SGE{{Addr: rxeVA + 2*rxeMaxMsg, Length: uint32(rxeMsg), LKey: mr.LKey()}}); err != nil {
+				return err
+			}
+			sends++
+			for deadline := time.Now().Add(300 * time.Millisecond); !done && time.Now().Before(deadline); {
+				n, err := cq.Poll(wc)
+				if err != nil {
+					return err
+				}
+				if n == 0 {
+					time.Sleep(50 * time.Microsecond)
+				}
+				for _, e := range wc[:n] {
+					if e.Status != ibv.WCSuccess {
+						return fmt.Errorf("round %d: completion %+v", m, e)
+					}
+					if e.WRID != 1<<32 {
+						sends--
+						continue
+					}
+					if _, err := qp.PostRecv(recvs[:1], nil); err != nil {
+						return err
+					}
+					var got [4]byte
+					binary.BigEndian.PutUint32(got[:], e.Imm)
+					if done || e.Flags&ibv.WCWithImm == 0 || int(e.ByteLen) != rxeMsg || got[0] != byte(m) {
+						stale++
+						continue
+					}
+					if got != wantImm {
+						return fmt.Errorf("round %d: immediate %x, want %x", m, got, wantImm)
+					}
+					off := m & 1 * rxeMaxMsg
+					copy(snap, buf[off:off+rxeMsg])
+					for i, v := range want {
+						if g := binary.LittleEndian.Uint32(snap[4*i:]); g != v {
+							return fmt.Errorf("round %d: element %d is %d, want %d", m, i, int32(g), int32(v))
+						}
+					}
+					h.Write(snap)
+					h.Write(got[:])
+					done = true
+				}
+			}
+		}
+	}
+	fmt.Printf("sends %d resent %d stale %d (gid index %d, qpn %d, aggregator qpn %d)\n", rxeRounds+resent, resent, stale, gidx, qp.QPN(), as.QPNs[0])
+	fmt.Printf("result %s\n", hex.EncodeToString(h.Sum(nil)))
+	io.Copy(io.Discard, os.Stdin)
+	return nil
+}
