@@ -2,6 +2,7 @@ package gdrlink
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"strconv"
@@ -15,6 +16,7 @@ import (
 	"github.com/gdrlink/gdrlink/internal/switchml/worker"
 	"github.com/gdrlink/gdrlink/rendezvous"
 	"github.com/gdrlink/gdrlink/tensor"
+	"github.com/gdrlink/gdrlink/verbsio"
 )
 
 // switchML is the switchml backend: AllReduce of float32, float16,
@@ -159,6 +161,11 @@ func (s *switchML) AllReduce(ctx context.Context, seq uint64, t *tensor.Tensor, 
 	rep.Links = []collective.LinkUse{{Peer: -1, Provider: "switchml", Device: s.addr, Path: rendezvous.PathNone,
 		Transfers: int(st.Messages - st0.Messages), Bytes: rep.Received}}
 	rep.Took = time.Since(start)
+	var left *worker.LeftError
+	if errors.As(err, &left) {
+		// Another rank is gone: name it, as the ring does.
+		return rep, &collective.RankError{Op: name, Rank: left.Rank, Err: fmt.Errorf("switchml AllReduce: %w: %w", verbsio.ErrPeerLost, err)}
+	}
 	if err != nil {
 		return rep, fmt.Errorf("switchml AllReduce: %w", err)
 	}

@@ -114,7 +114,7 @@ func runAllReduce(ctx context.Context, env *Env) error {
 				r.Note = fmt.Sprintf("%d worker processes through a software aggregator (aggsrv, in the bench process) over UDP on loopback, float32 average, median of %d", w, reps)
 				env.Emit(r)
 				wire := newResult("allreduce", fmt.Sprintf("wire/switchml/%dw", w), row.Size, float64(row.Sent), "B", 0, "")
-				wire.Note = "bytes one worker sent per call: S, plus one 4 KiB message of exponents per queue pair used"
+				wire.Note = "payload bytes one worker sent per call: S, rounded up to 4 KiB (exponents of first messages ride in zero-length writes), plus any message resent after a loss"
 				env.Emit(wire)
 			}
 		}

@@ -17,7 +17,7 @@ func TestDecideByBusIDUnderVisibleDevices(t *testing.T) {
 	visible := []string{"0000:9C:00.0", "0000:1A:00.0"}
 	wantNIC := []string{"mlx5_1", "mlx5_0"}
 	for ordinal, bus := range visible {
-		d := decideGPUByBusID(f, bus, defaultPolicy())
+		d := DecideGPUByBusID(f, bus, defaultPolicy())
 		if d.NIC != wantNIC[ordinal] || d.Mode != Direct {
 			t.Errorf("CUDA ordinal %d (%s): %s over %s, want Direct over %s (%s)", ordinal, bus, d.Mode, d.NIC, wantNIC[ordinal], strings.Join(d.Reasons, "; "))
 		}
@@ -30,7 +30,7 @@ func TestDecideByBusIDUnderVisibleDevices(t *testing.T) {
 		t.Fatalf("fixture does not tell the two apart: index 0 also uses %s", d.NIC)
 	}
 	for _, bad := range []string{"0000:77:00.0", "not-a-bus-id"} {
-		if d := decideGPUByBusID(f, bad, defaultPolicy()); d.Mode != Unavailable || len(d.Reasons) == 0 {
+		if d := DecideGPUByBusID(f, bad, defaultPolicy()); d.Mode != Unavailable || len(d.Reasons) == 0 {
 			t.Errorf("bus id %q: %+v, want Unavailable with a reason", bad, d)
 		}
 	}

@@ -253,13 +253,14 @@ func numa(n *int) string {
 	return fmt.Sprint(*n)
 }
 
-// decideGPUByBusID is DecideGPU for the GPU at a PCI bus id, as
+// DecideGPUByBusID is DecideGPU for the GPU at a PCI bus id, as
 // cuDeviceGetPCIBusId or NVML report it (any case, with or without the
 // domain). A GPU's CUDA ordinal depends on CUDA_VISIBLE_DEVICES and
 // CUDA_DEVICE_ORDER and its NVML index does not, so a caller that knows a
 // GPU by its CUDA ordinal must decide by its bus id: the index in Facts is
-// the index of the source that found the GPU.
-func decideGPUByBusID(f *Facts, busID string, p Policy) Decision {
+// the index of the source that found the GPU. A bus id that does not parse
+// or names no GPU of f gives Unavailable (GPU -1) with the reason.
+func DecideGPUByBusID(f *Facts, busID string, p Policy) Decision {
 	addr, err := sysfs.ParsePCIAddress(busID)
 	if err != nil {
 		return Decision{GPU: -1, Mode: Unavailable, Reasons: []string{fmt.Sprintf("GPU bus id %q: %v", busID, err)}, Fixes: []string{}}
@@ -272,8 +273,10 @@ func decideGPUByBusID(f *Facts, busID string, p Policy) Decision {
 	return Decision{GPU: -1, Mode: Unavailable, Reasons: []string{fmt.Sprintf("no GPU at %s", addr)}, Fixes: []string{}}
 }
 
-// DecideGPU decides for one GPU over every NIC of the node and returns the
-// best: Direct before Proxy before Unavailable, then the shortest path, then
+// DecideGPU decides for one GPU, named by its index in f (GPUFacts.Index:
+// the NVML index, or the CUDA ordinal of the process that collected f when
+// CUDA found it; not the caller's CUDA ordinal, see DecideGPUByBusID), over
+// every NIC of the node and returns the best: Direct before Proxy before Unavailable, then the shortest path, then
 // a NIC on the GPU's NUMA node, then the NIC's name. It is a pure function:
 // same facts and policy, same decision. Every check runs even when an
 // earlier one has decided, so the Decision lists every fix at once.

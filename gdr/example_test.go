@@ -46,3 +46,28 @@ func ExampleDecideGPU() {
 	fmt.Println(gdr.DecideGPU(facts, 0, gdr.Policy{Level: gdr.PathPXB}).Mode, gdr.DecideGPU(facts, 0, gdr.Policy{Level: level}).Mode)
 	// Output: proxy direct
 }
+
+// A process knows its GPU by its CUDA ordinal, which CUDA_VISIBLE_DEVICES
+// renumbers; its PCI bus id (cuDeviceGetPCIBusId) names the same GPU in
+// every process and in Facts.
+func ExampleDecideGPUByBusID() {
+	available := func(detail string) gdr.Check { return gdr.Check{Status: gdr.StatusAvailable, Detail: detail} }
+	facts := &gdr.Facts{
+		GPUs: []gdr.GPUFacts{{Index: 0, PCIBusID: "0000:1a:00.0"}, {Index: 1, PCIBusID: "0000:9c:00.0"}},
+		NICs: []gdr.NICFacts{{Name: "mlx5_0", Ports: []gdr.PortFacts{{Port: 1, State: "ACTIVE"}}}},
+		Pairs: []gdr.PairPath{
+			{GPU: 0, NIC: "mlx5_0", Path: gdr.PathSYS, Detail: "across the sockets"},
+			{GPU: 1, NIC: "mlx5_0", Path: gdr.PathPIX, Detail: "one PCIe switch"},
+		},
+		Verbs:   available("libibverbs.so.1 at /usr/lib64/libibverbs.so.1"),
+		PeerMem: available("nvidia_peermem is loaded"),
+		Memlock: gdr.MemlockFacts{Check: available("getrlimit"), Soft: -1},
+	}
+	// CUDA ordinal 0 under CUDA_VISIBLE_DEVICES=1 is the GPU at 9C:00.0.
+	d := gdr.DecideGPUByBusID(facts, "0000:9C:00.0", gdr.Policy{Level: gdr.PathPXB})
+	fmt.Println(d.GPU, d.Mode)
+	fmt.Println(gdr.DecideGPU(facts, 0, gdr.Policy{Level: gdr.PathPXB}).Mode)
+	// Output:
+	// 1 direct
+	// proxy
+}

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/gdrlink/gdrlink/internal/cuda"
+	"github.com/gdrlink/gdrlink/internal/nvml"
 )
 
 // cudaDevice is a real GPU, through the CUDA driver loaded at run time.
@@ -47,8 +48,12 @@ func NewCUDADevice(ordinal int) (Device, error) {
 	if err != nil {
 		return nil, errors.Join(err, ctx.Close(), drv.Close())
 	}
+	// C2C comes from NVML, as NCCL reads it; an NVML that cannot tell (none,
+	// or built without cgo) leaves it false, the answer of every GPU not
+	// attached over C2C.
+	c2c, err := nvml.C2C(bus)
 	return &cudaDevice{drv: drv, ctx: ctx, info: DeviceInfo{Name: name, Ordinal: ordinal, PCIBusID: bus},
-		gdr: gpuDirectFactsOf(f), allocs: map[DevicePtr]*cuda.DeviceMemory{}, ipcs: map[DevicePtr]*cuda.IPCMapping{}}, nil
+		gdr: gpuDirectFactsOf(f, c2c && err == nil), allocs: map[DevicePtr]*cuda.DeviceMemory{}, ipcs: map[DevicePtr]*cuda.IPCMapping{}}, nil
 }
 
 // flushWritesOptionHost is CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_HOST, the
@@ -57,9 +62,9 @@ func NewCUDADevice(ordinal int) (Device, error) {
 const flushWritesOptionHost = 1
 
 // gpuDirectFactsOf reads the device facts that choose how Direct receives
-// flush. C2C attachment is not read from the driver yet: it reads as false.
-func gpuDirectFactsOf(f cuda.Facts) gpuDirectFacts {
-	return gpuDirectFacts{ComputeCapability: f.ComputeCapability, HostFlush: f.FlushWritesOptions&flushWritesOptionHost != 0}
+// flush: the driver's, and whether NVML says the GPU is attached over C2C.
+func gpuDirectFactsOf(f cuda.Facts, c2c bool) gpuDirectFacts {
+	return gpuDirectFacts{ComputeCapability: f.ComputeCapability, C2C: c2c, HostFlush: f.FlushWritesOptions&flushWritesOptionHost != 0}
 }
 
 // GPUDirectFacts reports what chooses how Direct receives flush (see

@@ -3,6 +3,8 @@ package proxy
 import (
 	"errors"
 	"testing"
+
+	"github.com/gdrlink/gdrlink/internal/cuda"
 )
 
 func TestChooseFlush(t *testing.T) {
@@ -41,6 +43,26 @@ func TestChooseFlush(t *testing.T) {
 		}
 		if err != nil || got != c.want {
 			t.Errorf("%s: %v, %v; want %v", c.name, got, err, c.want)
+		}
+	}
+}
+
+// TestGPUDirectFactsOfC2C: NVML's C2C answer reaches the flush choice, so
+// a Grace Hopper GPU (compute capability 9.0 over C2C) flushes, through the
+// driver where it can, while the same GPU on PCIe does not.
+func TestGPUDirectFactsOfC2C(t *testing.T) {
+	f := cuda.Facts{ComputeCapability: 90, FlushWritesOptions: flushWritesOptionHost}
+	for _, c := range []struct {
+		c2c  bool
+		want flushMethod
+	}{{false, flushNone}, {true, flushByDriver}} {
+		facts := gpuDirectFactsOf(f, c.c2c)
+		if facts.C2C != c.c2c || !facts.HostFlush || facts.ComputeCapability != 90 {
+			t.Fatalf("C2C %v: facts %+v", c.c2c, facts)
+		}
+		got, err := chooseFlush(flushAuto, false, &facts, false)
+		if err != nil || got != c.want {
+			t.Errorf("C2C %v: flush %v, %v; want %v", c.c2c, got, err, c.want)
 		}
 	}
 }

@@ -101,10 +101,14 @@ type request struct {
 // RecvOption changes one Recv.
 type RecvOption func(*request)
 
-// OnDevice asks for the result on dev (default: host memory). For a GPU the
-// NIC can write, the result is written there directly (PathDirectGPU);
-// otherwise it lands in a host proxy and the channel's Proxy copies it over
-// (PathProxy). With neither, Recv fails with ErrNoPath.
+// OnDevice asks for the result on dev (default: host memory). With a
+// channel Proxy (WithProxy), GPU results always land through it: written by
+// the NIC into the GPU itself where the proxy's policy says Direct
+// (PathDirectGPU, flushed as the proxy decides), or landed in a host proxy
+// tensor and copied over (PathProxy). Without one, a GPU the channel's
+// memory can allocate and the NIC can write is written directly
+// (PathDirectGPU, with no flush: nothing here can make one); otherwise Recv
+// fails with ErrNoPath.
 func OnDevice(dev tensor.Device) RecvOption { return func(r *request) { r.dev = dev } }
 
 // Recv asks the peer for the tensor sent under key and step and waits for
@@ -370,7 +374,17 @@ func (rv *receiver) allocResultLocked(r *request, meta tensor.Meta) error {
 		// lets the next one be written with no re-request.
 		size += size/4 + 64
 	}
-	buf, err := c.mem.Alloc(size, dev)
+	var buf tensor.Buffer
+	var err error
+	if r.path == PathDirectGPU && c.opts.proxy != nil {
+		// One landing path for GPU results: with a proxy, it lands them,
+		// written by the NIC into the GPU itself where its policy says
+		// Direct (and then flushed as its flush choice says, outside the
+		// channel's lock, when the landing completes), staged otherwise.
+		err = verbsio.ErrNotSupported
+	} else {
+		buf, err = c.mem.Alloc(size, dev)
+	}
 	if err != nil && r.path == PathDirectGPU && errors.Is(err, verbsio.ErrNotSupported) {
 		if c.opts.proxy == nil {
 			return fmt.Errorf("%w: %s: %w (and no proxy)", ErrNoPath, dev, err)

@@ -21,6 +21,7 @@ PKGS=(
 	"./proxy:"
 	"./gdr:"
 	"./cmd/gdrcheck:"
+	"./bench:IPC"
 	".:GPU|CUDA"
 )
 
@@ -121,8 +122,8 @@ run() {
 	fi
 	if "$dir/bench" -list 2>/dev/null | grep -q '^ipc '; then
 		echo
-		echo "== bench -scenario ipc"
-		if ! "$dir/bench" -scenario ipc 2>"$logs/bench-ipc.err"; then
+		echo "== bench -scenario ipc (real GPU, then the CPU analog and the simulated GPU)"
+		if ! "$dir/bench" -scenario ipc -set ipc.mode=cuda,cpu,sim 2>"$logs/bench-ipc.err"; then
 			failed=1
 			tail -n 3 "$logs/bench-ipc.err"
 		fi

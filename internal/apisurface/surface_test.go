@@ -14,10 +14,11 @@ import (
 // on the front door; the collective package's report and errors) and
 // rejoining (Rejoined, WaitRejoin) and the peer timeout (WithPeerTimeout) arrived; alloc.Budget and
 // the checksum errors came with them; the SwitchML backend added
-// WithAggregator (466 and 43). Raise them only for a capability, and say
-// which here.
+// WithAggregator (466 and 43); gdr.DecideGPUByBusID, the decision for a
+// GPU known by its CUDA ordinal (467). Raise them only for a capability,
+// and say which here.
 const (
-	maxTotal     = 466
+	maxTotal     = 467
 	maxFrontDoor = 43
 )
 

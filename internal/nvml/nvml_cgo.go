@@ -106,6 +106,34 @@ func BAR1(busID string) (free, total int64, err error) {
 	return int64(m.Bar1Free), int64(m.Bar1Total), nil
 }
 
+// C2C reports whether the GPU at a PCI address reaches the CPU over a
+// chip-to-chip link (Grace Hopper and later), as NCCL reads it:
+// nvmlDeviceGetC2cModeInfoV's isC2cEnabled. An NVML without the function
+// (a driver older than C2C) or a GPU that answers NOT_SUPPORTED has none.
+func C2C(busID string) (bool, error) { return c2c("", busID) }
+
+func c2c(libraryPath, busID string) (bool, error) {
+	lib, err := session(libraryPath)
+	if err != nil {
+		return false, err
+	}
+	dev, r := lib.DeviceGetHandleByPciBusId(busID)
+	if r != gonvml.SUCCESS {
+		return false, fmt.Errorf("nvmlDeviceGetHandleByPciBusId(%s): %s", busID, r.Error())
+	}
+	if lib.Extensions().LookupSymbol("nvmlDeviceGetC2cModeInfoV") != nil {
+		return false, nil // optional: this NVML predates C2C
+	}
+	info, r := dev.GetC2cModeInfoV().V1()
+	switch r {
+	case gonvml.SUCCESS:
+		return info.IsC2cEnabled != 0, nil
+	case gonvml.ERROR_NOT_SUPPORTED:
+		return false, nil
+	}
+	return false, fmt.Errorf("nvmlDeviceGetC2cModeInfoV(%s): %s", busID, r.Error())
+}
+
 // sessions holds NVML as this process initialized it, by library path. NVML
 // is initialized once per process and never shut down (a driver library, once
 // loaded, stays loaded): this is the package's one piece of process-wide

@@ -40,6 +40,9 @@ type device struct {
 	// refused (a kernel that predates optional access flags): later
 	// registrations ask without it.
 	noRelaxed atomic.Bool
+	// dmabufRefused is the reason, once a real dma-buf registration was
+	// refused as unsupported, that Caps().DMABuf is false after all.
+	dmabufRefused atomic.Pointer[string]
 
 	mu       sync.Mutex
 	children int
@@ -77,20 +80,20 @@ func newDevice(p *provider, c *ibv.Context, ch choice, cfg verbsio.Config) (*dev
 
 // probe learns what the device grants: the largest inline payload a queue
 // pair gets, and whether ibv_reg_dmabuf_mr exists (asked with fd -1: a
-// device without it answers EOPNOTSUPP before looking at the fd).
+// device without it answers EOPNOTSUPP before looking at the fd; see
+// dmabufProbeVerdict). The first real dma-buf registration settles it
+// (RegisterDMABuf).
 func (d *device) probe() (inline int, dmabuf bool, why string) {
 	pd, err := d.c.AllocPD()
 	if err != nil {
 		return 0, false, "probe failed: " + err.Error()
 	}
 	defer pd.Close()
-	_, err = pd.RegDMABufMR(0, 4096, 0, -1, ibv.AccessLocalWrite)
-	switch {
-	case errors.Is(err, syscall.EOPNOTSUPP) || errors.Is(err, syscall.ENOSYS):
-		why = fmt.Sprintf("%s has no dma-buf registration (ibv_reg_dmabuf_mr: %v)", d.ch.Device, err)
-	case err != nil:
-		dmabuf = true // the verb exists and rejected the fd
+	m, err := pd.RegDMABufMR(0, 4096, 0, -1, ibv.AccessLocalWrite)
+	if err == nil {
+		m.Close()
 	}
+	dmabuf, why = dmabufProbeVerdict(d.ch.Device, err)
 	cq, err := d.c.CreateCQ(2)
 	if err != nil {
 		return 0, dmabuf, why
@@ -105,6 +108,31 @@ func (d *device) probe() (inline int, dmabuf bool, why string) {
 		}
 	}
 	return inline, dmabuf, why
+}
+
+// dmabufProbeVerdict reads the answer of the probe registration of fd -1.
+// Only EBADF, the kernel having looked at the descriptor, counts as dma-buf
+// support, and only until the first real registration says otherwise;
+// EOPNOTSUPP and ENOSYS say the device has none, and any other answer is
+// not counted as support, with the reason.
+func dmabufProbeVerdict(dev string, err error) (bool, string) {
+	switch {
+	case err == nil || errors.Is(err, syscall.EBADF):
+		return true, ""
+	case errors.Is(err, syscall.EOPNOTSUPP) || errors.Is(err, syscall.ENOSYS):
+		return false, fmt.Sprintf("%s has no dma-buf registration (ibv_reg_dmabuf_mr: %v)", dev, err)
+	}
+	return false, fmt.Sprintf("%s: the dma-buf probe got %v, not the EBADF of a device that has the verb; not counted as support", dev, err)
+}
+
+// dmabufRefusal reads the outcome of a real dma-buf registration: a
+// non-empty reason when it shows the device has no dma-buf registration
+// after all (EOPNOTSUPP or ENOSYS), "" otherwise.
+func dmabufRefusal(dev string, err error) string {
+	if err != nil && (errors.Is(err, syscall.EOPNOTSUPP) || errors.Is(err, syscall.ENOSYS)) {
+		return fmt.Sprintf("%s refused a dma-buf registration (ibv_reg_dmabuf_mr: %v)", dev, err)
+	}
+	return ""
 }
 
 // rxeVendorID is the vendor ID Soft-RoCE (rdma_rxe) reports.
@@ -127,6 +155,9 @@ func (d *device) Info() verbsio.DeviceInfo { return d.info }
 // Caps implements verbsio.Device.
 func (d *device) Caps() verbsio.Caps {
 	c := d.caps
+	if d.dmabufRefused.Load() != nil {
+		c.DMABuf = false
+	}
 	c.MemoryTypes = append([]tensor.DeviceKind(nil), c.MemoryTypes...)
 	return c
 }
@@ -139,7 +170,12 @@ func (d *device) GPUMemoryReason() string { return d.gpuWhy }
 // DMABufReason says why Caps().DMABuf is false ("" when it is true): the
 // device has no dma-buf registration (Soft-RoCE), or the probe failed. It
 // implements ibvdiag.Device.
-func (d *device) DMABufReason() string { return d.dmabufWhy }
+func (d *device) DMABufReason() string {
+	if why := d.dmabufRefused.Load(); why != nil {
+		return *why
+	}
+	return d.dmabufWhy
+}
 
 // GrantsReason says why Caps().Grants is false: the device has no type 2
 // memory windows, it does not enforce a window's bounds (Soft-RoCE), the
@@ -385,9 +421,12 @@ func (p *pd) RegisterDMABuf(fd int, offset uint64, length int, iova uint64, acce
 			m, err = m2, nil
 		}
 	}
+	if why := dmabufRefusal(p.d.ch.Device, err); why != "" {
+		p.d.dmabufRefused.CompareAndSwap(nil, &why)
+	}
 	if err != nil {
 		p.dropChild()
-		if errors.Is(err, syscall.EOPNOTSUPP) {
+		if errors.Is(err, syscall.EOPNOTSUPP) || errors.Is(err, syscall.ENOSYS) {
 			return nil, fmt.Errorf("%w: %s cannot register dma-buf memory: %w", verbsio.ErrNotSupported, p.d.ch.Device, err)
 		}
 		if errors.Is(err, syscall.EBADF) {

@@ -25,6 +25,13 @@
 //   - the DMA length is the message size, a whole number of slots; it may
 //     change during a job but is the same on all workers for a pool index.
 //
+// A message of length zero (one WRITE ONLY WITH IMMEDIATE packet without
+// payload) carries only exponents: it holds the set of its slot as a
+// one-slot message would (bitmap, retransmissions, alternation), adds
+// nothing, and is answered by a zero-length write whose immediate is the
+// maximum of the exponents. Workers use it to agree on the exponents of
+// their first blocks without sending a payload ahead of them.
+//
 // The immediate of the last packet holds up to 4 exponent bytes, one per
 // block of the message (see package bfp); a write without immediate counts
 // as exponents 0.
@@ -234,8 +241,9 @@ type set struct {
 
 // msg is the state of a message round, at its first slot's set.
 type msg struct {
-	n     int // packets
-	done  int // complete slots
+	n     int  // packets
+	empty bool // an exponent-only message: one packet without payload
+	done  int  // complete slots
 	exp   [4]uint8
 	va    [MaxWorkers]uint64
 	reply [MaxWorkers]*qp
@@ -252,7 +260,8 @@ type qp struct {
 	first  int    // its first slot (job-relative), set and size
 	set    int
 	n      int
-	next   int // index of its next packet
+	empty  bool // its message is exponent-only
+	next   int  // index of its next packet
 }
 
 // AddJob adds a job and returns its id and, per worker and queue pair, the
@@ -362,13 +371,17 @@ func (a *Aggregator) handle(q *qp, p *rocev2.Packet, out []Reply) ([]Reply, erro
 		idx := int(p.RKey & MaxPoolIndex)
 		first, s := idx>>1-j.spec.Base, idx&1
 		n := int(p.DMALen) / sb
+		empty := p.DMALen == 0 && p.Opcode == rocev2.WriteOnlyWithImm
+		if empty {
+			n = 1
+		}
 		switch {
-		case int(p.DMALen)%sb != 0 || n < 1 || (p.Opcode == rocev2.WriteFirst) != (n > 1):
+		case !empty && (int(p.DMALen)%sb != 0 || n < 1 || (p.Opcode == rocev2.WriteFirst) != (n > 1)):
 			return out, fmt.Errorf("%w: %v of %d bytes with %d-byte slots", ErrSize, p.Opcode, p.DMALen, sb)
 		case first < 0 || first+n > j.spec.Slots:
 			return out, fmt.Errorf("%w: pool index %d, %d slots, job has slots [%d, %d)", ErrPoolIndex, idx, n, j.spec.Base, j.spec.Base+j.spec.Slots)
 		}
-		q.active, q.first, q.set, q.n, q.next = true, first, s, n, 0
+		q.active, q.first, q.set, q.n, q.empty, q.next = true, first, s, n, empty, 0
 	} else {
 		if !q.active || p.PSN != q.epsn {
 			was := q.active
@@ -380,7 +393,11 @@ func (a *Aggregator) handle(q *qp, p *rocev2.Packet, out []Reply) ([]Reply, erro
 	k := q.next
 	q.next++
 	last := k == q.n-1
-	if p.Opcode.Ends() != last || len(p.Payload) != sb {
+	want := sb
+	if q.empty {
+		want = 0
+	}
+	if p.Opcode.Ends() != last || len(p.Payload) != want {
 		q.active = false
 		return out, fmt.Errorf("%w: %v with %d bytes as packet %d of %d (%d-byte slots)", ErrSize, p.Opcode, len(p.Payload), k, q.n, sb)
 	}
@@ -404,7 +421,7 @@ func (a *Aggregator) apply(q *qp, p *rocev2.Packet, k int, last bool, out []Repl
 
 	if st.seen&bit != 0 {
 		// A retransmission.
-		if st.first != int32(q.first) || m.n != q.n {
+		if st.first != int32(q.first) || m.n != q.n || m.empty != q.empty {
 			return out, fmt.Errorf("%w: pool index %d holds a message of %d slots, this one has %d", ErrSize, 2*(j.spec.Base+q.first)+q.set, m.n, q.n)
 		}
 		a.stats.Duplicates++
@@ -427,23 +444,25 @@ func (a *Aggregator) apply(q *qp, p *rocev2.Packet, k int, last bool, out []Repl
 			return out, fmt.Errorf("%w: slot %d set %d while set %d has %d of %d workers", ErrReuse, j.spec.Base+slot, q.set, q.set^1, other.count, len(j.spec.Workers))
 		}
 		if k == 0 {
-			*m = msg{n: q.n}
+			*m = msg{n: q.n, empty: q.empty}
 		}
-		if m.n != q.n {
+		if m.n != q.n || m.empty != q.empty {
 			return out, fmt.Errorf("%w: pool index %d holds a message of %d slots, this one has %d", ErrSize, 2*(j.spec.Base+q.first)+q.set, m.n, q.n)
 		}
 		*st = set{used: true, first: int32(q.first)}
 		clear(j.sums[si*sb : (si+1)*sb])
-	} else if st.first != int32(q.first) || m.n != q.n {
+	} else if st.first != int32(q.first) || m.n != q.n || m.empty != q.empty {
 		if st.first != int32(q.first) {
 			return out, fmt.Errorf("%w: slot %d set %d is filled by the message at slot %d", ErrReuse, j.spec.Base+slot, q.set, j.spec.Base+int(st.first))
 		}
 		return out, fmt.Errorf("%w: pool index %d holds a message of %d slots, this one has %d", ErrSize, 2*(j.spec.Base+q.first)+q.set, m.n, q.n)
 	}
 
-	sum := j.sums[si*sb : (si+1)*sb]
-	for i := 0; i < sb; i += 4 {
-		binary.LittleEndian.PutUint32(sum[i:], binary.LittleEndian.Uint32(sum[i:])+binary.LittleEndian.Uint32(p.Payload[i:]))
+	if !q.empty {
+		sum := j.sums[si*sb : (si+1)*sb]
+		for i := 0; i < sb; i += 4 {
+			binary.LittleEndian.PutUint32(sum[i:], binary.LittleEndian.Uint32(sum[i:])+binary.LittleEndian.Uint32(p.Payload[i:]))
+		}
 	}
 	st.seen |= bit
 	st.count++
@@ -498,6 +517,9 @@ func (a *Aggregator) reply(j *job, first, s, w int, out []Reply) []Reply {
 		}
 		if k == 0 {
 			p.VA, p.RKey, p.DMALen = m.va[w], j.spec.Workers[w].RKey, uint32(m.n*sb)
+		}
+		if m.empty {
+			p.Payload, p.DMALen = nil, 0
 		}
 		if p.Opcode.HasImm() {
 			p.Imm = imm

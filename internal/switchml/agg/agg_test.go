@@ -365,3 +365,47 @@ func TestTwoJobsInterleaved(t *testing.T) {
 		r2.checkReply(o2, w, 2, 600, 0)
 	}
 }
+
+// TestExponentOnly: a zero-length WRITE ONLY WITH IMMEDIATE holds its
+// slot's set, adds nothing, and is answered by a zero-length write with the
+// maximum exponents, to a retransmission too; the slot then goes on with
+// its other set as usual. A zero-length write without immediate is refused.
+func TestExponentOnly(t *testing.T) {
+	r := newRig(t, 3, SlotSmall)
+	empty := func(w, s int, imm uint32) []rocev2.Packet {
+		ps := r.packets(w, 5, s, 1, 0, imm)
+		ps[0].Payload, ps[0].DMALen = nil, 0
+		return ps
+	}
+	imms := []uint32{0x01020304, 0x10000001, 0x00300002}
+	var out []Reply
+	for w := range 3 {
+		out = append(out, r.send(empty(w, 0, imms[w]), nil)...)
+	}
+	if len(out) != 3 {
+		t.Fatalf("%d replies, want 3", len(out))
+	}
+	for _, rp := range out {
+		p := rp.Packet
+		if p.Opcode != rocev2.WriteOnlyWithImm || len(p.Payload) != 0 || p.DMALen != 0 || p.Imm != 0x10300304 {
+			t.Fatalf("reply %v, %d bytes, DMA length %d, immediate %#x; want an empty write with %#x", p.Opcode, len(p.Payload), p.DMALen, p.Imm, 0x10300304)
+		}
+	}
+	// A retransmission gets the result again, to its sender alone.
+	if again := r.send(empty(1, 0, imms[1]), nil); len(again) != 1 || again[0].Worker != 1 || again[0].Packet.Imm != 0x10300304 {
+		t.Fatalf("retransmission answered with %+v", again)
+	}
+	// The slot's other set takes a data message; its sums hold no trace of
+	// the exponent-only round.
+	out = nil
+	for w := range 3 {
+		out = append(out, r.send(r.packets(w, 5, 1, 1, int32(w+1), 0), nil)...)
+	}
+	if len(out) != 3 || binary.LittleEndian.Uint32(out[0].Packet.Payload) != 6 {
+		t.Fatalf("data round after the exponent-only one: %d replies", len(out))
+	}
+	// A zero-length write without immediate is refused.
+	ps := r.packets(0, 5, 0, 1, 0, 0)
+	ps[0].Opcode, ps[0].Payload, ps[0].DMALen = rocev2.WriteOnly, nil, 0
+	r.send(ps, ErrSize)
+}

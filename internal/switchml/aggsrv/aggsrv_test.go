@@ -373,12 +373,20 @@ func TestTwoProcesses(t *testing.T) {
 	}
 	t.Logf("%d packets dropped on purpose, %d second replies drained", drops, drained)
 
-	// One worker leaves: the job ends and the others' connections close.
+	// One worker leaves: the job ends, the others are told its rank, and
+	// their connections close.
 	ws[0].ctl.Close()
 	for _, w := range ws[1:] {
 		w.ctl.SetReadDeadline(time.Now().Add(10 * time.Second))
+		b, err := ReadMessage(w.ctl)
+		if err != nil {
+			t.Fatalf("worker %d's control connection after another left: %v, want an Ended message", w.rank, err)
+		}
+		if e, err := ParseEnded(b); err != nil || e.Rank != ws[0].rank {
+			t.Fatalf("worker %d told %+v, %v; want rank %d ended", w.rank, e, err, ws[0].rank)
+		}
 		if _, err := w.ctl.Read(make([]byte, 1)); err != io.EOF {
-			t.Fatalf("worker %d's control connection after another left: %v, want EOF", w.rank, err)
+			t.Fatalf("worker %d's control connection after the end notice: %v, want EOF", w.rank, err)
 		}
 	}
 	stdin.Close()
@@ -507,6 +515,21 @@ func FuzzAssignment(f *testing.F) {
 			return
 		}
 		if out := s.Append(nil); !bytes.Equal(out, b) || len(out) != s.Len() {
+			t.Fatalf("re-appended %x, parsed %x", out, b)
+		}
+	})
+}
+
+// FuzzEnded: what parses re-appends to the same bytes.
+func FuzzEnded(f *testing.F) {
+	e := Ended{Rank: 3, Why: "EOF"}
+	f.Add(e.Append(nil))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		e, err := ParseEnded(b)
+		if err != nil {
+			return
+		}
+		if out := e.Append(nil); !bytes.Equal(out, b) {
 			t.Fatalf("re-appended %x, parsed %x", out, b)
 		}
 	})

@@ -4,6 +4,9 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
+
+	"github.com/gdrlink/gdrlink/internal/switchml/agg"
 )
 
 // The control protocol: after the job-key handshake (jobauth, purpose
@@ -178,3 +181,48 @@ func (r *reader) bytes(n int) []byte {
 func (r *reader) u8() uint8   { return r.bytes(1)[0] }
 func (r *reader) u16() uint16 { return binary.BigEndian.Uint16(r.bytes(2)) }
 func (r *reader) u32() uint32 { return binary.BigEndian.Uint32(r.bytes(4)) }
+
+// Ended is the aggregator's last message on a running job's control
+// connection: the job ended because the worker of rank Rank left (its
+// control connection ended, by Close or by its process dying). The
+// aggregator then closes every connection of the job.
+type Ended struct {
+	Rank int    // the worker that left, 0..31
+	Why  string // how its connection ended (at most 1024 bytes)
+}
+
+// maxWhy bounds Ended.Why.
+const maxWhy = 1024
+
+// Append appends the message's body to b.
+func (e *Ended) Append(b []byte) []byte {
+	why := e.Why
+	if len(why) > maxWhy {
+		why = why[:maxWhy]
+	}
+	b = append(b, controlVersion, byte(e.Rank))
+	b = binary.BigEndian.AppendUint16(b, uint16(len(why)))
+	return append(b, why...)
+}
+
+// ParseEnded decodes an Ended message's body.
+func ParseEnded(b []byte) (Ended, error) {
+	var e Ended
+	r := reader{b: b}
+	if v := r.u8(); v != controlVersion {
+		return e, fmt.Errorf("%w: version %d", ErrMessage, v)
+	}
+	e.Rank = int(r.u8())
+	n := int(r.u16())
+	if n > maxWhy {
+		return e, fmt.Errorf("%w: reason of %d bytes", ErrMessage, n)
+	}
+	e.Why = string(r.bytes(n))
+	if r.err != nil || len(r.b) != 0 || e.Rank >= agg.MaxWorkers {
+		return e, fmt.Errorf("%w: end notice of %d bytes (%d left over, rank %d)", ErrMessage, len(b), len(r.b), e.Rank)
+	}
+	return e, nil
+}
+
+// ReadMessage reads one length-prefixed control message body from r.
+func ReadMessage(r io.Reader) ([]byte, error) { return readMessage(r) }

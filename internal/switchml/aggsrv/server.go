@@ -25,6 +25,7 @@ import (
 	"sync"
 	"time"
 
+	"golang.org/x/net/ipv4"
 	"golang.org/x/sys/unix"
 
 	"github.com/gdrlink/gdrlink/internal/jobauth"
@@ -224,14 +225,28 @@ func (s *Server) logf(msg string, args ...any) {
 	}
 }
 
-// data is the packet loop.
+// batch is how many packets the data loop reads, and replies it writes,
+// per system call (recvmmsg and sendmmsg on Linux).
+const batch = 64
+
+// maxPacket bounds a data packet the loop reads: a 1024-byte slot with
+// its headers and ICRC fits with room to spare; a longer one is cut and
+// then fails its ICRC.
+const maxPacket = 4096
+
+// data is the packet loop: it reads packets in batches, hands each to the
+// core, and writes the replies of a batch together.
 func (s *Server) data() {
-	buf := make([]byte, 1<<16)
+	pc := ipv4.NewPacketConn(s.cfg.Data)
+	in := make([]ipv4.Message, batch)
+	for i := range in {
+		in[i].Buffers = [][]byte{make([]byte, maxPacket)}
+	}
 	loss := rand.New(rand.NewPCG(s.cfg.Seed, 0x1055))
 	var out []agg.Reply
-	var wb []byte
+	var w writer
 	for {
-		n, from, err := s.cfg.Data.ReadFromUDPAddrPort(buf)
+		n, err := pc.ReadBatch(in, 0)
 		if err != nil {
 			select {
 			case <-s.done:
@@ -240,52 +255,107 @@ func (s *Server) data() {
 			}
 			continue
 		}
-		b := buf[:n]
-		p, err := rocev2.ParseTransport(b)
 		s.mu.Lock()
-		if s.cfg.Drop > 0 && loss.Float64() < s.cfg.Drop {
-			s.stats.Injected++
-			s.mu.Unlock()
-			continue
-		}
-		if err != nil {
-			s.stats.BadPackets++
-			s.mu.Unlock()
-			continue
-		}
-		if !s.cfg.SkipICRC && from.Addr().Is4() {
-			// The pseudo header names 4791 as the destination
-			// port, as on the wire (a server bound elsewhere, in
-			// tests, is sent packets made the same way).
-			ip := rocev2.IPv4{Src: from.Addr().As4(), Dst: s.local, DontFragment: true, SrcPort: from.Port()}
-			if err := rocev2.CheckICRC(&ip, b); err != nil {
-				s.stats.BadICRC++
-				s.mu.Unlock()
+		for i := range in[:n] {
+			from, _ := in[i].Addr.(*net.UDPAddr)
+			if from == nil {
 				continue
 			}
-		}
-		out, _ = s.core.Handle(&p, out[:0])
-		for i := range out {
-			j := s.jobs[out[i].Job]
-			if j == nil {
-				continue
-			}
-			if s.cfg.Drop > 0 && loss.Float64() < s.cfg.Drop {
-				s.stats.Injected++
-				continue
-			}
-			dst := j.addrs[out[i].Worker]
-			ip := rocev2.IPv4{Src: s.local, Dst: dst, DontFragment: true, TTL: 64, SrcPort: s.port}
-			wb, err = rocev2.AppendUDP(wb[:0], &ip, &out[i].Packet)
-			if err == nil {
-				_, err = s.cfg.Data.WriteToUDPAddrPort(wb, netip.AddrPortFrom(netip.AddrFrom4(dst), s.cfg.PeerPort))
-			}
-			if err != nil {
-				s.stats.SendErrors++
-			}
+			out = s.packet(in[i].Buffers[0][:in[i].N], from.AddrPort(), loss, out[:0], &w)
 		}
 		s.mu.Unlock()
+		if failed := w.flush(pc); failed > 0 {
+			s.mu.Lock()
+			s.stats.SendErrors += failed
+			s.mu.Unlock()
+		}
 	}
+}
+
+// packet handles one packet from from, queueing its replies on w; s.mu is
+// held.
+func (s *Server) packet(b []byte, from netip.AddrPort, loss *rand.Rand, out []agg.Reply, w *writer) []agg.Reply {
+	from = netip.AddrPortFrom(from.Addr().Unmap(), from.Port())
+	p, err := rocev2.ParseTransport(b)
+	if s.cfg.Drop > 0 && loss.Float64() < s.cfg.Drop {
+		s.stats.Injected++
+		return out
+	}
+	if err != nil {
+		s.stats.BadPackets++
+		return out
+	}
+	if !s.cfg.SkipICRC && from.Addr().Is4() {
+		// The pseudo header names 4791 as the destination port, as on
+		// the wire (a server bound elsewhere, in tests, is sent packets
+		// made the same way).
+		ip := rocev2.IPv4{Src: from.Addr().As4(), Dst: s.local, DontFragment: true, SrcPort: from.Port()}
+		if err := rocev2.CheckICRC(&ip, b); err != nil {
+			s.stats.BadICRC++
+			return out
+		}
+	}
+	out, _ = s.core.Handle(&p, out)
+	for i := range out {
+		j := s.jobs[out[i].Job]
+		if j == nil {
+			continue
+		}
+		if s.cfg.Drop > 0 && loss.Float64() < s.cfg.Drop {
+			s.stats.Injected++
+			continue
+		}
+		dst := j.addrs[out[i].Worker]
+		ip := rocev2.IPv4{Src: s.local, Dst: dst, DontFragment: true, TTL: 64, SrcPort: s.port}
+		wb, err := rocev2.AppendUDP(w.next(), &ip, &out[i].Packet)
+		if err != nil {
+			s.stats.SendErrors++
+			continue
+		}
+		w.add(wb, &net.UDPAddr{IP: net.IP(dst[:]), Port: int(s.cfg.PeerPort)})
+	}
+	return out
+}
+
+// writer gathers reply datagrams and sends them in batches.
+type writer struct {
+	msgs []ipv4.Message
+	bufs [][]byte // kept between batches
+}
+
+// next returns an empty buffer for the next datagram.
+func (w *writer) next() []byte {
+	if len(w.msgs) < len(w.bufs) {
+		return w.bufs[len(w.msgs)][:0]
+	}
+	return make([]byte, 0, maxPacket)
+}
+
+// add queues datagram b (from next) to to.
+func (w *writer) add(b []byte, to net.Addr) {
+	if len(w.msgs) < len(w.bufs) {
+		w.bufs[len(w.msgs)] = b
+	} else {
+		w.bufs = append(w.bufs, b)
+	}
+	w.msgs = append(w.msgs, ipv4.Message{Buffers: [][]byte{b}, Addr: to})
+}
+
+// flush sends the queued datagrams, batch at a time, and returns how many
+// could not be sent (a worker's port closed, say).
+func (w *writer) flush(pc *ipv4.PacketConn) (failed uint64) {
+	m := w.msgs
+	for len(m) > 0 {
+		n, err := pc.WriteBatch(m[:min(len(m), batch)], 0)
+		if err != nil {
+			failed++
+			n = max(n, 0) + 1 // skip the one that failed
+		}
+		m = m[min(n, len(m)):]
+	}
+	clear(w.msgs)
+	w.msgs = w.msgs[:0]
+	return failed
 }
 
 // control serves one worker's control connection.
@@ -341,12 +411,15 @@ func (s *Server) control(c net.Conn) {
 	}
 	c.SetDeadline(time.Time{})
 	if err := writeMessage(c, as.Append(nil)); err != nil || j.err != "" {
-		s.end(j)
+		s.end(j, m, err)
 		return
 	}
 	// The job runs while every worker's connection stays open.
-	io.Copy(io.Discard, c)
-	s.end(j)
+	_, err = io.Copy(io.Discard, c)
+	if err == nil {
+		err = io.EOF
+	}
+	s.end(j, m, err)
 }
 
 // join adds an announce to its job, and sets the job up when it is the
@@ -444,9 +517,10 @@ func (s *Server) refuse(j *job, why string) {
 	close(j.ready)
 }
 
-// end ends a running job once: its queue pairs go, and every worker's
-// connection is closed so that each learns it.
-func (s *Server) end(j *job) {
+// end ends a running job once, because member gone's connection ended
+// with why: its queue pairs go, and every other worker is told which rank
+// left (an Ended message) before its connection is closed.
+func (s *Server) end(j *job, gone *member, why error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if j.ended {
@@ -456,9 +530,16 @@ func (s *Server) end(j *job) {
 	if j.running {
 		s.core.RemoveJob(j.id)
 		delete(s.jobs, j.id)
-		s.logf("switchml job ended", "job", j.name)
+		s.logf("switchml job ended", "job", j.name, "left", gone.ann.Rank, "why", why)
 	}
+	notice := (&Ended{Rank: gone.ann.Rank, Why: fmt.Sprint(why)}).Append(nil)
 	for _, m := range j.members {
+		if m != gone && j.running {
+			// A bounded write: the connection's buffer takes it, or the
+			// worker is gone too.
+			m.conn.SetWriteDeadline(time.Now().Add(time.Second))
+			writeMessage(m.conn, notice)
+		}
 		m.conn.Close()
 	}
 }

@@ -112,8 +112,8 @@ func (w *Worker) AllReduceInt32(ctx context.Context, x []int32) error {
 }
 
 // allReduce runs a float AllReduce: each queue pair first sends the
-// exponents of its first chunk, then each chunk with the exponents of its
-// next one.
+// exponents of its first chunk in an exponent-only message (no payload),
+// then each chunk with the exponents of its next one.
 func (w *Worker) allReduce(ctx context.Context, b blocks) error {
 	se := w.slotEl
 	e := se * w.cfg.MsgSlots
@@ -132,7 +132,7 @@ func (w *Worker) allReduce(ctx context.Context, b blocks) error {
 	return w.run(ctx, n, func(ctx context.Context, q *qp, chunks []int) error {
 		payload := make([]byte, w.msgB)
 		sig := make([]int32, se)
-		_, shared, err := w.exchange(ctx, q, payload, exps(chunks[0]))
+		_, shared, err := w.exchange(ctx, q, nil, exps(chunks[0]))
 		if err != nil {
 			return err
 		}
@@ -184,8 +184,11 @@ func (w *Worker) run(ctx context.Context, n int, f func(context.Context, *qp, []
 	w.opMu.Lock()
 	defer w.opMu.Unlock()
 	w.mu.Lock()
-	broken := w.broken
+	broken, closed := w.broken, w.closed
 	w.mu.Unlock()
+	if closed {
+		return ErrClosed
+	}
 	if broken != nil {
 		return fmt.Errorf("switchml: an earlier AllReduce failed: %w", broken)
 	}
@@ -194,8 +197,17 @@ func (w *Worker) run(ctx context.Context, n int, f func(context.Context, *qp, []
 	if chunks == 0 {
 		return nil
 	}
-	ctx, cancel := context.WithCancel(ctx)
+	ctx, cancelCause := context.WithCancelCause(ctx)
+	cancel := func() { cancelCause(context.Canceled) }
 	defer cancel()
+	// Close ends a pending call at once.
+	go func() {
+		select {
+		case <-w.quit:
+			cancelCause(ErrClosed)
+		case <-ctx.Done():
+		}
+	}()
 	var wg sync.WaitGroup
 	errs := make([]error, len(w.qps))
 	for qi, q := range w.qps {

@@ -35,6 +35,12 @@ func TestMain(m *testing.M) {
 			os.Exit(1)
 		}
 		os.Exit(0)
+	case "idle":
+		if err := runIdle(); err != nil {
+			fmt.Fprintln(os.Stderr, "idle worker child:", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
 	case "worker":
 		if err := runWorker(); err != nil {
 			fmt.Fprintln(os.Stderr, "worker child:", err)

@@ -21,10 +21,12 @@
 // bfp). As in SwitchML, a message carries in its immediate the exponents of
 // the next chunk its queue pair will carry, and the aggregator's reply
 // brings their maximum back. The first chunk of each queue pair is preceded
-// by a message of zeros that carries only its exponents, so a float
-// AllReduce of S bytes sends S bytes plus one message per queue pair used
-// (int32 needs no exponents and sends exactly S bytes, rounded up to whole
-// messages).
+// by an exponent-only message: a WRITE WITH IMMEDIATE of length zero, to a
+// slot of the queue pair's own beyond its data slots (package agg), which
+// the aggregator answers with an empty write carrying the maxima. So a
+// float AllReduce of S bytes sends and receives S bytes of payload per
+// worker (rounded up to whole messages, as for int32), at the cost of one
+// round trip more per call.
 //
 // # Loss
 //
@@ -60,11 +62,32 @@ var (
 	// ErrAggregator means the aggregator failed: it refused the job,
 	// closed the control connection, or did not answer in time.
 	ErrAggregator = errors.New("switchml: aggregator failed")
+	// ErrWorker means another worker of the job left it (closed, or its
+	// process died); the error names its rank.
+	ErrWorker = errors.New("switchml: a worker left the job")
 	// ErrClosed means the worker was closed.
 	ErrClosed = errors.New("switchml: worker closed")
 	// ErrConfig means a configuration that cannot work.
 	ErrConfig = errors.New("switchml: bad configuration")
 )
+
+// LeftError says which worker left the job: the aggregator, seeing its
+// control connection end (Close, or its process died), ended the job and
+// named it to the others. It matches ErrWorker.
+type LeftError struct {
+	Rank       int    // the worker that left
+	Job        string // the job's name
+	Aggregator string // the aggregator's control endpoint
+	Why        string // how its connection ended, as the aggregator saw it
+}
+
+// Error names the rank.
+func (e *LeftError) Error() string {
+	return fmt.Sprintf("%v: rank %d left job %q (the aggregator %s saw its connection end: %s)", ErrWorker, e.Rank, e.Job, e.Aggregator, e.Why)
+}
+
+// Is makes a LeftError match ErrWorker.
+func (e *LeftError) Is(target error) bool { return target == ErrWorker }
 
 // Defaults of Config.
 const (
@@ -73,6 +96,8 @@ const (
 	DefaultWindow    = 8
 	DefaultTimeout   = 50 * time.Millisecond
 	DefaultRetries   = 200
+	// DefaultCloseTimeout bounds Close's wait for the other workers.
+	DefaultCloseTimeout = time.Second
 )
 
 // Config configures a worker.
@@ -107,6 +132,9 @@ type Config struct {
 	// (DefaultRetries).
 	Timeout time.Duration
 	Retries int
+	// CloseTimeout bounds how long Close waits for the other workers to
+	// leave too (DefaultCloseTimeout when zero).
+	CloseTimeout time.Duration
 	// DropSend and DropRecv, between 0 and 1, drop that share of the
 	// packets sent and received, at random, to test loss; Seed seeds it.
 	DropSend, DropRecv float64
@@ -146,6 +174,7 @@ type Worker struct {
 	mangle  func([]byte)          // tests: changes a packet about to be sent
 	link    func([]byte) [][]byte // tests: what the link delivers for a packet sent
 	closed  bool
+	quit    chan struct{} // closed when Close starts: pending calls end
 	wg      sync.WaitGroup
 }
 
@@ -157,12 +186,15 @@ type qp struct {
 	set    int    // set of the next message
 	count  uint64 // messages sent (picks the reply address)
 	first  int    // first slot, job-relative
+	eslot  int    // slot of its exponent-only messages, job-relative
+	eset   int    // set of its next exponent-only message
 	result chan reply
 	// receive side, owned by the receive loop
 	rpsn   uint32
 	active bool
 	va     uint64
 	buf    []byte
+	size   int    // DMA length of the reply being received
 	want   uint64 // address of the message awaited (0: none)
 }
 
@@ -174,9 +206,9 @@ type reply struct {
 
 const psnMask = 1<<24 - 1
 
-// vaBase is where results land: message m of queue pair q at
-// vaBase + (m<<20) + q<<12 (addresses only name replies; no memory is
-// behind them).
+// vaBase is where results land: message m of a queue pair at
+// vaBase + (m<<20) + slot<<8, slot being the message's first (addresses
+// only name replies; no memory is behind them).
 const vaBase = 1 << 40
 
 // New sets a worker up with the aggregator: it binds the data socket,
@@ -197,6 +229,9 @@ func New(ctx context.Context, cfg Config) (*Worker, error) {
 	}
 	if cfg.Retries == 0 {
 		cfg.Retries = DefaultRetries
+	}
+	if cfg.CloseTimeout <= 0 {
+		cfg.CloseTimeout = DefaultCloseTimeout
 	}
 	if cfg.Port == 0 {
 		cfg.Port = rocev2.Port
@@ -223,7 +258,7 @@ func New(ctx context.Context, cfg Config) (*Worker, error) {
 		return nil, err
 	}
 	w := &Worker{cfg: cfg, sock: sock, byQPN: map[uint32]*qp{}, slotEl: cfg.SlotBytes / 4,
-		msgB: cfg.SlotBytes * cfg.MsgSlots, dead: make(chan struct{}),
+		msgB: cfg.SlotBytes * cfg.MsgSlots, dead: make(chan struct{}), quit: make(chan struct{}),
 		rng: rand.New(rand.NewPCG(cfg.Seed, uint64(cfg.Rank)))}
 	if err := w.setup(ctx); err != nil {
 		sock.Close()
@@ -272,10 +307,10 @@ func (w *Worker) setup(ctx context.Context) error {
 		}
 	}
 	a := aggsrv.Announce{Job: cfg.Job, Workers: cfg.Workers, Rank: cfg.Rank, SlotBytes: cfg.SlotBytes,
-		Slots: cfg.Window * cfg.MsgSlots, Addr: cfg.Local, RKey: 0x5a00 | uint32(cfg.Rank)}
+		Slots: cfg.Window * (cfg.MsgSlots + 1), Addr: cfg.Local, RKey: 0x5a00 | uint32(cfg.Rank)}
 	seed := rand.New(rand.NewPCG(cfg.Seed^0x51, uint64(cfg.Rank)))
 	for i := range cfg.Window {
-		q := &qp{qpn: uint32(0x1000 + i), psn: seed.Uint32() & psnMask, first: i * cfg.MsgSlots, result: make(chan reply, 1)}
+		q := &qp{qpn: uint32(0x1000 + i), psn: seed.Uint32() & psnMask, first: i * cfg.MsgSlots, eslot: cfg.Window*cfg.MsgSlots + i, result: make(chan reply, 1)}
 		w.qps = append(w.qps, q)
 		w.byQPN[q.qpn] = q
 		a.QPNs = append(a.QPNs, q.qpn)
@@ -316,16 +351,25 @@ func (w *Worker) setup(ctx context.Context) error {
 	return nil
 }
 
-// watch notices the end of the control connection: the aggregator died or
-// ended the job (a worker left).
+// watch notices the end of the control connection: the aggregator died,
+// or it ended the job because a worker left, which it names first.
 func (w *Worker) watch() {
 	defer w.wg.Done()
-	_, err := io.Copy(io.Discard, w.ctl)
-	if err == nil {
-		err = io.EOF
+	var err error
+	b, rerr := aggsrv.ReadMessage(w.ctl)
+	if rerr == nil {
+		var e aggsrv.Ended
+		if e, err = aggsrv.ParseEnded(b); err == nil {
+			err = &LeftError{Rank: e.Rank, Job: w.cfg.Job, Aggregator: w.cfg.Control, Why: e.Why}
+		} else {
+			err = fmt.Errorf("%w: aggregator %s: %w", ErrAggregator, w.cfg.Control, err)
+		}
+		io.Copy(io.Discard, w.ctl)
+	} else {
+		err = fmt.Errorf("%w: aggregator %s closed the job: %w", ErrAggregator, w.cfg.Control, rerr)
 	}
 	w.mu.Lock()
-	w.deadErr = fmt.Errorf("%w: aggregator %s closed the job (it ended, or a worker left): %w", ErrAggregator, w.cfg.Control, err)
+	w.deadErr = err
 	if w.closed {
 		w.deadErr = ErrClosed
 	}
@@ -335,27 +379,30 @@ func (w *Worker) watch() {
 
 // Close leaves the job, which ends it for every worker. Since a worker
 // that lost a result needs the aggregator's job to get it again, Close first
-// sends one more (empty) message and waits for its result, or for another
-// worker to end the job: either shows every worker sent it, so every worker
-// has the results of everything before it.
+// sends one more message (exponent-only: no payload) and waits for its
+// result, or for another worker to end the job: either shows every worker
+// sent it, so every worker has the results of everything before it. It
+// waits at most CloseTimeout for that; a call pending when Close starts
+// fails with ErrClosed at once.
 func (w *Worker) Close() error {
 	w.mu.Lock()
 	if w.closed {
 		w.mu.Unlock()
 		return nil
 	}
+	w.closed = true
+	close(w.quit) // a pending AllReduce fails with ErrClosed now
+	w.mu.Unlock()
+	w.opMu.Lock()
+	w.mu.Lock()
 	broken := w.broken
 	w.mu.Unlock()
 	if broken == nil {
-		w.opMu.Lock()
-		ctx, cancel := context.WithTimeout(context.Background(), w.cfg.Timeout*time.Duration(w.cfg.Retries))
-		w.exchange(ctx, w.qps[0], make([]byte, w.msgB), 0)
+		ctx, cancel := context.WithTimeout(context.Background(), w.cfg.CloseTimeout)
+		w.exchange(ctx, w.qps[0], nil, 0)
 		cancel()
-		w.opMu.Unlock()
 	}
-	w.mu.Lock()
-	w.closed = true
-	w.mu.Unlock()
+	w.opMu.Unlock()
 	err := errors.Join(w.ctl.Close(), w.sock.Close())
 	w.wg.Wait()
 	return err
@@ -408,15 +455,15 @@ func (w *Worker) handle(b []byte, from netip.AddrPort) {
 		return
 	}
 	if p.Opcode.Starts() {
-		q.active, q.va, q.buf = true, p.VA, q.buf[:0]
-		if int(p.DMALen) != w.msgB {
+		q.active, q.va, q.buf, q.size = true, p.VA, q.buf[:0], int(p.DMALen)
+		if q.size != w.msgB && (q.size != 0 || p.Opcode != rocev2.WriteOnlyWithImm) {
 			q.active = false
 		}
 	} else if !q.active || p.PSN != q.rpsn {
 		q.active = false
 	}
 	q.rpsn = (p.PSN + 1) & psnMask
-	if !q.active || len(p.Payload) != w.cfg.SlotBytes {
+	if !q.active || len(p.Payload) != min(q.size, w.cfg.SlotBytes) {
 		q.active = false
 		w.stats.StaleReplies++
 		return
@@ -426,7 +473,7 @@ func (w *Worker) handle(b []byte, from netip.AddrPort) {
 		return
 	}
 	q.active = false
-	if len(q.buf) != w.msgB || q.va != q.want {
+	if len(q.buf) != q.size || q.va != q.want {
 		w.stats.StaleReplies++
 		return
 	}
@@ -439,12 +486,19 @@ func (w *Worker) handle(b []byte, from netip.AddrPort) {
 }
 
 // exchange sends one message on q (payload of msgB bytes, immediate imm)
-// and returns the result, resending on timeout.
+// and returns the result, resending on timeout. A nil payload sends an
+// exponent-only message (no payload) on q's exponent slot; its result is
+// empty.
 func (w *Worker) exchange(ctx context.Context, q *qp, payload []byte, imm uint32) ([]byte, uint32, error) {
-	set := q.set
-	q.set ^= 1
+	slot, set, n := q.first, q.set, w.cfg.MsgSlots
+	if payload == nil {
+		slot, set, n = q.eslot, q.eset, 1
+		q.eset ^= 1
+	} else {
+		q.set ^= 1
+	}
 	q.count++
-	va := uint64(vaBase) + q.count<<20 + uint64(q.first)<<8
+	va := uint64(vaBase) + q.count<<20 + uint64(slot)<<8
 	w.mu.Lock()
 	q.want = va
 	w.mu.Unlock()
@@ -461,10 +515,11 @@ func (w *Worker) exchange(ctx context.Context, q *qp, payload []byte, imm uint32
 		if try > w.cfg.Retries {
 			return nil, 0, fmt.Errorf("%w: aggregator %s (data %v): no result after %d sends of a message", ErrAggregator, w.cfg.Control, w.agg, try)
 		}
-		n := w.cfg.MsgSlots
 		for k := range n {
-			p := rocev2.Packet{DestQP: q.aqpn, PSN: q.psn, PKey: rocev2.DefaultPKey,
-				Payload: payload[k*w.cfg.SlotBytes : (k+1)*w.cfg.SlotBytes]}
+			p := rocev2.Packet{DestQP: q.aqpn, PSN: q.psn, PKey: rocev2.DefaultPKey}
+			if payload != nil {
+				p.Payload = payload[k*w.cfg.SlotBytes : (k+1)*w.cfg.SlotBytes]
+			}
 			q.psn = (q.psn + 1) & psnMask
 			switch {
 			case n == 1:
@@ -477,7 +532,7 @@ func (w *Worker) exchange(ctx context.Context, q *qp, payload []byte, imm uint32
 				p.Opcode = rocev2.WriteMiddle
 			}
 			if k == 0 {
-				p.VA, p.RKey, p.DMALen = va, uint32(2*(w.base+q.first)+set), uint32(w.msgB)
+				p.VA, p.RKey, p.DMALen = va, uint32(2*(w.base+slot)+set), uint32(len(payload))
 			}
 			if p.Opcode.HasImm() {
 				p.Imm = imm
@@ -529,7 +584,7 @@ func (w *Worker) exchange(ctx context.Context, q *qp, payload []byte, imm uint32
 			return r.buf, r.imm, nil
 		case <-t.C:
 		case <-ctx.Done():
-			return nil, 0, fmt.Errorf("switchml: AllReduce through aggregator %s: %w", w.cfg.Control, ctx.Err())
+			return nil, 0, fmt.Errorf("switchml: AllReduce through aggregator %s: %w", w.cfg.Control, context.Cause(ctx))
 		case <-w.dead:
 			w.mu.Lock()
 			err := w.deadErr
