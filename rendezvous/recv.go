@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/crc32"
+	"log/slog"
 	"sync/atomic"
 	"time"
 
@@ -495,7 +496,9 @@ func (rv *receiver) finishLocked(r *request, t *tensor.Tensor, err error, ds *de
 	} else if err == nil {
 		tr.Path = PathNone
 	}
-	if err == nil {
+	if err == nil && c.log.Enabled(context.Background(), slog.LevelDebug) {
+		// Formatted only when it is logged: a Recv allocates nothing
+		// for a record the handler drops.
 		c.log.Debug("rendezvous: transfer", "transfer", tr.logValue())
 	}
 	if t == nil && err == nil && r.landing {

@@ -9,6 +9,7 @@ import (
 	"runtime"
 	"sync"
 	"syscall"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -34,6 +35,21 @@ type lane struct {
 	err error
 	hb  [headerLen]byte // the waiter's header buffer (under rd)
 	pb  [peekMax]byte   // the waiter's peek buffer (under rd)
+
+	// The functions handed to rc.Control, made once in init so that a
+	// poll allocates nothing (a closure passed to an interface method
+	// escapes), and their arguments and results (all under rd).
+	readyFn, peekFn, peekOutFn, dropFn func(fd uintptr)
+	ok                                 bool
+	n, queued                          int
+	errno                              syscall.Errno
+
+	// writeFn writes wbufs with writev(2) into wn and werr: writeRaw's
+	// call, made once (used by one writer at a time, see writeRaw).
+	writeFn func(fd uintptr)
+	wbufs   net.Buffers
+	wn      int
+	werr    error
 }
 
 func (l *lane) init(c net.Conn) {
@@ -41,14 +57,44 @@ func (l *lane) init(c net.Conn) {
 	if sc, ok := c.(syscall.Conn); ok {
 		l.rc, _ = sc.SyscallConn()
 	}
+	l.readyFn = func(fd uintptr) { l.ok = readable(fd) }
+	l.peekFn = func(fd uintptr) {
+		l.queued = 0
+		l.n, l.errno = recvPeek(fd, l.pb[:])
+		if l.errno != 0 || l.n < headerLen {
+			l.n = 0
+			return
+		}
+		if l.n == len(l.pb) {
+			l.queued, _ = unix.IoctlGetInt(int(fd), unix.SIOCINQ)
+		}
+	}
+	l.writeFn = func(fd uintptr) { l.wn, l.werr = unix.Writev(int(fd), l.wbufs) }
+	l.peekOutFn = func(fd uintptr) {
+		if l.n, l.errno = recvPeek(fd, l.pb[:]); l.errno != 0 {
+			l.n = 0
+		}
+	}
+	l.dropFn = func(fd uintptr) {
+		k, _, errno := unix.Syscall6(unix.SYS_RECVFROM, fd, 0, uintptr(l.n), unix.MSG_TRUNC|unix.MSG_DONTWAIT, 0, 0)
+		l.n, l.errno = int(k), errno
+	}
+}
+
+// recvPeek copies the queued bytes of fd into b without taking them and
+// without waiting. Unlike unix.Recvfrom it asks for no source address, so
+// it allocates nothing.
+func recvPeek(fd uintptr, b []byte) (int, syscall.Errno) {
+	n, _, errno := unix.Syscall6(unix.SYS_RECVFROM, fd, uintptr(unsafe.Pointer(unsafe.SliceData(b))), uintptr(len(b)), unix.MSG_PEEK|unix.MSG_DONTWAIT, 0, 0)
+	return int(n), errno
 }
 
 // readable reports whether a read would not block: a byte is waiting, the
 // peer closed, or the connection failed.
 func readable(fd uintptr) bool {
 	var b [1]byte
-	_, _, err := unix.Recvfrom(int(fd), b[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
-	return err != unix.EAGAIN && err != unix.EINTR
+	_, errno := recvPeek(fd, b[:])
+	return errno != unix.EAGAIN && errno != unix.EINTR
 }
 
 // waitReadable sleeps in the network poller until the connection is
@@ -75,9 +121,9 @@ func (l *lane) ready() bool {
 	if l.rc == nil {
 		return true
 	}
-	ok := true
-	l.rc.Control(func(fd uintptr) { ok = readable(fd) })
-	return ok
+	l.ok = true
+	l.rc.Control(l.readyFn)
+	return l.ok
 }
 
 // take waits until the goroutine may read: the waiter holds rd only for a
@@ -99,18 +145,9 @@ const peekMax = headerLen + 4096
 // whole header is queued; whole says the frame's payload is queued too,
 // more that bytes of a following frame are.
 func (l *lane) peek() (h header, whole, more, ok bool, err error) {
-	var n, queued int
-	l.rc.Control(func(fd uintptr) {
-		var rerr error
-		n, _, rerr = unix.Recvfrom(int(fd), l.pb[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
-		if rerr != nil || n < headerLen {
-			n = 0
-			return
-		}
-		if n == len(l.pb) {
-			queued, _ = unix.IoctlGetInt(int(fd), unix.SIOCINQ)
-		}
-	})
+	l.n, l.queued = 0, 0
+	l.rc.Control(l.peekFn)
+	n, queued := l.n, l.queued
 	if n == 0 {
 		return header{}, false, false, false, nil
 	}
@@ -125,11 +162,9 @@ func (l *lane) peek() (h header, whole, more, ok bool, err error) {
 // drop takes n bytes already peeked off the socket without copying them.
 func (l *lane) drop(n int) error {
 	for n > 0 {
-		var k uintptr
-		var errno syscall.Errno
-		l.rc.Control(func(fd uintptr) {
-			k, _, errno = unix.Syscall6(unix.SYS_RECVFROM, fd, 0, uintptr(n), unix.MSG_TRUNC|unix.MSG_DONTWAIT, 0, 0)
-		})
+		l.n, l.errno = n, 0
+		l.rc.Control(l.dropFn)
+		k, errno := l.n, l.errno
 		switch {
 		case errno == unix.EINTR || errno == unix.EAGAIN:
 			runtime.Gosched()
@@ -138,7 +173,7 @@ func (l *lane) drop(n int) error {
 		case k == 0:
 			return io.ErrUnexpectedEOF
 		default:
-			n -= int(k)
+			n -= k
 		}
 	}
 	return nil
@@ -259,13 +294,9 @@ func (q *qp) pollOut(l *outLane) bool {
 	if l.err != nil {
 		return false
 	}
-	n := 0
-	l.rc.Control(func(fd uintptr) {
-		k, _, err := unix.Recvfrom(int(fd), l.pb[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
-		if err == nil {
-			n = k
-		}
-	})
+	l.n = 0
+	l.rc.Control(l.peekOutFn)
+	n := l.n
 	took := 0
 	var err error
 	for ; took+headerLen <= n; took += headerLen {
@@ -320,13 +351,15 @@ func (q *qp) setInLanesLocked() {
 	q.inLanes.Store(&ls)
 }
 
-// writeRaw writes bufs with writev(2) without waiting; it returns what is
-// left when the socket took only part.
-func writeRaw(rc syscall.RawConn, bufs net.Buffers) (net.Buffers, error) {
+// writeRaw writes bufs to l with writev(2) without waiting; it returns
+// what is left when the socket took only part. One goroutine at a time
+// calls it on a lane (the queue pair's sending flag says which).
+func (l *lane) writeRaw(bufs net.Buffers) (net.Buffers, error) {
+	defer func() { l.wbufs = nil }()
 	for len(bufs) > 0 {
-		var n int
-		var err error
-		cerr := rc.Control(func(fd uintptr) { n, err = unix.Writev(int(fd), bufs) })
+		l.wbufs = bufs
+		cerr := l.rc.Control(l.writeFn)
+		n, err := l.wn, l.werr
 		if cerr != nil {
 			return bufs, cerr
 		}

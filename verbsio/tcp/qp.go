@@ -75,6 +75,7 @@ type qp struct {
 	rq         []*rwr
 	rqTaken    bool // rq[0] is being filled by an inbound operation
 	rqPosted   chan struct{}
+	rqWaited   bool // a takeRecv holds rqPosted: PostRecv closes it
 	kick       chan struct{}
 	closing    chan struct{}
 	lastBad    error // the last malformed frame seen from any peer
@@ -125,6 +126,19 @@ type outLane struct {
 	mu   sync.Mutex
 	fifo []expect
 	jobs chan net.Buffers
+}
+
+// popFront drops the first element of the queue s (clearing it). The last
+// one leaves an empty slice at the same place, so that the next append
+// reuses its room: a queue that drains after each element (a ping-pong)
+// allocates nothing.
+func popFront[T any](s []T) []T {
+	var zero T
+	s[0] = zero
+	if len(s) == 1 {
+		return s[:0]
+	}
+	return s[1:]
 }
 
 func (l *outLane) expect(e expect) {
@@ -332,7 +346,12 @@ func (q *qp) addInbound(c net.Conn, h hello) bool {
 // PostSend checks the chain and queues it for the sequencer; a bad work
 // request rejects the whole chain with an error naming it.
 func (q *qp) PostSend(wrs []verbsio.SendWR) error {
-	ws := make([]*swr, len(wrs))
+	var few [4]*swr // a post of a few work requests allocates no list
+	ws := few[:0]
+	if len(wrs) > len(few) {
+		ws = make([]*swr, 0, len(wrs))
+	}
+	ws = ws[:len(wrs)]
 	for i := range wrs {
 		w, err := q.prepare(&wrs[i])
 		if err != nil {
@@ -421,7 +440,7 @@ func (q *qp) inlineBatchLocked() []*swr {
 func (q *qp) sendInline(batch []*swr) (net.Buffers, error) {
 	l0 := q.out[0]
 	bufs := q.frames(l0, batch, &q.inlineHdrs)
-	rest, err := writeRaw(l0.rc, bufs)
+	rest, err := l0.writeRaw(bufs)
 	if len(rest) == 0 {
 		rest = nil
 	}
@@ -532,8 +551,12 @@ func (q *qp) PostRecv(wrs []verbsio.RecvWR) error {
 		return fmt.Errorf("%w: %d posted + %d > receive queue depth %d", verbsio.ErrQueueFull, len(q.rq), len(rs), q.maxRecv)
 	}
 	q.rq = append(q.rq, rs...)
-	close(q.rqPosted)
-	q.rqPosted = make(chan struct{})
+	if q.rqWaited {
+		// Only a wait for a receive (takeRecv) needs the wake-up.
+		close(q.rqPosted)
+		q.rqPosted = make(chan struct{})
+		q.rqWaited = false
+	}
 	return nil
 }
 
@@ -635,11 +658,12 @@ func (q *qp) respond(e expect, st verbsio.Status) {
 	} else {
 		w.done = true
 	}
-	var cs []verbsio.Completion
+	var few [4]verbsio.Completion // push copies them
+	cs := few[:0]
 	var failed *swr
 	for len(q.sq) > 0 && q.sq[0].done {
 		h := q.sq[0]
-		q.sq = q.sq[1:]
+		q.sq = popFront(q.sq)
 		if h.st != verbsio.StatusSuccess {
 			cs = append(cs, verbsio.Completion{WRID: h.wrid, Status: h.st, Op: h.op, QP: q})
 			failed = h
@@ -868,7 +892,7 @@ func (q *qp) handleResponse(l *outLane, h header) error {
 		return fmt.Errorf("%w: unexpected %s frame", verbsio.ErrBadFrame, opName(h.op))
 	}
 	e := l.fifo[0]
-	l.fifo = l.fifo[1:]
+	l.fifo = popFront(l.fifo)
 	l.mu.Unlock()
 	if h.token != e.token {
 		return fmt.Errorf("%w: response token %d, want %d", verbsio.ErrBadFrame, h.token, e.token)
@@ -913,6 +937,7 @@ func (q *qp) takeRecv() (*rwr, error) {
 			return r, nil
 		}
 		ch := q.rqPosted
+		q.rqWaited = true
 		q.mu.Unlock()
 		if timer == nil {
 			timer = time.NewTimer(q.dev.opt.RNRTimeout)
@@ -1041,6 +1066,10 @@ type responder struct {
 	// sawNext: the last look (SIOCINQ) found a whole request header
 	// queued, so the lane's goroutine reads on without looking again.
 	sawNext bool
+	// inqFn asks for the bytes queued (SIOCINQ) into inq; made once so
+	// that the look allocates nothing.
+	inqFn func(fd uintptr)
+	inq   int
 }
 
 const maxPendingResponses = 64
@@ -1050,6 +1079,7 @@ func newResponder(c net.Conn) *responder {
 	if sc, ok := c.(syscall.Conn); ok {
 		r.rc, _ = sc.SyscallConn()
 	}
+	r.inqFn = func(fd uintptr) { r.inq, _ = unix.IoctlGetInt(int(fd), unix.SIOCINQ) }
 	return r
 }
 
@@ -1058,9 +1088,9 @@ func (r *responder) requestWaiting() bool {
 	if r.rc == nil {
 		return false
 	}
-	n := 0
-	r.rc.Control(func(fd uintptr) { n, _ = unix.IoctlGetInt(int(fd), unix.SIOCINQ) })
-	return n >= headerLen
+	r.inq = 0
+	r.rc.Control(r.inqFn)
+	return r.inq >= headerLen
 }
 
 func (r *responder) answer(h header) error {
