@@ -300,11 +300,12 @@ func (q *qp) Connect(ctx context.Context, remote verbsio.Endpoint) error {
 	// Close ends the attempt: it closes done, and this context with it.
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	attempt := ctx // ctx is narrowed below; the watcher keeps its own
 	go func() {
 		select {
 		case <-q.done:
 			cancel()
-		case <-ctx.Done():
+		case <-attempt.Done():
 		}
 	}()
 	if remote.Provider != Name {
