@@ -17,12 +17,19 @@ import (
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
-// TestTwoProcessGrants: over tcp, whose regions give grants, every result
-// buffer is asked for with a grant of its own, not the arena's rkey, and
-// transfers of every kind (cached meta-data, a shape change and its
-// re-request, strings, a large tensor, a withdrawn Recv) still arrive.
+// TestTwoProcessGrants: over tcp and onnode, whose regions give grants,
+// every result buffer is asked for with a grant of its own, not the
+// arena's rkey, and transfers of every kind (cached meta-data, a shape
+// change and its re-request, strings, a large tensor, a withdrawn Recv)
+// still arrive.
 func TestTwoProcessGrants(t *testing.T) {
-	p := startPeer(t, "tcp", false)
+	for _, provider := range []string{"tcp", "onnode"} {
+		t.Run(provider, func(t *testing.T) { testTwoProcessGrants(t, provider) })
+	}
+}
+
+func testTwoProcessGrants(t *testing.T, provider string) {
+	p := startPeer(t, provider, false)
 	ctx := recvCtx(t)
 	recv := func(key string, step int64, kind string, shape tensor.Shape) {
 		t.Helper()
@@ -39,7 +46,7 @@ func TestTwoProcessGrants(t *testing.T) {
 	grants := func() uint64 { return p.local.ch.rcv.stats.grants.Load() }
 	recv("w", 0, "float32", tensor.Shape{1024}) // meta-data round trip, then a grant
 	if grants() == 0 {
-		t.Fatal("no grant given for a result buffer over tcp")
+		t.Fatalf("no grant given for a result buffer over %s", provider)
 	}
 	for step := int64(1); step < 4; step++ {
 		before := grants()
@@ -131,11 +138,11 @@ type hostileSender struct {
 const hostileRing = 8
 
 // newHostileSender connects a hostile sender to victim's channel.
-func newHostileSender(t *testing.T, victim *side) *hostileSender {
+func newHostileSender(t *testing.T, provider string, victim *side) *hostileSender {
 	t.Helper()
 	h := &hostileSender{t: t}
 	var err error
-	if h.dev, err = verbsio.Open("tcp", verbsio.Config{}); err != nil {
+	if h.dev, err = verbsio.Open(provider, verbsio.Config{}); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { h.dev.Close() })
@@ -323,8 +330,16 @@ func (w *arenaWindow) unchanged(t *testing.T, what string, from, to uintptr) {
 // through the arena's rkey, or through the request's grant but outside
 // the result buffer, or again after the write that completed it, is
 // refused (its write completes with a remote access error) and no byte of
-// the result or of the tensors beside it in the arena changes.
+// the result or of the tensors beside it in the arena changes; over tcp
+// and onnode (where the sender's provider checks the receiver's grant
+// table before it copies).
 func TestGrantHostileSender(t *testing.T) {
+	for _, provider := range []string{"tcp", "onnode"} {
+		t.Run(provider, func(t *testing.T) { testGrantHostileSender(t, provider) })
+	}
+}
+
+func testGrantHostileSender(t *testing.T, provider string) {
 	const size = 4096
 	meta, _ := tensor.MetaFor(tensor.Uint8, tensor.Shape{size})
 	type recvResult struct {
@@ -335,7 +350,7 @@ func TestGrantHostileSender(t *testing.T) {
 	// meta-data cached (so the request carries the buffer), guard tensors
 	// around its buffer, and a hostile sender with the request in hand.
 	setup := func(t *testing.T) (*side, *hostileSender, wire.Message, verbsio.MemoryRegion, *arenaWindow, chan recvResult) {
-		v, err := openSide("tcp", "victim")
+		v, err := openSide(provider, "victim")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -344,7 +359,7 @@ func TestGrantHostileSender(t *testing.T) {
 				t.Errorf("closing the victim: %v", err)
 			}
 		})
-		h := newHostileSender(t, v)
+		h := newHostileSender(t, provider, v)
 		v.ch.mu.Lock()
 		v.ch.rcv.cache["t"] = meta
 		v.ch.mu.Unlock()
@@ -491,11 +506,11 @@ func (m noGrants) Region(addr uintptr, n int) (verbsio.MemoryRegion, bool) {
 	return plainRegion{r}, true
 }
 
-// openGrantSide is openSide over tcp, with grants or without.
-func openGrantSide(name string, grants bool) (*side, error) {
+// openGrantSide is openSide over provider, with grants or without.
+func openGrantSide(provider, name string, grants bool) (*side, error) {
 	s := &side{}
 	var err error
-	if s.dev, err = verbsio.Open("tcp", verbsio.Config{}); err != nil {
+	if s.dev, err = verbsio.Open(provider, verbsio.Config{}); err != nil {
 		return nil, err
 	}
 	if s.pd, err = s.dev.AllocPD(); err != nil {
@@ -517,34 +532,37 @@ func openGrantSide(name string, grants bool) (*side, error) {
 	return s, nil
 }
 
-// BenchmarkRecvGrants compares one steady-state Recv over tcp with a grant
-// per result buffer (given with the request, revoked when it completes)
-// and with the arena's rkey, for a small and a large tensor. Run it with
-// -count to see the spread: the pairs run one after the other in each run.
+// BenchmarkRecvGrants compares one steady-state Recv over tcp and onnode
+// with a grant per result buffer (given with the request, revoked when it
+// completes) and with the arena's rkey, for a small and a large tensor.
+// Run it with -count to see the spread: the pairs run one after the other
+// in each run.
 func BenchmarkRecvGrants(b *testing.B) {
-	for _, size := range []int64{4 << 10, 16 << 20} {
-		for _, grants := range []bool{false, true} {
-			name := "arena-rkey"
-			if grants {
-				name = "grants"
+	for _, provider := range []string{"tcp", "onnode"} {
+		for _, size := range []int64{4 << 10, 16 << 20} {
+			for _, grants := range []bool{false, true} {
+				name := "arena-rkey"
+				if grants {
+					name = "grants"
+				}
+				b.Run(fmt.Sprintf("%s/%s/%dB", provider, name, size), func(b *testing.B) {
+					a, err := openGrantSide(provider, "a", grants)
+					if err != nil {
+						b.Skipf("%s unavailable: %v", provider, err)
+					}
+					defer a.close()
+					c, err := openGrantSide(provider, "b", grants)
+					if err != nil {
+						b.Skipf("%s unavailable: %v", provider, err)
+					}
+					defer c.close()
+					before := c.ch.rcv.stats.grants.Load()
+					benchRecvLoop(b, a, c, size, nil)
+					if given := c.ch.rcv.stats.grants.Load() - before; (given > 0) != grants {
+						b.Fatalf("%d grants given with grants %v", given, grants)
+					}
+				})
 			}
-			b.Run(fmt.Sprintf("tcp/%s/%dB", name, size), func(b *testing.B) {
-				a, err := openGrantSide("a", grants)
-				if err != nil {
-					b.Skipf("tcp unavailable: %v", err)
-				}
-				defer a.close()
-				c, err := openGrantSide("b", grants)
-				if err != nil {
-					b.Skipf("tcp unavailable: %v", err)
-				}
-				defer c.close()
-				before := c.ch.rcv.stats.grants.Load()
-				benchRecvLoop(b, a, c, size, nil)
-				if given := c.ch.rcv.stats.grants.Load() - before; (given > 0) != grants {
-					b.Fatalf("%d grants given with grants %v", given, grants)
-				}
-			})
 		}
 	}
 }

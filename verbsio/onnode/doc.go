@@ -15,7 +15,22 @@
 // Both trust the peer process as ptrace would: process_vm_writev needs the
 // right to ptrace the receiver, and a peer holding a region's file could
 // write past the region if it bypassed this package. Only regions registered
-// with remote-write access are handed out as files.
+// with remote-write access, or that gave a grant, are handed out as files.
+//
+// # Grants
+//
+// Regions implement verbsio.Granter (Caps.Grants is true): a grant is an
+// entry of the region table of its own, with its key, the granted range,
+// remote write only, the queue pair it was given to and the region it lies
+// in. The sender's provider checks each write against it before it copies:
+// a write through a grant from another queue pair, outside its range, after
+// its last write with immediate completed here (the write with immediate's
+// ring record names the key it wrote through) or after Revoke completes with
+// verbsio.StatusRemoteAccess and copies nothing. Once a region has given a
+// grant, its own rkey admits no remote access. Revoking waits for the writes
+// announced for the grant as deregistration does (below). This bounds a
+// peer that uses this package, perhaps with a bug; a hostile peer of the
+// same user skips the check (see above).
 //
 // Options.Mechanism picks one; the default, MechAuto, uses MechSHM where the
 // region allows it and MechVM elsewhere (see bench scenario "xfer" and

@@ -12,7 +12,7 @@ import (
 // fails with ErrBadFrame or yields a record inside the published bytes that
 // re-encodes to the same bytes.
 func FuzzParseRecord(f *testing.F) {
-	f.Add(appendRecord(nil, record{Kind: recWriteImm, Imm: 7, N: 4096}))
+	f.Add(appendRecord(nil, record{Kind: recWriteImm, Imm: 7, N: 4096, Payload: []byte{1, 0, 0, 0}}))
 	f.Add(appendRecord(nil, record{Kind: recSend, Flags: flagMore, Imm: 3, N: 5, Payload: []byte("hello")}))
 	f.Add(appendRecord(nil, record{Kind: recPad, Size: 64}))
 	f.Add(appendRecord(nil, record{Kind: recError, Imm: uint32(verbsio.StatusRemoteAccess)}))

@@ -36,6 +36,7 @@ const testKeyEnv = "GDRLINK_ONNODE_TEST_KEY"
 
 func TestMain(m *testing.M) {
 	verbstest.PeerMain()
+	grantWriterMain()
 	if os.Getenv(helperEnv) == "1" {
 		os.Exit(runHelper(os.Stdin, os.Stdout))
 	}

@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
-	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -19,8 +18,8 @@ import (
 // table's memfd is sealed (F_SEAL_FUTURE_WRITE) so that no peer can map it
 // otherwise.
 const (
-	tableSlots   = 1024
-	slotBits     = 10
+	tableSlots   = 16384 // regions and grants: a grant per result buffer in flight
+	slotBits     = 14
 	entrySize    = 64
 	tableBytes   = tableSlots * entrySize
 	counterSize  = 64
@@ -47,6 +46,8 @@ type entry struct {
 	length uint64
 	flags  uint64
 	offset uint64
+	qp     uint64 // grants: the qpToken of the queue pair given it
+	parent uint64 // grants: the key of the region it lies in
 }
 
 // readEntry takes a consistent snapshot of slot i of a table and, when hold is
@@ -62,7 +63,8 @@ func readEntry(table, counters []byte, i int, hold bool) (e entry, release func(
 		}
 		k := load64(table, base+eKey)
 		e = entry{key: uint32(k), access: verbsio.Access(k >> 32), addr: load64(table, base+eAddr),
-			length: load64(table, base+eLen), flags: load64(table, base+eFlags), offset: load64(table, base+eOffset)}
+			length: load64(table, base+eLen), flags: load64(table, base+eFlags), offset: load64(table, base+eOffset),
+			qp: load64(table, base+eQP), parent: load64(table, base+eParent)}
 		var ctr *uint64
 		if hold && e.flags&flagValid != 0 {
 			ctr = u64(counters, i*counterSize)
@@ -86,6 +88,7 @@ type slot struct {
 	gen  uint32
 	busy bool
 	mr   *memoryRegion
+	g    *grant // a grant's slot (mr is nil)
 }
 
 // pd is a protection domain: its regions and its published table.
@@ -173,39 +176,54 @@ func (p *pd) register(addr uintptr, length int, access verbsio.Access, fd int, o
 		closeFD(fileFD)
 		return nil, fmt.Errorf("%w: protection domain", verbsio.ErrClosed)
 	}
-	idx := -1
-	for i := range p.slots {
-		if !p.slots[i].busy {
-			idx = i
-			break
-		}
-	}
+	idx := p.freeSlotLocked()
 	if idx < 0 {
 		closeFD(fileFD)
 		return nil, fmt.Errorf("%w: onnode: all %d memory-region slots in use", verbsio.ErrQueueFull, tableSlots)
 	}
 	s := &p.slots[idx]
-	s.gen = (s.gen + 1) & (1<<(32-slotBits) - 1)
-	if s.gen == 0 {
-		s.gen = 1
-	}
 	mr := &memoryRegion{pd: p, idx: idx, key: s.gen<<slotBits | uint32(idx), addr: addr, length: length, access: access, fd: fileFD}
 	s.busy, s.mr = true, mr
 	flags := uint64(flagValid)
 	if fileFD >= 0 {
 		flags |= flagFile
 	}
+	p.writeEntryLocked(idx, mr.key, access, uint64(addr), uint64(length), fileOff, flags, 0, 0)
+	p.live++
+	return mr, nil
+}
+
+// freeSlotLocked finds a free table slot and gives it its next key
+// generation; -1 when all are in use. The caller holds p.mu.
+func (p *pd) freeSlotLocked() int {
+	for i := range p.slots {
+		s := &p.slots[i]
+		if s.busy {
+			continue
+		}
+		s.gen = (s.gen + 1) & (1<<(32-slotBits) - 1)
+		if s.gen == 0 {
+			s.gen = 1
+		}
+		return i
+	}
+	return -1
+}
+
+// writeEntryLocked publishes table entry idx (seqlock). The caller holds
+// p.mu.
+func (p *pd) writeEntryLocked(idx int, key uint32, access verbsio.Access, addr, length, fileOff, flags, qpTok, parent uint64) {
 	base := idx * entrySize
 	seq := load64(p.table, base+eSeq)
 	store64(p.table, base+eSeq, seq+1)
-	store64(p.table, base+eKey, uint64(mr.key)|uint64(access)<<32)
-	store64(p.table, base+eAddr, uint64(addr))
-	store64(p.table, base+eLen, uint64(length))
+	store64(p.table, base+eKey, uint64(key)|uint64(access)<<32)
+	store64(p.table, base+eAddr, addr)
+	store64(p.table, base+eLen, length)
 	store64(p.table, base+eOffset, fileOff)
+	store64(p.table, base+eQP, qpTok)
+	store64(p.table, base+eParent, parent)
 	store64(p.table, base+eFlags, flags)
 	store64(p.table, base+eSeq, seq+2)
-	p.live++
-	return mr, nil
 }
 
 func closeFD(fd int) {
@@ -233,7 +251,7 @@ func (p *pd) fileOf(rkey uint32) int {
 	p.mu.RLock()
 	defer p.mu.RUnlock()
 	mr := p.slots[rkey&(tableSlots-1)].mr
-	if mr == nil || mr.key != rkey || mr.access&verbsio.AccessRemoteWrite == 0 {
+	if mr == nil || mr.key != rkey || (mr.access&verbsio.AccessRemoteWrite == 0 && !mr.granted) {
 		return -1
 	}
 	return mr.fd
@@ -247,30 +265,20 @@ func (p *pd) deregister(mr *memoryRegion) {
 	store64(p.table, base+eFlags, 0)
 	store64(p.table, base+eSeq, seq+2)
 	p.slots[mr.idx].mr = nil // slot stays busy until peers' writes drain
+	gs := p.unlinkGrantsLocked(func(g *grant) bool { return g.mr == mr })
 	p.mu.Unlock()
 
-	// No write starts once the entry changed; the writes peers announced
-	// before it did finish before the region is given back. The counters
+	// No write starts once the entries changed; the writes peers announced
+	// before they did finish before the region is given back. The counters
 	// are the peers' (each writes its own queue pair's), so they are not
 	// trusted to come down: the wait is bounded, and a peer whose counter
 	// is still up then is fenced (its queue pair failed) before the slot is
 	// used again, whatever the counter says.
-	deadline := time.Now().Add(p.dev.opts.DeregTimeout)
-	for {
-		busy := p.writersOf(mr.idx)
-		if len(busy) == 0 {
-			break
-		}
-		if !time.Now().Before(deadline) {
-			for _, q := range busy {
-				q.fence(fmt.Errorf("%w: onnode peer pid %d: a write it announced into region %#x did not finish within %s (deregistration)",
-					verbsio.ErrPeerLost, q.peerPID, mr.key, p.dev.opts.DeregTimeout))
-				p.fences.Add(1)
-			}
-			break
-		}
-		time.Sleep(20 * time.Microsecond)
+	for _, g := range gs {
+		p.drain(g.idx, g.key, "grant")
+		p.freeGrantSlot(g)
 	}
+	p.drain(mr.idx, mr.key, "region")
 	closeFD(mr.fd)
 
 	p.mu.Lock()
@@ -367,6 +375,10 @@ type memoryRegion struct {
 	access verbsio.Access
 	fd     int
 	once   sync.Once
+	// granted: the region gave a grant (its own key admits no remote
+	// access since); grants are the live ones. Guarded by pd.mu.
+	granted bool
+	grants  map[*grant]struct{}
 }
 
 func (m *memoryRegion) Addr() uintptr          { return m.addr }

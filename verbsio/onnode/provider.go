@@ -206,6 +206,7 @@ func (d *device) Caps() verbsio.Caps {
 		MaxQPDepth:         maxQPDepth,
 		MaxMessage:         maxMessage,
 		SameHostOnly:       true,
+		Grants:             true,
 	}
 }
 

@@ -88,7 +88,8 @@ type qp struct {
 	conn        *net.UnixConn
 	writeMu     sync.Mutex // socket writes
 	peerPID     int
-	pidOverride int // tests: pretend the peer is this process id
+	peerTok     uint64 // qpToken of the peer queue pair: grants to us carry it
+	pidOverride int    // tests: pretend the peer is this process id
 	out         *ring
 	peerEFD     int
 	peerTable   []byte
@@ -248,6 +249,7 @@ func (q *qp) release() {
 	}
 	closeFD(q.peerEFD)
 	q.detachPeer()
+	q.pd.revokeGrantsOf(q)
 	q.pd.dropCounters(q)
 	if q.ctrMem != nil {
 		unix.Munmap(q.ctrMem)
@@ -405,6 +407,7 @@ func (q *qp) attachPeer(conn *net.UnixConn, h hello, fds []int) error {
 	}
 	q.peerEFD = fds[1]
 	q.peerPID = int(h.PID)
+	q.peerTok = qpToken(h.Name)
 	if q.pidOverride != 0 {
 		q.peerPID = q.pidOverride
 	}
@@ -757,6 +760,7 @@ func (q *qp) handleLocked(rec record, cs []verbsio.Completion) []verbsio.Complet
 		q.failLocked(verbsio.StatusFlushed, fmt.Errorf("%w: onnode peer queue pair failed (%s)", verbsio.ErrFlushed, verbsio.Status(rec.Imm)))
 		return q.compBuf
 	case recWriteImm:
+		q.pd.immArrived(q, rec.RKey)
 		if len(q.arrivals) == 0 && len(q.recvs) > 0 {
 			r := q.recvs[0]
 			q.recvs = q.recvs[1:]

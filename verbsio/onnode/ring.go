@@ -29,7 +29,7 @@ const (
 const (
 	recPad      = 1
 	recSend     = 2 // payload follows; flagMore: more fragments of this send follow
-	recWriteImm = 3 // imm and byte length, no payload
+	recWriteImm = 3 // imm and byte length; a 4-byte payload: the rkey written through
 	recError    = 4 // the peer's queue pair failed; imm is its status
 )
 
@@ -45,6 +45,9 @@ type record struct {
 	Imm     uint32
 	N       uint32
 	Payload []byte
+	// RKey is the key a write with immediate targeted (its 4-byte
+	// payload), for the receiver to count the grant's writes.
+	RKey uint32
 }
 
 func recordSize(payload int) uint32 { return uint32((recHeader + payload + 15) &^ 15) }
@@ -89,10 +92,15 @@ func parseRecord(b []byte) (record, error) {
 		return r, fmt.Errorf("%w: onnode: ring record size %d with %d bytes published", verbsio.ErrBadFrame, r.Size, len(b))
 	}
 	switch r.Kind {
-	case recPad, recWriteImm, recError:
+	case recPad, recError:
 		if r.Flags != 0 {
 			return r, fmt.Errorf("%w: onnode: ring record kind %d with flags %#x", verbsio.ErrBadFrame, r.Kind, r.Flags)
 		}
+	case recWriteImm:
+		if r.Flags != 0 || r.Size < recordSize(4) {
+			return r, fmt.Errorf("%w: onnode: write-with-immediate record of %d bytes, flags %#x", verbsio.ErrBadFrame, r.Size, r.Flags)
+		}
+		r.RKey = binary.LittleEndian.Uint32(b[recHeader:])
 	case recSend:
 		if r.Flags&^flagMore != 0 || uint64(r.N)+recHeader > uint64(r.Size) {
 			return r, fmt.Errorf("%w: onnode: send record of %d bytes with payload %d, flags %#x", verbsio.ErrBadFrame, r.Size, r.N, r.Flags)

@@ -1,6 +1,7 @@
 package onnode
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"runtime/debug"
@@ -168,7 +169,9 @@ func (q *qp) exec(w *verbsio.SendWR) (verbsio.Status, error) {
 		}
 	}
 	if w.Op == verbsio.OpWriteImm {
-		return q.produce(recWriteImm, 0, w.Imm, uint32(n), nil, 0, true)
+		var k [4]byte
+		binary.LittleEndian.PutUint32(k[:], w.RKey)
+		return q.produce(recWriteImm, 0, w.Imm, uint32(n), [][]byte{k[:]}, 0, true)
 	}
 	return verbsio.StatusSuccess, nil
 }
@@ -196,8 +199,11 @@ func (q *qp) sendPayload(segs [][]byte, n int) (verbsio.Status, error) {
 func (q *qp) produce(kind, flags uint8, imm, n uint32, segs [][]byte, from int, wait bool) (verbsio.Status, error) {
 	r := q.out
 	plen := 0
-	if kind == recSend {
+	switch kind {
+	case recSend:
 		plen = int(n)
+	case recWriteImm:
+		plen = 4 // the rkey
 	}
 	size := uint64(recordSize(plen))
 	var since time.Time
@@ -287,9 +293,25 @@ func (q *qp) remoteCopy(write bool, segs [][]byte, addr uint64, rkey uint32, n i
 		addr < e.addr || addr-e.addr > e.length || uint64(n) > e.length-(addr-e.addr) {
 		return verbsio.StatusRemoteAccess, fmt.Errorf("%w: rkey %#x at %#x+%d (%s)", verbsio.ErrRemoteAccess, rkey, addr, n, need)
 	}
-	if e.flags&flagFile != 0 && q.mech != MechVM {
-		if fm := q.fileMapFor(rkey, e); fm != nil {
-			off := fm.delta + int(addr-e.addr)
+	if e.flags&flagGranted != 0 {
+		return verbsio.StatusRemoteAccess, fmt.Errorf("%w: rkey %#x: the region admits writes through grants only", verbsio.ErrRemoteAccess, rkey)
+	}
+	// A grant: given to our peer queue pair; the file is its region's.
+	fileKey, fe := rkey, e
+	if e.flags&flagGrant != 0 {
+		if e.qp != q.peerTok {
+			return verbsio.StatusRemoteAccess, fmt.Errorf("%w: rkey %#x: a grant to another queue pair", verbsio.ErrRemoteAccess, rkey)
+		}
+		fileKey = uint32(e.parent)
+		pe, _, pok := readEntry(q.peerTable, q.peerCtr, int(fileKey&(tableSlots-1)), false)
+		if !pok || pe.flags&flagValid == 0 || pe.key != fileKey || addr < pe.addr || addr-pe.addr > pe.length || uint64(n) > pe.length-(addr-pe.addr) {
+			return verbsio.StatusRemoteAccess, fmt.Errorf("%w: rkey %#x: the granted region is gone", verbsio.ErrRemoteAccess, rkey)
+		}
+		fe = pe
+	}
+	if e.flags&flagFile != 0 && fe.flags&flagFile != 0 && q.mech != MechVM {
+		if fm := q.fileMapFor(fileKey, fe); fm != nil {
+			off := fm.delta + int(addr-fe.addr)
 			remote := fm.mem[off : off+n]
 			if !faultSafeCopy(write, remote, segs) {
 				return verbsio.StatusRemoteAccess, fmt.Errorf("%w: rkey %#x: the peer's file shrank under its region", verbsio.ErrRemoteAccess, rkey)
@@ -359,7 +381,7 @@ func (q *qp) fileMapFor(rkey uint32, e entry) *fileMap {
 	base := e.offset &^ (page - 1)
 	delta := int(e.offset - base)
 	prot := unix.PROT_READ
-	if e.access&verbsio.AccessRemoteWrite != 0 {
+	if e.access&verbsio.AccessRemoteWrite != 0 || e.flags&flagGranted != 0 {
 		prot |= unix.PROT_WRITE
 	}
 	mem, err := unix.Mmap(fd, int64(base), delta+int(e.length), prot, unix.MAP_SHARED)

@@ -8,9 +8,10 @@ import (
 )
 
 // wireVersion is the version of the endpoint, hello and control encodings,
-// and of the connection set-up (2: credentials and the job key checked
-// first, the dialler's hello first, four descriptors).
-const wireVersion = 2
+// and of the connection set-up and ring records (2: credentials and the job
+// key checked first, the dialler's hello first, four descriptors; 3: grants
+// in the region table, the key in write-with-immediate records).
+const wireVersion = 3
 
 // endpointData is what Endpoint.Data holds: the queue pair's abstract unix
 // socket name and its process.
