@@ -12,8 +12,9 @@ import (
 
 // TestIPCQuick runs the ipc scenario in both modes with a second process
 // pulling, and checks every row: both baselines per size and mode, positive
-// figures, the ratio's direction, and a note that says the mode is not a
-// GPU measurement.
+// figures, the ratio's direction, and a note that says which mode it is
+// (the analogs say they are not a GPU measurement; with a CUDA driver the
+// real-GPU rows come first).
 func TestIPCQuick(t *testing.T) {
 	code, out, errOut := runBench(t, "-quick", "-json", "-reps", "3", "-max-size", "1MiB", "-scenario", "ipc")
 	if code != exitOK {
@@ -24,7 +25,7 @@ func TestIPCQuick(t *testing.T) {
 	for _, r := range rs {
 		cases[r.Case]++
 		mode := r.Case[strings.LastIndex(r.Case, "/")+1:]
-		want := map[string]string{"cpu": "CPU ANALOG", "sim": "SIMULATED GPU"}[mode]
+		want := map[string]string{"cpu": "CPU ANALOG", "sim": "SIMULATED GPU", "cuda": "REAL GPU"}[mode]
 		if want == "" || !strings.Contains(r.Note, want) || !strings.Contains(r.Note, "second process") {
 			t.Errorf("%s/%d: note %q does not say %q", r.Case, r.SizeBytes, r.Note, want)
 		}

@@ -59,12 +59,15 @@ build() {
 			cp -a --parents "$pkg/testdata" "$dir/tree/"
 		fi
 		echo "build $pkg (CGO_ENABLED=$cgo)"
-		CGO_ENABLED=$cgo "$go" test -c -o "$dir/$n/$n.test" "$pkg"
+		CGO_ENABLED=$cgo "$go" test -c -ldflags='-s -w' -o "$dir/$n/$n.test" "$pkg"
 		printf '%s;%s;%s\n' "$n" "$run" "tree/${pkg#./}" >>"$dir/packages"
 	done
-	echo "build ./bench, ./cmd/gdrcheck"
-	CGO_ENABLED=1 "$go" build -o "$dir/bench" ./bench
-	CGO_ENABLED=1 "$go" build -o "$dir/gdrcheck" ./cmd/gdrcheck
+	# The tools live under bin/: the bench package's test binary already
+	# has the directory $dir/bench.
+	echo "build ./bench, ./cmd/gdrcheck into $dir/bin"
+	mkdir -p "$dir/bin"
+	CGO_ENABLED=1 "$go" build -ldflags='-s -w' -o "$dir/bin/bench" ./bench
+	CGO_ENABLED=1 "$go" build -ldflags='-s -w' -o "$dir/bin/gdrcheck" ./cmd/gdrcheck
 	cp "$0" "$dir/gpu-check.sh"
 	echo "built into $dir: copy it to a GPU node and run: $dir/gpu-check.sh run $dir"
 }
@@ -72,7 +75,7 @@ build() {
 run() {
 	local dir=${1:?usage: gpu-check.sh run DIR}
 	dir=$(cd "$dir" && pwd)
-	local logs="$dir/logs"
+	local logs="${GPU_CHECK_LOGS:-$dir/logs}"
 	mkdir -p "$logs"
 	export GDRLINK_REQUIRE_GPU=1
 
@@ -84,14 +87,14 @@ run() {
 	else
 		echo "gpu: no nvidia-smi; see gdrcheck below"
 	fi
-	"$dir/gdrcheck" >"$logs/gdrcheck.txt" 2>&1 || true
+	"$dir/bin/gdrcheck" >"$logs/gdrcheck.txt" 2>&1 || true
 	sed -n '1,40p' "$logs/gdrcheck.txt"
 
 	echo
 	echo "== GPU tests (GDRLINK_REQUIRE_GPU=1)"
 	local failed=0
 	while IFS=';' read -r n filter at; do
-		local args=(-test.v -test.count=1 -test.timeout=10m)
+		local args=(-test.v -test.count=1 -test.timeout="${GPU_CHECK_TEST_TIMEOUT:-10m}")
 		[ -n "$filter" ] && args+=(-test.run "$filter")
 		local rc=0
 		(cd "$dir/$at" && "$dir/$n/$n.test" "${args[@]}") >"$logs/$n.txt" 2>&1 || rc=$?
@@ -116,14 +119,14 @@ run() {
 
 	echo
 	echo "== bench -scenario proxy (real GPU)"
-	if ! "$dir/bench" -scenario proxy -set proxy.device=cuda 2>"$logs/bench-proxy.err"; then
+	if ! "$dir/bin/bench" -scenario proxy -set proxy.device=cuda 2>"$logs/bench-proxy.err"; then
 		failed=1
 		tail -n 3 "$logs/bench-proxy.err"
 	fi
-	if "$dir/bench" -list 2>/dev/null | grep -q '^ipc '; then
+	if "$dir/bin/bench" -list 2>/dev/null | grep -q '^ipc '; then
 		echo
 		echo "== bench -scenario ipc (real GPU, then the CPU analog and the simulated GPU)"
-		if ! "$dir/bench" -scenario ipc -set ipc.mode=cuda,cpu,sim 2>"$logs/bench-ipc.err"; then
+		if ! "$dir/bin/bench" -scenario ipc -set ipc.mode=cuda,cpu,sim 2>"$logs/bench-ipc.err"; then
 			failed=1
 			tail -n 3 "$logs/bench-ipc.err"
 		fi

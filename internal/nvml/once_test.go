@@ -3,9 +3,11 @@
 package nvml
 
 import (
+	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"testing"
 	"unsafe"
 
@@ -13,7 +15,9 @@ import (
 )
 
 // NVML is initialised once per process and never shut down: a second
-// inventory (or a BAR1 query per arena) reuses it.
+// inventory (or a BAR1 query per arena) reuses it. go-nvml's calls bind to
+// the first NVML a process loads (on a GPU node, the real one, by an earlier
+// test), so the stand-in is counted in a process of its own.
 func TestInitialisedOncePerProcess(t *testing.T) {
 	cc, err := exec.LookPath("cc")
 	if err != nil {
@@ -24,6 +28,21 @@ func TestInitialisedOncePerProcess(t *testing.T) {
 	lib := filepath.Join(t.TempDir(), "libfakenvml.so")
 	if out, err := exec.Command(cc, "-shared", "-fPIC", "-o", lib, "testdata/fakenvml.c").CombinedOutput(); err != nil {
 		t.Fatalf("building the stand-in libnvidia-ml: %v\n%s", err, out)
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^TestInitialisedOnceInProcess$", "-test.v")
+	cmd.Env = append(os.Environ(), "GDRLINK_TEST_FAKE_NVML="+lib)
+	out, err := cmd.CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "--- PASS: TestInitialisedOnceInProcess") {
+		t.Fatalf("%v\n%s", err, out)
+	}
+}
+
+// TestInitialisedOnceInProcess is TestInitialisedOncePerProcess's counter,
+// in a process of its own.
+func TestInitialisedOnceInProcess(t *testing.T) {
+	lib := os.Getenv("GDRLINK_TEST_FAKE_NVML")
+	if lib == "" {
+		t.Skip("run by TestInitialisedOncePerProcess")
 	}
 	for i := 0; i < 3; i++ {
 		inv, err := GPUs(lib)
