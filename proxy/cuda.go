@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/gdrlink/gdrlink/internal/cuda"
@@ -22,8 +23,14 @@ type cudaDevice struct {
 	mu     sync.Mutex
 	allocs map[DevicePtr]*cuda.DeviceMemory
 	ipcs   map[DevicePtr]*cuda.IPCMapping
+	events []*cuda.Event // completed events, kept for reuse
 	closed bool
 }
+
+// maxIdleEvents bounds the events a device keeps for reuse. Every receive
+// and pull records one; creating and destroying one each time costs
+// microseconds of driver calls, as much as the copy of a small tensor.
+const maxIdleEvents = 64
 
 var _ rdmaFlushDevice = (*cudaDevice)(nil)
 
@@ -167,10 +174,16 @@ func (d *cudaDevice) CopyDtoHAsync(dst uintptr, src DevicePtr, n int, s Stream) 
 	return mapErr(d.ctx.MemcpyDtoHAsync(dst, uintptr(src), n, cs), "device-to-host copy")
 }
 
-type cudaEvent struct{ e *cuda.Event }
+// cudaEvent is an event recorded on a stream; Close gives it back to its
+// device for reuse.
+type cudaEvent struct {
+	e      *cuda.Event
+	d      *cudaDevice
+	closed atomic.Bool
+}
 
 // Query implements Event; a failed event counts as done, with its error.
-func (e cudaEvent) Query() (bool, error) {
+func (e *cudaEvent) Query() (bool, error) {
 	done, err := e.e.Query()
 	if err != nil {
 		return true, mapErr(err, "event")
@@ -178,9 +191,26 @@ func (e cudaEvent) Query() (bool, error) {
 	return done, nil
 }
 
-// Wait polls the event with a backoff (5 µs doubling to 200 µs) so that no
-// thread blocks inside the driver and ctx is honoured.
-func (e cudaEvent) Wait(ctx context.Context) error {
+// Synchronize waits for the event inside the driver (cuEventSynchronize;
+// the event is made with CU_EVENT_BLOCKING_SYNC, so the thread sleeps
+// rather than spins). A failed event returns its error.
+func (e *cudaEvent) Synchronize() error { return mapErr(e.e.Synchronize(), "event synchronize") }
+
+// waitSpin is how long Wait polls an event before it waits otherwise.
+const waitSpin = 50 * time.Microsecond
+
+// Wait polls the event for a short while; then, when ctx can never end, it
+// waits inside the driver (a thread sleeps there until the device
+// signals); otherwise it polls with a backoff (5 µs doubling to 200 µs) so
+// that ctx is honoured. Go timers under a millisecond fire after about a
+// millisecond in an idle process, so the backoff is the slow path.
+func (e *cudaEvent) Wait(ctx context.Context) error {
+	if done, _, err := spinEvent(e, waitSpin); done || err != nil {
+		return err
+	}
+	if ctx.Done() == nil {
+		return e.Synchronize()
+	}
 	sleep := pollMinSleep
 	for {
 		done, err := e.Query()
@@ -200,25 +230,65 @@ func (e cudaEvent) Wait(ctx context.Context) error {
 	}
 }
 
-// Close implements Event.
-func (e cudaEvent) Close() error { return mapErr(e.e.Close(), "event destroy") }
+// Close implements Event: a completed event goes back to its device for
+// the next RecordEvent, any other is destroyed. Idempotent.
+func (e *cudaEvent) Close() error {
+	if e.closed.Swap(true) {
+		return nil
+	}
+	return e.d.putEvent(e.e)
+}
+
+// getEvent returns an idle event, or a new one.
+func (d *cudaDevice) getEvent() (*cuda.Event, error) {
+	d.mu.Lock()
+	if n := len(d.events); n > 0 && !d.closed {
+		e := d.events[n-1]
+		d.events[n-1] = nil
+		d.events = d.events[:n-1]
+		d.mu.Unlock()
+		return e, nil
+	}
+	d.mu.Unlock()
+	e, err := d.ctx.NewEvent(cuda.EventDisableTiming | cuda.EventBlockingSync)
+	if err != nil {
+		return nil, mapErr(err, "event create")
+	}
+	return e, nil
+}
+
+// putEvent keeps a completed event for reuse, up to maxIdleEvents, and
+// destroys any other: one still pending or failed, or one too many.
+func (d *cudaDevice) putEvent(e *cuda.Event) error {
+	if done, err := e.Query(); done && err == nil {
+		d.mu.Lock()
+		if !d.closed && len(d.events) < maxIdleEvents {
+			d.events = append(d.events, e)
+			d.mu.Unlock()
+			return nil
+		}
+		d.mu.Unlock()
+	}
+	return mapErr(e.Close(), "event destroy")
+}
 
 // RecordEvent implements Device with an event without timing (the cheapest
-// kind to record and query).
+// kind to record and query) that a thread can wait on without spinning
+// (Synchronize).
 func (d *cudaDevice) RecordEvent(s Stream) (Event, error) {
 	cs, err := d.stream(s)
 	if err != nil {
 		return nil, err
 	}
-	e, err := d.ctx.NewEvent(cuda.EventDisableTiming)
+	e, err := d.getEvent()
 	if err != nil {
-		return nil, mapErr(err, "event create")
+		return nil, err
 	}
 	if err := e.Record(cs); err != nil {
 		_ = e.Close()
 		return nil, mapErr(err, "event record")
 	}
-	return cudaEvent{e}, nil
+	return &cudaEvent{e: e, d: d}, nil
 }
 
 // MemoryType implements Device (cuPointerGetAttribute MEMORY_TYPE).
@@ -248,6 +318,10 @@ func (d *cudaDevice) Close() error {
 	}
 	d.closed = true
 	var errs []error
+	for _, e := range d.events {
+		errs = append(errs, e.Close())
+	}
+	d.events = nil
 	for p, m := range d.ipcs {
 		errs = append(errs, m.Close())
 		delete(d.ipcs, p)

@@ -1,15 +1,48 @@
 package proxy
 
 import (
+	"runtime"
 	"sync"
 	"time"
+
+	"github.com/gdrlink/gdrlink/internal/adaptspin"
 )
 
-// Backoff of the poller while the oldest event is pending.
+// Backoff of the poller while the oldest event is pending, for events a
+// thread cannot wait on in the driver. A Go timer shorter than a
+// millisecond fires after about a millisecond when the process is
+// otherwise idle (the runtime's netpoller sleeps in whole milliseconds), so
+// these sleeps are the slow path.
 const (
 	pollMinSleep = 5 * time.Microsecond
 	pollMaxSleep = 200 * time.Microsecond
 )
+
+// syncEvent is an Event that a thread can wait on inside the driver
+// (cuEventSynchronize on an event made with CU_EVENT_BLOCKING_SYNC): the
+// thread sleeps until the device signals, and wakes in microseconds rather
+// than at the next millisecond tick of a Go timer.
+type syncEvent interface {
+	Event
+	Synchronize() error
+}
+
+// spinEvent queries ev until it is done, fails, or budget passes, yielding
+// the processor between queries. It returns whether the event is done, its
+// error, and how long it polled.
+func spinEvent(ev Event, budget time.Duration) (done bool, polled time.Duration, err error) {
+	start := time.Now()
+	for {
+		done, err := ev.Query()
+		if done || err != nil {
+			return done, time.Since(start), err
+		}
+		if time.Since(start) >= budget {
+			return false, time.Since(start), nil
+		}
+		runtime.Gosched()
+	}
+}
 
 type pending struct {
 	ev Event
@@ -18,8 +51,13 @@ type pending struct {
 
 // poller runs completions of events recorded on one stream, in order, from
 // one goroutine: no goroutine is parked per copy. Events of a stream
-// complete in the order they were recorded, so only the oldest is queried.
+// complete in the order they were recorded, so only the oldest is waited
+// on: polled for as long as polling has paid lately (adaptspin), then, for
+// an event the driver can wait on, waited on in the driver (the poller's
+// thread blocks; Close waits for every receive first, so nothing needs to
+// interrupt it), else polled with a backoff.
 type poller struct {
+	spin  *adaptspin.Policy
 	mu    sync.Mutex
 	queue []pending
 	wake  chan struct{}
@@ -29,7 +67,8 @@ type poller struct {
 }
 
 func newPoller() *poller {
-	p := &poller{wake: make(chan struct{}, 1), stop: make(chan struct{}), done: make(chan struct{})}
+	p := &poller{spin: adaptspin.New(adaptspin.Bounds{Max: adaptspin.DefaultMax, Min: adaptspin.DefaultMin}),
+		wake: make(chan struct{}, 1), stop: make(chan struct{}), done: make(chan struct{})}
 	go p.run()
 	return p
 }
@@ -65,6 +104,7 @@ func (p *poller) pop() {
 func (p *poller) run() {
 	defer close(p.done)
 	sleep := pollMinSleep
+	var spun Event // the head event already polled for its budget
 	for {
 		h, ok := p.head()
 		if !ok {
@@ -75,8 +115,28 @@ func (p *poller) run() {
 				return
 			}
 		}
-		done, err := h.ev.Query()
-		if !done && err == nil {
+		start := time.Now()
+		budget := p.spin.Budget()
+		if h.ev == spun {
+			budget = 0 // polled already: query once, then back off
+		}
+		done, polled, err := spinEvent(h.ev, budget)
+		switch {
+		case done || err != nil:
+			if h.ev != spun {
+				p.spin.Polled(polled)
+			}
+		default:
+			spun = h.ev
+			se, ok := h.ev.(syncEvent)
+			if !ok {
+				break
+			}
+			err = se.Synchronize()
+			done = true
+			p.spin.Slept(time.Since(start))
+		}
+		if !done {
 			t := time.NewTimer(sleep)
 			select {
 			case <-t.C:
