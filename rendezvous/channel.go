@@ -98,6 +98,9 @@ type Channel struct {
 	// Close waits for them, so that every source is back with its owner
 	// when it returns.
 	async sync.WaitGroup
+	// pulls counts the Puller's copies in flight (pull.go): Close waits
+	// for them, as they write result buffers of the channel's memory.
+	pulls sync.WaitGroup
 
 	// mu guards the fields below and the state of both halves. It is one
 	// lock for both on purpose: the halves share the queue, the credits
@@ -137,6 +140,8 @@ type Channel struct {
 	// sources are kept until CONFIRM, and corrupted writes are asked for
 	// again.
 	confirm bool
+	// pull: both peers have a Puller (wire.HelloPull).
+	pull bool
 
 	// liveness (keepalive.go)
 	arrivals uint64      // receive completions from the peer
@@ -284,6 +289,9 @@ func (c *Channel) recvWR(i int) verbsio.RecvWR {
 func (c *Channel) Hello() []byte {
 	m := wire.Message{Type: wire.TypeHello, Ring: uint16(c.opts.ring), Slot: uint32(c.slot), Text: []byte(c.opts.name), Host: []byte(c.host), NumEndpoints: 1}
 	m.Flags |= c.opts.checksumHello(c.provider)
+	if c.opts.puller != nil && !c.opts.firstRelease {
+		m.Flags |= wire.HelloPull
+	}
 	ep := c.qp.Endpoint()
 	m.Endpoints[0] = wire.Endpoint{Provider: []byte(ep.Provider), Host: []byte(ep.Host), Data: ep.Data}
 	for i, rl := range c.rails {
@@ -337,6 +345,7 @@ func (c *Channel) Connect(ctx context.Context, peerHello []byte) error {
 	c.peer = peer
 	c.credits = int(m.Ring)
 	c.checksum, c.confirm = checksum, confirm
+	c.pull = c.opts.puller != nil && !c.opts.firstRelease && m.Flags&wire.HelloPull != 0
 	c.live.peerRing = int(m.Ring)
 	c.mu.Unlock()
 	if err := c.qp.Connect(ctx, ep); err != nil {
@@ -408,7 +417,7 @@ func (c *Channel) Stats() Stats {
 		RequestsIn: s.requestsIn.Load(), ReRequestsIn: s.reRequestsIn.Load(),
 		PendingRefused: s.pendingRefused.Load(), NamesRefused: s.namesRefused.Load(), ResultsRefused: ch.resultsRefused.Load(),
 		SendsRefused:    s.refused.Load(),
-		ChecksumRetries: r.checksumRetries.Load(), Rewrites: s.rewrites.Load(), ConfirmsOut: r.confirmsOut.Load(), ConfirmsIn: s.confirmsIn.Load(),
+		ChecksumRetries: r.checksumRetries.Load(), Rewrites: s.rewrites.Load(), ConfirmsOut: r.confirmsOut.Load(), ConfirmsIn: s.confirmsIn.Load(), PullsIn: r.pullsIn.Load(), PullsOut: s.pullsOut.Load(),
 	}
 	c.snd.statsLocked(&st)
 	return st
@@ -517,8 +526,10 @@ func (c *Channel) release() error {
 		errs = append(errs, c.sendBuf.Free())
 	}
 	// Sends ended by a failed post give their sources back on their own
-	// goroutines: they are back before Close returns.
+	// goroutines: they are back before Close returns; so are the result
+	// buffers pulls were copying into.
 	c.async.Wait()
+	c.pulls.Wait()
 	return errors.Join(errs...)
 }
 

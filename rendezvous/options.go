@@ -83,6 +83,7 @@ type options struct {
 	log        *slog.Logger
 	proxy      Proxy
 	stager     stager
+	puller     Puller
 	maxStrings int
 	maxTensor  int64
 	rails      []railConfig

@@ -47,6 +47,8 @@ type recvCounters struct {
 	// checksumRetries counts the corrupted arrivals asked for again;
 	// confirmsOut the CONFIRMs sent.
 	checksumRetries, confirmsOut atomic.Uint64
+	// pullsIn counts the tensors pulled (WithPull).
+	pullsIn atomic.Uint64
 }
 
 func newReceiver(c *Channel) receiver {
@@ -97,6 +99,10 @@ type request struct {
 	grants []verbsio.Grant
 	// tries counts the writes of the tensor that arrived corrupted.
 	tries int
+	// pull: the request offered to pull the tensor (wire.ReqPull);
+	// pulling: the Puller is copying it into buf, which is freed only
+	// once the copy is over.
+	pull, pulling bool
 }
 
 // RecvOption changes one Recv.
@@ -206,6 +212,10 @@ func (rv *receiver) recv(ctx context.Context, key string, step int64, cb func(*t
 				m.Flags |= wire.ReqExact // a landing is made for one meta-data
 			}
 		}
+	}
+	if c.pull && r.dev.IsGPU() && c.opts.puller.Ready(r.dev) {
+		m.Flags |= wire.ReqPull
+		r.pull = true
 	}
 	r.idx = rv.allocReqLocked()
 	m.Req = r.idx
@@ -466,7 +476,9 @@ func (rv *receiver) finishLocked(r *request, t *tensor.Tensor, err error, ds *de
 		delete(rv.byKey, r.key)
 	}
 	rv.revokeLocked(r, 0)
-	if r.buf != nil {
+	if r.buf != nil && r.pulling {
+		// The Puller's copy still writes it: pulled frees it.
+	} else if r.buf != nil {
 		if c.state != stateConnected {
 			// A write may still be landing in it until the queue pair is
 			// gone; release frees it then.
@@ -538,6 +550,10 @@ func (rv *receiver) onMetaLocked(m *wire.Message, ds *deliveries) {
 	r, ok := rv.reqs[m.Req]
 	if !ok {
 		c.protocolLocked(ds, "%s for unknown request %d", m.Type, m.Req)
+		return
+	}
+	if m.Flags&wire.RespPull != 0 {
+		rv.onPullLocked(r, m, ds)
 		return
 	}
 	final := m.Flags&wire.RespFinal != 0

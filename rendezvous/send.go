@@ -45,6 +45,10 @@ type sender struct {
 	// otherwise. Their sources are kept: a write that arrived corrupted is
 	// written again when the receiver asks (TENSOR_RE_REQUEST).
 	awaiting map[uint32]*sendEntry
+	// pulls are the sends the receiver pulls itself (WithPull), by
+	// request, from the answer that said where until its CONFIRM. Their
+	// sources are kept until then.
+	pulls map[uint32]*sendEntry
 
 	stats sendCounters
 }
@@ -58,6 +62,8 @@ type sendCounters struct {
 	// rewrites counts the writes made again on the peer's request, their
 	// first having arrived corrupted; confirmsIn the CONFIRMs received.
 	rewrites, confirmsIn atomic.Uint64
+	// pullsOut counts the sends offered to the receiver to pull.
+	pullsOut atomic.Uint64
 }
 
 // statsLocked fills in what the sender holds now.
@@ -82,7 +88,7 @@ func newSender(c *Channel) sender {
 	return sender{
 		c: c, peerNames: map[uint32]string{}, sends: map[skey]*sendEntry{}, kept: map[uint32]*sendEntry{},
 		writes: map[uint64]*sendEntry{}, striping: map[uint64]*sendEntry{}, held: map[uint64]*sendEntry{}, nextWrite: 1,
-		awaiting: map[uint32]*sendEntry{},
+		awaiting: map[uint32]*sendEntry{}, pulls: map[uint32]*sendEntry{},
 	}
 }
 
@@ -99,6 +105,7 @@ type sendEntry struct {
 	req        uint32
 	reqHasMeta bool
 	reqExact   bool
+	reqPull    bool // the receiver can pull (wire.ReqPull)
 	reqMeta    wire.Meta
 	raddr      uint64
 	rkey       uint32
@@ -258,13 +265,13 @@ func (s *sender) put(k skey, t *tensor.Tensor, serr error, done func(error)) err
 // inFlightLocked reports whether writes are posted whose arrival is not
 // known yet, or not confirmed yet.
 func (s *sender) inFlightLocked() bool {
-	return len(s.writes) > 0 || len(s.striping) > 0 || len(s.awaiting) > 0
+	return len(s.writes) > 0 || len(s.striping) > 0 || len(s.awaiting) > 0 || len(s.pulls) > 0
 }
 
 // pendingLocked reports whether the sender waits on the peer: a Send or a
 // request not matched, a tensor kept for a re-request, or a write in flight.
 func (s *sender) pendingLocked() bool {
-	return len(s.sends) > 0 || len(s.kept) > 0 || len(s.writes) > 0 || len(s.striping) > 0 || len(s.awaiting) > 0
+	return len(s.sends) > 0 || len(s.kept) > 0 || len(s.writes) > 0 || len(s.striping) > 0 || len(s.awaiting) > 0 || len(s.pulls) > 0
 }
 
 // failLocked drops everything the sender holds with err. A write posted
@@ -278,6 +285,13 @@ func (s *sender) failLocked(err error, ds *deliveries) {
 	s.parked = 0
 	for k, e := range s.kept {
 		delete(s.kept, k)
+		s.dropLocked(e, err, ds)
+	}
+	for k, e := range s.pulls {
+		// The receiver may still be copying, but from memory that
+		// stays mapped: at worst it reads the source's next owner's
+		// bytes, for a Recv that fails with the channel anyway.
+		delete(s.pulls, k)
 		s.dropLocked(e, err, ds)
 	}
 	for k, e := range s.writes {
@@ -517,6 +531,7 @@ func (s *sender) onRequestLocked(m *wire.Message, ds *deliveries) {
 	e.hasReq, e.req = true, m.Req
 	e.reqHasMeta = m.Flags&wire.ReqMeta != 0
 	e.reqExact = m.Flags&wire.ReqExact != 0
+	e.reqPull = m.Flags&wire.ReqPull != 0
 	if e.reqHasMeta {
 		e.reqMeta = m.Meta
 	}
@@ -568,6 +583,9 @@ func (s *sender) serveLocked(e *sendEntry, ds *deliveries) {
 	c := s.c
 	if e.serr != nil {
 		s.sendErrorLocked(e.req, wire.CodeSender, e.serr.Error())
+		return
+	}
+	if s.pullLocked(e) {
 		return
 	}
 	if err := s.prepareLocked(e, ds); err != nil {
@@ -748,6 +766,10 @@ func (s *sender) unawaitLocked(e *sendEntry) {
 func (s *sender) onConfirmLocked(m *wire.Message, ds *deliveries) {
 	c := s.c
 	s.stats.confirmsIn.Add(1)
+	if e, ok := s.pulls[m.Req]; ok {
+		s.onPullConfirmLocked(e, m, ds)
+		return
+	}
 	e, ok := s.awaiting[m.Req]
 	if !ok || e.confirmed || e.rewrite || (!e.written && e.immEnd == 0) {
 		if c.state == stateConnected {
@@ -842,6 +864,9 @@ func (s *sender) onReRequestLocked(m *wire.Message, ds *deliveries) {
 }
 
 func (s *sender) onCancelLocked(m *wire.Message, ds *deliveries) {
+	if _, ok := s.pulls[m.Req]; ok {
+		return // the receiver's CONFIRM follows: it may be copying still
+	}
 	if e, ok := s.kept[m.Req]; ok && m.Code != 0 {
 		// Refused: the receiver cannot take the tensor. The Send fails
 		// with the reason and its tensor goes back.

@@ -27,9 +27,13 @@ const (
 	// PathSerialized: a non-DMAable (string) tensor, written in its wire
 	// encoding and decoded on arrival.
 	PathSerialized
+	// PathPull: the receiver copied the tensor itself, device to device,
+	// from the sender's device memory mapped into its process (WithPull:
+	// CUDA IPC on one node).
+	PathPull
 )
 
-var pathNames = [...]string{"none", "direct", "direct-gpu", "proxy", "serialized"}
+var pathNames = [...]string{"none", "direct", "direct-gpu", "proxy", "serialized", "cuda-ipc"}
 
 // String names the path.
 func (p Path) String() string {
@@ -158,6 +162,11 @@ type Stats struct {
 	// so refused. Each went back to the peer as ERROR_STATUS (its Recv
 	// fails with ErrLimit) and was logged; both count in RequestsIn.
 	PendingRefused, NamesRefused uint64
+	// PullsIn is the number of tensors this side pulled from the peer's
+	// device memory (WithPull); PullsOut the number the peer was offered
+	// to pull. A pulled tensor counts in BytesIn (and, once confirmed,
+	// in WritesOut and BytesOut) as a written one does.
+	PullsIn, PullsOut uint64
 	// ResultsRefused is the number of this side's Recvs whose result could
 	// not be allocated for want of memory: the pool's limit reached
 	// (alloc.ErrPoolExhausted) or a tensor larger than WithMaxTensorBytes

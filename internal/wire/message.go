@@ -28,6 +28,10 @@ const (
 	MaxEndpoints = 8
 	// MaxEndpointData is the longest provider-specific endpoint blob.
 	MaxEndpointData = 512
+	// MaxPullHandle is the longest pull handle (RespPull): an opaque
+	// description of the sender's exported memory, such as a 64-byte
+	// legacy CUDA IPC handle with the arena's size.
+	MaxPullHandle = 256
 )
 
 // Type is a message type. Its values are part of the wire format.
@@ -113,7 +117,13 @@ const (
 	// while the rest is on the wire). Only tensors larger than one chunk
 	// are split.
 	ReqChunks
-	reqAll = ReqName | ReqMeta | ReqRails | ReqExact | ReqChunks
+	// ReqPull: the receiver can pull the tensor itself from the sender's
+	// device memory (both peers offered HelloPull, and the pair's on-node
+	// device path is set up): the sender may answer with a
+	// META_DATA_RESPONSE carrying RespPull instead of writing. A sender
+	// whose source is not in memory it exported answers as without it.
+	ReqPull
+	reqAll = ReqName | ReqMeta | ReqRails | ReqExact | ReqChunks | ReqPull
 )
 
 // Chunk sizes of ReqChunks and TENSOR_RE_REQUEST, as powers of two.
@@ -138,7 +148,14 @@ const (
 	// though its meta-data changed; the write follows into that buffer with
 	// no re-request.
 	RespWriteFollows
-	respAll = RespFinal | RespChecksum | RespWriteFollows
+	// RespPull answers a request with ReqPull: no write follows; the
+	// tensor's bytes (Meta.ByteSize of them) are at PullOffset of the
+	// sender's exported arena PullArena, which PullHandle describes. The
+	// receiver copies them itself and then sends CONFIRM (ConfirmBad when
+	// the copy failed), after which the sender gives the source back. It
+	// excludes the other flags.
+	RespPull
+	respAll = RespFinal | RespChecksum | RespWriteFollows | RespPull
 )
 
 // Flags of BYE.
@@ -164,7 +181,10 @@ const (
 	// request it answered (the checksum failed), and confirms the writes
 	// it takes in. Both peers must offer it for either to use it.
 	HelloConfirm
-	helloAll = HelloChecksum | HelloChecksumAuto | HelloConfirm
+	// HelloPull: the peer takes ReqPull, RespPull and the CONFIRM of a
+	// pulled tensor. Both peers must offer it for either to use it.
+	HelloPull
+	helloAll = HelloChecksum | HelloChecksumAuto | HelloConfirm | HelloPull
 )
 
 // Flags of CONFIRM.
@@ -261,7 +281,7 @@ type Endpoint struct {
 // Message is any frame. Which fields are meaningful depends on Type:
 //
 //	TENSOR_REQUEST      Flags(ReqName|ReqMeta|ReqRails|ReqExact|ReqChunks) Req Step NameIndex [Name] Addr RKey Capacity [RailKeys] [Meta] [ChunkShift]
-//	META_DATA_RESPONSE  Flags(RespFinal|RespChecksum|RespWriteFollows) Req Meta [Checksum]
+//	META_DATA_RESPONSE  Flags(RespFinal|RespChecksum|RespWriteFollows|RespPull) Req Meta [Checksum] [PullArena PullOffset PullHandle]
 //	TENSOR_RE_REQUEST   Req Addr RKey Capacity RailKeys [ChunkShift]
 //	ERROR_STATUS        Req Code Text
 //	CREDIT              (header only)
@@ -269,7 +289,7 @@ type Endpoint struct {
 //	CHECKSUM            Req Checksum
 //	CANCEL              Req [Code]
 //	CONFIRM             Flags(ConfirmBad) Req
-//	HELLO               Flags(HelloChecksum|HelloChecksumAuto|HelloConfirm) Ring Slot Text(peer name) Host Endpoints
+//	HELLO               Flags(HelloChecksum|HelloChecksumAuto|HelloConfirm|HelloPull) Ring Slot Text(peer name) Host Endpoints
 //
 // Credits rides in every header. ChunkShift is optional in both requests so
 // that frames without it are exactly the frames of the first release: in
@@ -305,6 +325,12 @@ type Message struct {
 
 	Meta     Meta
 	Checksum uint32
+
+	// PullArena, PullOffset and PullHandle say where the receiver pulls a
+	// tensor from (META_DATA_RESPONSE with RespPull).
+	PullArena  uint64
+	PullOffset uint64
+	PullHandle []byte
 
 	// Imms is the count of writes with immediate taken in (BYE with
 	// ByeImms).
@@ -352,6 +378,9 @@ func (m *Message) Len() int {
 		n += 1 + 4 + m.Meta.len()
 		if m.Flags&RespChecksum != 0 {
 			n += 4
+		}
+		if m.Flags&RespPull != 0 {
+			n += 8 + 8 + 2 + len(m.PullHandle)
 		}
 	case TypeReRequest:
 		n += 4 + 8 + 4 + 8 + m.railsLen()
@@ -427,6 +456,11 @@ func (m *Message) Append(b []byte) []byte {
 		b = m.Meta.append(b)
 		if m.Flags&RespChecksum != 0 {
 			b = le.AppendUint32(b, m.Checksum)
+		}
+		if m.Flags&RespPull != 0 {
+			b = le.AppendUint64(b, m.PullArena)
+			b = le.AppendUint64(b, m.PullOffset)
+			b = appendBytes16(b, m.PullHandle)
 		}
 	case TypeReRequest:
 		b = le.AppendUint32(b, m.Req)
@@ -581,13 +615,24 @@ func Decode(b []byte, m *Message) (int, error) {
 		}
 	case TypeMetaResponse:
 		m.Flags = r.u8()
-		if r.err == nil && (m.Flags&^respAll != 0 || m.Flags&RespFinal != 0 && m.Flags&RespWriteFollows != 0) {
+		if r.err == nil && (m.Flags&^respAll != 0 || m.Flags&RespFinal != 0 && m.Flags&RespWriteFollows != 0 ||
+			m.Flags&RespPull != 0 && m.Flags != RespPull) {
 			return 0, fmt.Errorf("%w: %#x in %s", ErrFlags, m.Flags, t)
 		}
 		m.Req = r.u32()
 		r.meta(&m.Meta)
 		if m.Flags&RespChecksum != 0 {
 			m.Checksum = r.u32()
+		}
+		m.PullArena, m.PullOffset, m.PullHandle = 0, 0, nil
+		if m.Flags&RespPull != 0 {
+			m.PullArena = r.u64()
+			m.PullOffset = r.u64()
+			at := r.off
+			m.PullHandle = r.bytes16(MaxPullHandle, "pull handle")
+			if r.err == nil && (m.Meta.Dead || m.Meta.ByteSize == 0) {
+				return 0, fmt.Errorf("%w: %s to pull a tensor of no bytes at offset %d", ErrField, t, at)
+			}
 		}
 	case TypeReRequest:
 		m.Req = r.u32()

@@ -52,6 +52,9 @@ func samples(t testing.TB) []Message {
 		{Type: TypeConfirm, Credits: 1, Req: 13},
 		{Type: TypeConfirm, Flags: ConfirmBad, Req: 0xffffffff},
 		func() Message { h := hello; h.Flags = HelloChecksum | HelloChecksumAuto | HelloConfirm; return h }(),
+		{Type: TypeRequest, Flags: ReqMeta | ReqExact | ReqPull, Req: 14, Step: 5, NameIndex: 6, Addr: 0x7f0000800000, RKey: 3, Capacity: 4096, Meta: metaOf(t, tensor.Float32, 1024)},
+		{Type: TypeMetaResponse, Flags: RespPull, Req: 14, Meta: metaOf(t, tensor.Float32, 1024), PullArena: 3, PullOffset: 1 << 20, PullHandle: bytes.Repeat([]byte{0xab}, 73)},
+		func() Message { h := hello; h.Flags = HelloConfirm | HelloPull; return h }(),
 	}
 }
 
@@ -191,6 +194,22 @@ func TestDecodeRejects(t *testing.T) {
 		{"bye unknown flags", func() []byte { b := good(20); b[8] = 0x02 | ByeImms; return b }(), ErrFlags},
 		{"bye imms cut", func() []byte { b := good(20); return setLen(b[:len(b)-1]) }(), ErrTruncated},
 		{"bye trailing", func() []byte { b := append(good(20), 0); return setLen(b) }(), ErrLength},
+		{"pull with a checksum", func() []byte {
+			m := samples(t)[26]
+			m.Flags |= RespChecksum
+			return m.Append(nil)
+		}(), ErrFlags},
+		{"pull of a dead tensor", func() []byte {
+			m := samples(t)[26]
+			m.Meta = samples(t)[5].Meta
+			return m.Append(nil)
+		}(), ErrField},
+		{"pull handle too long", func() []byte {
+			m := samples(t)[26]
+			m.PullHandle = make([]byte, MaxPullHandle+1)
+			return m.Append(nil)
+		}(), ErrLength},
+		{"pull handle cut", func() []byte { b := good(26); return setLen(b[:len(b)-1]) }(), ErrTruncated},
 		{"no rail keys with ReqRails", func() []byte {
 			m := samples(t)[3]
 			m.NumRailKeys = 0
