@@ -88,6 +88,26 @@ func (s *Setup) Start() []Msg {
 	return []Msg{{Kind: KindRequest, From: s.self, Try: uint8(s.tries), Device: s.device}}
 }
 
+// Unanswered says this side's request got no answer (the peer could not
+// be reached, or answered with an error rather than a message): in SENT it
+// counts as a "not ready", back to INIT, or BAD after MaxTries; in any
+// other state it changes nothing.
+func (s *Setup) Unanswered() {
+	if s.state != Sent {
+		return
+	}
+	if s.tries >= MaxTries {
+		s.state = Bad
+	} else {
+		s.state = Init
+	}
+}
+
+// Fail moves the pair to BAD: the path was set up, but using it failed
+// (an arena that would not open, a copy that failed), and transfers go
+// through host memory from now on.
+func (s *Setup) Fail() { s.state = Bad }
+
 // Receive applies a message from the peer and returns the answers to send.
 // A message that makes no sense in the current state is an error wrapping
 // ErrProtocol and changes nothing.

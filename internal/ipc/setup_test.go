@@ -221,3 +221,36 @@ func TestSetupNotReadyRetries(t *testing.T) {
 		t.Errorf("peer: %s, %v", p.s[1].State(), p.errs)
 	}
 }
+
+// A request nobody answered counts as a "not ready": back to INIT, and
+// BAD after MaxTries; Fail makes a set-up pair BAD.
+func TestSetupUnansweredAndFail(t *testing.T) {
+	s := NewSetup(0, 1, "gpu0", &local{true, true})
+	s.Unanswered() // in INIT: nothing
+	if s.State() != Init || s.Tries() != 0 {
+		t.Fatalf("Unanswered in INIT: %s, %d tries", s.State(), s.Tries())
+	}
+	for try := 1; try <= MaxTries; try++ {
+		if len(s.Start()) != 1 || s.State() != Sent {
+			t.Fatalf("try %d: no request, state %s", try, s.State())
+		}
+		s.Unanswered()
+		want := Init
+		if try == MaxTries {
+			want = Bad
+		}
+		if s.State() != want {
+			t.Fatalf("after unanswered try %d: %s, want %s", try, s.State(), want)
+		}
+	}
+	p := newPair(&local{true, true}, &local{true, true})
+	p.start(0)
+	p.run()
+	if p.s[0].State() != OK {
+		t.Fatalf("pair: %s", p.s[0].State())
+	}
+	p.s[0].Fail()
+	if p.s[0].State() != Bad || len(p.s[0].Start()) != 0 {
+		t.Fatalf("after Fail: %s", p.s[0].State())
+	}
+}
