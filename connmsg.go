@@ -21,6 +21,10 @@ const (
 	connectMsg = 2
 	giveUpMsg  = 3
 	failedMsg  = 4
+	// ipcMsg carries a message of the on-node GPU path (ipc.Msg) in its
+	// payload; the reply holds the answers, each prefixed with its
+	// length (ipclink.go).
+	ipcMsg = 5
 )
 
 // maxConnField bounds a connection message's provider name.
@@ -52,7 +56,7 @@ func decodeConnMsg(b []byte) (connMsg, error) {
 		return bad("no version header")
 	}
 	m := connMsg{kind: b[1]}
-	if m.kind < kickMsg || m.kind > failedMsg {
+	if m.kind < kickMsg || m.kind > ipcMsg {
 		return bad(fmt.Sprintf("kind %d", m.kind))
 	}
 	b = b[2:]

@@ -63,7 +63,13 @@ type childReport struct {
 	FailRank int     `json:"fail_rank,omitempty"`
 	Failure  string  `json:"failure,omitempty"`
 	FailMS   float64 `json:"fail_ms,omitempty"`
+	// IPC is Stats.IPC as the ipc jobs saw it.
+	IPC IPCStats `json:"ipc"`
 }
+
+// errExitNow ends a job without the final barrier (a peer is dead): the
+// child prints its report and exits.
+var errExitNow = errors.New("exit without the barrier")
 
 func runChild(job string) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
@@ -80,6 +86,9 @@ func runChild(job string) error {
 	if os.Getenv("GDRLINK_TEST_SIMGPU") == "1" {
 		opts = append(opts, withSimulatedGPU())
 	}
+	if os.Getenv("GDRLINK_TEST_REALGPU") == "1" {
+		opts = append(opts, WithGPU(0))
+	}
 	g, err := Join(ctx, opts...)
 	if err != nil {
 		return err
@@ -93,6 +102,20 @@ func runChild(job string) error {
 		err = ringJob(ctx, g, &rep)
 	case "gpu":
 		err = gpuJob(ctx, g, &rep)
+	case "ipc":
+		err = ipcJob(ctx, g, &rep)
+	case "ipc-notready":
+		err = ipcNotReadyJob(ctx, g, &rep)
+	case "ipc-kill":
+		if err = ipcKillJob(ctx, g, &rep); errors.Is(err, errExitNow) {
+			if err := json.NewEncoder(os.Stdout).Encode(rep); err != nil {
+				return err
+			}
+			if g.Rank() == 1 {
+				os.Exit(0) // dies: no Close, no BYE; the kernel closes its sockets
+			}
+			return nil
+		}
 	case "rejoin":
 		err = rejoinJob(ctx, g, &rep)
 	case "failover":

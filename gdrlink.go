@@ -408,6 +408,9 @@ func (g *Group) Send(peer int, key string, step int64, t *tensor.Tensor) error {
 	if t == nil {
 		return fmt.Errorf("gdrlink: %w: nil tensor for %q step %d", verbsio.ErrBadConfig, key, step)
 	}
+	if t.Device().IsGPU() && g.gpu != nil && g.gpu.ipc != nil && p.sameNode() {
+		p.ipcPair().ready() // the first GPU transfer with the peer sets the on-node path up
+	}
 	return p.send(key, step, t)
 }
 
@@ -436,7 +439,14 @@ func (g *Group) recvOn(ctx context.Context, dev tensor.Device, peer int, key str
 	if dev == tensor.Host {
 		return p.recvFailover(ctx, key, step)
 	}
-	return p.recvFailover(ctx, key, step, rendezvous.OnDevice(dev))
+	t, tr, err := p.recvFailover(ctx, key, step, rendezvous.OnDevice(dev))
+	if errors.Is(err, rendezvous.ErrPullFailed) {
+		// The pair is BAD now and the sender kept the tensor: ask again,
+		// through host memory.
+		g.log.Warn("gdrlink: pull failed, receiving through host memory", "rank", g.Rank(), "peer", peer, "key", key, "step", step, "err", err)
+		return p.recvFailover(ctx, key, step, rendezvous.OnDevice(dev))
+	}
+	return t, tr, err
 }
 
 // Barrier returns once every rank of the job has called it, or when ctx
@@ -488,6 +498,9 @@ type Stats struct {
 	// which are not read. A provider whose count could not be read is left
 	// out.
 	Retransmits map[string]uint64
+	// IPC counts the on-node GPU path (a group joined WithGPU whose GPU
+	// has one): the handle cache, the pulls and the pairs' states.
+	IPC IPCStats
 }
 
 // Stats reports the group's connections, protocol counters, pool, the
@@ -516,6 +529,14 @@ func (g *Group) Stats() Stats {
 	}
 	if g.pool != nil {
 		s.Pool = g.pool.Stats()
+	}
+	if g.gpu != nil && g.gpu.ipc != nil {
+		s.IPC = g.gpu.ipc.stats()
+		for _, p := range g.peerList() {
+			if pr := p.ipcPairIfAny(); pr != nil {
+				s.IPC.Pairs[pr.state().String()]++
+			}
+		}
 	}
 	g.mu.Lock()
 	for _, p := range g.peerPools {
@@ -589,6 +610,12 @@ func (g *Group) Close() error {
 	}
 	for _, p := range peers {
 		errs = append(errs, p.close())
+	}
+	if g.gpu != nil && g.gpu.ipc != nil {
+		// While the bootstrap still runs: peers close their mappings of
+		// this rank's GPU arenas (CUDA wants that before they are freed),
+		// and this rank closes its mappings of theirs.
+		errs = append(errs, g.gpu.ipc.shutdown())
 	}
 	g.wg.Wait()
 	if g.boot != nil {

@@ -1,6 +1,7 @@
 package gdrlink
 
 import (
+	"errors"
 	"fmt"
 
 	"github.com/gdrlink/gdrlink/alloc"
@@ -40,13 +41,17 @@ func openCUDA(ordinal int) (proxy.Device, alloc.Visitor, error) {
 	return dev, visitor.NewCUDAHostRegister(ordinal), nil
 }
 
-// gpuSide is a group's GPU: the device, the pinned pool of proxy tensors
-// (registered with the device and with every provider) and the proxy.
+// gpuSide is a group's GPU: the device, the pool of its GPU tensors, the
+// pinned pool of proxy tensors (registered with the device and with every
+// provider), the proxy, and the on-node path to peers' GPUs (nil where the
+// device has none).
 type gpuSide struct {
 	ordinal int
 	dev     proxy.Device
+	tensors *alloc.Pool
 	pinned  *alloc.Pool
 	px      *proxy.Proxy
+	ipc     *gpuIPC
 	// busID is the GPU's PCI address, "" when the device has none; bar1
 	// reads its BAR1 aperture.
 	busID string
@@ -69,6 +74,21 @@ func (g *Group) setupGPU(src alloc.Source, visitors []alloc.Visitor) error {
 		gs.bar1 = nvml.BAR1
 	}
 	g.gpu = gs
+	var tensorVisitors []alloc.Visitor
+	if gs.ipc, err = newGPUIPC(g, dev); err != nil {
+		return fmt.Errorf("GPU %d on-node path: %w", g.cfg.gpu, err)
+	}
+	if gs.ipc != nil {
+		tensorVisitors = append(tensorVisitors, gs.ipc.visitor())
+	}
+	where := tensor.GPUDevice(g.cfg.gpu)
+	if gs.tensors, err = alloc.New(&deviceSource{dev: dev, where: where}, alloc.WithVisitors(tensorVisitors...),
+		alloc.WithName(fmt.Sprintf("gdrlink rank %d %s", g.Rank(), where))); err != nil {
+		return fmt.Errorf("GPU tensor pool: %w", err)
+	}
+	if gs.ipc != nil {
+		gs.ipc.pool = gs.tensors
+	}
 	vs := append([]alloc.Visitor{hostReg}, visitors...)
 	if gs.pinned, err = alloc.New(src, alloc.WithVisitors(vs...), alloc.WithName(fmt.Sprintf("gdrlink rank %d pinned", g.Rank())), alloc.WithLimit(g.poolLimit())); err != nil {
 		return fmt.Errorf("pinned proxy pool: %w", err)
@@ -97,7 +117,7 @@ func (g *Group) bar1() (bus string, used, total int64, ok bool) {
 	return gs.busID, total - free, total, true
 }
 
-// closeGPU closes the proxy, the pinned pool and the device.
+// closeGPU closes the proxy, the pools, the on-node path and the device.
 func (gs *gpuSide) close() []error {
 	var errs []error
 	if gs.px != nil {
@@ -105,6 +125,12 @@ func (gs *gpuSide) close() []error {
 	}
 	if gs.pinned != nil {
 		errs = append(errs, gs.pinned.Close())
+	}
+	if gs.ipc != nil {
+		errs = append(errs, gs.ipc.close())
+	}
+	if gs.tensors != nil {
+		errs = append(errs, gs.tensors.Close())
 	}
 	return append(errs, gs.dev.Close())
 }
@@ -118,35 +144,70 @@ func (g *Group) channelMemory(d *device) rendezvous.Memory {
 	return rendezvous.PoolMemory(d.regionOf, g.pool, g.gpu.pinned)
 }
 
-func (g *Group) gpuOptions() []rendezvous.Option {
+// gpuOptions are a channel's GPU paths to rank: the proxy, and the
+// on-node pull where the GPU has one.
+func (g *Group) gpuOptions(p *peer) []rendezvous.Option {
 	if g.gpu == nil {
 		return nil
 	}
-	return []rendezvous.Option{rendezvous.WithProxy(rendezvous.ProxyPath(g.gpu.px, g.allocGPU))}
+	opts := []rendezvous.Option{rendezvous.WithProxy(rendezvous.ProxyPath(g.gpu.px, g.allocGPU))}
+	if g.gpu.ipc != nil && p != nil && p.sameNode() {
+		opts = append(opts, rendezvous.WithPull(&ipcPuller{ipc: g.gpu.ipc, p: p}))
+	}
+	return opts
 }
 
-// allocGPU allocates n bytes of the group's GPU as a tensor buffer.
+// allocGPU allocates n bytes of the group's GPU as a tensor buffer, from
+// its GPU tensor pool.
 func (g *Group) allocGPU(n int, dev tensor.Device) (tensor.Buffer, error) {
 	if g.gpu == nil || dev.Kind != tensor.GPU || dev.Index != g.gpu.ordinal {
 		return nil, fmt.Errorf("gdrlink: %w: no %s in this group (WithGPU, GDRLINK_GPU)", verbsio.ErrNotSupported, dev)
 	}
-	p, err := g.gpu.dev.Alloc(max(n, 1))
+	b, err := g.gpu.tensors.Alloc(max(n, 1))
 	if err != nil {
 		return nil, fmt.Errorf("gdrlink: %d bytes on %s: %w", n, dev, err)
 	}
-	return &deviceBuffer{dev: g.gpu.dev, p: p, n: n, where: dev}, nil
+	return sizedBlock{b, n}, nil
 }
 
-// deviceBuffer is one allocation of GPU memory.
-type deviceBuffer struct {
+// sizedBlock is a block of the GPU tensor pool holding n bytes (a tensor
+// of no bytes still takes one).
+type sizedBlock struct {
+	alloc.Block
+	n int
+}
+
+func (b sizedBlock) Len() int { return b.n }
+
+// gpuArenaAlign rounds GPU arenas, as alloc's CUDA source does: a NIC's
+// registration of an arena (BAR1 pages of up to 2 MiB) never shares a
+// page with another allocation.
+const gpuArenaAlign = 2 << 20
+
+// deviceSource makes the arenas of a group's GPU tensor pool with the
+// group's device (a real GPU or the simulated one): one device allocation
+// an arena, which the on-node path exports whole.
+type deviceSource struct {
 	dev   proxy.Device
-	p     proxy.DevicePtr
-	n     int
 	where tensor.Device
 }
 
-func (b *deviceBuffer) Bytes() []byte         { return nil }
-func (b *deviceBuffer) Addr() uintptr         { return uintptr(b.p) }
-func (b *deviceBuffer) Len() int              { return b.n }
-func (b *deviceBuffer) Device() tensor.Device { return b.where }
-func (b *deviceBuffer) Free() error           { return b.dev.Free(b.p) }
+func (s *deviceSource) Name() string          { return "device:" + s.dev.Info().Name }
+func (s *deviceSource) Device() tensor.Device { return s.where }
+
+func (s *deviceSource) Alloc(size int) (*alloc.Region, error) {
+	n := (size + gpuArenaAlign - 1) &^ (gpuArenaAlign - 1)
+	p, err := s.dev.Alloc(n)
+	if err != nil {
+		if errors.Is(err, proxy.ErrDeviceMemory) {
+			return nil, fmt.Errorf("%w: %s: %w", alloc.ErrPoolExhausted, s.Name(), err)
+		}
+		return nil, err
+	}
+	return &alloc.Region{Base: uintptr(p), Size: n, Device: s.where, FD: -1}, nil
+}
+
+func (s *deviceSource) Free(r *alloc.Region) error { return s.dev.Free(proxy.DevicePtr(r.Base)) }
+
+// Close does nothing: the device is the group's, closed after the pool.
+func (s *deviceSource) Close() error { return nil }

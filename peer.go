@@ -61,6 +61,9 @@ type peer struct {
 	peerHello, kickFor []byte
 	// retired are the last connections failover replaced (maxRetired).
 	retired []*rendezvous.Channel
+	// ipc is the on-node GPU path's state with this peer (ipclink.go),
+	// made on first use.
+	ipc *ipcPair
 }
 
 // queuedSend is a Send made before the connection was up.
@@ -215,7 +218,7 @@ func (p *peer) connectRound(ctx context.Context, cands []string, errs *[]error) 
 		p.mu.Lock()
 		p.attempt, p.attemptCancel = prov, cancel
 		p.mu.Unlock()
-		ch, err := g.newChannel(prov, p.rank)
+		ch, err := g.newChannel(prov, p)
 		if err == nil {
 			var reply []byte
 			reply, err = g.boot.Call(actx, p.rank, connMsg{kind: connectMsg, provider: prov, payload: ch.Hello()}.Append(nil))
@@ -243,8 +246,9 @@ func (p *peer) connectRound(ctx context.Context, cands []string, errs *[]error) 
 	return false
 }
 
-// newChannel opens a protocol channel to rank on provider's device.
-func (g *Group) newChannel(provider string, rank int) (*rendezvous.Channel, error) {
+// newChannel opens a protocol channel to peer p on provider's device.
+func (g *Group) newChannel(provider string, p *peer) (*rendezvous.Channel, error) {
+	rank := p.rank
 	d := g.devs[provider]
 	if d == nil {
 		return nil, fmt.Errorf("%w: provider %s is not open on rank %d", verbsio.ErrNotSupported, provider, g.Rank())
@@ -261,7 +265,7 @@ func (g *Group) newChannel(provider string, rank int) (*rendezvous.Channel, erro
 	if err != nil {
 		return nil, err
 	}
-	return rendezvous.New(d.dev, d.pd, mem, append(opts, g.gpuOptions()...)...)
+	return rendezvous.New(d.dev, d.pd, mem, append(opts, g.gpuOptions(p)...)...)
 }
 
 // onCall answers the connection messages of other ranks.
@@ -274,6 +278,9 @@ func (g *Group) onCall(ctx context.Context, from int, req []byte) ([]byte, error
 	m, err := decodeConnMsg(req)
 	if err != nil {
 		return nil, err
+	}
+	if m.kind == ipcMsg {
+		return g.onIPC(from, m.payload)
 	}
 	p, err := g.peer(from)
 	if err != nil {
@@ -321,7 +328,7 @@ func (p *peer) accept(provider string, hello []byte) ([]byte, error) {
 	if !slices.Contains(p.cands, provider) {
 		return nil, fmt.Errorf("%w: rank %d does not use provider %s with rank %d (%v)", verbsio.ErrNotSupported, g.Rank(), provider, p.rank, p.cands)
 	}
-	ch, err := g.newChannel(provider, p.rank)
+	ch, err := g.newChannel(provider, p)
 	if err != nil {
 		return nil, err
 	}
@@ -426,6 +433,7 @@ func (p *peer) fail(err error) {
 	if ch != nil {
 		ch.Close()
 	}
+	p.g.dropIPCPeer(p.rank)
 	for _, s := range q {
 		_ = s.t.Release()
 	}

@@ -126,4 +126,5 @@ func (p *peer) discard(err error) {
 	if ch != nil {
 		_ = ch.Close()
 	}
+	p.g.dropIPCPeer(p.rank)
 }

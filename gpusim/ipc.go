@@ -46,6 +46,10 @@ func shareableMem(name string, n int) (int, []byte, error) {
 	return fd, mem, nil
 }
 
+// Shareable reports whether the device was made with Config.Shareable:
+// its allocations can be exported (ExportSimulatedHandle).
+func (d *device) Shareable() bool { return d.cfg.Shareable }
+
 // ExportSimulatedHandle returns a new close-on-exec descriptor of the
 // allocation that starts at p, and its size; the caller owns the
 // descriptor. It fails with proxy.ErrWrongMemory when p does not start an

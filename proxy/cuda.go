@@ -352,6 +352,17 @@ func (d *cudaDevice) OpenIPCHandle(h [64]byte) (DevicePtr, error) {
 	return DevicePtr(m.Ptr), nil
 }
 
+// IPCHandle gets the legacy IPC handle of an allocation of this device
+// (cuIpcGetMemHandle), for another process's OpenIPCHandle; p must start
+// an allocation.
+func (d *cudaDevice) IPCHandle(p DevicePtr) ([64]byte, error) {
+	h, err := d.ctx.IPCHandle(uintptr(p))
+	if err != nil {
+		return [64]byte{}, mapErr(err, "IPC handle")
+	}
+	return h.Reserved, nil
+}
+
 // CloseIPCHandle closes what OpenIPCHandle opened (cuIpcCloseMemHandle).
 func (d *cudaDevice) CloseIPCHandle(p DevicePtr) error {
 	d.mu.Lock()

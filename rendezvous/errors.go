@@ -13,6 +13,11 @@ import (
 // Errors of the rendezvous, one per condition; they are wrapped with the
 // peer, key and step concerned. A lost peer is reported with
 // verbsio.ErrPeerLost.
+// ErrPullFailed: the receiver's copy of a pulled tensor failed (WithPull).
+// The sender keeps the tensor: a Recv made again gets it, written through
+// host memory once the Puller stopped offering pulls.
+var ErrPullFailed = errors.New("rendezvous: pull failed")
+
 var (
 	// ErrClosed: the channel was closed, by this side or (BYE) by the peer. It is the one closed error of every layer
 	// (the same value as gdrlink.ErrClosed and verbsio.ErrClosed), so

@@ -200,7 +200,7 @@ func (rv *receiver) pulled(r *request, err error) {
 	case r.cancelled:
 		rv.forgetLocked(r)
 	case err != nil:
-		rv.finishLocked(r, nil, fmt.Errorf("rendezvous: pulling %q step %d from %s: %w", r.key.name, r.key.step, c.peer, err), &ds)
+		rv.finishLocked(r, nil, fmt.Errorf("%w: %q step %d from %s: %w", ErrPullFailed, r.key.name, r.key.step, c.peer, err), &ds)
 	default:
 		rv.stats.bytesIn.Add(uint64(r.meta.ByteSize))
 		t, terr := tensor.New(r.meta, r.buf)
