@@ -22,7 +22,7 @@ PKGS=(
 	"./gdr:"
 	"./cmd/gdrcheck:"
 	"./bench:IPC"
-	".:GPU|CUDA"
+	".:GPU|CUDA|IPC"
 )
 
 # name turns a package path into a directory name: ./alloc/visitor → alloc_visitor.
