@@ -169,6 +169,11 @@ func runIPCPair(ctx context.Context, mode string, sizes []int64, reps int) ([]ip
 	if offerErr != nil || waitErr != nil {
 		return nil, errors.Join(offerErr, waitErr, errors.New(strings.TrimSpace(errb.String())))
 	}
+	for _, l := range strings.Split(errb.String(), "\n") {
+		if strings.HasPrefix(l, "ipc-diag ") {
+			fmt.Fprintln(os.Stderr, l) // GDRLINK_BENCH_IPC_DIAG=1
+		}
+	}
 	var rows []ipcRow
 	opens, closes, open := -1, -1, -1
 	sc := bufio.NewScanner(&out)
@@ -611,6 +616,10 @@ func timeDevicePull(dev proxy.Device, cp ipc.Copier, stageAlloc func(int) ([]byt
 	// few microseconds is not drowned by the wait; the figure is the time
 	// of one transfer.
 	iters := deviceIters(n)
+	// The pull and the in-process copy alternate; staging, which is bound
+	// by the host link, is timed on its own afterwards: a device-to-device
+	// copy right after a host-bound phase ran up to a third slower on an
+	// H200 (clocks ramping up again), whichever copy it was.
 	med, err := alternate(reps,
 		func() error {
 			return queueEach(iters, func() (proxy.Event, error) { return ipc.PullDevice(cp, st, dst, mp, m) })
@@ -623,6 +632,11 @@ func timeDevicePull(dev proxy.Device, cp ipc.Copier, stageAlloc func(int) ([]byt
 				return dev.RecordEvent(st)
 			})
 		},
+	)
+	if err != nil {
+		return ipcRow{}, err
+	}
+	staged, err := alternate(reps,
 		// Staging through host memory: device to host, host to device.
 		func() error {
 			return queueEach(iters, func() (proxy.Event, error) {
@@ -639,10 +653,66 @@ func timeDevicePull(dev proxy.Device, cp ipc.Copier, stageAlloc func(int) ([]byt
 	if err != nil {
 		return ipcRow{}, err
 	}
+	med = append(med, staged[0])
+	if os.Getenv("GDRLINK_BENCH_IPC_DIAG") == "1" {
+		if err := ipcDiag(dev, cp, st, dst, opened, n, iters, reps); err != nil {
+			return ipcRow{}, err
+		}
+	}
 	for i := range med {
 		med[i] /= time.Duration(iters)
 	}
 	return ipcRow{size: int64(n), pull: med[0], inproc: med[1], staged: med[2]}, nil
+}
+
+// ipcDiag (GDRLINK_BENCH_IPC_DIAG=1) tells where a pull's time goes apart
+// from the in-process copy, on stderr: the same copy from the opened arena
+// without the pull's bookkeeping, and in-process copies from a ring of
+// sources larger than the GPU's L2 cache (cold), against the warm one.
+func ipcDiag(dev proxy.Device, cp ipc.Copier, st proxy.Stream, dst, opened proxy.DevicePtr, n, iters, reps int) error {
+	ring := make([]proxy.DevicePtr, max(1, min(8, (256<<20)/n)))
+	for i := range ring {
+		p, err := dev.Alloc(n)
+		if err != nil {
+			return err
+		}
+		defer dev.Free(p)
+		ring[i] = p
+	}
+	k := 0
+	med, err := alternate(reps,
+		func() error {
+			return queueEach(iters, func() (proxy.Event, error) {
+				if err := cp.CopyDtoDAsync(dst, opened, n, st); err != nil {
+					return nil, err
+				}
+				return dev.RecordEvent(st)
+			})
+		},
+		func() error {
+			return queueEach(iters, func() (proxy.Event, error) {
+				k++
+				if err := cp.CopyDtoDAsync(dst, ring[k%len(ring)], n, st); err != nil {
+					return nil, err
+				}
+				return dev.RecordEvent(st)
+			})
+		},
+		func() error {
+			return queueEach(iters, func() (proxy.Event, error) {
+				if err := cp.CopyDtoDAsync(dst, ring[0], n, st); err != nil {
+					return nil, err
+				}
+				return dev.RecordEvent(st)
+			})
+		},
+	)
+	if err != nil {
+		return err
+	}
+	gb := func(d time.Duration) float64 { return float64(n) * float64(iters) / d.Seconds() / 1e9 }
+	fmt.Fprintf(os.Stderr, "ipc-diag %d bytes: opened-copy %.1f GB/s, cold-inproc (ring of %d) %.1f GB/s, warm-inproc %.1f GB/s\n", n, gb(med[0]), len(ring), gb(med[1]), gb(med[2]))
+	return nil
 }
 
 // queueEach calls queue iters times, each queueing a transfer and
