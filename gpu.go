@@ -82,7 +82,15 @@ func (g *Group) setupGPU(src alloc.Source, visitors []alloc.Visitor) error {
 		tensorVisitors = append(tensorVisitors, gs.ipc.visitor())
 	}
 	where := tensor.GPUDevice(g.cfg.gpu)
-	if gs.tensors, err = alloc.New(&deviceSource{dev: dev, where: where}, alloc.WithVisitors(tensorVisitors...),
+	dsrc := &deviceSource{dev: dev, where: where, alloc: dev.Alloc}
+	if gs.ipc != nil {
+		if a, ok := gs.ipc.dev.(interface {
+			alloc(n int) (proxy.DevicePtr, error)
+		}); ok {
+			dsrc.alloc = a.alloc // arenas the path can export
+		}
+	}
+	if gs.tensors, err = alloc.New(dsrc, alloc.WithVisitors(tensorVisitors...),
 		alloc.WithName(fmt.Sprintf("gdrlink rank %d %s", g.Rank(), where))); err != nil {
 		return fmt.Errorf("GPU tensor pool: %w", err)
 	}
@@ -190,6 +198,7 @@ const gpuArenaAlign = 2 << 20
 type deviceSource struct {
 	dev   proxy.Device
 	where tensor.Device
+	alloc func(n int) (proxy.DevicePtr, error)
 }
 
 func (s *deviceSource) Name() string          { return "device:" + s.dev.Info().Name }
@@ -197,7 +206,7 @@ func (s *deviceSource) Device() tensor.Device { return s.where }
 
 func (s *deviceSource) Alloc(size int) (*alloc.Region, error) {
 	n := (size + gpuArenaAlign - 1) &^ (gpuArenaAlign - 1)
-	p, err := s.dev.Alloc(n)
+	p, err := s.alloc(n)
 	if err != nil {
 		if errors.Is(err, proxy.ErrDeviceMemory) {
 			return nil, fmt.Errorf("%w: %s: %w", alloc.ErrPoolExhausted, s.Name(), err)

@@ -255,13 +255,25 @@ func TestIPCTwoProcesses(t *testing.T) {
 }
 
 // TestIPCRealGPU is TestIPCTwoProcesses on a real GPU: two processes on
-// GPU 0, legacy CUDA IPC handles, cuMemcpyDtoDAsync pulls.
+// GPU 0, exporting their arenas as CUDA VMM descriptors (the default where
+// the GPU can) and as legacy CUDA IPC handles, pulled with
+// cuMemcpyDtoDAsync.
 func TestIPCRealGPU(t *testing.T) {
 	requireCUDA(t)
-	j := startJob(t, "ipc", 2, "127.0.0.1", func(int) []string { return nil }, func(int) []string {
-		return []string{"GDRLINK_TEST_REALGPU=1"}
-	})
-	checkIPCReports(t, j.wait(2*time.Minute))
+	for _, mode := range []string{"vmm", "legacy"} {
+		t.Run(mode, func(t *testing.T) {
+			j := startJob(t, "ipc", 2, "127.0.0.1", func(int) []string { return nil }, func(int) []string {
+				return []string{"GDRLINK_TEST_REALGPU=1", "GDRLINK_CUDA_IPC=" + mode}
+			})
+			reps := j.wait(2 * time.Minute)
+			checkIPCReports(t, reps)
+			for _, r := range reps {
+				if r.IPC.Export != mode {
+					t.Errorf("rank %d exports %q, want %q", r.Rank, r.IPC.Export, mode)
+				}
+			}
+		})
+	}
 }
 
 // TestIPCPeerDeath: the exporter dies with the receiver's mappings of its

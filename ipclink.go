@@ -79,18 +79,32 @@ type ipcDevice interface {
 	close(p proxy.DevicePtr) error
 	// copyDtoD queues a device-to-device copy on st.
 	copyDtoD(dst, src proxy.DevicePtr, n int, st proxy.Stream) error
+	// exportName says how arenas are exported (IPCStats.Export).
+	exportName() string
 }
 
-// cudaIPCDevice is a real GPU (proxy.NewCUDADevice) with legacy IPC handles.
+// cudaGPU is what a real GPU from proxy.NewCUDADevice offers the path.
+type cudaGPU interface {
+	proxy.Device
+	IPCHandle(p proxy.DevicePtr) ([64]byte, error)
+	OpenIPCHandle(h [64]byte) (proxy.DevicePtr, error)
+	CloseIPCHandle(p proxy.DevicePtr) error
+	CopyDtoDAsync(dst, src proxy.DevicePtr, n int, s proxy.Stream) error
+	CanAccessPeer(busID string) (bool, error)
+	ShareableSupported() bool
+	AllocShareable(n int) (proxy.DevicePtr, error)
+	ExportShareable(p proxy.DevicePtr) (int, error)
+	OpenShareable(fd int, size int) (proxy.DevicePtr, error)
+}
+
+// cudaIPCDevice is a real GPU. With vmm its arenas are CUDA VMM
+// allocations exported as POSIX descriptors (what NCCL prefers: the
+// descriptor goes over the descriptor service's socket, and the memory
+// lives while any process maps it); otherwise cuMemAlloc arenas exported
+// with legacy IPC handles. It opens what a peer exports either way.
 type cudaIPCDevice struct {
-	dev interface {
-		proxy.Device
-		IPCHandle(p proxy.DevicePtr) ([64]byte, error)
-		OpenIPCHandle(h [64]byte) (proxy.DevicePtr, error)
-		CloseIPCHandle(p proxy.DevicePtr) error
-		CopyDtoDAsync(dst, src proxy.DevicePtr, n int, s proxy.Stream) error
-		CanAccessPeer(busID string) (bool, error)
-	}
+	dev cudaGPU
+	vmm bool
 }
 
 func (d cudaIPCDevice) id() string { return d.dev.Info().PCIBusID }
@@ -98,20 +112,51 @@ func (d cudaIPCDevice) canReach(peer string) bool {
 	ok, err := d.dev.CanAccessPeer(peer)
 	return err == nil && ok
 }
-func (d cudaIPCDevice) kind() byte { return handleLegacy }
+func (d cudaIPCDevice) exportName() string {
+	if d.vmm {
+		return "vmm"
+	}
+	return "legacy"
+}
+func (d cudaIPCDevice) kind() byte {
+	if d.vmm {
+		return handleFD
+	}
+	return handleLegacy
+}
 func (d cudaIPCDevice) legacyHandle(base proxy.DevicePtr) ([64]byte, error) {
 	return d.dev.IPCHandle(base)
 }
-func (d cudaIPCDevice) exportFD(proxy.DevicePtr) (int, error) {
-	return -1, fmt.Errorf("%w: descriptor export of a legacy-handle GPU", ipc.ErrNotSupported)
+func (d cudaIPCDevice) exportFD(base proxy.DevicePtr) (int, error) {
+	if !d.vmm {
+		return -1, fmt.Errorf("%w: descriptor export of a legacy-handle GPU", ipc.ErrNotSupported)
+	}
+	return d.dev.ExportShareable(base)
 }
-func (d cudaIPCDevice) open(h []byte, fd int, _ int) (proxy.DevicePtr, error) {
-	if fd >= 0 || len(h) != 64 {
-		return 0, fmt.Errorf("%w: legacy CUDA IPC handle of %d bytes (descriptor %d)", ipc.ErrBadMessage, len(h), fd)
+func (d cudaIPCDevice) open(h []byte, fd int, size int) (proxy.DevicePtr, error) {
+	if fd >= 0 {
+		return d.dev.OpenShareable(fd, size)
+	}
+	if len(h) != 64 {
+		return 0, fmt.Errorf("%w: legacy CUDA IPC handle of %d bytes", ipc.ErrBadMessage, len(h))
 	}
 	return d.dev.OpenIPCHandle([64]byte(h))
 }
-func (d cudaIPCDevice) close(p proxy.DevicePtr) error { return d.dev.CloseIPCHandle(p) }
+func (d cudaIPCDevice) close(p proxy.DevicePtr) error {
+	if err := d.dev.CloseIPCHandle(p); err == nil || !errors.Is(err, proxy.ErrWrongMemory) {
+		return err
+	}
+	return d.dev.Free(p) // a shareable mapping
+}
+
+// alloc makes an arena of the GPU tensor pool: exportable by descriptor
+// with vmm.
+func (d cudaIPCDevice) alloc(n int) (proxy.DevicePtr, error) {
+	if d.vmm {
+		return d.dev.AllocShareable(n)
+	}
+	return d.dev.Alloc(n)
+}
 func (d cudaIPCDevice) copyDtoD(dst, src proxy.DevicePtr, n int, st proxy.Stream) error {
 	return d.dev.CopyDtoDAsync(dst, src, n, st)
 }
@@ -132,6 +177,7 @@ type simIPCDevice struct {
 func (d simIPCDevice) id() string                { return "simulated@" + d.node }
 func (d simIPCDevice) canReach(peer string) bool { return peer == d.id() }
 func (d simIPCDevice) kind() byte                { return handleFD }
+func (d simIPCDevice) exportName() string        { return "simulated" }
 func (d simIPCDevice) legacyHandle(proxy.DevicePtr) ([64]byte, error) {
 	return [64]byte{}, fmt.Errorf("%w: legacy handles of a simulated GPU", ipc.ErrNotSupported)
 }
@@ -148,18 +194,23 @@ func (d simIPCDevice) copyDtoD(dst, src proxy.DevicePtr, n int, st proxy.Stream)
 }
 
 // ipcDeviceOf is dev's on-node path, or nil when it has none (a simulated
-// GPU that is not shareable).
-func ipcDeviceOf(dev proxy.Device, node string) ipcDevice {
+// GPU that is not shareable, or mode "off"). mode is GDRLINK_CUDA_IPC's:
+// "vmm" insists on VMM exports, "legacy" on legacy handles, "auto" (or "")
+// takes VMM where the GPU has it.
+func ipcDeviceOf(dev proxy.Device, node, mode string) (ipcDevice, error) {
+	if mode == "off" {
+		return nil, nil
+	}
 	switch d := dev.(type) {
-	case interface {
-		proxy.Device
-		IPCHandle(p proxy.DevicePtr) ([64]byte, error)
-		OpenIPCHandle(h [64]byte) (proxy.DevicePtr, error)
-		CloseIPCHandle(p proxy.DevicePtr) error
-		CopyDtoDAsync(dst, src proxy.DevicePtr, n int, s proxy.Stream) error
-		CanAccessPeer(busID string) (bool, error)
-	}:
-		return cudaIPCDevice{d}
+	case cudaGPU:
+		vmm := d.ShareableSupported()
+		switch {
+		case mode == "vmm" && !vmm:
+			return nil, fmt.Errorf("%w: GDRLINK_CUDA_IPC=vmm, but %s cannot export memory as POSIX descriptors (CUDA virtual memory management)", ipc.ErrNotSupported, d.Info().Name)
+		case mode == "legacy":
+			vmm = false
+		}
+		return cudaIPCDevice{d, vmm}, nil
 	case interface {
 		proxy.Device
 		ExportSimulatedHandle(p proxy.DevicePtr) (fd int, size int, err error)
@@ -168,10 +219,10 @@ func ipcDeviceOf(dev proxy.Device, node string) ipcDevice {
 		Shareable() bool
 	}:
 		if d.Shareable() {
-			return simIPCDevice{d, node}
+			return simIPCDevice{d, node}, nil
 		}
 	}
-	return nil
+	return nil, nil
 }
 
 // gpuIPC is a group's side of the on-node GPU path.
@@ -198,9 +249,9 @@ type gpuIPC struct {
 // newGPUIPC makes the group's on-node path over dev, or returns nil when
 // dev has none.
 func newGPUIPC(g *Group, dev proxy.Device) (*gpuIPC, error) {
-	d := ipcDeviceOf(dev, g.me.Host)
-	if d == nil {
-		return nil, nil
+	d, err := ipcDeviceOf(dev, g.me.Host, g.cfg.cudaIPC)
+	if d == nil || err != nil {
+		return nil, err
 	}
 	var e [4]byte
 	if _, err := rand.Read(e[:]); err != nil {
@@ -352,9 +403,6 @@ func (x *gpuIPC) pullOnce(p *peer, ref rendezvous.PullRef, dst tensor.Buffer) er
 	if ref.Offset > size || uint64(ref.Size) > size-ref.Offset || ref.Size > int64(dst.Len()) {
 		return fmt.Errorf("%w: %d bytes at %d of a %d-byte arena into %d bytes", ipc.ErrNotMapped, ref.Size, ref.Offset, size, dst.Len())
 	}
-	if h[0] != x.dev.kind() {
-		return fmt.Errorf("%w: the peer exports kind %d, this GPU opens kind %d", ipc.ErrNotSupported, h[0], x.dev.kind())
-	}
 	mp, ok := x.cache.Lookup(uint32(p.rank), ref.Arena)
 	if !ok {
 		fd := -1
@@ -449,6 +497,11 @@ func (x *gpuIPC) close() error {
 
 // IPCStats counts the on-node GPU path of a group (Stats.IPC).
 type IPCStats struct {
+	// Export is how this rank's GPU arenas are exported: "vmm" (CUDA
+	// virtual memory management, a POSIX descriptor per arena), "legacy"
+	// (a legacy CUDA IPC handle per arena) or "simulated" (the simulated
+	// GPU's descriptors).
+	Export string
 	// Hits, Misses and Opens count the lookups of peers' arenas in the
 	// handle cache and the arenas opened (each at most once until
 	// released); Closes the mappings closed (the peer released the arena
@@ -468,7 +521,7 @@ func (x *gpuIPC) stats() IPCStats {
 	cs := x.cache.Stats()
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	return IPCStats{Hits: cs.Hits, Misses: cs.Misses, Opens: cs.Opens, Closes: cs.Closes, Open: cs.Open,
+	return IPCStats{Export: x.dev.exportName(), Hits: cs.Hits, Misses: cs.Misses, Opens: cs.Opens, Closes: cs.Closes, Open: cs.Open,
 		Pulls: x.pullsOK, PullsFailed: x.pullsFailed, Pairs: map[string]int{}}
 }
 

@@ -38,6 +38,10 @@ type config struct {
 	log            *slog.Logger
 	verbs          *verbsio.Config
 	gpu            int // -1: none
+	// cudaIPC is how GPU arenas are exported to peers on the node:
+	// "auto" (the default: VMM where the GPU can, legacy handles
+	// otherwise), "vmm", "legacy" or "off" (GDRLINK_CUDA_IPC).
+	cudaIPC string
 	metricsAddr    string
 	// aggregator is the SwitchML aggregator's control endpoint (empty:
 	// AllReduce on the ring), aggregatorPort the RoCEv2 UDP port.
@@ -305,6 +309,14 @@ func fromEnv(lookup func(string) (string, bool)) (config, error) {
 			return c, fmt.Errorf("%w: GDRLINK_GPU=%q is not a GPU ordinal", verbsio.ErrBadConfig, v)
 		}
 		c.gpu = n
+	}
+	if v := get("GDRLINK_CUDA_IPC"); v != "" {
+		switch v {
+		case "auto", "vmm", "legacy", "off":
+			c.cudaIPC = v
+		default:
+			return c, fmt.Errorf("%w: GDRLINK_CUDA_IPC=%q, want auto, vmm, legacy or off", verbsio.ErrBadConfig, v)
+		}
 	}
 	if v := get("GDRLINK_AGGREGATOR"); v != "" {
 		if err := WithAggregator(v)(&c); err != nil {

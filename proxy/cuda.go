@@ -23,6 +23,9 @@ type cudaDevice struct {
 	mu     sync.Mutex
 	allocs map[DevicePtr]*cuda.DeviceMemory
 	ipcs   map[DevicePtr]*cuda.IPCMapping
+	// shared are the shareable allocations (AllocShareable) and the
+	// mappings of other processes' (OpenShareable).
+	shared map[DevicePtr]*cuda.Shareable
 	events []*cuda.Event // completed events, kept for reuse
 	closed bool
 }
@@ -60,7 +63,7 @@ func NewCUDADevice(ordinal int) (Device, error) {
 	// attached over C2C.
 	c2c, err := nvml.C2C(bus)
 	return &cudaDevice{drv: drv, ctx: ctx, info: DeviceInfo{Name: name, Ordinal: ordinal, PCIBusID: bus},
-		gdr: gpuDirectFactsOf(f, c2c && err == nil), allocs: map[DevicePtr]*cuda.DeviceMemory{}, ipcs: map[DevicePtr]*cuda.IPCMapping{}}, nil
+		gdr: gpuDirectFactsOf(f, c2c && err == nil), allocs: map[DevicePtr]*cuda.DeviceMemory{}, ipcs: map[DevicePtr]*cuda.IPCMapping{}, shared: map[DevicePtr]*cuda.Shareable{}}, nil
 }
 
 // flushWritesOptionHost is CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_HOST, the
@@ -119,12 +122,18 @@ func (d *cudaDevice) Alloc(n int) (DevicePtr, error) {
 	return DevicePtr(m.Ptr), nil
 }
 
-// Free implements Device.
+// Free implements Device; it frees shareable allocations (AllocShareable)
+// and unmaps other processes' (OpenShareable) too.
 func (d *cudaDevice) Free(p DevicePtr) error {
 	d.mu.Lock()
 	m, ok := d.allocs[p]
 	delete(d.allocs, p)
+	sh, shared := d.shared[p]
+	delete(d.shared, p)
 	d.mu.Unlock()
+	if shared {
+		return mapErr(sh.Close(), "shareable free")
+	}
 	if !ok {
 		return fmt.Errorf("%w: %#x is not an allocation of this device handle", ErrWrongMemory, p)
 	}
@@ -330,6 +339,10 @@ func (d *cudaDevice) Close() error {
 		errs = append(errs, m.Close())
 		delete(d.allocs, p)
 	}
+	for p, m := range d.shared {
+		errs = append(errs, m.Close())
+		delete(d.shared, p)
+	}
 	errs = append(errs, d.ctx.Close(), d.drv.Close())
 	return errors.Join(errs...)
 }
@@ -350,6 +363,50 @@ func (d *cudaDevice) OpenIPCHandle(h [64]byte) (DevicePtr, error) {
 	defer d.mu.Unlock()
 	d.ipcs[DevicePtr(m.Ptr)] = m
 	return DevicePtr(m.Ptr), nil
+}
+
+// ShareableSupported reports whether this GPU can allocate memory that
+// other processes map from a POSIX descriptor (the CUDA virtual memory
+// management API with descriptor export).
+func (d *cudaDevice) ShareableSupported() bool { return d.ctx.ShareableSupported() }
+
+// AllocShareable allocates at least n bytes of device memory that other
+// processes can map (ExportShareable, OpenShareable); Free frees it.
+func (d *cudaDevice) AllocShareable(n int) (DevicePtr, error) {
+	s, err := d.ctx.AllocShareable(n)
+	if err != nil {
+		return 0, mapErr(err, "shareable allocation")
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.shared[DevicePtr(s.Ptr)] = s
+	return DevicePtr(s.Ptr), nil
+}
+
+// ExportShareable returns a new POSIX descriptor of the shareable
+// allocation at p (cuMemExportToShareableHandle); the caller owns it.
+func (d *cudaDevice) ExportShareable(p DevicePtr) (int, error) {
+	d.mu.Lock()
+	s, ok := d.shared[p]
+	d.mu.Unlock()
+	if !ok {
+		return -1, fmt.Errorf("%w: %#x is not a shareable allocation of this device handle", ErrWrongMemory, p)
+	}
+	fd, err := s.ExportFD()
+	return fd, mapErr(err, "shareable export")
+}
+
+// OpenShareable maps size bytes of another process's shareable allocation
+// from its descriptor (which stays the caller's); Free unmaps it.
+func (d *cudaDevice) OpenShareable(fd int, size int) (DevicePtr, error) {
+	s, err := d.ctx.ImportShareable(fd, size)
+	if err != nil {
+		return 0, mapErr(err, "shareable import")
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.shared[DevicePtr(s.Ptr)] = s
+	return DevicePtr(s.Ptr), nil
 }
 
 // IPCHandle gets the legacy IPC handle of an allocation of this device

@@ -21,6 +21,7 @@ const (
 	AttrCanMapHostMemory            Attribute = 19
 	AttrHostRegisterSupported       Attribute = 99
 	AttrVirtualMemoryManagement     Attribute = 102
+	AttrHandleTypePOSIXFD           Attribute = 103
 	AttrGPUDirectRDMASupported      Attribute = 116
 	AttrGPUDirectRDMAFlushWrites    Attribute = 117
 	AttrGPUDirectRDMAWritesOrdering Attribute = 118

@@ -66,6 +66,16 @@ const (
 	symFlushGPUDirectRDMAWrites
 	symMemcpyDtoDAsync
 	symDeviceCanAccessPeer
+	symMemGetAllocationGranularity
+	symMemCreate
+	symMemRelease
+	symMemAddressReserve
+	symMemAddressFree
+	symMemMap
+	symMemUnmap
+	symMemSetAccess
+	symMemExportToShareableHandle
+	symMemImportFromShareableHandle
 	numSyms
 )
 
@@ -122,6 +132,18 @@ var symbolNames = [numSyms]struct {
 	symFlushGPUDirectRDMAWrites:    {"cuFlushGPUDirectRDMAWrites", true},
 	symMemcpyDtoDAsync:             {"cuMemcpyDtoDAsync_v2", true},
 	symDeviceCanAccessPeer:         {"cuDeviceCanAccessPeer", true},
+	// The virtual memory management API (CUDA 10.2+), for allocations
+	// shared by POSIX descriptor (vmm.go).
+	symMemGetAllocationGranularity:  {"cuMemGetAllocationGranularity", true},
+	symMemCreate:                    {"cuMemCreate", true},
+	symMemRelease:                   {"cuMemRelease", true},
+	symMemAddressReserve:            {"cuMemAddressReserve", true},
+	symMemAddressFree:               {"cuMemAddressFree", true},
+	symMemMap:                       {"cuMemMap", true},
+	symMemUnmap:                     {"cuMemUnmap", true},
+	symMemSetAccess:                 {"cuMemSetAccess", true},
+	symMemExportToShareableHandle:   {"cuMemExportToShareableHandle", true},
+	symMemImportFromShareableHandle: {"cuMemImportFromShareableHandle", true},
 }
 
 // Driver is a loaded CUDA driver. Open it once per program (or per
