@@ -32,6 +32,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"os"
 	"strconv"
@@ -85,6 +86,11 @@ type Config struct {
 	// place (GDRLINK_INSECURE=1 in jobauth's words). It has no effect with
 	// a Key.
 	Insecure bool
+	// Logger receives the connections the group's listener turns away
+	// (a stranger without the key, a rank claimed twice, a flood evicted),
+	// at Warn, at most a line a second with how many went unlogged. nil
+	// logs to slog.Default().
+	Logger *slog.Logger
 
 	// dial, when set (by tests), opens the group's connections.
 	dial func(ctx context.Context, addr string) (net.Conn, error)
