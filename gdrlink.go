@@ -219,6 +219,7 @@ func bootstrapConfig(cfg config) (bootstrap.Config, error) {
 		bc.Root = cfg.root
 	}
 	bc.Key, bc.Insecure = cfg.key, cfg.insecure
+	bc.Logger = cfg.log
 	if cfg.rootListener != nil && bc.Rank == 0 {
 		bc.Listener = cfg.rootListener
 		if bc.Root == "" {
@@ -265,6 +266,9 @@ func (g *Group) setup(ctx context.Context) error {
 		return err
 	}
 	vc.JobKey, vc.Insecure = g.cfg.key.Bytes(), g.cfg.insecure
+	if vc.Logger == nil {
+		vc.Logger = g.log // the providers' refusals
+	}
 	vc.PeerTimeout = g.cfg.peerTimeout // the providers' timers outlast the channels'
 	if vc.ListenAddr == "" {
 		// Listen where the bootstrap reaches this rank, so peers on

@@ -210,7 +210,9 @@ func WithPeerTimeout(d time.Duration) Option {
 
 // WithLogger sets the structured logger (GDRLINK_LOG=debug, info, warn or
 // error logs text to standard error at that level; default: nothing).
-// Connections are logged at info, transfers at debug.
+// Connections are logged at info, transfers at debug, and connections the
+// bootstrap or a provider refuses (a stranger without the job key, a flood
+// evicted) at warn, at most a line a second per listener.
 func WithLogger(l *slog.Logger) Option {
 	return func(c *config) error {
 		if l == nil {

@@ -66,12 +66,18 @@ type tensorSide struct {
 	ch    *rendezvous.Channel
 	raw   *rawPair
 	group *bootstrap.Group
+	// grants switches the measuring side's results between grants and
+	// the arena key (scenario_tensor_grants.go); nil on the peer.
+	grants *grantSwitch
 }
 
 func (s *tensorSide) close() error {
 	var errs []error
 	if s.ch != nil {
 		errs = append(errs, s.ch.Close())
+	}
+	if s.grants != nil {
+		errs = append(errs, s.grants.close())
 	}
 	if s.raw != nil {
 		s.raw.close()
@@ -112,12 +118,21 @@ func openTensorSide(ctx context.Context, provider string, cfg bootstrap.Config, 
 	if s.pd, err = s.dev.AllocPD(); err != nil {
 		return s, ph, err
 	}
-	s.reg = visitor.NewMemoryRegistration(s.pd, verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite|verbsio.AccessRemoteRead)
+	access := verbsio.AccessLocalWrite | verbsio.AccessRemoteWrite | verbsio.AccessRemoteRead
+	s.reg = visitor.NewMemoryRegistration(s.pd, access)
 	// Arenas big enough that the largest tensor, its result and the fixed
 	// buffer each fit one.
+	arena, maxArena := max(64<<20, 2*maxSize), max(1<<30, 2*maxSize)
 	if s.pool, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}), alloc.WithVisitors(s.reg),
-		alloc.WithInitialArena(max(64<<20, 2*maxSize)), alloc.WithMaxArena(max(1<<30, 2*maxSize))); err != nil {
+		alloc.WithInitialArena(arena), alloc.WithMaxArena(maxArena)); err != nil {
 		return s, ph, err
+	}
+	var mem rendezvous.Memory = rendezvous.PoolMemory(s.reg.RegionOf, s.pool)
+	if cfg.Rank == 0 {
+		if s.grants, err = newGrantSwitch(s.pd, s.reg, s.pool, access, arena, maxArena); err != nil {
+			return s, ph, err
+		}
+		mem = s.grants
 	}
 	opts := []rendezvous.Option{rendezvous.WithName(fmt.Sprint("rank-", cfg.Rank))}
 	// GDRLINK_CHECKSUM=0 or 1 chooses checksum mode, as for the front
@@ -129,7 +144,7 @@ func openTensorSide(ctx context.Context, provider string, cfg bootstrap.Config, 
 		}
 		opts = append(opts, rendezvous.WithChecksum(on))
 	}
-	if s.ch, err = rendezvous.New(s.dev, s.pd, rendezvous.PoolMemory(s.reg.RegionOf, s.pool), opts...); err != nil {
+	if s.ch, err = rendezvous.New(s.dev, s.pd, mem, opts...); err != nil {
 		return s, ph, err
 	}
 	if s.raw, err = newRawPair(s.dev, s.pd, s.pool, s.reg.RegionOf, maxSize); err != nil {
@@ -401,7 +416,7 @@ func tensorProvider(ctx context.Context, env *Env, provider string, sizes []int6
 		emit(env, provider, "large/vs-grpc", size, rateGBs(size, ourLat), "GB/s", rateGBs(size, medianDuration(grpcs)), "grpc", note)
 		emit(env, provider, "large/vs-copybuf", size, rateGBs(size, ourLat), "GB/s", rateGBs(size, medianDuration(copies)), "copybuf", note)
 	}
-	return nil
+	return m.grantRows(sizes, reps, nSmall, note)
 }
 
 func us(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) }

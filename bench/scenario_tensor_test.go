@@ -20,12 +20,14 @@ func TestTensorScenarioQuick(t *testing.T) {
 		t.Fatalf("exit %d: %s", code, errOut)
 	}
 	seen := map[string]bool{}
+	var rows []Result
 	sc := bufio.NewScanner(strings.NewReader(out))
 	for sc.Scan() {
 		var r Result
 		if err := json.Unmarshal(sc.Bytes(), &r); err != nil {
 			t.Fatalf("%q: %v", sc.Text(), err)
 		}
+		rows = append(rows, r)
 		if r.Value <= 0 || r.Baseline <= 0 || r.Ratio <= 0 || r.BaselineName == "" {
 			t.Errorf("result without a measured value and baseline: %+v", r)
 		}
@@ -40,6 +42,7 @@ func TestTensorScenarioQuick(t *testing.T) {
 			t.Errorf("no %s result in:\n%s", want, out)
 		}
 	}
+	checkGrantRows(t, rows)
 }
 
 func TestGRPCBaselineServes(t *testing.T) {

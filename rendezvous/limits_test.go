@@ -304,6 +304,30 @@ func sendLegit(t *testing.T, v *side, step int64) {
 	}
 }
 
+// goroutineSlack is how many more goroutines than before a flood the
+// victim may run once it was answered: timers and pollers come and go; a
+// goroutine per request or name would be thousands.
+const goroutineSlack = 16
+
+// goroutinesAfter is the goroutine count once it has settled within
+// goroutineSlack of before, or after 5 s, whichever comes first.
+func goroutinesAfter(before int) int {
+	n := runtime.NumGoroutine()
+	for deadline := time.Now().Add(5 * time.Second); n > before+goroutineSlack && time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		n = runtime.NumGoroutine()
+	}
+	return n
+}
+
+// checkGoroutines fails the test if the flood left more than
+// goroutineSlack goroutines behind.
+func checkGoroutines(t *testing.T, before, after int) {
+	t.Helper()
+	if after > before+goroutineSlack {
+		t.Errorf("goroutines grew from %d to %d under the flood", before, after)
+	}
+}
+
 // heapInUse is the heap in use after a collection.
 func heapInUse() uint64 {
 	runtime.GC()
@@ -327,7 +351,7 @@ func TestRequestFloodIsBounded(t *testing.T) {
 		p.frame(&legit)
 		p.waitUntil("the early request parked", func() bool { return v.ch.Stats().RequestsParked == 1 })
 
-		before := heapInUse()
+		before, gBefore := heapInUse(), runtime.NumGoroutine()
 		ghost := []byte("ghost")
 		for i := 0; i < flood; i++ {
 			var name []byte
@@ -339,11 +363,12 @@ func TestRequestFloodIsBounded(t *testing.T) {
 		}
 		refused := flood - (limit - 1)
 		p.waitUntil("the refusals", func() bool { return p.codes[wire.CodeLimit] >= refused })
-		after := heapInUse()
+		after, gAfter := heapInUse(), goroutinesAfter(gBefore)
 		st := v.ch.Stats()
 		growth := int64(after) - int64(before)
-		t.Logf("%s: %d requests for tensors never sent: heap in use %.1f MiB before, %.1f MiB after (%+.1f MiB); %d parked, %d refused",
-			provider, flood, mib(before), mib(after), float64(growth)/(1<<20), st.RequestsParked, st.PendingRefused)
+		t.Logf("%s: %d requests for tensors never sent: heap in use %.1f MiB before, %.1f MiB after (%+.1f MiB); goroutines %d before, %d after; %d parked, %d refused",
+			provider, flood, mib(before), mib(after), float64(growth)/(1<<20), gBefore, gAfter, st.RequestsParked, st.PendingRefused)
+		checkGoroutines(t, gBefore, gAfter)
 
 		if st.RequestsParked != limit || st.PendingRefused != uint64(refused) || st.NamesRefused != 0 || st.Names != 2 {
 			t.Errorf("victim: %d parked, %d and %d refused, %d names; want %d, %d, 0 and 2", st.RequestsParked, st.PendingRefused, st.NamesRefused, st.Names, limit, refused)
@@ -406,7 +431,7 @@ func TestNameFloodIsBounded(t *testing.T) {
 		p.frame(&legit)
 		p.waitUntil("the early request parked", func() bool { return v.ch.Stats().RequestsParked == 1 })
 
-		before := heapInUse()
+		before, gBefore := heapInUse(), runtime.NumGoroutine()
 		name := make([]byte, nameLen)
 		for i := 0; i < flood; i++ {
 			copy(name, fmt.Sprintf("%0*d", nameLen, i))
@@ -420,11 +445,12 @@ func TestNameFloodIsBounded(t *testing.T) {
 		namesRefused := flood - accepted
 		pendingRefused := accepted - (pending - 1)
 		p.waitUntil("the refusals", func() bool { return p.codes[wire.CodeLimit] >= namesRefused+pendingRefused })
-		after := heapInUse()
+		after, gAfter := heapInUse(), goroutinesAfter(gBefore)
 		st := v.ch.Stats()
 		growth := int64(after) - int64(before)
-		t.Logf("%s: %d names of %d bytes: heap in use %.1f MiB before, %.1f MiB after (%+.1f MiB); %d names kept, %d refused (%d requests refused for the pending bound)",
-			provider, flood, nameLen, mib(before), mib(after), float64(growth)/(1<<20), st.Names, st.NamesRefused, st.PendingRefused)
+		t.Logf("%s: %d names of %d bytes: heap in use %.1f MiB before, %.1f MiB after (%+.1f MiB); goroutines %d before, %d after; %d names kept, %d refused (%d requests refused for the pending bound)",
+			provider, flood, nameLen, mib(before), mib(after), float64(growth)/(1<<20), gBefore, gAfter, st.Names, st.NamesRefused, st.PendingRefused)
+		checkGoroutines(t, gBefore, gAfter)
 
 		if st.Names != names || st.NamesRefused != uint64(namesRefused) || st.PendingRefused != uint64(pendingRefused) || st.RequestsParked != pending {
 			t.Errorf("victim: %d names, %d refused for names, %d for pending, %d parked; want %d, %d, %d, %d",
@@ -479,7 +505,7 @@ func TestPeerThatTakesNoAnswersIsThrottled(t *testing.T) {
 		const most = 1_000_000
 		v, p := victimAndRawPeer(t, provider)
 		p.hoard = true
-		before := heapInUse()
+		before, gBefore := heapInUse(), runtime.NumGoroutine()
 		sent := 0
 		ghost := []byte("ghost")
 		for ; sent < most; sent++ {
@@ -494,15 +520,16 @@ func TestPeerThatTakesNoAnswersIsThrottled(t *testing.T) {
 		}
 		p.flush()
 		time.Sleep(100 * time.Millisecond) // the last SENDs land
-		after := heapInUse()
+		after, gAfter := heapInUse(), goroutinesAfter(gBefore)
 		v.ch.mu.Lock()
 		queued, outq, credits := v.ch.snd.errorsQueued, len(v.ch.outq), v.ch.credits
 		v.ch.mu.Unlock()
 		// Each frame the peer sends holds at most this many requests.
 		perFrame := wire.MaxFrame / 45
 		bound := maxQueuedErrors + 2*defaultRing*perFrame
-		t.Logf("%s: a peer that returns no credits sent %d requests before the victim stopped giving it credits; the victim queues %d ERROR_STATUS (%d items, %d credits left); heap in use %.1f MiB before, %.1f MiB after",
-			provider, sent, queued, outq, credits, mib(before), mib(after))
+		t.Logf("%s: a peer that returns no credits sent %d requests before the victim stopped giving it credits; the victim queues %d ERROR_STATUS (%d items, %d credits left); heap in use %.1f MiB before, %.1f MiB after; goroutines %d before, %d after",
+			provider, sent, queued, outq, credits, mib(before), mib(after), gBefore, gAfter)
+		checkGoroutines(t, gBefore, gAfter)
 		if sent >= most || queued > bound {
 			t.Errorf("%d requests sent, %d answers queued; want the flood stopped with at most %d queued", sent, queued, bound)
 		}

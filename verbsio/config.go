@@ -2,6 +2,7 @@ package verbsio
 
 import (
 	"fmt"
+	"log/slog"
 	"os"
 	"strconv"
 	"time"
@@ -61,6 +62,10 @@ type Config struct {
 	// Insecure lets a provider without a JobKey listen beyond loopback
 	// (GDRLINK_INSECURE=1).
 	Insecure bool
+	// Logger receives what providers log: the connections they refuse
+	// (at Warn, at most a line a second per listener, with how many went
+	// unlogged). nil logs to slog.Default().
+	Logger *slog.Logger
 }
 
 // Defaults of Config.

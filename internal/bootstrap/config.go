@@ -18,7 +18,11 @@
 // is refused. The side that accepts gives a stranger 10 seconds to prove
 // the key, then closes the connection without reading anything else; a
 // refused connection takes no rank's place, so the job's own ranks still
-// join. A rank whose key differs is refused at once: its Join fails with
+// join. A listener keeps at most 2*Size+64 accepted connections waiting,
+// and Size+16 unproven from one address (IP); past an address's share its
+// own oldest is closed, and on a full listener the address holding the
+// most loses its oldest, so one address's flood never closes another's.
+// Every connection turned away is logged (Config.Logger). A rank whose key differs is refused at once: its Join fails with
 // an error wrapping jobauth.ErrRefused (and ErrRefused), it does not wait
 // for its context to end. Without a key nothing is authenticated, and Join
 // refuses to listen beyond loopback (an error wrapping jobauth.ErrInsecure
@@ -32,6 +36,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"os"
 	"strconv"
@@ -85,6 +90,11 @@ type Config struct {
 	// place (GDRLINK_INSECURE=1 in jobauth's words). It has no effect with
 	// a Key.
 	Insecure bool
+	// Logger receives the connections the group's listener turns away
+	// (a stranger without the key, a rank claimed twice, a flood evicted),
+	// at Warn, at most a line a second with how many went unlogged. nil
+	// logs to slog.Default().
+	Logger *slog.Logger
 
 	// dial, when set (by tests), opens the group's connections.
 	dial func(ctx context.Context, addr string) (net.Conn, error)

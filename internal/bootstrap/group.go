@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"os"
 	"slices"
@@ -16,6 +17,7 @@ import (
 
 	"github.com/gdrlink/gdrlink/internal/ctxerr"
 	"github.com/gdrlink/gdrlink/internal/jobauth"
+	"github.com/gdrlink/gdrlink/internal/refuselog"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
@@ -31,6 +33,10 @@ type Group struct {
 	key        jobauth.Key
 	insecure   bool
 	dialFn     func(ctx context.Context, addr string) (net.Conn, error)
+	logger     *slog.Logger
+	// refusals logs the connections the listener turns away (set before
+	// the accept loop starts).
+	refusals *refuselog.Log
 
 	gatherMu sync.Mutex
 	root     net.Conn   // ranks > 0: the connection to the root
@@ -62,9 +68,12 @@ type Group struct {
 	joined    bool // rank 0: every rank joined, the join queue is shut
 	pairs     map[int]*pair
 	joinCh    chan joinReq
-	pending   map[net.Conn]time.Time // accepted connections in greet, by when
+	pending   map[net.Conn]*greeting // accepted connections in greet
 	evicted   int                    // of them, closed to make room for newer ones
-	wg        sync.WaitGroup
+	// unprovenBy counts the pending connections that proved nothing yet,
+	// by the other end's IP (see maxPerHost).
+	unprovenBy map[string]int
+	wg         sync.WaitGroup
 }
 
 type pair struct {
@@ -89,8 +98,8 @@ func Join(ctx context.Context, cfg Config) (*Group, error) {
 		return nil, err
 	}
 	g := &Group{rank: cfg.Rank, size: cfg.Size, max: cfg.MaxMessage, pairs: map[int]*pair{},
-		joinCh: make(chan joinReq, cfg.Size), pending: map[net.Conn]time.Time{}, onCall: cfg.OnCall,
-		key: cfg.Key, insecure: cfg.Insecure, dialFn: cfg.dial,
+		joinCh: make(chan joinReq, cfg.Size), pending: map[net.Conn]*greeting{}, onCall: cfg.OnCall,
+		key: cfg.Key, insecure: cfg.Insecure, dialFn: cfg.dial, logger: cfg.Logger, unprovenBy: map[string]int{},
 		rejoinData: cfg.RejoinData, onRejoin: cfg.OnRejoin, rejoining: map[int]bool{}}
 	g.ctx, g.cancel = context.WithCancel(context.Background())
 	if g.max == 0 {
@@ -117,10 +126,16 @@ func (g *Group) listen(addr string) error {
 	if err != nil {
 		return fmt.Errorf("%w: bootstrap rank %d: listening on %s: %w", verbsio.ErrBadConfig, g.rank, addr, err)
 	}
+	g.serve(ln)
+	return nil
+}
+
+// serve starts accepting on ln.
+func (g *Group) serve(ln net.Listener) {
 	g.ln = ln
+	g.refusals = refuselog.New(g.logger, "bootstrap", ln.Addr().String())
 	g.wg.Add(1)
 	go g.acceptLoop()
-	return nil
 }
 
 func (g *Group) joinRoot(ctx context.Context, cfg Config) error {
@@ -128,9 +143,7 @@ func (g *Group) joinRoot(ctx context.Context, cfg Config) error {
 		if err := g.checkListen(cfg.Listener.Addr().String()); err != nil {
 			return err
 		}
-		g.ln = cfg.Listener
-		g.wg.Add(1)
-		go g.acceptLoop()
+		g.serve(cfg.Listener)
 	} else {
 		addr := cfg.root()
 		if addr == "" { // a job of one: nobody dials it
@@ -160,7 +173,7 @@ func (g *Group) joinRoot(ctx context.Context, cfg Config) error {
 				why = fmt.Sprintf("rank %d already joined", j.h.rank)
 			}
 			if why != "" {
-				refuse(j.c, why)
+				g.turnAway(j.c, why)
 				continue
 			}
 			g.mu.Lock()
@@ -188,7 +201,7 @@ func (g *Group) joinRoot(ctx context.Context, cfg Config) error {
 	for drained := false; !drained; {
 		select {
 		case j := <-g.joinCh:
-			refuse(j.c, fmt.Sprintf("rank %d: the job of %d ranks has already joined", j.h.rank, g.size))
+			g.turnAway(j.c, fmt.Sprintf("rank %d: the job of %d ranks has already joined", j.h.rank, g.size))
 		default:
 			drained = true
 		}
@@ -353,38 +366,156 @@ func (g *Group) acceptLoop() {
 			time.Sleep(10 * time.Millisecond)
 			continue
 		}
+		host := hostOf(c.RemoteAddr())
 		g.mu.Lock()
 		if g.closed {
 			g.mu.Unlock()
 			c.Close()
 			return
 		}
-		if len(g.pending) >= g.maxPending() {
-			// A flood of connections that prove nothing must not hold
-			// the job's own ranks out, nor grow goroutines without bound:
-			// the oldest waiting one goes.
-			var oldest net.Conn
-			var at time.Time
-			for pc, t := range g.pending {
-				if oldest == nil || t.Before(at) {
-					oldest, at = pc, t
-				}
-			}
-			oldest.Close()
-			delete(g.pending, oldest)
+		// A flood of connections that prove nothing must not hold the
+		// job's own ranks out, nor grow goroutines without bound: beyond
+		// an address's share the oldest of that address goes; on a full
+		// listener, the oldest of the address holding the most, so that
+		// one address's flood never evicts another's connections.
+		var evicted net.Conn
+		var why error
+		switch {
+		case g.unprovenBy[host] >= g.maxPerHost():
+			evicted = g.oldestPendingLocked(host)
+			why = fmt.Errorf("%w: bootstrap: closed before proving anything, to make room: %s opened %d newer connections that proved nothing either", jobauth.ErrRefused, host, g.maxPerHost())
+		case len(g.pending) >= g.maxPending():
+			evicted = g.oldestPendingLocked(g.busiestHostLocked())
+			why = fmt.Errorf("%w: bootstrap: closed before proving anything, to make room: %d newer connections waited too", jobauth.ErrRefused, g.maxPending())
+		}
+		if evicted != nil {
+			evicted.Close()
+			g.forgetLocked(evicted)
 			g.evicted++
 		}
-		g.pending[c] = time.Now()
+		g.pending[c] = &greeting{at: time.Now(), host: host}
+		g.unprovenBy[host]++
 		g.wg.Add(1)
 		g.mu.Unlock()
+		if evicted != nil {
+			g.refusals.Refused(evicted.RemoteAddr().String(), why)
+		}
 		go g.greet(c)
 	}
+}
+
+// greeting is an accepted connection in greet.
+type greeting struct {
+	at     time.Time
+	host   string // the other end's IP
+	proven bool   // it proved the job key, or sent its first message without one
+}
+
+// hostOf is the IP of addr, or all of it when it has no port.
+func hostOf(addr net.Addr) string {
+	s := addr.String()
+	if h, _, err := net.SplitHostPort(s); err == nil {
+		return h
+	}
+	return s
 }
 
 // maxPending is how many accepted connections may wait to prove the key and
 // send their first message at once: room for every rank's hello and a Call
 // from each, and 64 more.
 func (g *Group) maxPending() int { return 2*g.size + 64 }
+
+// maxPerHost is how many of them one address may hold unproven: room for
+// every rank of the job on that host at once, and 16 more.
+func (g *Group) maxPerHost() int { return g.size + 16 }
+
+// oldestPendingLocked is host's oldest pending connection that proved
+// nothing, or, when none did, the oldest of all (a listener full of
+// proven connections). Callers hold g.mu.
+func (g *Group) oldestPendingLocked(host string) net.Conn {
+	var oldest, any net.Conn
+	var at, anyAt time.Time
+	for c, p := range g.pending {
+		if any == nil || p.at.Before(anyAt) {
+			any, anyAt = c, p.at
+		}
+		if !p.proven && p.host == host && (oldest == nil || p.at.Before(at)) {
+			oldest, at = c, p.at
+		}
+	}
+	if oldest == nil {
+		return any
+	}
+	return oldest
+}
+
+// busiestHostLocked is the address holding the most unproven connections.
+// Callers hold g.mu.
+func (g *Group) busiestHostLocked() string {
+	var busiest string
+	n := 0
+	for h, k := range g.unprovenBy {
+		if k > n || k == n && h < busiest {
+			busiest, n = h, k
+		}
+	}
+	return busiest
+}
+
+// forgetLocked drops c from the pending connections. Callers hold g.mu.
+func (g *Group) forgetLocked(c net.Conn) {
+	p, ok := g.pending[c]
+	if !ok {
+		return
+	}
+	g.provenLocked(p)
+	delete(g.pending, c)
+}
+
+// provenLocked takes p out of the unproven counts. Callers hold g.mu.
+func (g *Group) provenLocked(p *greeting) {
+	if p.proven {
+		return
+	}
+	p.proven = true
+	if g.unprovenBy[p.host]--; g.unprovenBy[p.host] <= 0 {
+		delete(g.unprovenBy, p.host)
+	}
+}
+
+// proven marks c as past what a stranger can reach, out of the per-address
+// bound's way.
+func (g *Group) proven(c net.Conn) {
+	g.mu.Lock()
+	if p, ok := g.pending[c]; ok {
+		g.provenLocked(p)
+	}
+	g.mu.Unlock()
+}
+
+// refused logs a pending connection that greet turns away, unless the
+// group is closing or it was evicted (and logged) already.
+func (g *Group) refused(c net.Conn, why error) {
+	g.mu.Lock()
+	_, pending := g.pending[c]
+	log := pending && !g.closed
+	g.mu.Unlock()
+	if log {
+		g.refusals.Refused(c.RemoteAddr().String(), why)
+	}
+}
+
+// turnAway tells the other end of c why it is turned away (refuse) and
+// logs it, unless the group is closing.
+func (g *Group) turnAway(c net.Conn, why string) {
+	g.mu.Lock()
+	closed := g.closed
+	g.mu.Unlock()
+	if !closed {
+		g.refusals.Refused(c.RemoteAddr().String(), fmt.Errorf("%w: %s", ErrRefused, why))
+	}
+	refuse(c, why)
+}
 
 // Deadlines of an accepted connection, from its acceptance: for proving
 // the job key, and for its first message.
@@ -402,7 +533,7 @@ func (g *Group) greet(c net.Conn) {
 	keep := false
 	defer func() {
 		g.mu.Lock()
-		delete(g.pending, c)
+		g.forgetLocked(c)
 		g.mu.Unlock()
 		if !keep {
 			c.Close()
@@ -414,16 +545,20 @@ func (g *Group) greet(c net.Conn) {
 		c.SetDeadline(start.Add(handshakeTimeout))
 		r, err := g.accept(c)
 		if err != nil {
+			g.refused(c, fmt.Errorf("bootstrap: proving the job key: %w", err))
 			return
 		}
 		bound = r
+		g.proven(c)
 	}
 	c.SetDeadline(start.Add(greetTimeout))
 	m, err := readMsg(c, min(g.max, maxGreeting))
 	c.SetDeadline(time.Time{})
 	if err != nil {
+		g.refused(c, fmt.Errorf("bootstrap: reading the first message: %w", err))
 		return
 	}
+	g.proven(c)
 	switch m.typ {
 	case tCall:
 		g.answer(c, m.body, bound)
@@ -440,11 +575,15 @@ func (g *Group) greet(c net.Conn) {
 		return
 	}
 	h, err := parseHello(m.body)
-	if err != nil || h.size != g.size {
+	if err == nil && h.size != g.size {
+		err = fmt.Errorf("%w: hello for a job of %d ranks, this one has %d", verbsio.ErrBadFrame, h.size, g.size)
+	}
+	if err != nil {
+		g.refused(c, fmt.Errorf("bootstrap: first message of type %d: %w", m.typ, err))
 		return
 	}
 	if bound >= 0 && h.rank != bound {
-		refuse(c, fmt.Sprintf("hello from rank %d on a connection whose job key was proven for rank %d", h.rank, bound))
+		g.turnAway(c, fmt.Sprintf("hello from rank %d on a connection whose job key was proven for rank %d", h.rank, bound))
 		return
 	}
 	switch {
@@ -465,7 +604,7 @@ func (g *Group) greet(c net.Conn) {
 		case joined:
 			keep = g.rejoin(c, h)
 		case !keep:
-			refuse(c, fmt.Sprintf("rank %d: too many hellos for a job of %d ranks", h.rank, g.size))
+			g.turnAway(c, fmt.Sprintf("rank %d: too many hellos for a job of %d ranks", h.rank, g.size))
 		}
 	case m.typ == tPeerHello && h.rank < g.rank:
 		p := g.pair(h.rank)
@@ -476,6 +615,11 @@ func (g *Group) greet(c net.Conn) {
 			keep = true
 		}
 		g.mu.Unlock()
+		if !keep {
+			g.refused(c, fmt.Errorf("%w: bootstrap: pairwise hello from rank %d, which is connected already", jobauth.ErrRefused, h.rank))
+		}
+	default:
+		g.refused(c, fmt.Errorf("%w: bootstrap: message of type %d from rank %d at rank %d", verbsio.ErrBadFrame, m.typ, h.rank, g.rank))
 	}
 }
 
@@ -530,19 +674,19 @@ func refuse(c net.Conn, why string) {
 func (g *Group) answer(c net.Conn, body []byte, bound int) {
 	cb, err := parseCall(body)
 	if err != nil {
-		refuse(c, err.Error())
+		g.turnAway(c, err.Error())
 		return
 	}
 	if bound >= 0 && cb.rank != bound {
-		refuse(c, fmt.Sprintf("call from rank %d on a connection whose job key was proven for rank %d", cb.rank, bound))
+		g.turnAway(c, fmt.Sprintf("call from rank %d on a connection whose job key was proven for rank %d", cb.rank, bound))
 		return
 	}
 	if cb.size != g.size || cb.rank == g.rank {
-		refuse(c, fmt.Sprintf("call from rank %d of %d: this is rank %d of %d", cb.rank, cb.size, g.rank, g.size))
+		g.turnAway(c, fmt.Sprintf("call from rank %d of %d: this is rank %d of %d", cb.rank, cb.size, g.rank, g.size))
 		return
 	}
 	if known := g.incOf(cb.rank); cb.inc < known {
-		refuse(c, fmt.Sprintf("call from incarnation %d of rank %d, which incarnation %d replaced", cb.inc, cb.rank, known))
+		g.turnAway(c, fmt.Sprintf("call from incarnation %d of rank %d, which incarnation %d replaced", cb.inc, cb.rank, known))
 		return
 	}
 	if g.onCall == nil {

@@ -80,7 +80,7 @@ func (g *Group) rejoin(c net.Conn, h helloBody) bool {
 	g.mu.Lock()
 	if r == 0 || g.rejoining[r] {
 		g.mu.Unlock()
-		refuse(c, fmt.Sprintf("rank %d: the job of %d ranks has already joined and another process is claiming that rank now", h.rank, g.size))
+		g.turnAway(c, fmt.Sprintf("rank %d: the job of %d ranks has already joined and another process is claiming that rank now", h.rank, g.size))
 		return false
 	}
 	g.rejoining[r] = true
@@ -92,7 +92,7 @@ func (g *Group) rejoin(c net.Conn, h helloBody) bool {
 		g.mu.Unlock()
 	}()
 	if inc, err := g.ping(oldAddr); err == nil && inc == oldInc {
-		refuse(c, fmt.Sprintf("rank %d: the job of %d ranks has already joined and rank %d's process (incarnation %d) is alive at %s; a second process may not claim its rank", h.rank, g.size, r, oldInc, oldAddr))
+		g.turnAway(c, fmt.Sprintf("rank %d: the job of %d ranks has already joined and rank %d's process (incarnation %d) is alive at %s; a second process may not claim its rank", h.rank, g.size, r, oldInc, oldAddr))
 		return false
 	}
 	g.mu.Lock()
@@ -227,11 +227,11 @@ func (g *Group) notify(ctx context.Context, addr string, body []byte) ([]byte, e
 func (g *Group) onNotice(c net.Conn, body []byte, bound int) {
 	n, err := parseNotice(body)
 	if err != nil {
-		refuse(c, err.Error())
+		g.turnAway(c, err.Error())
 		return
 	}
 	if n.size != g.size || n.rank == g.rank || (bound >= 0 && n.rank != bound) {
-		refuse(c, fmt.Sprintf("notice from rank %d of %d on a connection proven for rank %d: this is rank %d of %d", n.rank, n.size, bound, g.rank, g.size))
+		g.turnAway(c, fmt.Sprintf("notice from rank %d of %d on a connection proven for rank %d: this is rank %d of %d", n.rank, n.size, bound, g.rank, g.size))
 		return
 	}
 	g.mu.Lock()
@@ -241,7 +241,7 @@ func (g *Group) onNotice(c net.Conn, body []byte, bound int) {
 			known = g.incs[n.rank]
 		}
 		g.mu.Unlock()
-		refuse(c, fmt.Sprintf("notice from incarnation %d of rank %d: this rank knows incarnation %d", n.inc, n.rank, known))
+		g.turnAway(c, fmt.Sprintf("notice from incarnation %d of rank %d: this rank knows incarnation %d", n.inc, n.rank, known))
 		return
 	}
 	if n.inc > g.incs[n.rank] || g.rank == 0 {

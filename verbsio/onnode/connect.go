@@ -125,6 +125,7 @@ type acceptResult struct {
 	h    hello
 	fds  []int
 	err  error
+	peer peerCred
 }
 
 // accept waits for the peer on the queue pair's socket. Connections of
@@ -154,6 +155,9 @@ wait:
 	for {
 		select {
 		case r := <-results:
+			if r.err != nil {
+				q.refused(r.peer, r.err)
+			}
 			switch {
 			case r.err == nil:
 				win = r
@@ -223,6 +227,7 @@ func (q *qp) acceptLoop(ctx context.Context, ed endpointData, wg *sync.WaitGroup
 		}
 		if err != nil {
 			conn.Close()
+			q.refused(cred, err)
 			if cred.pid == int(ed.PID) {
 				return loopEnd{refusal: err} // the peer's process, another user
 			}
@@ -234,6 +239,7 @@ func (q *qp) acceptLoop(ctx context.Context, ed endpointData, wg *sync.WaitGroup
 		default:
 			conn.Close()
 			err := fmt.Errorf("%w: onnode @%s already has %d connections in handshake", verbsio.ErrQueueFull, q.name, maxAccepting)
+			q.refused(cred, err)
 			refused.Store(&err)
 			continue
 		}
@@ -245,9 +251,18 @@ func (q *qp) acceptLoop(ctx context.Context, ed endpointData, wg *sync.WaitGroup
 			if err != nil {
 				conn.Close()
 			}
-			results <- acceptResult{conn: conn, h: h, fds: fds, err: err}
+			results <- acceptResult{conn: conn, h: h, fds: fds, err: err, peer: cred}
 		}()
 	}
+}
+
+// refused logs a connection to the queue pair's socket turned away, unless
+// the wait for the peer ended (a handshake cut short by it is no refusal).
+func (q *qp) refused(c peerCred, why error) {
+	if errors.Is(why, context.Canceled) {
+		return
+	}
+	q.pd.dev.refuseLog.Refused(fmt.Sprintf("pid %d uid %d", c.pid, c.uid), fmt.Errorf("on @%s: %w", q.name, why))
 }
 
 // acceptHandshake runs the acceptor's side of the handshake on a connection of

@@ -9,6 +9,7 @@ import (
 
 	"github.com/gdrlink/gdrlink/internal/adaptspin"
 	"github.com/gdrlink/gdrlink/internal/jobauth"
+	"github.com/gdrlink/gdrlink/internal/refuselog"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
@@ -176,7 +177,7 @@ func OpenDevice(cfg verbsio.Config, o Options) (verbsio.Device, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: onnode: %w", verbsio.ErrNoDevice, err)
 	}
-	return &device{cfg: cfg, opts: o, host: host, key: key}, nil
+	return &device{cfg: cfg, opts: o, host: host, key: key, refuseLog: refuselog.New(cfg.Logger, "onnode", deviceName)}, nil
 }
 
 // device is the provider's device.
@@ -185,6 +186,9 @@ type device struct {
 	opts Options
 	host string
 	key  jobauth.Key // zero: connections are checked by credentials only
+	// refuseLog logs the connections its queue pairs' sockets turn away
+	// (cfg.Logger), at most a line a second for the whole device.
+	refuseLog *refuselog.Log
 
 	mu       sync.Mutex
 	children int

@@ -26,6 +26,14 @@ const (
 	// oldest: refusing the newest instead would let that many idle
 	// connections lock the job's own lanes out until acceptTimeout.
 	maxUnproven = 64
+	// maxUnprovenPerHost bounds the unproven connections from one address
+	// (IP, whatever the port): beyond it, the oldest of that address is
+	// closed, so that one flooding address holds at most this many of the
+	// maxUnproven and cannot evict the connections of others. The oldest
+	// goes rather than the newest for the reason above: the job's own
+	// processes on the flooding host (every local process shares
+	// 127.0.0.1) still get their lanes through.
+	maxUnprovenPerHost = 16
 	// authMagic starts jobauth's handshake on the wire: a device without
 	// a key that reads it instead of a hello tells the two apart.
 	authMagic = "GDRA"
@@ -34,7 +42,17 @@ const (
 // pending is an accepted connection whose hello is not answered yet.
 type pending struct {
 	seq    uint64
+	host   string // the other end's IP
 	proven bool
+}
+
+// hostOf is the IP of addr, or all of it when it has no port.
+func hostOf(addr net.Addr) string {
+	s := addr.String()
+	if h, _, err := net.SplitHostPort(s); err == nil {
+		return h
+	}
+	return s
 }
 
 func (d *device) acceptLoop() {
@@ -54,36 +72,69 @@ func (d *device) acceptLoop() {
 			c.Close()
 			return
 		}
-		if d.unproven >= maxUnproven {
-			d.evictOldestLocked()
+		host := hostOf(c.RemoteAddr())
+		var evicted net.Conn
+		var why error
+		switch {
+		case d.unprovenBy[host] >= maxUnprovenPerHost:
+			evicted = d.oldestUnprovenLocked(host)
+			why = fmt.Errorf("%w: tcp: connection from %s closed before proving anything, to make room: %s opened %d newer ones that had proven nothing either", jobauth.ErrRefused, evicted.RemoteAddr(), host, maxUnprovenPerHost)
+		case d.unproven >= maxUnproven:
+			// The address holding the most gives up its oldest: a flood
+			// from one address does not evict the others'.
+			evicted = d.oldestUnprovenLocked(d.busiestHostLocked())
+			why = fmt.Errorf("%w: tcp: connection from %s closed before proving anything, to make room: %d newer ones had proven nothing either", jobauth.ErrRefused, evicted.RemoteAddr(), maxUnproven)
+		}
+		if evicted != nil {
+			d.evictLocked(evicted, why)
 		}
 		d.acceptSeq++
-		d.conns[c] = &pending{seq: d.acceptSeq}
+		d.conns[c] = &pending{seq: d.acceptSeq, host: host}
 		d.unproven++
+		d.unprovenBy[host]++
 		d.wg.Add(1)
 		d.mu.Unlock()
+		if evicted != nil {
+			d.refuseLog.Refused(evicted.RemoteAddr().String(), why)
+		}
 		go d.handshake(c)
 	}
 }
 
-// evictOldestLocked closes the oldest unproven connection. Callers hold
-// d.mu.
-func (d *device) evictOldestLocked() {
+// oldestUnprovenLocked is the oldest unproven connection from host, nil if
+// none. Callers hold d.mu.
+func (d *device) oldestUnprovenLocked(host string) net.Conn {
 	var old net.Conn
 	var seq uint64
 	for c, p := range d.conns {
-		if !p.proven && (old == nil || p.seq < seq) {
+		if !p.proven && p.host == host && (old == nil || p.seq < seq) {
 			old, seq = c, p.seq
 		}
 	}
-	if old == nil {
-		return
+	return old
+}
+
+// busiestHostLocked is the address with the most unproven connections.
+// Callers hold d.mu.
+func (d *device) busiestHostLocked() string {
+	var busiest string
+	n := 0
+	for h, k := range d.unprovenBy {
+		if k > n || k == n && h < busiest {
+			busiest, n = h, k
+		}
 	}
-	d.forgetLocked(old)
+	return busiest
+}
+
+// evictLocked closes c, unproven, to make room, and counts it with why.
+// Callers hold d.mu, and log the refusal once they released it.
+func (d *device) evictLocked(c net.Conn, why error) {
+	d.forgetLocked(c)
 	d.refused++
 	d.evicted++
-	d.lastRefusal = fmt.Errorf("%w: tcp: connection from %s closed before proving anything, to make room: %d newer ones had proven nothing either", jobauth.ErrRefused, old.RemoteAddr(), maxUnproven)
-	old.Close()
+	d.lastRefusal = why
+	c.Close()
 }
 
 // forgetLocked drops c from the connections being accepted. Callers hold
@@ -91,9 +142,17 @@ func (d *device) evictOldestLocked() {
 func (d *device) forgetLocked(c net.Conn) {
 	if p, ok := d.conns[c]; ok {
 		if !p.proven {
-			d.unproven--
+			d.unprovedLocked(p)
 		}
 		delete(d.conns, c)
+	}
+}
+
+// unprovedLocked takes p out of the unproven counts. Callers hold d.mu.
+func (d *device) unprovedLocked(p *pending) {
+	d.unproven--
+	if d.unprovenBy[p.host]--; d.unprovenBy[p.host] <= 0 {
+		delete(d.unprovenBy, p.host)
 	}
 }
 
@@ -108,23 +167,28 @@ func (d *device) prove(c net.Conn) bool {
 	}
 	if !p.proven {
 		p.proven = true
-		d.unproven--
+		d.unprovedLocked(p)
 	}
 	return true
 }
 
-// refuse closes c, which does not reach a queue pair, and counts it with
-// why. A connection evicted or closed with the device was counted already,
-// or is not counted.
+// refuse closes c, which does not reach a queue pair, and counts and logs
+// it with why. A connection evicted or closed with the device was counted
+// already, or is not counted.
 func (d *device) refuse(c net.Conn, why error) {
 	d.mu.Lock()
-	if _, ok := d.conns[c]; ok && !d.closed {
+	_, ok := d.conns[c]
+	counted := ok && !d.closed
+	if counted {
 		d.refused++
 		d.lastRefusal = why
 	}
 	d.forgetLocked(c)
 	d.mu.Unlock()
 	c.Close()
+	if counted {
+		d.refuseLog.Refused(c.RemoteAddr().String(), why)
+	}
 }
 
 // handshake takes an accepted connection: with a job key its other end

@@ -40,7 +40,13 @@ type authSide struct {
 
 func openAuthSide(t *testing.T, key jobauth.Key, fill byte) *authSide {
 	t.Helper()
-	dev, err := openDevice(verbsio.Config{JobKey: key.Bytes()}, Options{})
+	return openAuthSideConfig(t, verbsio.Config{JobKey: key.Bytes()}, fill)
+}
+
+// openAuthSideConfig is openAuthSide with the device's whole Config.
+func openAuthSideConfig(t *testing.T, cfg verbsio.Config, fill byte) *authSide {
+	t.Helper()
+	dev, err := openDevice(cfg, Options{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -18,6 +18,7 @@ import (
 	"github.com/gdrlink/gdrlink/internal/adaptspin"
 	"github.com/gdrlink/gdrlink/internal/hostid"
 	"github.com/gdrlink/gdrlink/internal/jobauth"
+	"github.com/gdrlink/gdrlink/internal/refuselog"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
@@ -153,9 +154,10 @@ type device struct {
 	// conns are the accepted connections whose hello is not answered yet;
 	// unproven counts those whose other end has proven nothing (see
 	// maxUnproven), acceptSeq orders them, oldest first.
-	conns     map[net.Conn]*pending
-	unproven  int
-	acceptSeq uint64
+	conns      map[net.Conn]*pending
+	unproven   int
+	unprovenBy map[string]int // unproven, by the other end's IP
+	acceptSeq  uint64
 	// refused counts the accepted connections closed before they reached a
 	// queue pair (no job key proven, a bad hello, evicted), evicted those
 	// closed to make room for newer ones, lastRefusal says why the last
@@ -163,7 +165,9 @@ type device struct {
 	refused     uint64
 	evicted     uint64
 	lastRefusal error
-	wg          sync.WaitGroup
+	// refuseLog logs them (cfg.Logger), at most a line a second.
+	refuseLog *refuselog.Log
+	wg        sync.WaitGroup
 
 	// The lanes of its queue pairs and the retransmits of those closed
 	// (retransmits.go); lanesMu is taken last, under any other lock.
@@ -224,8 +228,9 @@ func openDevice(cfg verbsio.Config, opt Options) (*device, error) {
 	to, ka := socketLiveness(cfg)
 	d := &device{cfg: cfg, opt: opt, key: key, ln: ln, addr: adv, host: host, userTO: to, keepalive: ka,
 		pds: map[*pd]struct{}{}, cqs: map[*cq]struct{}{}, qps: map[uint32]*qp{},
-		nextQP: rand.Uint32N(1 << 20), keys: map[uint32]struct{}{}, conns: map[net.Conn]*pending{},
-		lanes: map[net.Conn]struct{}{}, retransOf: tcpRetransmits}
+		nextQP: rand.Uint32N(1 << 20), keys: map[uint32]struct{}{}, conns: map[net.Conn]*pending{}, unprovenBy: map[string]int{},
+		refuseLog: refuselog.New(cfg.Logger, "tcp", ln.Addr().String()),
+		lanes:     map[net.Conn]struct{}{}, retransOf: tcpRetransmits}
 	d.wg.Add(1)
 	go d.acceptLoop()
 	return d, nil

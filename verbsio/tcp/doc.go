@@ -40,7 +40,11 @@
 // 10s; this way the goroutines and sockets a stranger holds stay bounded
 // and a lane of the job, which proves the key within a round trip or two,
 // still gets through (only a stranger that keeps opening more than 64
-// connections per handshake time can starve it).
+// connections per handshake time can starve it). One address (IP) holds
+// at most 16 of them: its 17th closes its own oldest, and when the 64 are
+// taken, the address holding the most gives up its oldest, so a flood
+// from one address never closes another's connections. Every connection
+// refused is logged (Config.Logger, at most a line a second).
 //
 // The handshake binds both ends' addresses as each side sees the
 // connection, so a lane through NAT or a port forward (an AdvertiseAddr
