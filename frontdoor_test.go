@@ -429,17 +429,18 @@ func TestEnvironment(t *testing.T) {
 		}
 		return func(k string) (string, bool) { v, ok := m[k]; return v, ok }
 	}
-	c, err := fromEnv(env("GDRLINK_PROVIDER", "tcp", "GDRLINK_POOL_LIMIT", "8GiB", "GDRLINK_CHECKSUM", "1", "GDRLINK_CONNECT_TIMEOUT", "5s", "GDRLINK_LOG", "debug", "GDRLINK_METRICS_ADDR", ":9400", "GDRLINK_PEER_TIMEOUT", "2m"))
+	c, err := fromEnv(env("GDRLINK_PROVIDER", "tcp", "GDRLINK_POOL_LIMIT", "8GiB", "GDRLINK_CHECKSUM", "1", "GDRLINK_CONNECT_TIMEOUT", "5s", "GDRLINK_LOG", "debug", "GDRLINK_METRICS_ADDR", ":9400", "GDRLINK_PEER_TIMEOUT", "2m", "GDRLINK_CUDA_IPC", "legacy"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.provider != "tcp" || c.poolLimit != 8<<30 || !c.checksum || c.connectTimeout != 5*time.Second || c.peerTimeout != 2*time.Minute || c.log == nil || c.metricsAddr != ":9400" {
+	if c.provider != "tcp" || c.poolLimit != 8<<30 || !c.checksum || c.connectTimeout != 5*time.Second || c.peerTimeout != 2*time.Minute || c.log == nil || c.metricsAddr != ":9400" || c.cudaIPC != "legacy" {
 		t.Errorf("config %+v", c)
 	}
 	for _, bad := range [][]string{
 		{"GDRLINK_PROVIDER", "carrier-pigeon"}, {"GDRLINK_POOL_LIMIT", "lots"}, {"GDRLINK_CHECKSUM", "maybe"},
 		{"GDRLINK_CONNECT_TIMEOUT", "-1s"}, {"GDRLINK_LOG", "loud"}, {"GDRLINK_METRICS_ADDR", "9400"},
 		{"GDRLINK_PEER_TIMEOUT", "0"}, {"GDRLINK_PEER_TIMEOUT", "soon"}, {"GDRLINK_PEER_TIMEOUT", "48h"},
+		{"GDRLINK_CUDA_IPC", "sometimes"},
 	} {
 		if _, err := fromEnv(env(bad...)); !errors.Is(err, verbsio.ErrBadConfig) || !strings.Contains(err.Error(), bad[0]) {
 			t.Errorf("%s=%s: %v, want ErrBadConfig naming it", bad[0], bad[1], err)
