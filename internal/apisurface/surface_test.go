@@ -15,11 +15,13 @@ import (
 // rejoining (Rejoined, WaitRejoin) and the peer timeout (WithPeerTimeout) arrived; alloc.Budget and
 // the checksum errors came with them; the SwitchML backend added
 // WithAggregator (466 and 43); gdr.DecideGPUByBusID, the decision for a
-// GPU known by its CUDA ordinal (467). Raise them only for a capability,
-// and say which here.
+// GPU known by its CUDA ordinal (467); the on-node GPU path: the
+// rendezvous pull (Puller, PullRef, WithPull, PathPull, ErrPullFailed) and
+// the front door's IPCStats (473 and 44). Raise them only for a
+// capability, and say which here.
 const (
-	maxTotal     = 467
-	maxFrontDoor = 43
+	maxTotal     = 473
+	maxFrontDoor = 44
 )
 
 // TestPublicSurface prints the exported identifiers per public package
