@@ -217,6 +217,22 @@ func (r *pullRig) check(got *tensor.Tensor, key string, step int64) error {
 	return checkFill(b, seedOf(key, step))
 }
 
+// waitPullStarted waits until the receiver's puller took its first pull.
+func (r *pullRig) waitPullStarted(t *testing.T) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		r.pb.mu.Lock()
+		n := r.pb.pulls
+		r.pb.mu.Unlock()
+		if n == 1 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the pull never started")
+		}
+	}
+}
+
 // waitFreed waits until n sources went back.
 func (r *pullRig) waitFreed(t *testing.T, n int32) {
 	t.Helper()
@@ -332,19 +348,7 @@ func TestPullCancelledWhileCopying(t *testing.T) {
 		_, _, err := r.b.Recv(ctx, "c", 0, OnDevice(tensor.GPUDevice(0)))
 		done <- err
 	}()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		r.pb.mu.Lock()
-		n := r.pb.pulls
-		r.pb.mu.Unlock()
-		if n == 1 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the pull never started")
-		}
-		time.Sleep(time.Millisecond)
-	}
+	r.waitPullStarted(t)
 	cancel()
 	select {
 	case err := <-done:
@@ -381,17 +385,7 @@ func TestPullCloseWhileCopying(t *testing.T) {
 		_, _, err := r.b.Recv(recvCtx(t), "k", 0, OnDevice(tensor.GPUDevice(0)))
 		done <- err
 	}()
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
-		r.pb.mu.Lock()
-		n := r.pb.pulls
-		r.pb.mu.Unlock()
-		if n == 1 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the pull never started")
-		}
-	}
+	r.waitPullStarted(t)
 	closed := make(chan error, 1)
 	go func() { closed <- r.b.Close() }()
 	select {
