@@ -492,6 +492,7 @@ func TestConnMsg(t *testing.T) {
 func FuzzConnMsg(f *testing.F) {
 	f.Add(connMsg{kind: connectMsg, provider: "onnode", payload: []byte{1, 2, 3}}.Append(nil))
 	f.Add(connMsg{kind: kickMsg}.Append(nil))
+	f.Add(connMsg{kind: ipcMsg, payload: []byte{0x49, 0x50, 1, 1}}.Append(nil))
 	f.Add([]byte{1, 2, 0xff, 0xff})
 	f.Fuzz(func(t *testing.T, b []byte) {
 		m, err := decodeConnMsg(b)

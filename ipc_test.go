@@ -3,6 +3,7 @@ package gdrlink
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"os"
@@ -13,6 +14,7 @@ import (
 	"unsafe"
 
 	"github.com/gdrlink/gdrlink/internal/cuda"
+	"github.com/gdrlink/gdrlink/internal/ipc"
 	"github.com/gdrlink/gdrlink/proxy"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
@@ -377,4 +379,35 @@ func TestIPCNotReady(t *testing.T) {
 	if len(reps[1].Paths) != 5 {
 		t.Errorf("rank 1 received %v, want 5 tensors", reps[1].Paths)
 	}
+}
+
+// FuzzIPCReply: a peer's reply to an on-node path message, hostile or
+// truncated, decodes to messages or to an error wrapping
+// ipc.ErrBadMessage, and never panics.
+func FuzzIPCReply(f *testing.F) {
+	var two []byte
+	for _, m := range []ipc.Msg{{Kind: ipc.KindAck, From: 1, Reach: true, Device: "0000:06:00.0", Handle: []byte("@gdrlink-ipc-0")}, {Kind: ipc.KindNotReady, From: 1}} {
+		e := m.Append(nil)
+		two = append(binary.BigEndian.AppendUint16(two, uint16(len(e))), e...)
+	}
+	f.Add(two)
+	f.Add([]byte{0, 40, 1})
+	f.Add([]byte{})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		ms, err := decodeIPCMsgs(b)
+		if err != nil {
+			if !errors.Is(err, ipc.ErrBadMessage) {
+				t.Fatalf("%v does not wrap ipc.ErrBadMessage", err)
+			}
+			return
+		}
+		var again []byte
+		for _, m := range ms {
+			e := m.Append(nil)
+			again = append(binary.BigEndian.AppendUint16(again, uint16(len(e))), e...)
+		}
+		if !bytes.Equal(again, b) {
+			t.Fatalf("re-encoding differs:\n%x\n%x", b, again)
+		}
+	})
 }

@@ -41,8 +41,8 @@ type config struct {
 	// cudaIPC is how GPU arenas are exported to peers on the node:
 	// "auto" (the default: VMM where the GPU can, legacy handles
 	// otherwise), "vmm", "legacy" or "off" (GDRLINK_CUDA_IPC).
-	cudaIPC string
-	metricsAddr    string
+	cudaIPC     string
+	metricsAddr string
 	// aggregator is the SwitchML aggregator's control endpoint (empty:
 	// AllReduce on the ring), aggregatorPort the RoCEv2 UDP port.
 	aggregator     string
