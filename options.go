@@ -41,12 +41,15 @@ type config struct {
 	// cudaIPC is how GPU arenas are exported to peers on the node:
 	// "auto" (the default: VMM where the GPU can, legacy handles
 	// otherwise), "vmm", "legacy" or "off" (GDRLINK_CUDA_IPC).
-	cudaIPC string
-	metricsAddr    string
+	cudaIPC     string
+	metricsAddr string
 	// aggregator is the SwitchML aggregator's control endpoint (empty:
 	// AllReduce on the ring), aggregatorPort the RoCEv2 UDP port.
 	aggregator     string
 	aggregatorPort uint16
+	// switchmlLocal picks the switchml worker's IPv4 address (nil:
+	// localIPv4; a test gives another loopback network).
+	switchmlLocal func(aggregator string, rank int) ([4]byte, error)
 	// key is the job key (zero: none), keySource where it came from.
 	key       jobauth.Key
 	keySource string
