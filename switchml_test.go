@@ -107,7 +107,8 @@ func switchmlJob(ctx context.Context, g *Group, rep *childReport) error {
 }
 
 // TestAllReduceSwitchML runs 2, 4 and 8 ranks with GDRLINK_AGGREGATOR set to
-// an aggregator in this (the parent) process.
+// an aggregator in this (the parent) process; rank 0's metrics count each
+// call under the backend that ran it.
 func TestAllReduceSwitchML(t *testing.T) {
 	for _, size := range []int{2, 4, 8} {
 		t.Run(strconv.Itoa(size), func(t *testing.T) {
@@ -116,8 +117,18 @@ func TestAllReduceSwitchML(t *testing.T) {
 				t.Fatal(err)
 			}
 			s, env := startAggregator(t, secret, size)
-			j := startJob(t, "switchml", size, "127.0.0.1", func(int) []string { return nil }, func(int) []string { return env })
+			j := startJob(t, "switchml", size, "127.0.0.1", func(int) []string { return nil }, func(int) []string {
+				return append(slices.Clip(env), "GDRLINK_METRICS_ADDR=127.0.0.1:0")
+			})
 			reps := j.wait(3 * time.Minute)
+			// The metrics name the backend that ran each call: the
+			// float32 and int32 calls switchml, the int64 one the ring.
+			for backend, want := range map[string]float64{"switchml": 2, "ring": 1} {
+				k := "gdrlink_collectives_total{backend=" + backend + ",op=allreduce,result=ok}"
+				if got := reps[0].Scraped[k]; got != want {
+					t.Errorf("%s = %v, want %v", k, got, want)
+				}
+			}
 			for r, rep := range reps {
 				if len(rep.Digests) != 3 {
 					t.Fatalf("rank %d: %d results", r, len(rep.Digests))
