@@ -98,7 +98,13 @@ func (g *Group) collective(ctx context.Context, op string, call func(coll.Backen
 	} else if err == nil {
 		g.collSeq++
 	}
-	g.metrics.collective(op, g.coll.Name(), rep, err)
+	// The backend that ran the call: the switchml backend hands
+	// Broadcast, AllGather and some element types to the ring.
+	backend := rep.Backend
+	if backend == "" {
+		backend = g.coll.Name()
+	}
+	g.metrics.collective(op, backend, rep, err)
 	if err != nil {
 		return rep, fmt.Errorf("gdrlink: rank %d: %w", g.Rank(), err)
 	}

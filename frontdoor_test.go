@@ -86,6 +86,13 @@ func runChild(job string) error {
 	if os.Getenv("GDRLINK_TEST_SIMGPU") == "1" {
 		opts = append(opts, withSimulatedGPU())
 	}
+	if v := os.Getenv("GDRLINK_TEST_SWITCHML_NET"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil {
+			return err
+		}
+		opts = append(opts, withSwitchMLNet(byte(n)))
+	}
 	if os.Getenv("GDRLINK_TEST_REALGPU") == "1" {
 		opts = append(opts, WithGPU(0))
 	}
@@ -124,6 +131,15 @@ func runChild(job string) error {
 		err = collJob(ctx, g, &rep)
 	case "switchml":
 		err = switchmlJob(ctx, g, &rep)
+	case "switchml-types":
+		err = switchmlTypesJob(ctx, g, &rep)
+	case "switchml-pair":
+		err = switchmlPairJob(ctx, g, &rep)
+	case "switchml-kill":
+		// The aggregator or a rank is dead: no barrier.
+		if err = switchmlKillJob(ctx, g, &rep); err == nil {
+			return json.NewEncoder(os.Stdout).Encode(rep)
+		}
 	case "collectives-kill":
 		// A rank is dead: no barrier.
 		if err = killJob(ctx, g, &rep); err == nil {

@@ -47,6 +47,9 @@ type config struct {
 	// AllReduce on the ring), aggregatorPort the RoCEv2 UDP port.
 	aggregator     string
 	aggregatorPort uint16
+	// switchmlLocal picks the switchml worker's IPv4 address (nil:
+	// localIPv4; a test gives another loopback network).
+	switchmlLocal func(aggregator string, rank int) ([4]byte, error)
 	// key is the job key (zero: none), keySource where it came from.
 	key       jobauth.Key
 	keySource string

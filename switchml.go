@@ -2,6 +2,9 @@ package gdrlink
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"net"
@@ -12,6 +15,8 @@ import (
 
 	"github.com/gdrlink/gdrlink/collective"
 	coll "github.com/gdrlink/gdrlink/internal/collective"
+	"github.com/gdrlink/gdrlink/internal/hostcard"
+	"github.com/gdrlink/gdrlink/internal/jobauth"
 	"github.com/gdrlink/gdrlink/internal/switchml/bfp"
 	"github.com/gdrlink/gdrlink/internal/switchml/worker"
 	"github.com/gdrlink/gdrlink/rendezvous"
@@ -28,13 +33,38 @@ type switchML struct {
 	ring coll.Backend
 	addr string // the aggregator's control endpoint
 	port uint16 // the RoCEv2 UDP port of both sides
+	// local picks the worker's IPv4 address (localIPv4 unless a test
+	// gives another).
+	local func(aggregator string, rank int) ([4]byte, error)
 
 	mu sync.Mutex
 	w  *worker.Worker
 }
 
 func newSwitchML(g *Group, ring coll.Backend) *switchML {
-	return &switchML{g: g, ring: ring, addr: g.cfg.aggregator, port: g.cfg.aggregatorPort}
+	s := &switchML{g: g, ring: ring, addr: g.cfg.aggregator, port: g.cfg.aggregatorPort, local: localIPv4}
+	if g.cfg.switchmlLocal != nil {
+		s.local = g.cfg.switchmlLocal
+	}
+	return s
+}
+
+// jobName names the job at the aggregator: the same on every rank, and
+// different for any two jobs that run at once, whatever their size and
+// whether or not they share a job key. Every rank knows the root's address
+// (from the bootstrap's address list) and rank 0's host card (boot id and
+// network namespace, from the card exchange of Join); rank 0 holds the
+// root address's listening socket for the life of the job, so no other
+// job running at the same time has the same root address in the same
+// namespace of the same host. The job key's fingerprint and the size are
+// mixed in too.
+func jobName(size int, rootAddr string, root hostcard.Card, key jobauth.Key) string {
+	h := sha256.New()
+	for _, f := range []string{strconv.Itoa(size), rootAddr, root.Host, root.NetNS, key.Fingerprint()} {
+		h.Write(binary.BigEndian.AppendUint32(nil, uint32(len(f))))
+		h.Write([]byte(f))
+	}
+	return "gdrlink-" + strconv.Itoa(size) + "-" + hex.EncodeToString(h.Sum(nil)[:12])
 }
 
 func (s *switchML) Name() string { return "switchml" }
@@ -56,14 +86,15 @@ func (s *switchML) worker(ctx context.Context) (*worker.Worker, error) {
 		return s.w, nil
 	}
 	rank, size := s.g.Rank(), s.g.Size()
-	local, err := localIPv4(s.addr, rank)
+	local, err := s.local(s.addr, rank)
 	if err != nil {
 		return nil, err
 	}
-	job := "gdrlink-" + strconv.Itoa(size)
-	if !s.g.cfg.key.IsZero() {
-		job = "gdrlink-" + s.g.cfg.key.Fingerprint()
+	var root hostcard.Card
+	if len(s.g.cards) > 0 {
+		root = s.g.cards[0]
 	}
+	job := jobName(size, s.g.boot.RootAddr(), root, s.g.cfg.key)
 	w, err := worker.New(ctx, worker.Config{Control: s.addr, Key: s.g.cfg.key, Job: job, Workers: size, Rank: rank,
 		Local: local, Port: s.port, DataPort: s.port, Seed: uint64(time.Now().UnixNano())})
 	if err != nil {

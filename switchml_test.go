@@ -1,18 +1,30 @@
 package gdrlink
 
 import (
+	"bufio"
 	"context"
+	"encoding/json"
+	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
 	"net"
+	"os"
+	"path/filepath"
+	"slices"
 	"strconv"
+	"strings"
+	"syscall"
 	"testing"
 	"time"
 
+	"github.com/gdrlink/gdrlink/collective"
+	"github.com/gdrlink/gdrlink/internal/hostcard"
 	"github.com/gdrlink/gdrlink/internal/jobauth"
 	"github.com/gdrlink/gdrlink/internal/switchml/aggsrv"
+	"github.com/gdrlink/gdrlink/internal/switchml/bfp"
 	"github.com/gdrlink/gdrlink/tensor"
+	"github.com/gdrlink/gdrlink/verbsio"
 )
 
 // switchmlJob all-reduces through the aggregator: a random float32 tensor
@@ -94,35 +106,29 @@ func switchmlJob(ctx context.Context, g *Group, rep *childReport) error {
 	return nil
 }
 
-// TestAllReduceSwitchML runs 2 and 4 ranks with GDRLINK_AGGREGATOR set to
-// an aggregator in this (the parent) process.
+// TestAllReduceSwitchML runs 2, 4 and 8 ranks with GDRLINK_AGGREGATOR set to
+// an aggregator in this (the parent) process; rank 0's metrics count each
+// call under the backend that ran it.
 func TestAllReduceSwitchML(t *testing.T) {
-	for _, size := range []int{2, 4} {
+	for _, size := range []int{2, 4, 8} {
 		t.Run(strconv.Itoa(size), func(t *testing.T) {
-			key, secret, err := jobauth.Generate()
+			_, secret, err := jobauth.Generate()
 			if err != nil {
 				t.Fatal(err)
 			}
-			port := switchmlPort(t, size)
-			cl, err := net.Listen("tcp", "127.0.0.1:0")
-			if err != nil {
-				t.Fatal(err)
-			}
-			dc, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1), Port: port})
-			if err != nil {
-				t.Skip("aggregator port taken:", err)
-			}
-			s, err := aggsrv.New(aggsrv.Config{Key: key, Control: cl, Data: dc, PeerPort: uint16(port), SetupTimeout: 60 * time.Second})
-			if err != nil {
-				t.Fatal(err)
-			}
-			go s.Serve()
-			defer s.Close()
+			s, env := startAggregator(t, secret, size)
 			j := startJob(t, "switchml", size, "127.0.0.1", func(int) []string { return nil }, func(int) []string {
-				return []string{"GDRLINK_PROVIDER=tcp", "GDRLINK_JOB_KEY=" + secret, "GDRLINK_AGGREGATOR=" + cl.Addr().String(),
-					"GDRLINK_AGGREGATOR_PORT=" + strconv.Itoa(port)}
+				return append(slices.Clip(env), "GDRLINK_METRICS_ADDR=127.0.0.1:0")
 			})
 			reps := j.wait(3 * time.Minute)
+			// The metrics name the backend that ran each call: the
+			// float32 and int32 calls switchml, the int64 one the ring.
+			for backend, want := range map[string]float64{"switchml": 2, "ring": 1} {
+				k := "gdrlink_collectives_total{backend=" + backend + ",op=allreduce,result=ok}"
+				if got := reps[0].Scraped[k]; got != want {
+					t.Errorf("%s = %v, want %v", k, got, want)
+				}
+			}
 			for r, rep := range reps {
 				if len(rep.Digests) != 3 {
 					t.Fatalf("rank %d: %d results", r, len(rep.Digests))
@@ -138,8 +144,12 @@ func TestAllReduceSwitchML(t *testing.T) {
 	}
 }
 
-// switchmlPort finds a UDP port free on 127.0.0.1 .. 127.0.0.(1+n).
-func switchmlPort(t *testing.T, n int) int {
+// switchmlPort finds a UDP port free on 127.0.0.1 and on 127.0.net.2 ..
+// 127.0.net.(1+n) for each of nets (none: net 0).
+func switchmlPort(t *testing.T, n int, nets ...byte) int {
+	if len(nets) == 0 {
+		nets = []byte{0}
+	}
 	for range 10 {
 		c, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
 		if err != nil {
@@ -148,13 +158,15 @@ func switchmlPort(t *testing.T, n int) int {
 		port := c.LocalAddr().(*net.UDPAddr).Port
 		c.Close()
 		ok := true
-		for r := range n {
-			c, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, byte(2+r)), Port: port})
-			if err != nil {
-				ok = false
-				break
+		for _, nt := range nets {
+			for r := range n {
+				c, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, nt, byte(2+r)), Port: port})
+				if err != nil {
+					ok = false
+					break
+				}
+				c.Close()
 			}
-			c.Close()
 		}
 		if ok {
 			return port
@@ -183,4 +195,398 @@ func TestAggregatorEnv(t *testing.T) {
 			t.Errorf("%s=%s accepted", kv[0], kv[1])
 		}
 	}
+}
+
+// withSwitchMLNet puts rank r's switchml worker at 127.0.net.(2+r), as if
+// the job ran on hosts of its own (GDRLINK_TEST_SWITCHML_NET in a child).
+func withSwitchMLNet(net byte) Option {
+	return func(c *config) error {
+		c.switchmlLocal = func(_ string, rank int) ([4]byte, error) {
+			return [4]byte{127, 0, net, byte(2 + rank)}, nil
+		}
+		return nil
+	}
+}
+
+// startAggregator starts an aggregator in this (the parent) process for
+// jobs of up to ranks ranks whose workers sit at 127.0.net.(2+rank) for
+// each of nets (none: net 0), with the job key secret ("": none). It
+// returns the server and the children's environment.
+func startAggregator(t *testing.T, secret string, ranks int, nets ...byte) (*aggsrv.Server, []string) {
+	t.Helper()
+	var key jobauth.Key
+	if secret != "" {
+		var err error
+		if key, err = jobauth.Parse(secret); err != nil {
+			t.Fatal(err)
+		}
+	}
+	port := switchmlPort(t, ranks, nets...)
+	cl, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dc, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1), Port: port})
+	if err != nil {
+		t.Skip("aggregator port taken:", err)
+	}
+	s, err := aggsrv.New(aggsrv.Config{Key: key, Control: cl, Data: dc, PeerPort: uint16(port), SetupTimeout: 60 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go s.Serve()
+	t.Cleanup(func() { s.Close() })
+	env := []string{"GDRLINK_PROVIDER=tcp", "GDRLINK_AGGREGATOR=" + cl.Addr().String(), "GDRLINK_AGGREGATOR_PORT=" + strconv.Itoa(port)}
+	if secret != "" {
+		env = append(env, "GDRLINK_JOB_KEY="+secret)
+	}
+	return s, env
+}
+
+// switchmlTypesJob: Average of float32, float16 and bfloat16 tensors
+// through the aggregator. The values are multiples of 1/4 below 2 in
+// magnitude, so the block-floating-point sums are exact and each result
+// is the exact sum divided by Size(), rounded once to the element type.
+func switchmlTypesJob(ctx context.Context, g *Group, rep *childReport) error {
+	n, r := g.Size(), g.Rank()
+	const rn = 3001 // not a multiple of a block: the last block is short
+	val := func(r, i int) float64 { return float64((r*3+i)%11-5) / 4 }
+	sum := func(i int) float64 {
+		var s float64
+		for q := range n {
+			s += val(q, i)
+		}
+		return s
+	}
+	for _, dt := range []tensor.DType{tensor.Float32, tensor.Float16, tensor.BFloat16} {
+		t, err := g.NewTensor(dt, rn)
+		if err != nil {
+			return err
+		}
+		var want func(i int) float64
+		var got func(i int) float64
+		switch dt {
+		case tensor.Float32:
+			v, _ := tensor.View[float32](t)
+			for i := range v {
+				v[i] = float32(val(r, i))
+			}
+			want = func(i int) float64 { return float64(float32(sum(i) / float64(n))) }
+			got = func(i int) float64 { return float64(v[i]) }
+		case tensor.Float16:
+			v, _ := tensor.View[uint16](t)
+			for i := range v {
+				v[i] = bfp.Float64ToF16(val(r, i))
+			}
+			want = func(i int) float64 { return bfp.F16ToFloat64(bfp.Float64ToF16(sum(i) / float64(n))) }
+			got = func(i int) float64 { return bfp.F16ToFloat64(v[i]) }
+		case tensor.BFloat16:
+			v, _ := tensor.View[uint16](t)
+			for i := range v {
+				v[i] = bfp.Float64ToBF16(val(r, i))
+			}
+			want = func(i int) float64 { return float64(bfp.BF16ToFloat32(bfp.Float64ToBF16(sum(i) / float64(n)))) }
+			got = func(i int) float64 { return float64(bfp.BF16ToFloat32(v[i])) }
+		}
+		cr, err := g.AllReduce(ctx, t, Average)
+		if err != nil {
+			return fmt.Errorf("%v: %w", dt, err)
+		}
+		if cr.Backend != "switchml" || cr.Reduce != "average" {
+			return fmt.Errorf("%v: report %+v", dt, cr)
+		}
+		for i := range rn {
+			if got(i) != want(i) {
+				return fmt.Errorf("%v element %d: %v, want %v (the sum %v over %d ranks)", dt, i, got(i), want(i), sum(i), n)
+			}
+		}
+		rep.Digests = append(rep.Digests, digest(t))
+		_ = t.Release()
+	}
+	return nil
+}
+
+// TestAllReduceSwitchMLTypes: float32, float16 and bfloat16 Average
+// through the aggregator on 3 ranks (a division that rounds) and 8.
+func TestAllReduceSwitchMLTypes(t *testing.T) {
+	for _, size := range []int{3, 8} {
+		t.Run(strconv.Itoa(size), func(t *testing.T) {
+			_, secret, err := jobauth.Generate()
+			if err != nil {
+				t.Fatal(err)
+			}
+			s, env := startAggregator(t, secret, size)
+			j := startJob(t, "switchml-types", size, "127.0.0.1", func(int) []string { return nil }, func(int) []string { return env })
+			reps := j.wait(4 * time.Minute)
+			for r, rep := range reps {
+				if len(rep.Digests) != 3 || !slices.Equal(rep.Digests, reps[0].Digests) {
+					t.Errorf("rank %d: results %v, rank 0's %v", r, rep.Digests, reps[0].Digests)
+				}
+			}
+			t.Logf("%d ranks: aggregator %+v, %v", size, s.Stats(), time.Since(j.start).Round(time.Millisecond))
+		})
+	}
+}
+
+// switchmlPairJob all-reduces an int32 tensor whose values depend on the
+// job (GDRLINK_TEST_SEED), exact; rank 1 starts its first AllReduce
+// GDRLINK_TEST_DELAY after the others, so that the ranks 0 of two jobs
+// started together announce themselves to the aggregator at once.
+func switchmlPairJob(ctx context.Context, g *Group, rep *childReport) error {
+	seed, _ := strconv.Atoi(os.Getenv("GDRLINK_TEST_SEED"))
+	if d, err := time.ParseDuration(os.Getenv("GDRLINK_TEST_DELAY")); err == nil && g.Rank() == 1 {
+		time.Sleep(d)
+	}
+	n, r := g.Size(), g.Rank()
+	const rn = 5000
+	t, err := g.NewTensor(tensor.Int32, rn)
+	if err != nil {
+		return err
+	}
+	defer t.Release()
+	v, _ := tensor.View[int32](t)
+	val := func(r, i int) int32 { return int32(seed*1_000_000 + r*10_000 + i) }
+	for i := range v {
+		v[i] = val(r, i)
+	}
+	cr, err := g.AllReduce(ctx, t, Sum)
+	if err != nil {
+		return err
+	}
+	if cr.Backend != "switchml" {
+		return fmt.Errorf("ran on %q", cr.Backend)
+	}
+	for i := range v {
+		var want int32
+		for q := range n {
+			want += val(q, i)
+		}
+		if v[i] != want {
+			return fmt.Errorf("element %d: %d, want %d: another job's data mixed in?", i, v[i], want)
+		}
+	}
+	rep.Digests = append(rep.Digests, digest(t))
+	return nil
+}
+
+// TestAllReduceSwitchMLTwoJobs: two keyless jobs of the same size, on
+// one aggregator at once, their workers at addresses of their own (as on
+// hosts of their own), rank 1 of each late so that both ranks 0 wait at
+// the aggregator together: each job gets its own sums. With a job name
+// that both jobs share, the second rank 0 is refused ("announced twice")
+// or the jobs' workers end up in one job.
+func TestAllReduceSwitchMLTwoJobs(t *testing.T) {
+	const size = 2
+	s, env := startAggregator(t, "", size, 0, 1)
+	var jobs []*job
+	for k := range 2 {
+		jobs = append(jobs, startJob(t, "switchml-pair", size, "127.0.0.1", func(int) []string { return nil }, func(int) []string {
+			return append(slices.Clip(env), "GDRLINK_TEST_SEED="+strconv.Itoa(k+1), "GDRLINK_TEST_DELAY=3s",
+				"GDRLINK_TEST_SWITCHML_NET="+strconv.Itoa(k))
+		}))
+	}
+	var digests []string
+	for k, j := range jobs {
+		reps := j.wait(3 * time.Minute)
+		if len(reps[0].Digests) != 1 || !slices.Equal(reps[0].Digests, reps[1].Digests) {
+			t.Errorf("job %d: results %v and %v", k, reps[0].Digests, reps[1].Digests)
+		}
+		digests = append(digests, reps[0].Digests...)
+	}
+	if len(digests) == 2 && digests[0] == digests[1] {
+		t.Error("both jobs got the same result")
+	}
+	t.Logf("aggregator %+v", s.Stats())
+}
+
+// TestSwitchMLJobName: the job name is the same for the same job and
+// differs with each thing that tells two jobs apart, within the control
+// protocol's 64 bytes.
+func TestSwitchMLJobName(t *testing.T) {
+	k1, _, err := jobauth.Generate()
+	if err != nil {
+		t.Fatal(err)
+	}
+	k2, _, err := jobauth.Generate()
+	if err != nil {
+		t.Fatal(err)
+	}
+	card := func(host, ns string) hostcard.Card { return hostcard.Card{Host: host, NetNS: ns} }
+	base := jobName(4, "10.0.0.1:5000", card("boot-a", "net:[1]"), jobauth.Key{})
+	if again := jobName(4, "10.0.0.1:5000", card("boot-a", "net:[1]"), jobauth.Key{}); again != base {
+		t.Fatalf("%q then %q", base, again)
+	}
+	seen := map[string]string{base: "base"}
+	for what, name := range map[string]string{
+		"size":        jobName(8, "10.0.0.1:5000", card("boot-a", "net:[1]"), jobauth.Key{}),
+		"root port":   jobName(4, "10.0.0.1:5001", card("boot-a", "net:[1]"), jobauth.Key{}),
+		"root host":   jobName(4, "10.0.0.2:5000", card("boot-a", "net:[1]"), jobauth.Key{}),
+		"boot id":     jobName(4, "10.0.0.1:5000", card("boot-b", "net:[1]"), jobauth.Key{}),
+		"namespace":   jobName(4, "10.0.0.1:5000", card("boot-a", "net:[2]"), jobauth.Key{}),
+		"key":         jobName(4, "10.0.0.1:5000", card("boot-a", "net:[1]"), k1),
+		"another key": jobName(4, "10.0.0.1:5000", card("boot-a", "net:[1]"), k2),
+		// Fields are length-prefixed: moving a byte from one to the
+		// next is another job.
+		"shifted": jobName(4, "10.0.0.1:5000b", card("oot-a", "net:[1]"), jobauth.Key{}),
+	} {
+		if len(name) < 1 || len(name) > 64 {
+			t.Errorf("%s: %d-byte name %q", what, len(name), name)
+		}
+		if prev, ok := seen[name]; ok {
+			t.Errorf("%s: the same name %q as %s", what, name, prev)
+		}
+		seen[name] = what
+	}
+}
+
+// switchmlKillJob: a first AllReduce through the aggregator; then, with
+// GDRLINK_TEST_KILL=aggregator, rank 0 starts a second one at once (the
+// parent closes the aggregator while it is pending) and the others start
+// theirs once the file GDRLINK_TEST_GO exists (the aggregator is gone);
+// with GDRLINK_TEST_KILL=RANK that rank kills itself (SIGKILL) and the
+// others start a second one. Each records the error, which must come
+// well within its 60 s deadline.
+func switchmlKillJob(ctx context.Context, g *Group, rep *childReport) error {
+	t, err := g.NewTensor(tensor.Float32, 1024)
+	if err != nil {
+		return err
+	}
+	defer t.Release()
+	if _, err := g.AllReduce(ctx, t, Sum); err != nil {
+		return err
+	}
+	kill := os.Getenv("GDRLINK_TEST_KILL")
+	if kill == "aggregator" && g.Rank() != 0 {
+		for _, err := os.Stat(os.Getenv("GDRLINK_TEST_GO")); err != nil; _, err = os.Stat(os.Getenv("GDRLINK_TEST_GO")) {
+			if ctx.Err() != nil {
+				return fmt.Errorf("waiting for the aggregator to go: %w", ctx.Err())
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	if kill == strconv.Itoa(g.Rank()) {
+		_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+		select {}
+	}
+	actx, cancel := context.WithTimeout(ctx, 60*time.Second)
+	defer cancel()
+	start := time.Now()
+	_, err = g.AllReduce(actx, t, Sum)
+	rep.FailMS = float64(time.Since(start).Milliseconds())
+	if err == nil {
+		return errors.New("AllReduce succeeded")
+	}
+	rep.FailRank, rep.Failure = -1, err.Error()
+	var re *collective.RankError
+	if errors.As(err, &re) {
+		rep.FailRank = re.Rank
+	}
+	if actx.Err() != nil {
+		return fmt.Errorf("the error came after the deadline: %w", err)
+	}
+	return nil
+}
+
+// TestAllReduceSwitchMLDeath: a killed rank fails the other ranks'
+// AllReduce with a RankError naming it (and wrapping ErrPeerLost), as
+// the aggregator tells them; an aggregator that goes away fails a
+// pending AllReduce, and a later one, with an error naming its address.
+// Both well within the calls' 60 s deadline.
+func TestAllReduceSwitchMLDeath(t *testing.T) {
+	t.Run("rank", func(t *testing.T) {
+		const size, victim = 3, 1
+		_, env := startAggregator(t, "", size)
+		j := startJob(t, "switchml-kill", size, "127.0.0.1", func(int) []string { return nil }, func(int) []string {
+			return append(slices.Clip(env), "GDRLINK_TEST_KILL="+strconv.Itoa(victim))
+		})
+		reps := j.waitDead(2*time.Minute, victim)
+		for r, rep := range reps {
+			if r == victim {
+				continue
+			}
+			if rep.FailRank != victim || !strings.Contains(rep.Failure, verbsio.ErrPeerLost.Error()) {
+				t.Errorf("rank %d: failure names rank %d, want %d: %s", r, rep.FailRank, victim, rep.Failure)
+			}
+			t.Logf("rank %d failed after %.0f ms: %s", r, rep.FailMS, rep.Failure)
+		}
+	})
+	t.Run("aggregator", func(t *testing.T) {
+		const size = 2
+		s, env := startAggregator(t, "", size)
+		var ctl string
+		for _, e := range env {
+			if v, ok := strings.CutPrefix(e, "GDRLINK_AGGREGATOR="); ok {
+				ctl = v
+			}
+		}
+		gofile := filepath.Join(t.TempDir(), "go")
+		j := startJob(t, "switchml-kill", size, "127.0.0.1", func(int) []string { return nil }, func(int) []string {
+			return append(slices.Clip(env), "GDRLINK_TEST_KILL=aggregator", "GDRLINK_TEST_GO="+gofile)
+		})
+		// The first AllReduce is one exponent-only message and one of
+		// four packets from each rank; rank 0's second one begins with
+		// an exponent-only message that waits for rank 1's.
+		deadline := time.Now().Add(2 * time.Minute)
+		for st := s.Stats(); !(st.Completed >= 2 && st.Applied > 2*(1+4)); st = s.Stats() {
+			if time.Now().After(deadline) {
+				t.Fatalf("rank 0's second AllReduce did not reach the aggregator: %+v", st)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		t.Logf("closing the aggregator: %+v", s.Stats())
+		s.Close()
+		if err := os.WriteFile(gofile, nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		reps := j.waitDead(2*time.Minute, -1)
+		for r, rep := range reps {
+			if rep.FailRank != -1 || !strings.Contains(rep.Failure, ctl) {
+				t.Errorf("rank %d: failure does not name the aggregator %s (or names rank %d): %s", r, ctl, rep.FailRank, rep.Failure)
+			}
+			t.Logf("rank %d failed after %.0f ms: %s", r, rep.FailMS, rep.Failure)
+		}
+	})
+}
+
+// waitDead waits for every child, as wait does, but rank victim (none if
+// negative) must have died of SIGKILL; its report is left empty.
+func (j *job) waitDead(limit time.Duration, victim int) []childReport {
+	j.t.Helper()
+	done := make(chan struct{})
+	go func() {
+		for _, c := range j.cmds {
+			c.Wait()
+		}
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-time.After(limit):
+		for _, c := range j.cmds {
+			c.Process.Kill()
+		}
+		<-done
+		j.t.Fatalf("the job did not end within %v", limit)
+	}
+	reps := make([]childReport, len(j.cmds))
+	for r, c := range j.cmds {
+		if r == victim {
+			if ws, ok := c.ProcessState.Sys().(syscall.WaitStatus); !ok || ws.Signal() != syscall.SIGKILL {
+				j.t.Errorf("the victim ended with %v: %s", c.ProcessState, j.errs[r])
+			}
+			continue
+		}
+		if !c.ProcessState.Success() {
+			j.t.Fatalf("rank %d: %v: %s", r, c.ProcessState, j.errs[r].String())
+		}
+		sc := bufio.NewScanner(j.outs[r])
+		var line []byte
+		for sc.Scan() {
+			line = sc.Bytes()
+		}
+		if err := json.Unmarshal(line, &reps[r]); err != nil {
+			j.t.Fatalf("rank %d printed %q: %v", r, j.outs[r].String(), err)
+		}
+	}
+	return reps
 }

@@ -52,13 +52,15 @@ const (
 )
 
 // allReduceRow is what rank 0 of a job prints for one size: the median
-// time of one call, and the bytes it put on the wire.
+// time of one call, and the bytes its last call put on the wire and took
+// in.
 type allReduceRow struct {
-	Size    int64   `json:"size"`
-	Seconds float64 `json:"seconds"`
-	Sent    int64   `json:"sent"`
-	Links   string  `json:"links"`
-	Err     string  `json:"err,omitempty"`
+	Size     int64   `json:"size"`
+	Seconds  float64 `json:"seconds"`
+	Sent     int64   `json:"sent"`
+	Received int64   `json:"received"`
+	Links    string  `json:"links"`
+	Err      string  `json:"err,omitempty"`
 }
 
 func runAllReduce(ctx context.Context, env *Env) error {
@@ -103,21 +105,9 @@ func runAllReduce(ctx context.Context, env *Env) error {
 		} else {
 			baseNote = fmt.Sprintf("; no baseline: %v", mpiErr)
 		}
-		if env.Args[setAllReduceSwitchML] == "on" {
-			rows, err := runRingAllReduce(ctx, "tcp", w, sizes, reps, true)
-			if err != nil {
-				return fmt.Errorf("%d workers through the aggregator: %w", w, err)
-			}
-			for _, row := range rows {
-				d := time.Duration(row.Seconds * float64(time.Second))
-				r := newResult("allreduce", fmt.Sprintf("switchml/%dw", w), row.Size, rateGBs(row.Size, d), "GB/s", 0, "")
-				r.Note = fmt.Sprintf("%d worker processes through a software aggregator (aggsrv, in the bench process) over UDP on loopback, float32 average, median of %d", w, reps)
-				env.Emit(r)
-				wire := newResult("allreduce", fmt.Sprintf("wire/switchml/%dw", w), row.Size, float64(row.Sent), "B", 0, "")
-				wire.Note = "payload bytes one worker sent per call: S, rounded up to 4 KiB (exponents of first messages ride in zero-length writes), plus any message resent after a loss"
-				env.Emit(wire)
-			}
-		}
+		// ringRate is the ring's figure per size on the first provider,
+		// the switchml rows' baseline.
+		ringRate, ringName := map[int64]float64{}, ""
 		for _, prov := range providers {
 			rows, err := runRingAllReduce(ctx, prov, w, sizes, reps, false)
 			if err != nil {
@@ -136,6 +126,30 @@ func runAllReduce(ctx context.Context, env *Env) error {
 				wire := newResult("allreduce", fmt.Sprintf("wire/%s/%dw", prov, w), row.Size, float64(row.Sent), "B", 0, "")
 				wire.Note = fmt.Sprintf("bytes one worker put on the wire per call; a ring's least is 2(W-1)/W × size = %d", 2*int64(w-1)*row.Size/int64(w))
 				env.Emit(wire)
+				if ringRate[row.Size] == 0 {
+					ringRate[row.Size], ringName = r.Value, "ring/"+prov
+				}
+			}
+		}
+		if env.Args[setAllReduceSwitchML] == "on" {
+			rows, err := runRingAllReduce(ctx, "tcp", w, sizes, reps, true)
+			if err != nil {
+				return fmt.Errorf("%d workers through the aggregator: %w", w, err)
+			}
+			for _, row := range rows {
+				d := time.Duration(row.Seconds * float64(time.Second))
+				// The baseline is the ring of the same run, same workers
+				// and size (on the first provider): ratio above 1 is
+				// switchml ahead.
+				r := newResult("allreduce", fmt.Sprintf("switchml/%dw", w), row.Size, rateGBs(row.Size, d), "GB/s", ringRate[row.Size], ringName)
+				r.Note = fmt.Sprintf("%d worker processes through a software aggregator (aggsrv, in the bench process) over UDP on loopback, float32 average, median of %d", w, reps)
+				env.Emit(r)
+				wire := newResult("allreduce", fmt.Sprintf("wire/switchml/%dw", w), row.Size, float64(row.Sent), "B", 0, "")
+				wire.Note = "payload bytes one worker sent per call: S rounded up to 4 KiB (the exponents of each queue pair's first message ride in a zero-length write), plus 4 KiB for each message resent after a timeout (a lost packet, or another worker more than the 50 ms timeout late)"
+				env.Emit(wire)
+				in := newResult("allreduce", fmt.Sprintf("wire-in/switchml/%dw", w), row.Size, float64(row.Received), "B", 0, "")
+				in.Note = "payload bytes of results one worker took in per call: S rounded up to 4 KiB (a result sent again after a resend is not taken twice)"
+				env.Emit(in)
 			}
 		}
 	}
@@ -289,7 +303,7 @@ func allReduceRank(ctx context.Context) error {
 				return err
 			}
 			times[i] = time.Since(start).Seconds()
-			row.Sent = rep.Sent
+			row.Sent, row.Received = rep.Sent, rep.Received
 			var links []string
 			for _, l := range rep.Links {
 				links = append(links, l.Provider+"/"+l.Path.String())

@@ -44,6 +44,52 @@ func TestAllReduceScenarioQuick(t *testing.T) {
 	}
 }
 
+// TestAllReduceScenarioSwitchML runs the scenario with the switchml rows
+// on 2 processes: every size has a switchml figure with the ring of the
+// same run as its baseline (ratio = switchml / ring), and each worker
+// took in exactly S bytes of results and sent S bytes plus whole 4 KiB
+// messages resent after a timeout (none when no worker is 50 ms late:
+// the run logs how many).
+func TestAllReduceScenarioSwitchML(t *testing.T) {
+	code, out, errOut := runBench(t, "-quick", "-json", "-reps", "1", "-max-size", "64KiB", "-scenario", "allreduce",
+		"-set", "allreduce.switchml=on", "-set", "allreduce.workers=2", "-set", "allreduce.mpi=off")
+	if code != exitOK {
+		t.Fatalf("exit %d: %s", code, errOut)
+	}
+	rs := parseLines(t, out)
+	n := len(sweepSizes(allReduceMinSize, 64<<10))
+	bw, sent, recv, ring := 0, 0, 0, 0
+	for _, r := range rs {
+		switch r.Case {
+		case "ring/onnode/2w":
+			ring++
+		case "switchml/2w":
+			bw++
+			if !(r.Value > 0) || r.Unit != "GB/s" || !(r.Baseline > 0) || r.BaselineName != "ring/onnode" ||
+				math.Abs(r.Ratio-r.Value/r.Baseline) > 1e-9*r.Ratio {
+				t.Errorf("%s %d: %v %s against %v (%s), ratio %v", r.Case, r.SizeBytes, r.Value, r.Unit, r.Baseline, r.BaselineName, r.Ratio)
+			}
+		case "wire/switchml/2w":
+			sent++
+			extra := int64(r.Value) - r.SizeBytes
+			if r.Unit != "B" || extra < 0 || extra%4096 != 0 {
+				t.Errorf("%s %d: %v bytes sent, want the size plus whole 4 KiB messages", r.Case, r.SizeBytes, r.Value)
+			}
+			if extra > 0 {
+				t.Logf("%s %d: %d messages resent", r.Case, r.SizeBytes, extra/4096)
+			}
+		case "wire-in/switchml/2w":
+			recv++
+			if r.Unit != "B" || int64(r.Value) != r.SizeBytes {
+				t.Errorf("%s %d: %v bytes received, want the size", r.Case, r.SizeBytes, r.Value)
+			}
+		}
+	}
+	if bw != n || sent != n || recv != n || ring != n {
+		t.Errorf("%d switchml, %d sent, %d received and %d ring results, want %d each", bw, sent, recv, ring, n)
+	}
+}
+
 func TestParseMPIAllReduce(t *testing.T) {
 	got, err := parseMPIAllReduce([]byte("4096 0.000010 0.000030 0.000020\n8192 0.1 0.2 0.3\n"), 3)
 	if err != nil || got[4096] != 0.00002 || got[8192] != 0.2 || len(got) != 2 {

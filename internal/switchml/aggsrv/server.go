@@ -8,8 +8,12 @@
 // DF packets), which the ICRC is computed for (TestICRCOnTheWire checks the
 // packets as sent). On the way in, a UDP socket
 // does not say which IP ID a packet had: the ICRC is checked assuming ID 0
-// and DF, which is what Soft-RoCE sends; Config.SkipICRC turns the check off
-// for senders that write other IDs.
+// and DF, which is what the software worker (package worker, an
+// unconnected UDP socket with DF set) sends. Soft-RoCE does not: rxe
+// writes an IP ID of its own choosing (__ip_select_ident) and its ICRC
+// covers it, so every request from rxe fails this check. Config.SkipICRC
+// turns the check off for such senders (TestRXEWorkers runs so; the
+// workers' rxe still checks the ICRC of the aggregator's replies).
 package aggsrv
 
 import (
@@ -58,7 +62,8 @@ type Config struct {
 	Data *net.UDPConn
 	// PeerPort is the UDP port replies go to; rocev2.Port when zero.
 	PeerPort uint16
-	// SkipICRC accepts packets without checking their ICRC.
+	// SkipICRC accepts packets without checking their ICRC: for senders
+	// whose IP ID is not 0, such as Soft-RoCE (see the package doc).
 	SkipICRC bool
 	// SetupTimeout bounds the handshake and the wait for a job's other
 	// workers; 60 s when zero.
