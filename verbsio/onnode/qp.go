@@ -26,9 +26,46 @@ const (
 )
 
 // postedRecv is a receive buffer waiting for a SEND or a write with immediate.
+// Its first SGE is kept in place, so that posting the usual receive of one
+// SGE allocates nothing; more are in rest.
 type postedRecv struct {
 	wrid uint64
-	sg   []verbsio.SGE
+	nsg  int
+	sg0  verbsio.SGE
+	rest []verbsio.SGE
+}
+
+func newPostedRecv(w verbsio.RecvWR) postedRecv {
+	r := postedRecv{wrid: w.WRID, nsg: len(w.SG)}
+	if len(w.SG) > 0 {
+		r.sg0 = w.SG[0]
+	}
+	if len(w.SG) > 1 {
+		r.rest = append([]verbsio.SGE(nil), w.SG[1:]...)
+	}
+	return r
+}
+
+// sge returns the receive's i-th SGE (i < nsg).
+func (r *postedRecv) sge(i int) verbsio.SGE {
+	if i == 0 {
+		return r.sg0
+	}
+	return r.rest[i-1]
+}
+
+// popFront drops the first element of the queue s. A short queue moves its
+// elements down instead of slicing past the first, so that its array keeps
+// its room and a queue that stays short (a ping-pong) allocates nothing.
+func popFront[T any](s []T) []T {
+	var zero T
+	if len(s) <= 8 {
+		copy(s, s[1:])
+		s[len(s)-1] = zero
+		return s[:len(s)-1]
+	}
+	s[0] = zero
+	return s[1:]
 }
 
 // arrival is a SEND or a write with immediate that no receive has taken yet.
@@ -666,8 +703,9 @@ func (q *qp) flushComps() {
 	q.compBuf = q.compBuf[:0]
 	for _, a := range q.acks {
 		m := control{Kind: msgAck, RKey: a &^ (1 << 31), OK: a&(1<<31) == 0}
+		var b [controlLen]byte
 		q.writeMu.Lock()
-		_, _, err := q.conn.WriteMsgUnix(m.Append(nil), nil, nil)
+		_, _, err := q.conn.WriteMsgUnix(m.Append(b[:0]), nil, nil)
 		q.writeMu.Unlock()
 		if err != nil {
 			break // the peer is gone; readLoop sees it
@@ -685,7 +723,8 @@ func (q *qp) enqueue(ps []pendingComp) {
 	}
 	q.compMu.Lock()
 	q.pending = append(q.pending, ps...)
-	out := q.releaseLocked(nil)
+	var few [4]verbsio.Completion // push copies them
+	out := q.releaseLocked(few[:0])
 	q.compMu.Unlock()
 	if len(out) > 0 {
 		q.sendCQ.push(out...)
@@ -725,7 +764,8 @@ func (q *qp) resolve(seq uint32, st verbsio.Status) {
 			break
 		}
 	}
-	out := q.releaseLocked(nil)
+	var few [4]verbsio.Completion // push copies them
+	out := q.releaseLocked(few[:0])
 	q.compMu.Unlock()
 	if len(out) > 0 {
 		q.sendCQ.push(out...)
@@ -741,7 +781,8 @@ func (q *qp) flushPending(st verbsio.Status) (waited bool) {
 			p.waiting, p.c.Status, waited = false, st, true
 		}
 	}
-	out := q.releaseLocked(nil)
+	var few [4]verbsio.Completion // push copies them
+	out := q.releaseLocked(few[:0])
 	q.compMu.Unlock()
 	if len(out) > 0 {
 		q.sendCQ.push(out...)
@@ -763,7 +804,7 @@ func (q *qp) handleLocked(rec record, cs []verbsio.Completion) []verbsio.Complet
 		q.pd.immArrived(q, rec.RKey)
 		if len(q.arrivals) == 0 && len(q.recvs) > 0 {
 			r := q.recvs[0]
-			q.recvs = q.recvs[1:]
+			q.recvs = popFront(q.recvs)
 			return append(cs, verbsio.Completion{WRID: r.wrid, Op: verbsio.OpRecvImm, ByteLen: rec.N, Imm: rec.Imm, HasImm: true, QP: q})
 		}
 		q.arrivals = append(q.arrivals, arrival{kind: recWriteImm, imm: rec.Imm, n: rec.N, complete: true})
@@ -776,7 +817,7 @@ func (q *qp) handleLocked(rec record, cs []verbsio.Completion) []verbsio.Complet
 			a.seq = rec.Imm
 		} else if k == 0 && len(q.recvs) > 0 && rec.Flags&flagMore == 0 {
 			r := q.recvs[0]
-			q.recvs = q.recvs[1:]
+			q.recvs = popFront(q.recvs)
 			return append(cs, q.deliver(r, rec.Payload, rec.Imm))
 		} else {
 			q.arrivals = append(q.arrivals, arrival{kind: recSend, seq: rec.Imm, data: append([]byte(nil), rec.Payload...), complete: rec.Flags&flagMore == 0})
@@ -799,7 +840,7 @@ func (q *qp) matchLocked(cs []verbsio.Completion) []verbsio.Completion {
 		a := q.arrivals[0]
 		q.arrivals = q.arrivals[1:]
 		r := q.recvs[0]
-		q.recvs = q.recvs[1:]
+		q.recvs = popFront(q.recvs)
 		if a.kind == recWriteImm {
 			cs = append(cs, verbsio.Completion{WRID: r.wrid, Op: verbsio.OpRecvImm, ByteLen: a.n, Imm: a.imm, HasImm: true, QP: q})
 			continue
@@ -827,7 +868,8 @@ func (q *qp) deliver(r postedRecv, data []byte, seq uint32) (c verbsio.Completio
 	q.pd.mu.RLock()
 	defer q.pd.mu.RUnlock()
 	room := 0
-	for _, s := range r.sg {
+	for i := 0; i < r.nsg; i++ {
+		s := r.sge(i)
 		if _, st := q.pd.lookupLocal(s.LKey, s.Addr, s.Length, verbsio.AccessLocalWrite); st != verbsio.StatusSuccess {
 			c.Status, c.ByteLen = st, 0
 			return c
@@ -839,7 +881,8 @@ func (q *qp) deliver(r postedRecv, data []byte, seq uint32) (c verbsio.Completio
 		return c
 	}
 	rest := data
-	for _, s := range r.sg {
+	for i := 0; i < r.nsg; i++ {
+		s := r.sge(i)
 		if len(rest) == 0 {
 			break
 		}
@@ -873,7 +916,7 @@ func (q *qp) PostRecv(wrs []verbsio.RecvWR) error {
 		return fmt.Errorf("%w: %d receives posted, %d more asked, depth %d", verbsio.ErrQueueFull, len(q.recvs), len(wrs), q.maxRecv)
 	}
 	for _, w := range wrs {
-		q.recvs = append(q.recvs, postedRecv{wrid: w.WRID, sg: append([]verbsio.SGE(nil), w.SG...)})
+		q.recvs = append(q.recvs, newPostedRecv(w))
 	}
 	if q.State() == verbsio.QPReady {
 		q.drainLocked()

@@ -283,8 +283,8 @@ func (q *qp) signal() { unix.Write(q.peerEFD, one[:]) }
 // addr, after checking the key, the bounds and the access in the peer's
 // table. The peer cannot release the region while the copy runs.
 func (q *qp) remoteCopy(write bool, segs [][]byte, addr uint64, rkey uint32, n int) (verbsio.Status, error) {
-	e, release, ok := readEntry(q.peerTable, q.peerCtr, int(rkey&(tableSlots-1)), true)
-	defer release()
+	e, held, ok := readEntry(q.peerTable, q.peerCtr, int(rkey&(tableSlots-1)), true)
+	defer unhold(held)
 	need := verbsio.AccessRemoteRead
 	if write {
 		need = verbsio.AccessRemoteWrite
