@@ -68,22 +68,26 @@ type qp struct {
 	// sending, as inlineHdrs): reused, so that it allocates nothing.
 	inlineBatch []*swr
 	inlineBufs  net.Buffers
-	inCount     map[srcKey]int
-	inWant      map[srcKey]int
-	inReady     chan struct{}
-	readyShut   bool
-	sq          []*swr // posted and not completed, in post order
-	unsent      []*swr // the tail of sq the sequencer has not sent
-	stop        bool   // a work request failed: send nothing more
-	nextToken   uint64
-	rq          []*rwr
-	rqTaken     bool // rq[0] is being filled by an inbound operation
-	rqPosted    chan struct{}
-	rqWaited    bool // a takeRecv holds rqPosted: PostRecv closes it
-	kick        chan struct{}
-	closing     chan struct{}
-	lastBad     error // the last malformed frame seen from any peer
-	wg          sync.WaitGroup
+	// spent are completed work requests whose frames' write may not have
+	// returned yet: reused once it has (doneSendingLocked).
+	spent []*swr
+
+	inCount   map[srcKey]int
+	inWant    map[srcKey]int
+	inReady   chan struct{}
+	readyShut bool
+	sq        []*swr // posted and not completed, in post order
+	unsent    []*swr // the tail of sq the sequencer has not sent
+	stop      bool   // a work request failed: send nothing more
+	nextToken uint64
+	rq        []*rwr
+	rqTaken   bool // rq[0] is being filled by an inbound operation
+	rqPosted  chan struct{}
+	rqWaited  bool // a takeRecv holds rqPosted: PostRecv closes it
+	kick      chan struct{}
+	closing   chan struct{}
+	lastBad   error // the last malformed frame seen from any peer
+	wg        sync.WaitGroup
 }
 
 type srcKey struct {
@@ -114,10 +118,12 @@ type swr struct {
 }
 
 // Posted work requests are reused once done, so that a post allocates none:
-// a send work request once its completion is delivered (respond), and only
-// one that no lane's goroutine can still look at (not striped); a receive
-// once its taker completed it (finishRecv). Those of a queue pair that
-// fails are left to the collector.
+// a send work request once its completion is delivered (respond) and no
+// write of lane 0 that may have carried it is still running (the peer's
+// answer can overtake the return of the writev that sent the frame), and
+// only one that no lane's goroutine can still look at (not striped); a
+// receive once its taker completed it (finishRecv). Those of a queue pair
+// that fails are left to the collector.
 var swrs = sync.Pool{New: func() any { return new(swr) }}
 var rwrs = sync.Pool{New: func() any { return new(rwr) }}
 
@@ -439,13 +445,13 @@ func (q *qp) PostSend(wrs []verbsio.SendWR) error {
 			q.mu.Lock()
 			switch {
 			case err != nil:
-				q.sending = false
+				q.doneSendingLocked()
 				q.failLocked(fmt.Errorf("%w: tcp: sending to the peer: %w", verbsio.ErrPeerLost, err), true)
 				return nil
 			case rest != nil:
 				q.rest = rest // the sequencer writes it, then clears sending
 			default:
-				q.sending = false
+				q.doneSendingLocked()
 				if len(q.unsent) == 0 {
 					return nil
 				}
@@ -737,7 +743,12 @@ func (q *qp) respond(e expect, st verbsio.Status) {
 		if h.signaled {
 			cs = append(cs, verbsio.Completion{WRID: h.wrid, Status: h.st, Op: h.op, QP: q})
 		}
-		putSwr(h)
+		if q.sending {
+			// Its frame's write may not have returned yet.
+			q.spent = append(q.spent, h)
+		} else {
+			putSwr(h)
+		}
 	}
 	q.scq.push(cs...)
 	if failed != nil {
@@ -773,7 +784,7 @@ func (q *qp) sequencer() {
 				q.mu.Unlock()
 				err := writeAll(l0.c, &wb, rest)
 				q.mu.Lock()
-				q.sending = false
+				q.doneSendingLocked()
 				q.mu.Unlock()
 				if err != nil {
 					q.fail(fmt.Errorf("%w: tcp: sending to the peer: %w", verbsio.ErrPeerLost, err), true)
@@ -816,7 +827,7 @@ func (q *qp) sequencer() {
 				err = writeAll(l0.c, &wb, q.frames(l0, batch, &hdrs, &scratch))
 			}
 			q.mu.Lock()
-			q.sending = false
+			q.doneSendingLocked()
 			q.mu.Unlock()
 			if err != nil {
 				q.fail(fmt.Errorf("%w: tcp: sending to the peer: %w", verbsio.ErrPeerLost, err), true)
@@ -824,6 +835,17 @@ func (q *qp) sequencer() {
 			}
 		}
 	}
+}
+
+// doneSendingLocked ends a write to lane 0 (sending), and lets the work
+// requests that completed meanwhile be reused: nothing reads them now.
+func (q *qp) doneSendingLocked() {
+	q.sending = false
+	for i, w := range q.spent {
+		putSwr(w)
+		q.spent[i] = nil
+	}
+	q.spent = q.spent[:0]
 }
 
 // writeAll writes bufs to c (writev where c has a descriptor) through
