@@ -79,6 +79,10 @@ type Channel struct {
 	sendMR   verbsio.MemoryRegion
 	recvWRs  []verbsio.RecvWR // reused for re-posting
 	recvSGEs []verbsio.SGE
+	// ctrlWR and ctrlSGE are the work request of a control SEND
+	// (postCtrlLocked), reused under mu.
+	ctrlWR  [1]verbsio.SendWR
+	ctrlSGE [1]verbsio.SGE
 	posted   bool // receives posted before Connect
 
 	ctx      context.Context
@@ -759,7 +763,10 @@ func (c *Channel) poll() {
 		c.mu.Unlock()
 	}()
 	comps := make([]verbsio.Completion, 64)
+	var ds deliveries // reused: a steady stream allocates no list
 	for {
+		clear(ds)
+		ds = ds[:0]
 		n, err := c.cq.Wait(c.ctx, comps)
 		if err != nil {
 			if c.ctx.Err() != nil {
@@ -772,7 +779,6 @@ func (c *Channel) poll() {
 			ds.run()
 			return
 		}
-		var ds deliveries
 		c.mu.Lock()
 		c.recvWRs = c.recvWRs[:0]
 		for i := 0; i < n; i++ {
@@ -1040,15 +1046,19 @@ func (c *Channel) putCredits(b []byte) {
 }
 
 func (c *Channel) postCtrlLocked(slot, n int, bye bool) bool {
-	wr := verbsio.SendWR{
+	// The work request and its SGE are the channel's (under mu): the
+	// provider copies what it needs before PostSend returns.
+	c.ctrlSGE[0] = verbsio.SGE{Addr: c.sendBuf.Addr() + uintptr(slot*c.slot), Length: uint32(n), LKey: c.sendMR.LKey()}
+	c.ctrlWR[0] = verbsio.SendWR{
 		WRID: wridCtrl | uint64(slot), Op: verbsio.OpSend, Signaled: true,
-		SG: []verbsio.SGE{{Addr: c.sendBuf.Addr() + uintptr(slot*c.slot), Length: uint32(n), LKey: c.sendMR.LKey()}},
+		SG: c.ctrlSGE[:],
 	}
+	wr := &c.ctrlWR[0]
 	if c.inline >= n {
 		wr.Inline = true
 	}
 	c.freeSlots = c.freeSlots[:len(c.freeSlots)-1]
-	if err := c.qp.PostSend([]verbsio.SendWR{wr}); err != nil {
+	if err := c.qp.PostSend(c.ctrlWR[:]); err != nil {
 		c.freeSlots = append(c.freeSlots, slot)
 		var ds deliveries
 		c.lostLocked(err, &ds)
