@@ -141,7 +141,16 @@ type qp struct {
 
 	compMu  sync.Mutex // pending send completions
 	pending []pendingComp
-	acks    []uint32 // receiver side: SENDs to acknowledge (seq, top bit: failed)
+	// lastAcked is the peer's offAcked last read (under compMu); waiting
+	// counts the SENDs in pending that wait for their acknowledgement.
+	lastAcked uint32
+	waiting   atomic.Int32
+	// signals and sockAcks count the eventfd signals sent to the peer and
+	// the acknowledgements written to its socket (the tests' view of the
+	// wake-ups a SEND costs).
+	signals, sockAcks atomic.Uint64
+
+	acks []uint32 // receiver side: SENDs to acknowledge (seq, top bit: failed)
 
 	consMu    sync.Mutex // the incoming ring, receives, arrivals
 	recvs     []postedRecv
@@ -390,9 +399,18 @@ func (q *qp) Connect(ctx context.Context, remote verbsio.Endpoint) error {
 	if q.recvCQ.sleepers.Load() > 0 {
 		q.setSleep(1)
 	}
+	if q.recvCQ.pollers.Load() > 0 {
+		q.setPoll(1)
+	}
+	// This side reads its acknowledgements from the peer's ring.
+	atomic.StoreUint32(u32(q.out.mem, offFeatures), featAckWord)
+	q.sendCQ.sendQPs.Add(q)
 	if !q.state.CompareAndSwap(uint32(verbsio.QPInit), uint32(verbsio.QPReady)) {
 		// Fenced (or closed) just now: the error state stays.
 		return fmt.Errorf("%w: onnode queue pair failed while connecting: %w", verbsio.ErrQPState, lastError(q))
+	}
+	if q.sendCQ.sleepers.Load() > 0 {
+		q.setAckWake(1)
 	}
 	q.wg.Add(2)
 	go q.readLoop()
@@ -701,7 +719,28 @@ func (q *qp) flushComps() {
 		q.recvCQ.push(q.compBuf...)
 	}
 	q.compBuf = q.compBuf[:0]
-	for _, a := range q.acks {
+	if len(q.acks) == 0 {
+		return
+	}
+	acks := q.acks
+	if q.in != nil && atomic.LoadUint32(u32(q.in.mem, offFeatures))&featAckWord != 0 {
+		// The peer reads offAcked: the last SEND taken acknowledges
+		// those before it, and goes through the socket only to wake a
+		// peer whose send queue sleeps. A refused SEND goes through the
+		// socket as before, with those before it.
+		last, failed := acks[len(acks)-1], false
+		for _, a := range acks {
+			failed = failed || a&(1<<31) != 0
+		}
+		if !failed {
+			atomic.StoreUint32(u32(q.in.mem, offAcked), last)
+			acks = acks[:0]
+			if atomic.LoadUint32(u32(q.in.mem, offAckWake)) != 0 {
+				acks = append(acks, last)
+			}
+		}
+	}
+	for _, a := range acks {
 		m := control{Kind: msgAck, RKey: a &^ (1 << 31), OK: a&(1<<31) == 0}
 		var b [controlLen]byte
 		q.writeMu.Lock()
@@ -710,6 +749,7 @@ func (q *qp) flushComps() {
 		if err != nil {
 			break // the peer is gone; readLoop sees it
 		}
+		q.sockAcks.Add(1)
 	}
 	q.acks = q.acks[:0]
 }
@@ -744,9 +784,17 @@ func (q *qp) releaseLocked(out []verbsio.Completion) []verbsio.Completion {
 	return out
 }
 
-// acked completes the SEND with sequence number seq; a failed one moves the
-// queue pair to the error state.
+// acked completes the SEND with sequence number seq, and those before it
+// when it was taken (SENDs are taken in order, and the first refused one
+// fails the queue pair); a failed one moves the queue pair to the error
+// state.
 func (q *qp) acked(seq uint32, st verbsio.Status) {
+	if st == verbsio.StatusSuccess {
+		q.compMu.Lock()
+		q.resolveUpToLocked(seq)
+		q.compMu.Unlock()
+		return
+	}
 	q.resolve(seq, st)
 	if st != verbsio.StatusSuccess {
 		q.consMu.Lock()
@@ -761,6 +809,7 @@ func (q *qp) resolve(seq uint32, st verbsio.Status) {
 	for i := range q.pending {
 		if p := &q.pending[i]; p.waiting && p.seq == seq {
 			p.waiting, p.c.Status = false, st
+			q.waiting.Add(-1)
 			break
 		}
 	}
@@ -772,6 +821,77 @@ func (q *qp) resolve(seq uint32, st verbsio.Status) {
 	}
 }
 
+// resolveUpToLocked completes every waiting SEND up to sequence number seq
+// (in the 31-bit sequence space, where fewer than 2^30 are ever in
+// flight) as taken, and pushes what can go. The caller holds compMu.
+func (q *qp) resolveUpToLocked(seq uint32) {
+	const mask = 1<<31 - 1
+	took := false
+	for i := range q.pending {
+		if p := &q.pending[i]; p.waiting && (seq-p.seq)&mask < 1<<30 {
+			p.waiting = false
+			q.waiting.Add(-1)
+			took = true
+		}
+	}
+	if !took {
+		return
+	}
+	var few [4]verbsio.Completion // push copies them
+	if out := q.releaseLocked(few[:0]); len(out) > 0 {
+		q.sendCQ.push(out...)
+	}
+}
+
+// pollAcks reads the acknowledgements the peer wrote into its ring
+// (offAcked) and completes the SENDs they cover; it reports whether it
+// did. It is the send queue's poll: cheap when no SEND waits.
+func (q *qp) pollAcks() bool {
+	if q.waiting.Load() == 0 {
+		return false
+	}
+	q.compMu.Lock()
+	defer q.compMu.Unlock()
+	if s := q.State(); s != verbsio.QPReady && s != verbsio.QPError {
+		return false // not connected yet, or closed: no ring mapped
+	}
+	a := atomic.LoadUint32(u32(q.out.mem, offAcked))
+	if a == q.lastAcked {
+		return false
+	}
+	q.lastAcked = a
+	q.resolveUpToLocked(a)
+	return true
+}
+
+// setAckWake says in the peer's ring whether a Wait of this queue pair's
+// send queue sleeps: the peer then acknowledges SENDs through the socket
+// too, which wakes it.
+func (q *qp) setAckWake(v uint32) {
+	q.compMu.Lock()
+	if s := q.State(); s == verbsio.QPReady || s == verbsio.QPError {
+		atomic.StoreUint32(u32(q.out.mem, offAckWake), v)
+	}
+	q.compMu.Unlock()
+}
+
+// setPoll says in this queue pair's ring whether a Wait of its receive
+// queue polls. Turning it off, it takes what a sender did not signal
+// meanwhile (the sender publishes, then reads the flag; this clears the
+// flag, then reads the tail).
+func (q *qp) setPoll(v uint32) {
+	q.consMu.Lock()
+	if q.State() == verbsio.QPClosed || q.in == nil {
+		q.consMu.Unlock()
+		return
+	}
+	atomic.StoreUint32(u32(q.in.mem, offPoll), v)
+	if v == 0 && q.State() == verbsio.QPReady && load64(q.in.mem, offHead) != atomic.LoadUint64(u64(q.in.mem, offTail)) {
+		q.drainLocked()
+	}
+	q.consMu.Unlock()
+}
+
 // flushPending completes every SEND still waiting with st and releases all;
 // it reports whether any was waiting.
 func (q *qp) flushPending(st verbsio.Status) (waited bool) {
@@ -779,6 +899,7 @@ func (q *qp) flushPending(st verbsio.Status) (waited bool) {
 	for i := range q.pending {
 		if p := &q.pending[i]; p.waiting {
 			p.waiting, p.c.Status, waited = false, st, true
+			q.waiting.Add(-1)
 		}
 	}
 	var few [4]verbsio.Completion // push copies them
@@ -939,6 +1060,11 @@ func (q *qp) Close() error {
 		q.state.Store(uint32(verbsio.QPClosed))
 		q.consMu.Unlock()
 		q.recvCQ.qps.Remove(q)
+		q.sendCQ.sendQPs.Remove(q)
+		// A pollAcks or setAckWake that saw the queue pair open is done
+		// with the peer's ring before release unmaps it.
+		q.compMu.Lock()
+		q.compMu.Unlock()
 		q.release()
 		q.sendMu.Unlock()
 	})
