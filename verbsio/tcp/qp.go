@@ -465,16 +465,23 @@ func (q *qp) PostSend(wrs []verbsio.SendWR) error {
 	return nil
 }
 
-// maxInlineBatch is the most bytes a PostSend writes itself.
-const maxInlineBatch = 64 << 10
+// maxInlineBatch is the most bytes a PostSend writes itself;
+// maxInlineInFlight the most work requests already sent and not completed
+// with which it still does.
+const (
+	maxInlineBatch    = 64 << 10
+	maxInlineInFlight = 4
+)
 
 // inlineBatchLocked takes the unsent work requests for PostSend to write
-// itself when nothing else is in flight, or returns nil when they are for
-// the sequencer (others in flight, a striped write, too many bytes, a lane
-// without a descriptor).
+// itself when lane 0 is idle and few others are in flight, or returns nil
+// when they are for the sequencer (a stream, a striped write, too many
+// bytes, a lane without a descriptor). A few in flight are a protocol's
+// exchange (a control message, then the write it announces): handing the
+// second to the sequencer would cost a goroutine's wake-up per message.
 func (q *qp) inlineBatchLocked() []*swr {
-	if len(q.out) == 0 || q.out[0].rc == nil || len(q.unsent) > 16 || len(q.sq) > len(q.unsent) {
-		// Work requests still in flight: a stream, which the
+	if len(q.out) == 0 || q.out[0].rc == nil || len(q.unsent) > 16 || len(q.sq)-len(q.unsent) > maxInlineInFlight {
+		// Many work requests still in flight: a stream, which the
 		// sequencer's batched writes serve better than one write per
 		// post.
 		return nil
