@@ -7,6 +7,7 @@ import (
 	"hash/crc32"
 	"log/slog"
 	"math/bits"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -83,7 +84,7 @@ type Channel struct {
 	// (postCtrlLocked), reused under mu.
 	ctrlWR  [1]verbsio.SendWR
 	ctrlSGE [1]verbsio.SGE
-	posted   bool // receives posted before Connect
+	posted  bool // receives posted before Connect
 
 	ctx      context.Context
 	stop     context.CancelFunc
@@ -796,6 +797,9 @@ func (c *Channel) poll() {
 		stopped := c.state == stateFailed && !c.snd.awaitingLocked()
 		c.mu.Unlock()
 		ds.run()
+		if len(ds) > 0 {
+			runtime.Gosched()
+		}
 		if stopped {
 			// Nothing here waits for a completion any more (a write
 			// still out keeps the goroutine polling, so that its source
