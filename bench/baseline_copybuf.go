@@ -15,6 +15,19 @@ import (
 // copies it out into the result tensor. The same raw queue pair, without the
 // copies, measures the provider's raw write latency: a small SEND asks, a
 // write with immediate answers.
+//
+// Both are the fastest honest way to do this on a bare queue pair, so that
+// they are baselines worth beating: neither side waits for the completion
+// of its own SEND or write before going on (the tensor protocol does not
+// either: its REQUEST's completion and its write's come to the channel's
+// completion goroutine while the Recv is already answered). Every
+// rawSignalEvery-th work request asks for a completion, and the side waits
+// for one only when rawMaxSignaled are outstanding, so the send queue never
+// fills. The one exception is the copy-through-buffer sender, which must not
+// overwrite its buffer while the write before still reads it: it signals
+// every write and waits for the previous one's completion before its copy
+// (on a provider that completes writes as it posts them, that completion
+// is already there).
 
 // rawPair is a bare queue pair with one fixed registered buffer per side.
 type rawPair struct {
@@ -30,6 +43,9 @@ type rawPair struct {
 	comps  []verbsio.Completion
 	recvs  int // receive completions not yet consumed
 	sends  int // send completions not yet consumed
+	// posted counts the work requests posted on the send queue; signaled
+	// those that asked for a completion not yet consumed.
+	posted, signaled int
 
 	remoteAddr uint64
 	remoteKey  uint32
@@ -38,6 +54,11 @@ type rawPair struct {
 const (
 	rawSlots    = 32
 	rawSlotSize = 64
+	// rawSignalEvery: one work request in so many asks for a completion;
+	// rawMaxSignaled: at most so many of those are outstanding (so at most
+	// rawSignalEvery*rawMaxSignaled work requests are, within rawSlots).
+	rawSignalEvery = 8
+	rawMaxSignaled = 2
 )
 
 // rawInfo is what a side tells the other about its raw pair.
@@ -140,35 +161,67 @@ func (r *rawPair) wait(ctx context.Context, wantRecv, wantSend int) error {
 	return nil
 }
 
-// ask sends a small request and waits for the peer's write with immediate.
+// post posts wr, asking for its completion when always is set or it is
+// the rawSignalEvery-th; before a signaled one it waits until fewer than
+// rawMaxSignaled are outstanding (send completions that came meanwhile
+// count, whoever waited for them).
+func (r *rawPair) post(ctx context.Context, wr verbsio.SendWR, always bool) error {
+	r.posted++
+	wr.Signaled = always || r.posted%rawSignalEvery == 0
+	if wr.Signaled {
+		if err := r.reap(ctx, rawMaxSignaled-1); err != nil {
+			return err
+		}
+		r.signaled++
+	}
+	return r.qp.PostSend([]verbsio.SendWR{wr})
+}
+
+// reap waits until at most keep signaled work requests are outstanding.
+func (r *rawPair) reap(ctx context.Context, keep int) error {
+	took := min(r.sends, r.signaled)
+	r.sends -= took
+	r.signaled -= took
+	if r.signaled > keep {
+		k := r.signaled - keep
+		if err := r.wait(ctx, 0, k); err != nil {
+			return err
+		}
+		r.signaled -= k
+	}
+	return nil
+}
+
+// ask sends a small request and waits for the peer's write with immediate
+// (not for its own SEND's completion).
 func (r *rawPair) ask(ctx context.Context) error {
-	wr := verbsio.SendWR{WRID: 1 << 32, Op: verbsio.OpSend, Signaled: true,
+	wr := verbsio.SendWR{WRID: 1 << 32, Op: verbsio.OpSend,
 		SG: []verbsio.SGE{{Addr: r.ctl.Addr() + uintptr((rawSlots-1)*rawSlotSize), Length: 8, LKey: r.ctlMR.LKey()}}}
-	if err := r.qp.PostSend([]verbsio.SendWR{wr}); err != nil {
+	if err := r.post(ctx, wr, false); err != nil {
 		return err
 	}
-	return r.wait(ctx, 1, 1)
+	return r.wait(ctx, 1, 0)
 }
 
 // answer serves n requests: each is answered by a write with immediate of
 // size bytes from the fixed buffer into the peer's, after copying src into
-// the buffer when src is not nil (the copy-through-buffer sender).
+// the buffer when src is not nil (the copy-through-buffer sender, which
+// first waits until the write before no longer reads the buffer).
 func (r *rawPair) answer(ctx context.Context, n, size int, src []byte) error {
 	for i := 0; i < n; i++ {
 		if err := r.wait(ctx, 1, 0); err != nil {
 			return err
 		}
 		if src != nil {
+			if err := r.reap(ctx, 0); err != nil {
+				return err
+			}
 			copy(r.buf.Bytes()[:size], src[:size])
 		}
-		wr := verbsio.SendWR{WRID: 2 << 32, Op: verbsio.OpWriteImm, Signaled: true, Imm: uint32(i),
+		wr := verbsio.SendWR{WRID: 2 << 32, Op: verbsio.OpWriteImm, Imm: uint32(i),
 			SG:         []verbsio.SGE{{Addr: r.buf.Addr(), Length: uint32(size), LKey: r.bufMR.LKey()}},
 			RemoteAddr: r.remoteAddr, RKey: r.remoteKey}
-		if err := r.qp.PostSend([]verbsio.SendWR{wr}); err != nil {
-			return err
-		}
-		// The buffer is reused for the next answer: wait until it is sent.
-		if err := r.wait(ctx, 0, 1); err != nil {
+		if err := r.post(ctx, wr, src != nil); err != nil {
 			return err
 		}
 	}

@@ -142,8 +142,11 @@ func TestTableAligned(t *testing.T) {
 		t.Fatalf("exit %d: %s", code, errOut)
 	}
 	lines := strings.Split(strings.TrimSpace(out), "\n")
-	if len(lines) != 3 {
-		t.Fatalf("want a header and two rows:\n%s", out)
+	if len(lines) != 4 {
+		t.Fatalf("want a header, two rows and the ratio legend:\n%s", out)
+	}
+	if lines[3] != ratioLegend {
+		t.Errorf("no ratio legend after the table: %q", lines[3])
 	}
 	col := strings.Index(lines[0], "SIZE")
 	if strings.Index(lines[1], "1.0 MiB") != col || strings.Index(lines[2], "64 KiB") != col {

@@ -66,6 +66,7 @@ func (t *tableWriter) Flush() error {
 	type note struct{ c, n string }
 	var notes []note
 	seen := map[note]bool{}
+	ratios := false
 	for _, r := range t.rows {
 		base, baseVal, rat := "-", "-", "-"
 		if r.BaselineName != "" || r.Baseline != 0 {
@@ -76,6 +77,7 @@ func (t *tableWriter) Flush() error {
 		}
 		if r.Ratio != 0 {
 			rat = strconv.FormatFloat(r.Ratio, 'f', 2, 64) + "x"
+			ratios = true
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.Scenario, r.Case, formatSize(r.SizeBytes), formatFigure(r.Value), r.Unit, base, baseVal, rat)
 		if n := (note{r.Case, r.Note}); r.Note != "" && !seen[n] {
@@ -86,6 +88,11 @@ func (t *tableWriter) Flush() error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
+	if ratios {
+		if _, err := fmt.Fprintln(t.w, ratioLegend); err != nil {
+			return err
+		}
+	}
 	for _, n := range notes {
 		if _, err := fmt.Fprintf(t.w, "  note (%s): %s\n", n.c, n.n); err != nil {
 			return err
@@ -94,6 +101,9 @@ func (t *tableWriter) Flush() error {
 	t.rows = t.rows[:0]
 	return nil
 }
+
+// ratioLegend follows every table with ratios: which way is better.
+const ratioLegend = "  RATIO: higher is better for gdrlink (value/baseline for rates, baseline/value for times)"
 
 func newTabWriter(w io.Writer) *tabwriter.Writer {
 	return tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)

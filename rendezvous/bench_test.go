@@ -31,6 +31,31 @@ func BenchmarkRecv(b *testing.B) {
 	}
 }
 
+// BenchmarkRecvSmall is one steady-state exchange of a small tensor (8 B
+// and 4 KiB: a SendFunc and the Recv that takes it, meta-data cached)
+// between two channels of this process, per provider, with the
+// allocations of both sides per exchange (the README's allocs/op).
+func BenchmarkRecvSmall(b *testing.B) {
+	for _, provider := range providersUnderTest() {
+		for _, size := range []int64{8, 4 << 10} {
+			b.Run(fmt.Sprintf("%s/%dB", provider, size), func(b *testing.B) {
+				a, err := openSide(provider, "a")
+				if err != nil {
+					b.Skipf("provider %s unavailable here: %v", provider, err)
+				}
+				defer a.close()
+				c, err := openSide(provider, "b")
+				if err != nil {
+					b.Skipf("provider %s unavailable here: %v", provider, err)
+				}
+				defer c.close()
+				b.ReportAllocs()
+				benchRecvLoop(b, a, c, size, nil)
+			})
+		}
+	}
+}
+
 // BenchmarkRecvRails compares one steady-state Recv of a large tensor over
 // one tcp device with the same Recv striped over two (two devices on
 // loopback per side, standing in for two NICs).

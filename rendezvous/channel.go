@@ -7,6 +7,7 @@ import (
 	"hash/crc32"
 	"log/slog"
 	"math/bits"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -79,7 +80,11 @@ type Channel struct {
 	sendMR   verbsio.MemoryRegion
 	recvWRs  []verbsio.RecvWR // reused for re-posting
 	recvSGEs []verbsio.SGE
-	posted   bool // receives posted before Connect
+	// ctrlWR and ctrlSGE are the work request of a control SEND
+	// (postCtrlLocked), reused under mu.
+	ctrlWR  [1]verbsio.SendWR
+	ctrlSGE [1]verbsio.SGE
+	posted  bool // receives posted before Connect
 
 	ctx      context.Context
 	stop     context.CancelFunc
@@ -770,7 +775,10 @@ func (c *Channel) poll() {
 		c.mu.Unlock()
 	}()
 	comps := make([]verbsio.Completion, 64)
+	var ds deliveries // reused: a steady stream allocates no list
 	for {
+		clear(ds)
+		ds = ds[:0]
 		n, err := c.cq.Wait(c.ctx, comps)
 		if err != nil {
 			if c.ctx.Err() != nil {
@@ -783,7 +791,6 @@ func (c *Channel) poll() {
 			ds.run()
 			return
 		}
-		var ds deliveries
 		c.mu.Lock()
 		c.recvWRs = c.recvWRs[:0]
 		for i := 0; i < n; i++ {
@@ -801,6 +808,9 @@ func (c *Channel) poll() {
 		stopped := c.state == stateFailed && !c.snd.awaitingLocked()
 		c.mu.Unlock()
 		ds.run()
+		if len(ds) > 0 {
+			runtime.Gosched()
+		}
 		if stopped {
 			// Nothing here waits for a completion any more (a write
 			// still out keeps the goroutine polling, so that its source
@@ -1051,15 +1061,19 @@ func (c *Channel) putCredits(b []byte) {
 }
 
 func (c *Channel) postCtrlLocked(slot, n int, bye bool) bool {
-	wr := verbsio.SendWR{
+	// The work request and its SGE are the channel's (under mu): the
+	// provider copies what it needs before PostSend returns.
+	c.ctrlSGE[0] = verbsio.SGE{Addr: c.sendBuf.Addr() + uintptr(slot*c.slot), Length: uint32(n), LKey: c.sendMR.LKey()}
+	c.ctrlWR[0] = verbsio.SendWR{
 		WRID: wridCtrl | uint64(slot), Op: verbsio.OpSend, Signaled: true,
-		SG: []verbsio.SGE{{Addr: c.sendBuf.Addr() + uintptr(slot*c.slot), Length: uint32(n), LKey: c.sendMR.LKey()}},
+		SG: c.ctrlSGE[:],
 	}
+	wr := &c.ctrlWR[0]
 	if c.inline >= n {
 		wr.Inline = true
 	}
 	c.freeSlots = c.freeSlots[:len(c.freeSlots)-1]
-	if err := c.qp.PostSend([]verbsio.SendWR{wr}); err != nil {
+	if err := c.qp.PostSend(c.ctrlWR[:]); err != nil {
 		c.freeSlots = append(c.freeSlots, slot)
 		var ds deliveries
 		c.lostLocked(err, &ds)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"hash/crc32"
 	"log/slog"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -97,6 +98,7 @@ type request struct {
 	// pair (first) and its rails, where the provider gives grants; they
 	// are revoked before buf is freed or handed on.
 	grants []verbsio.Grant
+	grant0 [1]verbsio.Grant // grants' room for the usual one
 	// tries counts the writes of the tensor that arrived corrupted.
 	tries int
 	// pull: the request offered to pull the tensor (wire.ReqPull);
@@ -122,15 +124,36 @@ func OnDevice(dev tensor.Device) RecvOption { return func(r *request) { r.dev = 
 // it, or for ctx to end (the request is then withdrawn and the error wraps
 // ErrCancelled and ctx's cause). The caller owns the result and releases it.
 func (c *Channel) Recv(ctx context.Context, key string, step int64, opts ...RecvOption) (*tensor.Tensor, Transfer, error) {
-	type result struct {
-		t   *tensor.Tensor
-		tr  Transfer
-		err error
-	}
-	ch := make(chan result, 1)
-	c.RecvFunc(ctx, key, step, func(t *tensor.Tensor, tr Transfer, err error) { ch <- result{t, tr, err} }, opts...)
-	r := <-ch
-	return r.t, r.tr, r.err
+	w := waiters.Get().(*recvWaiter)
+	c.RecvFunc(ctx, key, step, w.cb, opts...)
+	<-w.ch
+	t, tr, err := w.t, w.tr, w.err
+	w.t, w.tr, w.err = nil, Transfer{}, nil
+	waiters.Put(w)
+	return t, tr, err
+}
+
+// recvWaiter is where a Recv's callback leaves the result for the waiting
+// caller. Waiters are reused (the callback runs exactly once, and the
+// caller takes the result before it puts the waiter back), so that a Recv
+// makes no channel and no closure of its own.
+type recvWaiter struct {
+	ch  chan struct{}
+	cb  func(*tensor.Tensor, Transfer, error) // w.deliver, bound once
+	t   *tensor.Tensor
+	tr  Transfer
+	err error
+}
+
+var waiters = sync.Pool{New: func() any {
+	w := &recvWaiter{ch: make(chan struct{}, 1)}
+	w.cb = w.deliver
+	return w
+}}
+
+func (w *recvWaiter) deliver(t *tensor.Tensor, tr Transfer, err error) {
+	w.t, w.tr, w.err = t, tr, err
+	w.ch <- struct{}{}
 }
 
 // RecvFunc is Recv in callback form: it returns at once, and cb runs exactly
@@ -286,6 +309,9 @@ func (rv *receiver) grantLocked(r *request, mr verbsio.MemoryRegion) error {
 	g, err := gr.Grant(r.buf.Addr(), r.buf.Len(), rv.c.qp, imms)
 	if err != nil {
 		return err
+	}
+	if r.grants == nil {
+		r.grants = r.grant0[:0]
 	}
 	r.grants = append(r.grants[:0], g)
 	rv.stats.grants.Add(1)

@@ -26,6 +26,9 @@ type sender struct {
 	kept      map[uint32]*sendEntry // answered with META_DATA_RESPONSE, awaiting the re-request
 	writes    map[uint64]*sendEntry // writes posted on the channel's queue pair
 	striping  map[uint64]*sendEntry // writes whose rail parts are in flight
+	// wrs and sges are postWriteLocked's chain, reused under the lock.
+	wrs  []verbsio.SendWR
+	sges []verbsio.SGE
 	// held are the sends that ended (the channel stopped) while a queue
 	// pair may still read their bytes, by write sequence: their staging
 	// block and their done (which gives the source tensor back) wait until
@@ -1052,13 +1055,20 @@ func (s *sender) postWriteLocked(e *sendEntry) bool {
 	}
 	seq := s.nextWrite
 	s.nextWrite++
-	wrs := make([]verbsio.SendWR, 0, chunks)
+	// The chain and its SGEs are the sender's, reused under the lock: the
+	// provider copies what it needs before PostSend returns.
+	if cap(s.wrs) < chunks {
+		s.wrs, s.sges = make([]verbsio.SendWR, 0, chunks), make([]verbsio.SGE, chunks)
+	}
+	wrs := s.wrs[:0]
 	for off := int64(0); off < n; off += maxMsg {
 		l := min(maxMsg, n-off)
 		last := off+l == n
+		k := len(wrs)
+		s.sges[k] = verbsio.SGE{Addr: e.addr + uintptr(off), Length: uint32(l), LKey: e.lkey}
 		wr := verbsio.SendWR{
 			WRID: wridWrite | seq<<8, Op: verbsio.OpWrite, Signaled: true,
-			SG:         []verbsio.SGE{{Addr: e.addr + uintptr(off), Length: uint32(l), LKey: e.lkey}},
+			SG:         s.sges[k : k+1 : k+1],
 			RemoteAddr: e.raddr + uint64(off), RKey: e.rkey,
 		}
 		if last {

@@ -348,9 +348,12 @@ type QueuePair interface {
 	// Connect connects to the peer's queue pair. Both sides call it with the
 	// other's endpoint.
 	Connect(ctx context.Context, remote Endpoint) error
-	// PostSend posts a chain of work requests in one call.
+	// PostSend posts a chain of work requests in one call. The provider
+	// takes what it needs of wrs and their SG lists before it returns (as
+	// ibv_post_send does): the caller may reuse them at once.
 	PostSend(wrs []SendWR) error
-	// PostRecv posts a chain of receive buffers in one call.
+	// PostRecv posts a chain of receive buffers in one call; wrs may be
+	// reused once it returns, as for PostSend.
 	PostRecv(wrs []RecvWR) error
 	// State is the queue pair's state.
 	State() QPState

@@ -11,6 +11,7 @@ import (
 
 	"errors"
 
+	"github.com/gdrlink/gdrlink/internal/adaptspin"
 	"github.com/gdrlink/gdrlink/internal/hostid"
 	"github.com/gdrlink/gdrlink/internal/ibv"
 	"github.com/gdrlink/gdrlink/internal/ibvdiag"
@@ -280,7 +281,9 @@ func (d *device) CreateCQ(depth int) (verbsio.CompletionQueue, error) {
 		d.dropChild()
 		return nil, wrap(err)
 	}
-	return &cq{d: d, q: q, qps: map[uint32]*qpRef{}, scratch: make([]ibv.WC, 64)}, nil
+	spin := max(d.p.o.spin, 0)
+	return &cq{d: d, q: q, qps: map[uint32]*qpRef{}, scratch: make([]ibv.WC, 64),
+		spin: adaptspin.New(adaptspin.Bounds{Max: spin, Min: min(spin, adaptspin.DefaultMin)})}, nil
 }
 
 type pd struct {
@@ -515,6 +518,10 @@ type cq struct {
 
 	cmu    sync.Mutex
 	closed bool
+
+	// spin is how long a Wait polls before it sleeps, learned from the
+	// queue's waits within WithSpin.
+	spin *adaptspin.Policy
 }
 
 func (c *cq) attach(q *qp, send, recv bool) {
@@ -649,61 +656,83 @@ func opOfWC(op uint32) verbsio.Opcode {
 	return verbsio.OpRecv
 }
 
+// Wait polls for as long as the queue's spin policy says, then sleeps on
+// the completion channel (spinWait).
 func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 	if len(out) == 0 {
 		return 0, nil
 	}
+	return spinWait(ctx, c.spin, cqWaiter{c}, out)
+}
+
+// waiter is what spinWait needs of a completion queue: Poll, and the
+// completion channel's arm and wait.
+type waiter interface {
+	Poll(out []verbsio.Completion) (int, error)
+	Arm() error
+	WaitEvent(ctx context.Context) error
+}
+
+type cqWaiter struct{ c *cq }
+
+func (w cqWaiter) Poll(out []verbsio.Completion) (int, error) { return w.c.Poll(out) }
+func (w cqWaiter) Arm() error                                 { return wrap(w.c.q.Arm()) }
+func (w cqWaiter) WaitEvent(ctx context.Context) error        { return w.c.q.WaitEvent(ctx) }
+
+// spinWait is a Wait: it polls w for as long as p's budget, with pauses of
+// 1, 2, 4, then 8 us between polls (so a long poll still makes only a
+// handful of calls into libibverbs; a completion due within it, a
+// ping-pong's answer, is found without a wake-up's latency), then arms the
+// completion channel and sleeps on it. What each wait took teaches p.
+func spinWait(ctx context.Context, p *adaptspin.Policy, w waiter, out []verbsio.Completion) (int, error) {
+	start := time.Now()
+	budget := p.Budget()
+	pause := time.Microsecond
 	for {
-		if n, err := c.Poll(out); n > 0 || err != nil {
+		n, err := w.Poll(out)
+		if n > 0 || err != nil {
+			if n > 0 {
+				p.Polled(time.Since(start))
+			}
 			return n, err
 		}
-		// Spin briefly before sleeping: a completion due within the spin
-		// time (a ping-pong's answer) is found without the sleep's wake-up
-		// latency. The polls back off exponentially, so a long spin still
-		// makes only a handful of calls into libibverbs.
-		if n, err := c.spinPoll(out); n > 0 || err != nil {
-			return n, err
+		next := time.Since(start) + pause
+		if next > budget {
+			break
 		}
+		for time.Since(start) < next {
+			runtime.Gosched()
+		}
+		pause = min(2*pause, 8*time.Microsecond)
+	}
+	for {
 		if err := ctx.Err(); err != nil {
 			return 0, fmt.Errorf("%w: waiting for completions: %w", verbsio.ErrTimeout, err)
 		}
-		if err := c.q.Arm(); err != nil {
-			return 0, wrap(err)
+		if err := w.Arm(); err != nil {
+			return 0, err
 		}
 		// A completion that arrived before the arm raises no event.
-		if n, err := c.Poll(out); n > 0 || err != nil {
+		if n, err := w.Poll(out); n > 0 || err != nil {
+			if n > 0 {
+				p.Slept(time.Since(start))
+			}
 			return n, err
 		}
-		if err := c.q.WaitEvent(ctx); err != nil {
+		if err := w.WaitEvent(ctx); err != nil {
 			if ctx.Err() != nil || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
 				return 0, fmt.Errorf("%w: waiting for completions: %w", verbsio.ErrTimeout, err)
 			}
 			return 0, wrap(err)
 		}
-	}
-}
-
-// spinPoll polls until a completion comes or the spin time passes, with
-// pauses of 1, 2, 4, then 8 us between polls.
-func (c *cq) spinPoll(out []verbsio.Completion) (int, error) {
-	spin := c.d.p.o.spin
-	if spin <= 0 {
-		return 0, nil
-	}
-	start := time.Now()
-	pause := time.Microsecond
-	for {
-		next := time.Since(start) + pause
-		if next > spin {
-			return 0, nil
-		}
-		for time.Since(start) < next {
-			runtime.Gosched()
-		}
-		if n, err := c.Poll(out); n > 0 || err != nil {
+		// An event can be for the provider's own requests only (grant.go):
+		// then arm and sleep again.
+		if n, err := w.Poll(out); n > 0 || err != nil {
+			if n > 0 {
+				p.Slept(time.Since(start))
+			}
 			return n, err
 		}
-		pause = min(2*pause, 8*time.Microsecond)
 	}
 }
 

@@ -6,6 +6,7 @@ import (
 	"runtime"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/adaptspin"
 	"github.com/gdrlink/gdrlink/internal/ibv"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
@@ -142,12 +143,14 @@ func (q *qp) windowOp(wr ibv.SendWR) (verbsio.Status, error) {
 			return 0, fmt.Errorf("%w: queue pair %d, after %v", errWindowTimeout, q.q.QPN(), windowTimeout)
 		}
 		// Spin for the first tens of microseconds (a NIC binds in a few),
-		// then sleep with growing pauses.
+		// then sleep with growing pauses (adaptspin.Pause: a Go timer
+		// under a millisecond would take a millisecond each, on every
+		// grant of a device slower to bind, Soft-RoCE's).
 		if now.Sub(start) < 50*time.Microsecond {
 			runtime.Gosched()
 			continue
 		}
-		time.Sleep(pause)
+		adaptspin.Pause(pause)
 		pause = min(2*pause, time.Millisecond)
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/adaptspin"
 	"github.com/gdrlink/gdrlink/internal/ibv"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
@@ -48,18 +49,21 @@ func WithMinRNRTimer(code int) Option { return func(o *options) { o.minRNRTimer 
 // WithHopLimit sets the GRH hop limit of RoCE routes (default 64).
 func WithHopLimit(n int) Option { return func(o *options) { o.hopLimit = n } }
 
-// WithSpin sets how long a completion queue Wait keeps polling (with
+// WithSpin caps how long a completion queue Wait keeps polling (with
 // pauses doubling up to 8 us) before it sleeps on its completion channel.
-// The default is GDRLINK_IBVERBS_SPIN (a Go duration) or 50 us, several
-// round trips of an RDMA NIC; emulated devices, whose round trips take
-// tens of microseconds, may want more. 0 sleeps at once.
+// Within the cap, each queue learns how long to poll from its own waits,
+// as the tcp and onnode providers do (internal/adaptspin): as long as the
+// answers come sooner than a wake-up costs (a ping-pong, on an RDMA NIC or
+// an emulated one alike), briefly where they come later or the host is
+// busy. The default is GDRLINK_IBVERBS_SPIN (a Go duration) or 200 us. 0
+// sleeps at once.
 func WithSpin(d time.Duration) Option { return func(o *options) { o.spin, o.spinSet = d, true } }
 
 // spinEnv names the environment variable with the default of WithSpin.
 const spinEnv = "GDRLINK_IBVERBS_SPIN"
 
 // defaultSpin is the default of WithSpin.
-const defaultSpin = 50 * time.Microsecond
+const defaultSpin = adaptspin.DefaultMax
 
 // provider opens libibverbs devices. The one registered as "ibverbs" has
 // the defaults.

@@ -13,10 +13,12 @@ import (
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
-// cq is a completion queue. Completions of sends are pushed by PostSend;
-// those of receives by whoever drains the notification rings of the queue
-// pairs attached to it: Poll itself, or a queue pair's progress goroutine
-// when Wait sleeps.
+// cq is a completion queue. Completions of sends are pushed by PostSend,
+// or (SENDs) by whoever reads their acknowledgements: Poll itself from the
+// peers' rings, or a queue pair's socket reader when Wait sleeps; those of
+// receives by whoever drains the notification rings of the queue pairs
+// attached to it: Poll itself, or a queue pair's progress goroutine when
+// Wait sleeps.
 type cq struct {
 	dev   *device
 	depth int
@@ -31,10 +33,12 @@ type cq struct {
 	gone   atomic.Bool
 
 	sleepers atomic.Int32
+	pollers  atomic.Int32 // Waits polling (ring.go: offPoll)
 	pushed   atomic.Int64 // when a completion last woke a sleeper (UnixNano)
 	spin     *adaptspin.Policy
 	notify   chan struct{}
 	qps      cowlist.List[*qp] // queue pairs whose receives complete here
+	sendQPs  cowlist.List[*qp] // connected queue pairs whose sends complete here
 	refs     int               // queue pairs using the queue (under mu)
 }
 
@@ -113,6 +117,11 @@ func (c *cq) Poll(out []verbsio.Completion) (int, error) {
 			drained = true
 		}
 	}
+	for _, q := range c.sendQPs.Load() {
+		if q.pollAcks() {
+			drained = true
+		}
+	}
 	if drained {
 		n += c.take(out[n:])
 	}
@@ -127,11 +136,37 @@ func (c *cq) isClosed() bool { return c.gone.Load() }
 // Wait implements verbsio.CompletionQueue: it polls for as long as the
 // queue's spin policy says (at most Options.Spin, learned from its own
 // waits: internal/adaptspin), then sleeps until a completion arrives or ctx
-// ends.
+// ends. While it polls, the peers of the attached queue pairs see so
+// (offPoll) and do not signal their SENDs.
 func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 	if len(out) == 0 {
 		return 0, nil
 	}
+	c.poll(true)
+	n, err := c.wait(ctx, out)
+	c.poll(false)
+	return n, err
+}
+
+// poll counts a polling waiter in or out and says so in the rings of the
+// attached queue pairs.
+func (c *cq) poll(in bool) {
+	var n int32
+	if in {
+		n = c.pollers.Add(1)
+	} else {
+		n = c.pollers.Add(-1)
+	}
+	flag := uint32(0)
+	if n > 0 {
+		flag = 1
+	}
+	for _, q := range c.qps.Load() {
+		q.setPoll(flag)
+	}
+}
+
+func (c *cq) wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 	budget := c.spin.Budget()
 	start := time.Now()
 	for i := 0; ; i++ {
@@ -194,6 +229,9 @@ func (c *cq) sleep(in bool) {
 	}
 	for _, q := range c.qps.Load() {
 		q.setSleep(flag)
+	}
+	for _, q := range c.sendQPs.Load() {
+		q.setAckWake(flag)
 	}
 }
 

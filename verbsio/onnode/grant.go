@@ -3,8 +3,10 @@ package onnode
 import (
 	"fmt"
 	"hash/fnv"
+	"runtime"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/adaptspin"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
@@ -193,9 +195,14 @@ func (p *pd) revokeGrantsOf(q *qp) {
 
 // drain waits until no peer that can still write has a write announced in
 // slot idx, for at most Options.DeregTimeout; the peers still writing then
-// are fenced.
+// are fenced. Nothing signals the end of a peer's write: it polls the
+// counters, yielding for the first 20 us (a small write ends in a few),
+// then pausing 20 us, doubling up to a millisecond (adaptspin.Pause: a Go
+// timer that short would take a millisecond each time).
 func (p *pd) drain(idx int, key uint32, what string) {
-	deadline := time.Now().Add(p.dev.opts.DeregTimeout)
+	start := time.Now()
+	deadline := start.Add(p.dev.opts.DeregTimeout)
+	pause := 20 * time.Microsecond
 	for {
 		busy := p.writersOf(idx)
 		if len(busy) == 0 {
@@ -209,6 +216,11 @@ func (p *pd) drain(idx int, key uint32, what string) {
 			}
 			return
 		}
-		time.Sleep(20 * time.Microsecond)
+		if time.Since(start) < 20*time.Microsecond {
+			runtime.Gosched()
+			continue
+		}
+		adaptspin.Pause(pause)
+		pause = min(2*pause, time.Millisecond)
 	}
 }

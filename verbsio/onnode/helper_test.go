@@ -322,9 +322,9 @@ func runHelper(in io.Reader, out io.Writer) int {
 		case "stall": // stall rkey addr len fill: announce a write, then make it on the next line ("go")
 			q := n.qp.(*qp)
 			rkey := uint32(arg(1))
-			e, release, ok := readEntry(q.peerTable, q.peerCtr, int(rkey&(tableSlots-1)), true)
+			e, held, ok := readEntry(q.peerTable, q.peerCtr, int(rkey&(tableSlots-1)), true)
 			if !ok || e.flags&flagValid == 0 || e.key != rkey {
-				release()
+				unhold(held)
 				say("err entry of %#x not valid", rkey)
 				break
 			}
@@ -332,7 +332,7 @@ func runHelper(in io.Reader, out io.Writer) int {
 			say(".")
 			w.Flush()
 			if !sc.Scan() {
-				release()
+				unhold(held)
 				return 1
 			}
 			src := make([]byte, arg(3))
@@ -340,7 +340,7 @@ func runHelper(in io.Reader, out io.Writer) int {
 				src[i] = byte(arg(4))
 			}
 			err := q.vmCopy(true, [][]byte{src}, uint64(arg(2)), len(src))
-			release()
+			unhold(held)
 			say("wrote %v", err)
 		case "poke": // poke slot value: set this side's write counter of the peer's slot
 			atomic.StoreUint64(u64(n.qp.(*qp).peerCtr, int(arg(1))*counterSize), uint64(arg(2)))

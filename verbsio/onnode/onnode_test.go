@@ -344,7 +344,7 @@ func TestDeregisterWaitsForWrites(t *testing.T) {
 	}
 	p := b.pd.(*pd)
 	idx := int(mr.RKey() & (tableSlots - 1))
-	_, release, ok := readEntry(p.table, b.qp.(*qp).ctrMem, idx, true)
+	_, held, ok := readEntry(p.table, b.qp.(*qp).ctrMem, idx, true)
 	if !ok {
 		t.Fatal("entry not readable")
 	}
@@ -355,7 +355,7 @@ func TestDeregisterWaitsForWrites(t *testing.T) {
 		t.Fatal("deregistration did not wait for the announced write")
 	case <-time.After(50 * time.Millisecond):
 	}
-	release()
+	unhold(held)
 	select {
 	case <-done:
 	case <-time.After(5 * time.Second):

@@ -52,9 +52,9 @@ type entry struct {
 
 // readEntry takes a consistent snapshot of slot i of a table and, when hold is
 // true and the snapshot is a valid entry, announces a write in its counter
-// (the caller must call the returned release). ok is false when the slot is
+// (the caller must end it with unhold(held)). ok is false when the slot is
 // being rewritten for too long.
-func readEntry(table, counters []byte, i int, hold bool) (e entry, release func(), ok bool) {
+func readEntry(table, counters []byte, i int, hold bool) (e entry, held *uint64, ok bool) {
 	base := i * entrySize
 	for try := 0; try < 1000; try++ {
 		s1 := load64(table, base+eSeq)
@@ -76,12 +76,16 @@ func readEntry(table, counters []byte, i int, hold bool) (e entry, release func(
 			}
 			continue
 		}
-		if ctr == nil {
-			return e, func() {}, true
-		}
-		return e, func() { atomic.AddUint64(ctr, ^uint64(0)) }, true
+		return e, ctr, true
 	}
-	return entry{}, func() {}, false
+	return entry{}, nil, false
+}
+
+// unhold ends the write that readEntry announced on held (nil: none).
+func unhold(held *uint64) {
+	if held != nil {
+		atomic.AddUint64(held, ^uint64(0))
+	}
 }
 
 type slot struct {

@@ -26,9 +26,46 @@ const (
 )
 
 // postedRecv is a receive buffer waiting for a SEND or a write with immediate.
+// Its first SGE is kept in place, so that posting the usual receive of one
+// SGE allocates nothing; more are in rest.
 type postedRecv struct {
 	wrid uint64
-	sg   []verbsio.SGE
+	nsg  int
+	sg0  verbsio.SGE
+	rest []verbsio.SGE
+}
+
+func newPostedRecv(w verbsio.RecvWR) postedRecv {
+	r := postedRecv{wrid: w.WRID, nsg: len(w.SG)}
+	if len(w.SG) > 0 {
+		r.sg0 = w.SG[0]
+	}
+	if len(w.SG) > 1 {
+		r.rest = append([]verbsio.SGE(nil), w.SG[1:]...)
+	}
+	return r
+}
+
+// sge returns the receive's i-th SGE (i < nsg).
+func (r *postedRecv) sge(i int) verbsio.SGE {
+	if i == 0 {
+		return r.sg0
+	}
+	return r.rest[i-1]
+}
+
+// popFront drops the first element of the queue s. A short queue moves its
+// elements down instead of slicing past the first, so that its array keeps
+// its room and a queue that stays short (a ping-pong) allocates nothing.
+func popFront[T any](s []T) []T {
+	var zero T
+	if len(s) <= 8 {
+		copy(s, s[1:])
+		s[len(s)-1] = zero
+		return s[:len(s)-1]
+	}
+	s[0] = zero
+	return s[1:]
 }
 
 // arrival is a SEND or a write with immediate that no receive has taken yet.
@@ -104,7 +141,16 @@ type qp struct {
 
 	compMu  sync.Mutex // pending send completions
 	pending []pendingComp
-	acks    []uint32 // receiver side: SENDs to acknowledge (seq, top bit: failed)
+	// lastAcked is the peer's offAcked last read (under compMu); waiting
+	// counts the SENDs in pending that wait for their acknowledgement.
+	lastAcked uint32
+	waiting   atomic.Int32
+	// signals and sockAcks count the eventfd signals sent to the peer and
+	// the acknowledgements written to its socket (the tests' view of the
+	// wake-ups a SEND costs).
+	signals, sockAcks atomic.Uint64
+
+	acks []uint32 // receiver side: SENDs to acknowledge (seq, top bit: failed)
 
 	consMu    sync.Mutex // the incoming ring, receives, arrivals
 	recvs     []postedRecv
@@ -353,9 +399,18 @@ func (q *qp) Connect(ctx context.Context, remote verbsio.Endpoint) error {
 	if q.recvCQ.sleepers.Load() > 0 {
 		q.setSleep(1)
 	}
+	if q.recvCQ.pollers.Load() > 0 {
+		q.setPoll(1)
+	}
+	// This side reads its acknowledgements from the peer's ring.
+	atomic.StoreUint32(u32(q.out.mem, offFeatures), featAckWord)
+	q.sendCQ.sendQPs.Add(q)
 	if !q.state.CompareAndSwap(uint32(verbsio.QPInit), uint32(verbsio.QPReady)) {
 		// Fenced (or closed) just now: the error state stays.
 		return fmt.Errorf("%w: onnode queue pair failed while connecting: %w", verbsio.ErrQPState, lastError(q))
+	}
+	if q.sendCQ.sleepers.Load() > 0 {
+		q.setAckWake(1)
 	}
 	q.wg.Add(2)
 	go q.readLoop()
@@ -664,14 +719,37 @@ func (q *qp) flushComps() {
 		q.recvCQ.push(q.compBuf...)
 	}
 	q.compBuf = q.compBuf[:0]
-	for _, a := range q.acks {
+	if len(q.acks) == 0 {
+		return
+	}
+	acks := q.acks
+	if q.in != nil && atomic.LoadUint32(u32(q.in.mem, offFeatures))&featAckWord != 0 {
+		// The peer reads offAcked: the last SEND taken acknowledges
+		// those before it, and goes through the socket only to wake a
+		// peer whose send queue sleeps. A refused SEND goes through the
+		// socket as before, with those before it.
+		last, failed := acks[len(acks)-1], false
+		for _, a := range acks {
+			failed = failed || a&(1<<31) != 0
+		}
+		if !failed {
+			atomic.StoreUint32(u32(q.in.mem, offAcked), last)
+			acks = acks[:0]
+			if atomic.LoadUint32(u32(q.in.mem, offAckWake)) != 0 {
+				acks = append(acks, last)
+			}
+		}
+	}
+	for _, a := range acks {
 		m := control{Kind: msgAck, RKey: a &^ (1 << 31), OK: a&(1<<31) == 0}
+		var b [controlLen]byte
 		q.writeMu.Lock()
-		_, _, err := q.conn.WriteMsgUnix(m.Append(nil), nil, nil)
+		_, _, err := q.conn.WriteMsgUnix(m.Append(b[:0]), nil, nil)
 		q.writeMu.Unlock()
 		if err != nil {
 			break // the peer is gone; readLoop sees it
 		}
+		q.sockAcks.Add(1)
 	}
 	q.acks = q.acks[:0]
 }
@@ -685,7 +763,8 @@ func (q *qp) enqueue(ps []pendingComp) {
 	}
 	q.compMu.Lock()
 	q.pending = append(q.pending, ps...)
-	out := q.releaseLocked(nil)
+	var few [4]verbsio.Completion // push copies them
+	out := q.releaseLocked(few[:0])
 	q.compMu.Unlock()
 	if len(out) > 0 {
 		q.sendCQ.push(out...)
@@ -705,9 +784,17 @@ func (q *qp) releaseLocked(out []verbsio.Completion) []verbsio.Completion {
 	return out
 }
 
-// acked completes the SEND with sequence number seq; a failed one moves the
-// queue pair to the error state.
+// acked completes the SEND with sequence number seq, and those before it
+// when it was taken (SENDs are taken in order, and the first refused one
+// fails the queue pair); a failed one moves the queue pair to the error
+// state.
 func (q *qp) acked(seq uint32, st verbsio.Status) {
+	if st == verbsio.StatusSuccess {
+		q.compMu.Lock()
+		q.resolveUpToLocked(seq)
+		q.compMu.Unlock()
+		return
+	}
 	q.resolve(seq, st)
 	if st != verbsio.StatusSuccess {
 		q.consMu.Lock()
@@ -722,14 +809,87 @@ func (q *qp) resolve(seq uint32, st verbsio.Status) {
 	for i := range q.pending {
 		if p := &q.pending[i]; p.waiting && p.seq == seq {
 			p.waiting, p.c.Status = false, st
+			q.waiting.Add(-1)
 			break
 		}
 	}
-	out := q.releaseLocked(nil)
+	var few [4]verbsio.Completion // push copies them
+	out := q.releaseLocked(few[:0])
 	q.compMu.Unlock()
 	if len(out) > 0 {
 		q.sendCQ.push(out...)
 	}
+}
+
+// resolveUpToLocked completes every waiting SEND up to sequence number seq
+// (in the 31-bit sequence space, where fewer than 2^30 are ever in
+// flight) as taken, and pushes what can go. The caller holds compMu.
+func (q *qp) resolveUpToLocked(seq uint32) {
+	const mask = 1<<31 - 1
+	took := false
+	for i := range q.pending {
+		if p := &q.pending[i]; p.waiting && (seq-p.seq)&mask < 1<<30 {
+			p.waiting = false
+			q.waiting.Add(-1)
+			took = true
+		}
+	}
+	if !took {
+		return
+	}
+	var few [4]verbsio.Completion // push copies them
+	if out := q.releaseLocked(few[:0]); len(out) > 0 {
+		q.sendCQ.push(out...)
+	}
+}
+
+// pollAcks reads the acknowledgements the peer wrote into its ring
+// (offAcked) and completes the SENDs they cover; it reports whether it
+// did. It is the send queue's poll: cheap when no SEND waits.
+func (q *qp) pollAcks() bool {
+	if q.waiting.Load() == 0 {
+		return false
+	}
+	q.compMu.Lock()
+	defer q.compMu.Unlock()
+	if s := q.State(); s != verbsio.QPReady && s != verbsio.QPError {
+		return false // not connected yet, or closed: no ring mapped
+	}
+	a := atomic.LoadUint32(u32(q.out.mem, offAcked))
+	if a == q.lastAcked {
+		return false
+	}
+	q.lastAcked = a
+	q.resolveUpToLocked(a)
+	return true
+}
+
+// setAckWake says in the peer's ring whether a Wait of this queue pair's
+// send queue sleeps: the peer then acknowledges SENDs through the socket
+// too, which wakes it.
+func (q *qp) setAckWake(v uint32) {
+	q.compMu.Lock()
+	if s := q.State(); s == verbsio.QPReady || s == verbsio.QPError {
+		atomic.StoreUint32(u32(q.out.mem, offAckWake), v)
+	}
+	q.compMu.Unlock()
+}
+
+// setPoll says in this queue pair's ring whether a Wait of its receive
+// queue polls. Turning it off, it takes what a sender did not signal
+// meanwhile (the sender publishes, then reads the flag; this clears the
+// flag, then reads the tail).
+func (q *qp) setPoll(v uint32) {
+	q.consMu.Lock()
+	if q.State() == verbsio.QPClosed || q.in == nil {
+		q.consMu.Unlock()
+		return
+	}
+	atomic.StoreUint32(u32(q.in.mem, offPoll), v)
+	if v == 0 && q.State() == verbsio.QPReady && load64(q.in.mem, offHead) != atomic.LoadUint64(u64(q.in.mem, offTail)) {
+		q.drainLocked()
+	}
+	q.consMu.Unlock()
 }
 
 // flushPending completes every SEND still waiting with st and releases all;
@@ -739,9 +899,11 @@ func (q *qp) flushPending(st verbsio.Status) (waited bool) {
 	for i := range q.pending {
 		if p := &q.pending[i]; p.waiting {
 			p.waiting, p.c.Status, waited = false, st, true
+			q.waiting.Add(-1)
 		}
 	}
-	out := q.releaseLocked(nil)
+	var few [4]verbsio.Completion // push copies them
+	out := q.releaseLocked(few[:0])
 	q.compMu.Unlock()
 	if len(out) > 0 {
 		q.sendCQ.push(out...)
@@ -763,7 +925,7 @@ func (q *qp) handleLocked(rec record, cs []verbsio.Completion) []verbsio.Complet
 		q.pd.immArrived(q, rec.RKey)
 		if len(q.arrivals) == 0 && len(q.recvs) > 0 {
 			r := q.recvs[0]
-			q.recvs = q.recvs[1:]
+			q.recvs = popFront(q.recvs)
 			return append(cs, verbsio.Completion{WRID: r.wrid, Op: verbsio.OpRecvImm, ByteLen: rec.N, Imm: rec.Imm, HasImm: true, QP: q})
 		}
 		q.arrivals = append(q.arrivals, arrival{kind: recWriteImm, imm: rec.Imm, n: rec.N, complete: true})
@@ -776,7 +938,7 @@ func (q *qp) handleLocked(rec record, cs []verbsio.Completion) []verbsio.Complet
 			a.seq = rec.Imm
 		} else if k == 0 && len(q.recvs) > 0 && rec.Flags&flagMore == 0 {
 			r := q.recvs[0]
-			q.recvs = q.recvs[1:]
+			q.recvs = popFront(q.recvs)
 			return append(cs, q.deliver(r, rec.Payload, rec.Imm))
 		} else {
 			q.arrivals = append(q.arrivals, arrival{kind: recSend, seq: rec.Imm, data: append([]byte(nil), rec.Payload...), complete: rec.Flags&flagMore == 0})
@@ -799,7 +961,7 @@ func (q *qp) matchLocked(cs []verbsio.Completion) []verbsio.Completion {
 		a := q.arrivals[0]
 		q.arrivals = q.arrivals[1:]
 		r := q.recvs[0]
-		q.recvs = q.recvs[1:]
+		q.recvs = popFront(q.recvs)
 		if a.kind == recWriteImm {
 			cs = append(cs, verbsio.Completion{WRID: r.wrid, Op: verbsio.OpRecvImm, ByteLen: a.n, Imm: a.imm, HasImm: true, QP: q})
 			continue
@@ -827,7 +989,8 @@ func (q *qp) deliver(r postedRecv, data []byte, seq uint32) (c verbsio.Completio
 	q.pd.mu.RLock()
 	defer q.pd.mu.RUnlock()
 	room := 0
-	for _, s := range r.sg {
+	for i := 0; i < r.nsg; i++ {
+		s := r.sge(i)
 		if _, st := q.pd.lookupLocal(s.LKey, s.Addr, s.Length, verbsio.AccessLocalWrite); st != verbsio.StatusSuccess {
 			c.Status, c.ByteLen = st, 0
 			return c
@@ -839,7 +1002,8 @@ func (q *qp) deliver(r postedRecv, data []byte, seq uint32) (c verbsio.Completio
 		return c
 	}
 	rest := data
-	for _, s := range r.sg {
+	for i := 0; i < r.nsg; i++ {
+		s := r.sge(i)
 		if len(rest) == 0 {
 			break
 		}
@@ -873,7 +1037,7 @@ func (q *qp) PostRecv(wrs []verbsio.RecvWR) error {
 		return fmt.Errorf("%w: %d receives posted, %d more asked, depth %d", verbsio.ErrQueueFull, len(q.recvs), len(wrs), q.maxRecv)
 	}
 	for _, w := range wrs {
-		q.recvs = append(q.recvs, postedRecv{wrid: w.WRID, sg: append([]verbsio.SGE(nil), w.SG...)})
+		q.recvs = append(q.recvs, newPostedRecv(w))
 	}
 	if q.State() == verbsio.QPReady {
 		q.drainLocked()
@@ -896,6 +1060,11 @@ func (q *qp) Close() error {
 		q.state.Store(uint32(verbsio.QPClosed))
 		q.consMu.Unlock()
 		q.recvCQ.qps.Remove(q)
+		q.sendCQ.sendQPs.Remove(q)
+		// A pollAcks or setAckWake that saw the queue pair open is done
+		// with the peer's ring before release unmaps it.
+		q.compMu.Lock()
+		q.compMu.Unlock()
 		q.release()
 		q.sendMu.Unlock()
 	})

@@ -9,10 +9,24 @@ import (
 
 // The notification ring: one per direction of a connected queue pair, in a
 // memfd owned by the receiving side, written by the sending side only.
-// The first page holds the producer's tail, the consumer's head, the
-// consumer's sleep flag and a probe word, each on its own cache line;
-// records follow. Positions grow without wrapping; a record never straddles
-// the end of the data area (a pad record fills the gap).
+// The first page holds, each on its own cache line: the producer's tail,
+// the consumer's head, the consumer's sleep flag, a probe word, and the
+// words that spare a SEND its wake-ups (see below); records follow.
+// Positions grow without wrapping; a record never straddles the end of the
+// data area (a pad record fills the gap).
+//
+// A SEND completes when the consumer has taken it, so the consumer must
+// take it even when nobody polls there, and tell the producer. Both cost
+// wake-ups of goroutines sleeping in the network poller (on a host with
+// few cores, a thread that waits for a core held by a polling waiter): so
+// the consumer sets offPoll while a Wait of its receive queue polls (the
+// producer then does not signal a SEND: the poller takes it), and writes
+// the sequence number of the last SEND it took into offAcked, which a
+// producer that says so in offFeatures reads as its acknowledgements. The
+// consumer acknowledges through the socket as well only while that
+// producer's send queue sleeps (offAckWake), or when it failed a SEND. A
+// peer of a release before these words leaves them zero: it is signalled
+// and acknowledged as before.
 const (
 	ringHeader  = 4096
 	ringData    = 1 << 20
@@ -21,9 +35,18 @@ const (
 	offHead     = 64
 	offSleep    = 128
 	offProbe    = 192
+	offPoll     = 256 // u32, consumer: a Wait of its receive queue polls
+	offAcked    = 320 // u32, consumer: the sequence number of the last SEND it took
+	offAckWake  = 384 // u32, producer: a Wait of its send queue sleeps
+	offFeatures = 448 // u32, producer: featAckWord
 	recHeader   = 16
 	maxFragment = 64 << 10
 )
+
+// featAckWord, in offFeatures: the producer reads offAcked, so the consumer
+// acknowledges through the socket only while offAckWake is set and for a
+// failed SEND.
+const featAckWord = 1
 
 // Record kinds.
 const (

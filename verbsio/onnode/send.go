@@ -10,6 +10,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/gdrlink/gdrlink/internal/adaptspin"
 	"github.com/gdrlink/gdrlink/internal/offheap"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
@@ -74,6 +75,7 @@ func (q *qp) PostSend(wrs []verbsio.SendWR) error {
 			// Its completion waits for the peer's acknowledgement, so it
 			// must be queued before the peer can answer.
 			q.sendSeq = (q.sendSeq + 1) &^ (1 << 31)
+			q.waiting.Add(1)
 			ps = append(ps, pendingComp{c: verbsio.Completion{WRID: w.WRID, Op: w.Op, QP: q}, signaled: w.Signaled, waiting: true, seq: q.sendSeq})
 			q.enqueue(ps)
 			ps = ps[:0]
@@ -231,8 +233,9 @@ func (q *qp) produce(kind, flags uint8, imm, n uint32, segs [][]byte, from int, 
 			q.tail += size
 			atomic.StoreUint64(u64(r.mem, offTail), q.tail)
 			// A SEND needs the peer to take it even when nobody polls there
-			// (its acknowledgement completes it here).
-			if kind == recSend || atomic.LoadUint32(u32(r.mem, offSleep)) != 0 {
+			// (its acknowledgement completes it here): unless a Wait
+			// polls there, which takes it.
+			if atomic.LoadUint32(u32(r.mem, offSleep)) != 0 || kind == recSend && atomic.LoadUint32(u32(r.mem, offPoll)) == 0 {
 				q.signal()
 			}
 			return verbsio.StatusSuccess, nil
@@ -255,7 +258,10 @@ func (q *qp) produce(kind, flags uint8, imm, n uint32, segs [][]byte, from int, 
 			return verbsio.StatusFlushed, fmt.Errorf("%w: queue pair closed", verbsio.ErrFlushed)
 		default:
 		}
-		time.Sleep(20 * time.Microsecond)
+		// The peer's progress goroutine drains in microseconds; nothing
+		// says when it has (adaptspin.Pause: not a Go timer, which would
+		// take a millisecond).
+		adaptspin.Pause(20 * time.Microsecond)
 	}
 }
 
@@ -277,14 +283,17 @@ func gather(dst []byte, segs [][]byte, from int) {
 var one = [8]byte{1}
 
 // signal wakes the peer's progress goroutine.
-func (q *qp) signal() { unix.Write(q.peerEFD, one[:]) }
+func (q *qp) signal() {
+	q.signals.Add(1)
+	unix.Write(q.peerEFD, one[:])
+}
 
 // remoteCopy writes segs into (or reads them from) the peer's region rkey at
 // addr, after checking the key, the bounds and the access in the peer's
 // table. The peer cannot release the region while the copy runs.
 func (q *qp) remoteCopy(write bool, segs [][]byte, addr uint64, rkey uint32, n int) (verbsio.Status, error) {
-	e, release, ok := readEntry(q.peerTable, q.peerCtr, int(rkey&(tableSlots-1)), true)
-	defer release()
+	e, held, ok := readEntry(q.peerTable, q.peerCtr, int(rkey&(tableSlots-1)), true)
+	defer unhold(held)
 	need := verbsio.AccessRemoteRead
 	if write {
 		need = verbsio.AccessRemoteWrite

@@ -111,7 +111,10 @@ type control struct {
 }
 
 // Len is the encoded size.
-func (c control) Len() int { return 7 }
+// controlLen is the length of every control message.
+const controlLen = 7
+
+func (c control) Len() int { return controlLen }
 
 // Append appends the encoding.
 func (c control) Append(b []byte) []byte {
@@ -126,7 +129,7 @@ func (c control) Append(b []byte) []byte {
 
 func parseControl(b []byte) (control, error) {
 	var c control
-	if len(b) != 7 || b[0] != wireVersion || (b[1] != msgFDReq && b[1] != msgFDResp && b[1] != msgAck) || b[6] > 1 {
+	if len(b) != controlLen || b[0] != wireVersion || (b[1] != msgFDReq && b[1] != msgFDResp && b[1] != msgAck) || b[6] > 1 {
 		return c, fmt.Errorf("%w: onnode control message of %d bytes", verbsio.ErrBadFrame, len(b))
 	}
 	c.Kind = b[1]

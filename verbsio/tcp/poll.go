@@ -35,6 +35,7 @@ type lane struct {
 	err error
 	hb  [headerLen]byte // the waiter's header buffer (under rd)
 	pb  [peekMax]byte   // the waiter's peek buffer (under rd)
+	br  bytes.Reader    // reads a frame applied from pb (under rd)
 
 	// The functions handed to rc.Control, made once in init so that a
 	// poll allocates nothing (a closure passed to an interface method
@@ -245,7 +246,8 @@ func (q *qp) pollIn(l *inLane) bool {
 			// for a following request does not find this one.
 			if err = l.drop(end); err == nil {
 				l.resp.peeked, l.resp.more = true, more
-				err = q.serveFrame(l, bytes.NewReader(l.pb[headerLen:end]), f, l.tw)
+				l.br.Reset(l.pb[headerLen:end])
+				err = q.serveFrame(l, &l.br, f, l.tw)
 				l.resp.peeked = false
 			}
 		} else {

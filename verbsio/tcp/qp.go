@@ -64,22 +64,30 @@ type qp struct {
 	sending    bool
 	rest       net.Buffers
 	inlineHdrs []byte
-	inCount    map[srcKey]int
-	inWant     map[srcKey]int
-	inReady    chan struct{}
-	readyShut  bool
-	sq         []*swr // posted and not completed, in post order
-	unsent     []*swr // the tail of sq the sequencer has not sent
-	stop       bool   // a work request failed: send nothing more
-	nextToken  uint64
-	rq         []*rwr
-	rqTaken    bool // rq[0] is being filled by an inbound operation
-	rqPosted   chan struct{}
-	rqWaited   bool // a takeRecv holds rqPosted: PostRecv closes it
-	kick       chan struct{}
-	closing    chan struct{}
-	lastBad    error // the last malformed frame seen from any peer
-	wg         sync.WaitGroup
+	// inlineBatch and inlineBufs are PostSend's own write's (under
+	// sending, as inlineHdrs): reused, so that it allocates nothing.
+	inlineBatch []*swr
+	inlineBufs  net.Buffers
+	// spent are completed work requests whose frames' write may not have
+	// returned yet: reused once it has (doneSendingLocked).
+	spent []*swr
+
+	inCount   map[srcKey]int
+	inWant    map[srcKey]int
+	inReady   chan struct{}
+	readyShut bool
+	sq        []*swr // posted and not completed, in post order
+	unsent    []*swr // the tail of sq the sequencer has not sent
+	stop      bool   // a work request failed: send nothing more
+	nextToken uint64
+	rq        []*rwr
+	rqTaken   bool // rq[0] is being filled by an inbound operation
+	rqPosted  chan struct{}
+	rqWaited  bool // a takeRecv holds rqPosted: PostRecv closes it
+	kick      chan struct{}
+	closing   chan struct{}
+	lastBad   error // the last malformed frame seen from any peer
+	wg        sync.WaitGroup
 }
 
 type srcKey struct {
@@ -103,13 +111,57 @@ type swr struct {
 	st       verbsio.Status
 	stripes  int
 	stripeCh chan struct{}
+	// one is bufs' room for the usual single buffer; inl holds a small
+	// inline payload (a larger one is allocated).
+	one [1][]byte
+	inl [swrInline]byte
 }
+
+// Posted work requests are reused once done, so that a post allocates none:
+// a send work request once its completion is delivered (respond) and no
+// write of lane 0 that may have carried it is still running (the peer's
+// answer can overtake the return of the writev that sent the frame), and
+// only one that no lane's goroutine can still look at (not striped); a
+// receive once its taker completed it (finishRecv). Those of a queue pair
+// that fails are left to the collector.
+var swrs = sync.Pool{New: func() any { return new(swr) }}
+var rwrs = sync.Pool{New: func() any { return new(rwr) }}
+
+func getSwr() *swr {
+	w := swrs.Get().(*swr)
+	w.bufs = w.one[:0]
+	return w
+}
+
+func putSwr(w *swr) {
+	if w.stripeCh != nil {
+		return
+	}
+	*w = swr{}
+	swrs.Put(w)
+}
+
+func getRwr() *rwr {
+	r := rwrs.Get().(*rwr)
+	r.bufs = r.one[:0]
+	return r
+}
+
+func putRwr(r *rwr) {
+	*r = rwr{}
+	rwrs.Put(r)
+}
+
+// swrInline is the largest inline payload a work request keeps in place:
+// a control message of a protocol above fits.
+const swrInline = 128
 
 // rwr is a posted receive.
 type rwr struct {
 	wrid uint64
 	bufs [][]byte
 	n    int
+	one  [1][]byte // bufs' room for the usual single buffer
 }
 
 // expect is a response an outbound lane waits for.
@@ -128,17 +180,27 @@ type outLane struct {
 	jobs chan net.Buffers
 }
 
-// popFront drops the first element of the queue s (clearing it). The last
-// one leaves an empty slice at the same place, so that the next append
-// reuses its room: a queue that drains after each element (a ping-pong)
-// allocates nothing.
+// popFront drops the first element of the queue s (clearing it). A short
+// queue moves its elements down rather than slicing past the first, so
+// that its array keeps its room: a queue that stays short (a ping-pong, a
+// few work requests in flight) allocates nothing.
 func popFront[T any](s []T) []T {
 	var zero T
-	s[0] = zero
-	if len(s) == 1 {
-		return s[:0]
+	if len(s) <= 8 {
+		copy(s, s[1:])
+		s[len(s)-1] = zero
+		return s[:len(s)-1]
 	}
+	s[0] = zero
 	return s[1:]
+}
+
+// dropFront drops the first k elements of the queue s, moving the rest
+// down, so that its array keeps its room.
+func dropFront[T any](s []T, k int) []T {
+	n := copy(s, s[k:])
+	clear(s[n:])
+	return s[:n]
 }
 
 func (l *outLane) expect(e expect) {
@@ -383,13 +445,13 @@ func (q *qp) PostSend(wrs []verbsio.SendWR) error {
 			q.mu.Lock()
 			switch {
 			case err != nil:
-				q.sending = false
+				q.doneSendingLocked()
 				q.failLocked(fmt.Errorf("%w: tcp: sending to the peer: %w", verbsio.ErrPeerLost, err), true)
 				return nil
 			case rest != nil:
 				q.rest = rest // the sequencer writes it, then clears sending
 			default:
-				q.sending = false
+				q.doneSendingLocked()
 				if len(q.unsent) == 0 {
 					return nil
 				}
@@ -403,16 +465,23 @@ func (q *qp) PostSend(wrs []verbsio.SendWR) error {
 	return nil
 }
 
-// maxInlineBatch is the most bytes a PostSend writes itself.
-const maxInlineBatch = 64 << 10
+// maxInlineBatch is the most bytes a PostSend writes itself;
+// maxInlineInFlight the most work requests already sent and not completed
+// with which it still does.
+const (
+	maxInlineBatch    = 64 << 10
+	maxInlineInFlight = 4
+)
 
 // inlineBatchLocked takes the unsent work requests for PostSend to write
-// itself when nothing else is in flight, or returns nil when they are for
-// the sequencer (others in flight, a striped write, too many bytes, a lane
-// without a descriptor).
+// itself when lane 0 is idle and few others are in flight, or returns nil
+// when they are for the sequencer (a stream, a striped write, too many
+// bytes, a lane without a descriptor). A few in flight are a protocol's
+// exchange (a control message, then the write it announces): handing the
+// second to the sequencer would cost a goroutine's wake-up per message.
 func (q *qp) inlineBatchLocked() []*swr {
-	if len(q.out) == 0 || q.out[0].rc == nil || len(q.unsent) > 16 || len(q.sq) > len(q.unsent) {
-		// Work requests still in flight: a stream, which the
+	if len(q.out) == 0 || q.out[0].rc == nil || len(q.unsent) > 16 || len(q.sq)-len(q.unsent) > maxInlineInFlight {
+		// Many work requests still in flight: a stream, which the
 		// sequencer's batched writes serve better than one write per
 		// post.
 		return nil
@@ -427,8 +496,9 @@ func (q *qp) inlineBatchLocked() []*swr {
 	if size > maxInlineBatch {
 		return nil
 	}
-	batch := q.unsent
-	q.unsent = nil
+	batch := append(q.inlineBatch[:0], q.unsent...)
+	q.inlineBatch = batch
+	q.unsent = dropFront(q.unsent, len(q.unsent))
 	for _, w := range batch {
 		w.sent = true
 	}
@@ -439,7 +509,8 @@ func (q *qp) inlineBatchLocked() []*swr {
 // not take is returned for the sequencer. The caller set q.sending.
 func (q *qp) sendInline(batch []*swr) (net.Buffers, error) {
 	l0 := q.out[0]
-	bufs := q.frames(l0, batch, &q.inlineHdrs)
+	bufs := q.frames(l0, batch, &q.inlineHdrs, &q.inlineBufs)
+	clear(batch) // the queue pair's lists hold them; this one is reused
 	rest, err := l0.writeRaw(bufs)
 	if len(rest) == 0 {
 		rest = nil
@@ -448,9 +519,10 @@ func (q *qp) sendInline(batch []*swr) (net.Buffers, error) {
 }
 
 // frames registers the responses batch expects on l and returns its frames
-// (headers into *hdrs, payloads in place).
-func (q *qp) frames(l *outLane, batch []*swr, hdrs *[]byte) net.Buffers {
-	bufs := make(net.Buffers, 0, 2*len(batch))
+// (headers into *hdrs, payloads in place) in *scratch's array.
+func (q *qp) frames(l *outLane, batch []*swr, hdrs *[]byte, scratch *net.Buffers) net.Buffers {
+	clear(*scratch)
+	bufs := (*scratch)[:0]
 	if cap(*hdrs) < len(batch)*headerLen {
 		*hdrs = make([]byte, 0, max(len(batch), 64)*headerLen)
 	}
@@ -470,11 +542,13 @@ func (q *qp) frames(l *outLane, batch []*swr, hdrs *[]byte) net.Buffers {
 		}
 	}
 	*hdrs = h
+	*scratch = bufs[:0]
 	return bufs
 }
 
 func (q *qp) prepare(wr *verbsio.SendWR) (*swr, error) {
-	w := &swr{wrid: wr.WRID, op: wr.Op, signaled: wr.Signaled, raddr: wr.RemoteAddr, rkey: wr.RKey}
+	w := getSwr()
+	w.wrid, w.op, w.signaled, w.raddr, w.rkey = wr.WRID, wr.Op, wr.Signaled, wr.RemoteAddr, wr.RKey
 	switch wr.Op {
 	case verbsio.OpWrite, verbsio.OpSend, verbsio.OpRead:
 	case verbsio.OpWriteImm:
@@ -498,11 +572,14 @@ func (q *qp) prepare(wr *verbsio.SendWR) (*swr, error) {
 		if w.n > q.inline {
 			return nil, fmt.Errorf("%w: inline payload of %d bytes, queue pair allows %d", verbsio.ErrLocalLength, w.n, q.inline)
 		}
-		b := make([]byte, 0, w.n)
+		b := w.inl[:0]
+		if w.n > len(w.inl) {
+			b = make([]byte, 0, w.n)
+		}
 		for _, s := range wr.SG {
 			b = append(b, offheap.Bytes(s.Addr, int(s.Length))...)
 		}
-		w.bufs = [][]byte{b}
+		w.bufs = append(w.bufs, b)
 		return w, nil
 	}
 	var need verbsio.Access
@@ -529,7 +606,8 @@ func (q *qp) PostRecv(wrs []verbsio.RecvWR) error {
 		if len(wr.SG) > q.maxSGE {
 			return fmt.Errorf("receive %d (wrid %d): %w: %d SGEs, queue pair allows %d", i, wr.WRID, verbsio.ErrLocalLength, len(wr.SG), q.maxSGE)
 		}
-		r := &rwr{wrid: wr.WRID}
+		r := getRwr()
+		r.wrid = wr.WRID
 		for _, s := range wr.SG {
 			b, err := q.pd.local(s, verbsio.AccessLocalWrite)
 			if err != nil {
@@ -672,6 +750,12 @@ func (q *qp) respond(e expect, st verbsio.Status) {
 		if h.signaled {
 			cs = append(cs, verbsio.Completion{WRID: h.wrid, Status: h.st, Op: h.op, QP: q})
 		}
+		if q.sending {
+			// Its frame's write may not have returned yet.
+			q.spent = append(q.spent, h)
+		} else {
+			putSwr(h)
+		}
 	}
 	q.scq.push(cs...)
 	if failed != nil {
@@ -686,6 +770,8 @@ func (q *qp) respond(e expect, st verbsio.Status) {
 func (q *qp) sequencer() {
 	defer q.wg.Done()
 	var hdrs []byte
+	var batch []*swr
+	var scratch, wb net.Buffers
 	for {
 		select {
 		case <-q.kick:
@@ -699,12 +785,13 @@ func (q *qp) sequencer() {
 				break
 			}
 			l0 := q.out[0]
-			if rest := q.rest; rest != nil {
+			if q.rest != nil {
+				rest := q.rest
 				q.rest = nil
 				q.mu.Unlock()
-				_, err := rest.WriteTo(l0.c)
+				err := writeAll(l0.c, &wb, rest)
 				q.mu.Lock()
-				q.sending = false
+				q.doneSendingLocked()
 				q.mu.Unlock()
 				if err != nil {
 					q.fail(fmt.Errorf("%w: tcp: sending to the peer: %w", verbsio.ErrPeerLost, err), true)
@@ -718,21 +805,23 @@ func (q *qp) sequencer() {
 			}
 			// A batch of small work requests goes out in one writev; a
 			// striped write goes alone.
-			var batch []*swr
+			clear(batch)
+			batch = batch[:0]
 			size := 0
-			for len(q.unsent) > 0 && len(batch) < 64 && size < 1<<20 {
-				w := q.unsent[0]
+			for _, w := range q.unsent {
+				if len(batch) == 64 || size >= 1<<20 {
+					break
+				}
 				if q.striped(w) {
 					if len(batch) == 0 {
 						batch = append(batch, w)
-						q.unsent = q.unsent[1:]
 					}
 					break
 				}
 				batch = append(batch, w)
 				size += w.n
-				q.unsent = q.unsent[1:]
 			}
+			q.unsent = dropFront(q.unsent, len(batch))
 			for _, w := range batch {
 				w.sent = true
 			}
@@ -742,11 +831,10 @@ func (q *qp) sequencer() {
 			if len(batch) == 1 && q.striped(batch[0]) {
 				err = q.sendStriped(batch[0])
 			} else {
-				bufs := q.frames(l0, batch, &hdrs)
-				_, err = bufs.WriteTo(l0.c)
+				err = writeAll(l0.c, &wb, q.frames(l0, batch, &hdrs, &scratch))
 			}
 			q.mu.Lock()
-			q.sending = false
+			q.doneSendingLocked()
 			q.mu.Unlock()
 			if err != nil {
 				q.fail(fmt.Errorf("%w: tcp: sending to the peer: %w", verbsio.ErrPeerLost, err), true)
@@ -754,6 +842,27 @@ func (q *qp) sequencer() {
 			}
 		}
 	}
+}
+
+// doneSendingLocked ends a write to lane 0 (sending), and lets the work
+// requests that completed meanwhile be reused: nothing reads them now.
+func (q *qp) doneSendingLocked() {
+	q.sending = false
+	for i, w := range q.spent {
+		putSwr(w)
+		q.spent[i] = nil
+	}
+	q.spent = q.spent[:0]
+}
+
+// writeAll writes bufs to c (writev where c has a descriptor) through
+// *w, the caller's (WriteTo takes its address: one made once allocates
+// nothing per write).
+func writeAll(c net.Conn, w *net.Buffers, bufs net.Buffers) error {
+	*w = bufs
+	_, err := w.WriteTo(c)
+	*w = nil
+	return err
 }
 
 func (w *swr) header(n int) header {
@@ -965,9 +1074,10 @@ func (q *qp) finishRecv(r *rwr, c *verbsio.Completion) {
 	if c == nil {
 		return
 	}
-	q.rq = q.rq[1:]
+	q.rq = popFront(q.rq)
 	c.WRID, c.QP = r.wrid, q
 	q.rcq.push(*c)
+	putRwr(r) // its taker uses it no more
 }
 
 // serve answers the requests of one inbound lane. Every request is checked
@@ -1210,10 +1320,12 @@ func (q *qp) serveSend(c io.Reader, f header, resp *responder) error {
 		q.finishRecv(r, &verbsio.Completion{Op: verbsio.OpRecv, Status: verbsio.StatusLocalLength, ByteLen: f.length})
 		return resp.nak(f, verbsio.StatusRemoteOperation)
 	}
-	for _, b := range slices(r.bufs, 0, int(f.length)) {
+	for i, left := 0, int(f.length); left > 0; i++ {
+		b := r.bufs[i][:min(left, len(r.bufs[i]))]
 		if _, err := io.ReadFull(c, b); err != nil {
 			return err
 		}
+		left -= len(b)
 	}
 	q.finishRecv(r, &verbsio.Completion{Op: verbsio.OpRecv, Status: verbsio.StatusSuccess, ByteLen: f.length})
 	return resp.answer(header{op: opAck, token: f.token})
