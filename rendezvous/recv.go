@@ -307,6 +307,12 @@ func (rv *receiver) grantLocked(r *request, mr verbsio.MemoryRegion) error {
 		imms = int((r.meta.ByteSize + r.chunk - 1) / r.chunk)
 	}
 	g, err := gr.Grant(r.buf.Addr(), r.buf.Len(), rv.c.qp, imms)
+	if errors.Is(err, verbsio.ErrQPState) {
+		// The queue pair failed and the channel has not seen it yet: the
+		// connection is lost (a failover makes the next one), which is
+		// not the request's fault.
+		return fmt.Errorf("%w: %w", verbsio.ErrPeerLost, err)
+	}
 	if err != nil {
 		return err
 	}

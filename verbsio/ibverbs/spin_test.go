@@ -89,7 +89,8 @@ func TestSpinWaitLearns(t *testing.T) {
 // ends it with ErrTimeout.
 func TestSpinWaitNoSpinAndTimeout(t *testing.T) {
 	p := adaptspin.New(adaptspin.Bounds{})
-	f := &fakeWaiter{due: time.Now().Add(time.Millisecond)}
+	// Due well after the first poll, even on an emulated CPU.
+	f := &fakeWaiter{due: time.Now().Add(100 * time.Millisecond)}
 	out := make([]verbsio.Completion, 1)
 	if n, err := spinWait(context.Background(), p, f, out); n != 1 || err != nil || f.polls > 3 || !f.slept {
 		t.Fatalf("no-spin wait: %d, %v after %d polls, slept %v", n, err, f.polls, f.slept)
