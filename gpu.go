@@ -19,8 +19,12 @@ import (
 // host memory, and RecvOn receives onto the GPU. GPU tensors travel through
 // a pinned host proxy registered with every provider: a received tensor
 // lands there and is copied to the GPU chunk by chunk as it arrives, and a
-// sent one is staged there first (Transfer.Path says proxy). The CUDA driver
-// is loaded at Join; without it Join fails and says why.
+// sent one is staged there first (Transfer.Path says proxy). Between two
+// ranks of one node whose GPUs reach each other, the receiver pulls a GPU
+// tensor straight from the sender's GPU memory instead, once the pair's
+// on-node path is set up (Transfer.Path says cuda-ipc; GDRLINK_CUDA_IPC; see
+// ipclink.go). The CUDA driver is loaded at Join; without it Join fails and
+// says why.
 func WithGPU(gpu int) Option {
 	return func(c *config) error {
 		if gpu < 0 {
