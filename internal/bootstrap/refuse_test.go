@@ -1,57 +1,19 @@
 package bootstrap
 
 import (
-	"bytes"
 	"context"
-	"log/slog"
 	"net"
-	"strings"
-	"sync"
 	"testing"
 	"time"
+
+	"github.com/gdrlink/gdrlink/internal/logcapture"
 )
-
-// logBuffer is a log destination safe for concurrent writers.
-type logBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *logBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *logBuffer) logger() *slog.Logger { return slog.New(slog.NewTextHandler(b, nil)) }
-
-// waitLine polls the log until a line contains every part.
-func (b *logBuffer) waitLine(t *testing.T, parts ...string) string {
-	t.Helper()
-	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(5 * time.Millisecond) {
-		b.mu.Lock()
-		text := b.buf.String()
-		b.mu.Unlock()
-		for _, l := range strings.Split(text, "\n") {
-			all := true
-			for _, p := range parts {
-				all = all && strings.Contains(l, p)
-			}
-			if all {
-				return l
-			}
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("no log line with %q in:\n%s", parts, text)
-		}
-	}
-}
 
 // TestRefusalLogged: the root logs, at Warn, a stranger's hello sent
 // without proving the key, with the listener, the stranger's address and
 // the reason, and the job still joins.
 func TestRefusalLogged(t *testing.T) {
-	var logs logBuffer
+	var logs logcapture.Buffer
 	key := testKey(t, "logged")
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -59,7 +21,7 @@ func TestRefusalLogged(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	root := joinAsync(t, ctx, Config{Rank: 0, Size: 2, Listener: ln, Key: key, Logger: logs.logger()})
+	root := joinAsync(t, ctx, Config{Rank: 0, Size: 2, Listener: ln, Key: key, Logger: logs.Logger()})
 	c, err := net.Dial("tcp", ln.Addr().String())
 	if err != nil {
 		t.Fatal(err)
@@ -72,7 +34,7 @@ func TestRefusalLogged(t *testing.T) {
 	if m, err := readMsg(c, 4096); err != nil || m.typ != tRefused {
 		t.Fatalf("a stranger's hello: %+v, %v; want a refusal", m, err)
 	}
-	l := logs.waitLine(t, "level=WARN", `msg="bootstrap: connection refused"`, "listener="+ln.Addr().String(), "peer="+c.LocalAddr().String(), "without a handshake", "refused_total=1")
+	l := logs.WaitLine(t, "level=WARN", `msg="bootstrap: connection refused"`, "listener="+ln.Addr().String(), "peer="+c.LocalAddr().String(), "without a handshake", "refused_total=1")
 	t.Log(l)
 	r1 := joinAsync(t, ctx, Config{Rank: 1, Size: 2, Root: ln.Addr().String(), Key: key})
 	barrier(t, wait(t, root, "root"), wait(t, r1, "rank 1"))
@@ -95,7 +57,7 @@ func dialFrom(t *testing.T, from, addr string) net.Conn {
 // going first, and never evict another address's; a Call from a rank
 // (a third address) still gets through, and the eviction is logged.
 func TestPerHostBound(t *testing.T) {
-	var logs logBuffer
+	var logs logcapture.Buffer
 	key := testKey(t, "per-host")
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -106,7 +68,7 @@ func TestPerHostBound(t *testing.T) {
 	onCall := func(ctx context.Context, from int, req []byte) ([]byte, error) {
 		return append([]byte("re: "), req...), nil
 	}
-	root := joinAsync(t, ctx, Config{Rank: 0, Size: 3, Listener: ln, Key: key, Logger: logs.logger(), OnCall: onCall})
+	root := joinAsync(t, ctx, Config{Rank: 0, Size: 3, Listener: ln, Key: key, Logger: logs.Logger(), OnCall: onCall})
 	r1 := joinAsync(t, ctx, Config{Rank: 1, Size: 3, Root: ln.Addr().String(), Key: key})
 	r2 := joinAsync(t, ctx, Config{Rank: 2, Size: 3, Root: ln.Addr().String(), Key: key})
 	g0, g1 := wait(t, root, "root"), wait(t, r1, "rank 1")
@@ -146,7 +108,7 @@ func TestPerHostBound(t *testing.T) {
 	if by["127.0.0.2"] != g0.maxPerHost() || by["127.0.0.3"] != 10 || evicted != 400-g0.maxPerHost() {
 		t.Fatalf("unproven by address %v, %d evicted: want %d from 127.0.0.2, 10 from 127.0.0.3, %d evicted", by, evicted, g0.maxPerHost(), 400-g0.maxPerHost())
 	}
-	logs.waitLine(t, `msg="bootstrap: connection refused"`, "peer=127.0.0.2:", "127.0.0.2 opened 19 newer connections")
+	logs.WaitLine(t, `msg="bootstrap: connection refused"`, "peer=127.0.0.2:", "127.0.0.2 opened 19 newer connections")
 	reply, err := g1.Call(ctx, 0, []byte("still here"))
 	if err != nil || string(reply) != "re: still here" {
 		t.Fatalf("a Call during the flood: %q, %v", reply, err)

@@ -1,36 +1,16 @@
 package onnode
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/logcapture"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
-
-// logBuffer is a log destination safe for concurrent writers.
-type logBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *logBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *logBuffer) lines() []string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return strings.Split(strings.TrimSpace(b.buf.String()), "\n")
-}
 
 // TestRefusalLogged: while a queue pair waits for its peer's process,
 // connections of another process to its socket are refused with a line at
@@ -38,8 +18,8 @@ func (b *logBuffer) lines() []string {
 // a line a second, and every refusal has a line or is counted in the next
 // one's suppressed.
 func TestRefusalLogged(t *testing.T) {
-	var logs logBuffer
-	n, err := newNodeConfig(verbsio.Config{Logger: slog.New(slog.NewTextHandler(&logs, nil))}, Options{Spin: defaultSpin})
+	var logs logcapture.Buffer
+	n, err := newNodeConfig(verbsio.Config{Logger: logs.Logger()}, Options{Spin: defaultSpin})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -68,7 +48,7 @@ func TestRefusalLogged(t *testing.T) {
 	if err := <-errc; !errors.Is(err, verbsio.ErrTimeout) {
 		t.Fatalf("Connect: %v, want ErrTimeout", err)
 	}
-	lines, suppressed := logs.lines(), 0
+	lines, suppressed := logs.Lines(), 0
 	for _, l := range lines {
 		if !strings.Contains(l, `level=WARN msg="onnode: connection refused"`) || !strings.Contains(l, fmt.Sprintf(`peer="pid %d uid `, spid)) || !strings.Contains(l, "onnode refuses pid") {
 			t.Errorf("line %q: want a refusal of pid %d at Warn with its reason", l, spid)

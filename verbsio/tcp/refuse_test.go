@@ -1,64 +1,25 @@
 package tcp
 
 import (
-	"bytes"
 	"context"
 	"fmt"
-	"log/slog"
 	"net"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/logcapture"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
-
-// logBuffer is a log destination safe for concurrent writers.
-type logBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *logBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *logBuffer) lines() []string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return strings.Split(strings.TrimSpace(b.buf.String()), "\n")
-}
-
-// waitLine polls lines until one contains every part.
-func (b *logBuffer) waitLine(t *testing.T, parts ...string) string {
-	t.Helper()
-	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(5 * time.Millisecond) {
-		for _, l := range b.lines() {
-			all := true
-			for _, p := range parts {
-				all = all && strings.Contains(l, p)
-			}
-			if all {
-				return l
-			}
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("no log line with %q in:\n%s", parts, strings.Join(b.lines(), "\n"))
-		}
-	}
-}
 
 // TestRefusalLogged: a lane hello without the job key is refused with a
 // line at Warn naming the listener, the peer's address and the reason; a
 // flood of refusals writes at most a line a second, each saying how many
 // went unlogged, and every refusal is counted.
 func TestRefusalLogged(t *testing.T) {
-	var logs logBuffer
+	var logs logcapture.Buffer
 	key := newJobKey(t)
-	z := openAuthSideConfig(t, verbsio.Config{JobKey: key.Bytes(), Logger: slog.New(slog.NewTextHandler(&logs, nil))}, 0x22)
+	z := openAuthSideConfig(t, verbsio.Config{JobKey: key.Bytes(), Logger: logs.Logger()}, 0x22)
 	addr := z.dev.Info().Address
 	h := hello{lanes: 1, dstQP: z.qp.id, dstNonce: z.qp.nonce}
 	hello := h.Append(nil)
@@ -78,7 +39,7 @@ func TestRefusalLogged(t *testing.T) {
 	}
 	start := time.Now()
 	peer := stranger()
-	l := logs.waitLine(t, "level=WARN", `msg="tcp: connection refused"`, "listener="+z.dev.ln.Addr().String(), "peer="+peer, "without proving the job key", "refused_total=1")
+	l := logs.WaitLine(t, "level=WARN", `msg="tcp: connection refused"`, "listener="+z.dev.ln.Addr().String(), "peer="+peer, "without proving the job key", "refused_total=1")
 	t.Log(l)
 	const flood = 50
 	for range flood {
@@ -90,16 +51,16 @@ func TestRefusalLogged(t *testing.T) {
 		}
 	}
 	took := time.Since(start)
-	if n, most := len(logs.lines()), int(took/time.Second)+1; n > most {
-		t.Errorf("%d lines for %d refusals in %v, want at most %d:\n%s", n, flood+1, took, most, strings.Join(logs.lines(), "\n"))
+	if n, most := len(logs.Lines()), int(took/time.Second)+1; n > most {
+		t.Errorf("%d lines for %d refusals in %v, want at most %d:\n%s", n, flood+1, took, most, strings.Join(logs.Lines(), "\n"))
 	}
 	// One more, a second after the last line: its line counts the
 	// refusals left unlogged.
 	time.Sleep(time.Second)
 	stranger()
-	logs.waitLine(t, fmt.Sprintf("refused_total=%d", flood+2))
+	logs.WaitLine(t, fmt.Sprintf("refused_total=%d", flood+2))
 	// Each refusal has a line, or is counted in the next line's suppressed.
-	lines, suppressed := logs.lines(), 0
+	lines, suppressed := logs.Lines(), 0
 	for _, l := range lines {
 		var n int
 		if _, rest, ok := strings.Cut(l, " suppressed="); ok {
@@ -130,9 +91,9 @@ func dialFrom(t *testing.T, from, addr string) net.Conn {
 // flood from four addresses that fills the device, and a Connect (from
 // a third address) gets through.
 func TestPerHostBound(t *testing.T) {
-	var logs logBuffer
+	var logs logcapture.Buffer
 	key := newJobKey(t)
-	cfg := verbsio.Config{JobKey: key.Bytes(), Logger: slog.New(slog.NewTextHandler(&logs, nil))}
+	cfg := verbsio.Config{JobKey: key.Bytes(), Logger: logs.Logger()}
 	a, z := openAuthSide(t, key, 0x11), openAuthSideConfig(t, cfg, 0x22)
 	addr := z.dev.Info().Address
 	state := func() (accepted uint64, by map[string]int, evicted uint64) {
@@ -174,7 +135,7 @@ func TestPerHostBound(t *testing.T) {
 	if by["127.0.0.2"] != maxUnprovenPerHost || by["127.0.0.3"] != len(quiet) || evicted != 200-maxUnprovenPerHost {
 		t.Fatalf("unproven by address %v, %d evicted: want %d from 127.0.0.2, %d from 127.0.0.3, %d evicted", by, evicted, maxUnprovenPerHost, len(quiet), 200-maxUnprovenPerHost)
 	}
-	logs.waitLine(t, `msg="tcp: connection refused"`, "peer=127.0.0.2:", "127.0.0.2 opened 16 newer ones")
+	logs.WaitLine(t, `msg="tcp: connection refused"`, "peer=127.0.0.2:", "127.0.0.2 opened 16 newer ones")
 
 	// Four more addresses fill the device: each new connection evicts the
 	// oldest of the address holding the most, never 127.0.0.3's.
