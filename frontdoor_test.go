@@ -13,6 +13,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -320,7 +321,12 @@ func startJob(t *testing.T, what string, size int, rootIP string, wrap func(int)
 }
 
 // wait waits for every child and returns their reports, by rank.
-func (j *job) wait(limit time.Duration) []childReport {
+func (j *job) wait(limit time.Duration) []childReport { return j.waitDead(limit, -1) }
+
+// waitDead waits for every child and returns their reports, by rank; rank
+// victim (none if negative) must have died of SIGKILL, and its report is
+// left empty.
+func (j *job) waitDead(limit time.Duration, victim int) []childReport {
 	j.t.Helper()
 	done := make(chan struct{})
 	go func() {
@@ -340,6 +346,12 @@ func (j *job) wait(limit time.Duration) []childReport {
 	}
 	reps := make([]childReport, len(j.cmds))
 	for r, c := range j.cmds {
+		if r == victim {
+			if ws, ok := c.ProcessState.Sys().(syscall.WaitStatus); !ok || ws.Signal() != syscall.SIGKILL {
+				j.t.Errorf("the victim ended with %v: %s", c.ProcessState, j.errs[r])
+			}
+			continue
+		}
 		if !c.ProcessState.Success() {
 			j.t.Fatalf("rank %d: %v: %s", r, c.ProcessState, j.errs[r].String())
 		}

@@ -1,9 +1,7 @@
 package gdrlink
 
 import (
-	"bufio"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
@@ -538,7 +536,7 @@ func TestAllReduceSwitchMLDeath(t *testing.T) {
 		if err := os.WriteFile(gofile, nil, 0o600); err != nil {
 			t.Fatal(err)
 		}
-		reps := j.waitDead(2*time.Minute, -1)
+		reps := j.wait(2 * time.Minute)
 		for r, rep := range reps {
 			if rep.FailRank != -1 || !strings.Contains(rep.Failure, ctl) {
 				t.Errorf("rank %d: failure does not name the aggregator %s (or names rank %d): %s", r, ctl, rep.FailRank, rep.Failure)
@@ -546,47 +544,4 @@ func TestAllReduceSwitchMLDeath(t *testing.T) {
 			t.Logf("rank %d failed after %.0f ms: %s", r, rep.FailMS, rep.Failure)
 		}
 	})
-}
-
-// waitDead waits for every child, as wait does, but rank victim (none if
-// negative) must have died of SIGKILL; its report is left empty.
-func (j *job) waitDead(limit time.Duration, victim int) []childReport {
-	j.t.Helper()
-	done := make(chan struct{})
-	go func() {
-		for _, c := range j.cmds {
-			c.Wait()
-		}
-		close(done)
-	}()
-	select {
-	case <-done:
-	case <-time.After(limit):
-		for _, c := range j.cmds {
-			c.Process.Kill()
-		}
-		<-done
-		j.t.Fatalf("the job did not end within %v", limit)
-	}
-	reps := make([]childReport, len(j.cmds))
-	for r, c := range j.cmds {
-		if r == victim {
-			if ws, ok := c.ProcessState.Sys().(syscall.WaitStatus); !ok || ws.Signal() != syscall.SIGKILL {
-				j.t.Errorf("the victim ended with %v: %s", c.ProcessState, j.errs[r])
-			}
-			continue
-		}
-		if !c.ProcessState.Success() {
-			j.t.Fatalf("rank %d: %v: %s", r, c.ProcessState, j.errs[r].String())
-		}
-		sc := bufio.NewScanner(j.outs[r])
-		var line []byte
-		for sc.Scan() {
-			line = sc.Bytes()
-		}
-		if err := json.Unmarshal(line, &reps[r]); err != nil {
-			j.t.Fatalf("rank %d printed %q: %v", r, j.outs[r].String(), err)
-		}
-	}
-	return reps
 }
