@@ -148,19 +148,23 @@ func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 	return n, err
 }
 
+// countIn counts a waiter in (or out) of n and returns the ring flag
+// that says whether any is left: 1 if so, else 0.
+func countIn(n *atomic.Int32, in bool) uint32 {
+	d := int32(-1)
+	if in {
+		d = 1
+	}
+	if n.Add(d) > 0 {
+		return 1
+	}
+	return 0
+}
+
 // poll counts a polling waiter in or out and says so in the rings of the
 // attached queue pairs.
 func (c *cq) poll(in bool) {
-	var n int32
-	if in {
-		n = c.pollers.Add(1)
-	} else {
-		n = c.pollers.Add(-1)
-	}
-	flag := uint32(0)
-	if n > 0 {
-		flag = 1
-	}
+	flag := countIn(&c.pollers, in)
 	for _, q := range c.qps.Load() {
 		q.setPoll(flag)
 	}
@@ -217,16 +221,7 @@ func (c *cq) wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 // sleep counts a sleeping waiter in or out and tells the senders of the
 // attached queue pairs whether to signal.
 func (c *cq) sleep(in bool) {
-	var n int32
-	if in {
-		n = c.sleepers.Add(1)
-	} else {
-		n = c.sleepers.Add(-1)
-	}
-	flag := uint32(0)
-	if n > 0 {
-		flag = 1
-	}
+	flag := countIn(&c.sleepers, in)
 	for _, q := range c.qps.Load() {
 		q.setSleep(flag)
 	}
