@@ -9,22 +9,30 @@ import (
 	"github.com/gdrlink/gdrlink/tensor"
 )
 
+// benchSides opens two sides of provider for a benchmark, closed when it
+// ends; it skips where the provider is unavailable.
+func benchSides(b *testing.B, provider string) (a, c *side) {
+	b.Helper()
+	a, err := openSide(provider, "a")
+	if err != nil {
+		b.Skipf("provider %s unavailable here: %v", provider, err)
+	}
+	b.Cleanup(func() { _ = a.close() })
+	c, err = openSide(provider, "b")
+	if err != nil {
+		b.Skipf("provider %s unavailable here: %v", provider, err)
+	}
+	b.Cleanup(func() { _ = c.close() })
+	return a, c
+}
+
 // BenchmarkRecv is one steady-state Recv (meta-data cached, Send already
 // in) between two channels of this process, per provider and size.
 func BenchmarkRecv(b *testing.B) {
 	for _, provider := range providersUnderTest() {
 		for _, size := range []int64{4 << 10, 16 << 20} {
 			b.Run(fmt.Sprintf("%s/%dB", provider, size), func(b *testing.B) {
-				a, err := openSide(provider, "a")
-				if err != nil {
-					b.Skipf("provider %s unavailable here: %v", provider, err)
-				}
-				defer a.close()
-				c, err := openSide(provider, "b")
-				if err != nil {
-					b.Skipf("provider %s unavailable here: %v", provider, err)
-				}
-				defer c.close()
+				a, c := benchSides(b, provider)
 				benchRecvLoop(b, a, c, size, nil)
 			})
 		}
@@ -39,16 +47,7 @@ func BenchmarkRecvSmall(b *testing.B) {
 	for _, provider := range providersUnderTest() {
 		for _, size := range []int64{8, 4 << 10} {
 			b.Run(fmt.Sprintf("%s/%dB", provider, size), func(b *testing.B) {
-				a, err := openSide(provider, "a")
-				if err != nil {
-					b.Skipf("provider %s unavailable here: %v", provider, err)
-				}
-				defer a.close()
-				c, err := openSide(provider, "b")
-				if err != nil {
-					b.Skipf("provider %s unavailable here: %v", provider, err)
-				}
-				defer c.close()
+				a, c := benchSides(b, provider)
 				b.ReportAllocs()
 				benchRecvLoop(b, a, c, size, nil)
 			})
