@@ -412,7 +412,7 @@ func (g *Group) Send(peer int, key string, step int64, t *tensor.Tensor) error {
 	if t == nil {
 		return fmt.Errorf("gdrlink: %w: nil tensor for %q step %d", verbsio.ErrBadConfig, key, step)
 	}
-	if t.Device().IsGPU() && g.gpu != nil && g.gpu.ipc != nil && p.sameNode() {
+	if t.Device().IsGPU() && g.gpu != nil && g.gpu.ipc != nil && p.local {
 		p.ipcPair().ready() // the first GPU transfer with the peer sets the on-node path up
 	}
 	return p.send(key, step, t)

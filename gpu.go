@@ -163,7 +163,7 @@ func (g *Group) gpuOptions(p *peer) []rendezvous.Option {
 		return nil
 	}
 	opts := []rendezvous.Option{rendezvous.WithProxy(rendezvous.ProxyPath(g.gpu.px, g.allocGPU))}
-	if g.gpu.ipc != nil && p != nil && p.sameNode() {
+	if g.gpu.ipc != nil && p != nil && p.local {
 		opts = append(opts, rendezvous.WithPull(&ipcPuller{ipc: g.gpu.ipc, p: p}))
 	}
 	return opts

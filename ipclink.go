@@ -7,10 +7,10 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/gdrlink/gdrlink/alloc"
-	"github.com/gdrlink/gdrlink/internal/hostcard"
 	"github.com/gdrlink/gdrlink/internal/ipc"
 	"github.com/gdrlink/gdrlink/proxy"
 	"github.com/gdrlink/gdrlink/rendezvous"
@@ -240,10 +240,11 @@ type gpuIPC struct {
 	stream     proxy.Stream
 	streamErr  error
 
-	mu                   sync.Mutex
-	arenas               map[uint32]*alloc.Arena // exported arenas, by ID
-	closing              bool                    // releases no longer ask peers
-	pullsOK, pullsFailed uint64
+	mu      sync.Mutex
+	arenas  map[uint32]*alloc.Arena // exported arenas, by ID
+	closing bool                    // releases no longer ask peers
+
+	pullsOK, pullsFailed atomic.Uint64
 }
 
 // newGPUIPC makes the group's on-node path over dev, or returns nil when
@@ -380,14 +381,10 @@ func (x *gpuIPC) pullStream() (proxy.Stream, error) {
 // A failure sets the pair BAD: later transfers go through host memory.
 func (x *gpuIPC) pull(p *peer, ref rendezvous.PullRef, dst tensor.Buffer) error {
 	err := x.pullOnce(p, ref, dst)
-	x.mu.Lock()
-	if err != nil {
-		x.pullsFailed++
+	if err == nil {
+		x.pullsOK.Add(1)
 	} else {
-		x.pullsOK++
-	}
-	x.mu.Unlock()
-	if err != nil {
+		x.pullsFailed.Add(1)
 		p.ipcPair().fail()
 		x.g.log.Warn("gdrlink: pull from a peer's GPU failed; the pair uses host memory from now on", "rank", x.g.Rank(), "peer", p.rank, "err", err)
 	}
@@ -473,6 +470,12 @@ func (x *gpuIPC) shutdown() error {
 	x.closing = true
 	x.mu.Unlock()
 	x.releaseToPeers(releaseAll)
+	return x.closeLocal()
+}
+
+// closeLocal closes this side's mappings of peers' arenas and the
+// descriptor service; both are idempotent.
+func (x *gpuIPC) closeLocal() error {
 	errs := []error{x.cache.Close()}
 	if x.fds != nil {
 		errs = append(errs, x.fds.Close())
@@ -480,15 +483,13 @@ func (x *gpuIPC) shutdown() error {
 	return errors.Join(errs...)
 }
 
-// close releases the pull stream; shutdown ran first.
+// close releases what shutdown did (if it did not run: a Join that
+// failed) and the pull stream.
 func (x *gpuIPC) close() error {
 	x.mu.Lock()
 	x.closing = true
 	x.mu.Unlock()
-	errs := []error{x.cache.Close()}
-	if x.fds != nil {
-		errs = append(errs, x.fds.Close())
-	}
+	errs := []error{x.closeLocal()}
 	if x.stream != nil {
 		errs = append(errs, x.stream.Close())
 	}
@@ -519,10 +520,8 @@ type IPCStats struct {
 // stats fills in the path's counters.
 func (x *gpuIPC) stats() IPCStats {
 	cs := x.cache.Stats()
-	x.mu.Lock()
-	defer x.mu.Unlock()
 	return IPCStats{Export: x.dev.exportName(), Hits: cs.Hits, Misses: cs.Misses, Opens: cs.Opens, Closes: cs.Closes, Open: cs.Open,
-		Pulls: x.pullsOK, PullsFailed: x.pullsFailed, Pairs: map[string]int{}}
+		Pulls: x.pullsOK.Load(), PullsFailed: x.pullsFailed.Load(), Pairs: map[string]int{}}
 }
 
 // ipcPair is the state of the on-node path between this rank and one
@@ -575,15 +574,6 @@ func (g *Group) peerList() []*peer {
 	return ps
 }
 
-// sameNode reports whether the peer runs on this node (one kernel, one
-// network and process namespace): the on-node path needs it.
-func (p *peer) sameNode() bool {
-	g := p.g
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	return p.rank < len(g.cards) && hostcard.SameNode(g.me, g.cards[p.rank])
-}
-
 // pairLocal answers the questions of the answering side of a pair.
 type pairLocal struct{ p *peer }
 
@@ -594,7 +584,7 @@ func (l pairLocal) Ready() bool {
 
 func (l pairLocal) CanReach(peerDevice string) bool {
 	g := l.p.g
-	return g.gpu != nil && g.gpu.ipc != nil && l.p.sameNode() && g.gpu.ipc.dev.canReach(peerDevice)
+	return g.gpu != nil && g.gpu.ipc != nil && l.p.local && g.gpu.ipc.dev.canReach(peerDevice)
 }
 
 func (pr *ipcPair) state() ipc.State {

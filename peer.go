@@ -31,6 +31,11 @@ type peer struct {
 	g     *Group
 	rank  int
 	lower bool // this rank is the lower of the pair: it connects
+	// local: the peer runs on this node (one kernel, one network and
+	// process namespace), which the on-node GPU path needs. A peer state
+	// lives as long as the process it was made for (a rejoin makes a new
+	// one), so its host card cannot change under it.
+	local bool
 	cands []string
 	why   string // why the candidates are what they are
 
@@ -86,7 +91,7 @@ func (g *Group) peer(r int) (*peer, error) {
 	p := g.peers[r]
 	if p == nil {
 		cands, why := hostcard.Candidates(g.me, g.cards[r], g.cfg.provider)
-		p = &peer{g: g, rank: r, lower: g.boot.Rank() < r, cands: cands, why: why, done: make(chan struct{})}
+		p = &peer{g: g, rank: r, lower: g.boot.Rank() < r, local: hostcard.SameNode(g.me, g.cards[r]), cands: cands, why: why, done: make(chan struct{})}
 		g.peers[r] = p
 	}
 	return p, nil
