@@ -119,11 +119,7 @@ func (s *sender) onPullConfirmLocked(e *sendEntry, m *wire.Message, ds *deliveri
 		// request is parked, waiting for a Send; it gets this one.
 		delete(s.sends, e.key)
 		s.parked--
-		e.hasReq, e.req = true, other.req
-		e.reqHasMeta, e.reqExact, e.reqPull, e.reqMeta = other.reqHasMeta, other.reqExact, other.reqPull, other.reqMeta
-		e.raddr, e.rkey, e.rcap = other.raddr, other.rkey, other.rcap
-		e.railKeys = append(e.railKeys[:0], other.railKeys...)
-		e.chunkShift = other.chunkShift
+		e.peerRequest = other.peerRequest
 		s.serveLocked(e, ds)
 	default:
 		s.sends[e.key] = e

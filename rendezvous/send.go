@@ -95,15 +95,10 @@ func newSender(c *Channel) sender {
 	}
 }
 
-// sendEntry is the sender's side of one key and step: a Send, a request, or
-// both once matched.
-type sendEntry struct {
-	key  skey
-	t    *tensor.Tensor
-	done func(error)
-	serr error
-	has  bool // Send or SendError arrived
-
+// peerRequest is what the peer's request for a send asked (its
+// TENSOR_REQUEST, or the TENSOR_RE_REQUEST that followed): the request,
+// the result buffer to write and how.
+type peerRequest struct {
 	hasReq     bool
 	req        uint32
 	reqHasMeta bool
@@ -113,6 +108,22 @@ type sendEntry struct {
 	raddr      uint64
 	rkey       uint32
 	rcap       uint64
+	railKeys   []uint32
+	// chunkShift: the receiver asked for the write in chunks of
+	// 1<<chunkShift bytes (0: one write).
+	chunkShift uint8
+}
+
+// sendEntry is the sender's side of one key and step: a Send, a request, or
+// both once matched.
+type sendEntry struct {
+	key  skey
+	t    *tensor.Tensor
+	done func(error)
+	serr error
+	has  bool // Send or SendError arrived
+
+	peerRequest
 
 	prepared bool
 	meta     tensor.Meta
@@ -125,16 +136,13 @@ type sendEntry struct {
 	crcSent  bool
 	noCRC    bool // checksum mode, but no host view to take one from
 
-	railKeys    []uint32
 	railPending int
 	firstChunk  int64 // when striped: the bytes left for the channel's own queue pair
 
-	// chunkShift: the receiver asked for the write in chunks of
-	// 1<<chunkShift bytes (0: one write); posted is how much of it is
+	// posted is how much of a write in chunks (peerRequest.chunkShift) is
 	// posted, wseq its write sequence once the first chunk went out.
-	chunkShift uint8
-	posted     int64
-	wseq       uint64
+	posted int64
+	wseq   uint64
 
 	// wrsOut counts the work requests of the write posted on the
 	// channel's queue pair whose completions have not come back. untilQP:
