@@ -194,16 +194,7 @@ func FetchFD(ctx context.Context, name string, key jobauth.Key, m Msg) (int, err
 	if err != nil {
 		return -1, fmt.Errorf("ipc: descriptor reply: %w", err)
 	}
-	var fds []int
-	if oobn > 0 {
-		if cms, err := unix.ParseSocketControlMessage(oob[:oobn]); err == nil {
-			for i := range cms {
-				if f, err := unix.ParseUnixRights(&cms[i]); err == nil {
-					fds = append(fds, f...)
-				}
-			}
-		}
-	}
+	fds := rightsOf(oob[:oobn])
 	fail := func(err error) (int, error) {
 		for _, f := range fds {
 			unix.Close(f)

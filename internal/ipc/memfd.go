@@ -139,16 +139,7 @@ func (c *Conn) Recv() (Msg, int, error) {
 	if n == 0 && oobn == 0 {
 		return Msg{}, -1, io.EOF // a SOCK_SEQPACKET peer that left
 	}
-	var fds []int
-	if oobn > 0 {
-		if cms, err := unix.ParseSocketControlMessage(oob[:oobn]); err == nil {
-			for i := range cms {
-				if f, err := unix.ParseUnixRights(&cms[i]); err == nil {
-					fds = append(fds, f...)
-				}
-			}
-		}
-	}
+	fds := rightsOf(oob[:oobn])
 	bad := func(err error) (Msg, int, error) {
 		for _, f := range fds {
 			unix.Close(f)
@@ -171,6 +162,22 @@ func (c *Conn) Recv() (Msg, int, error) {
 
 // Close closes the socket.
 func (c *Conn) Close() error { return c.c.Close() }
+
+// rightsOf returns the descriptors that came in the control messages oob
+// (SCM_RIGHTS); the caller owns them.
+func rightsOf(oob []byte) []int {
+	var fds []int
+	cms, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return nil
+	}
+	for i := range cms {
+		if f, err := unix.ParseUnixRights(&cms[i]); err == nil {
+			fds = append(fds, f...)
+		}
+	}
+	return fds
+}
 
 func closeFD(fd int) {
 	if fd >= 0 {
