@@ -13,7 +13,7 @@ import (
 	"time"
 	"unsafe"
 
-	"github.com/gdrlink/gdrlink/internal/cuda"
+	"github.com/gdrlink/gdrlink/internal/cuda/cudatest"
 	"github.com/gdrlink/gdrlink/internal/ipc"
 	"github.com/gdrlink/gdrlink/proxy"
 	"github.com/gdrlink/gdrlink/tensor"
@@ -303,14 +303,8 @@ func TestIPCPeerDeath(t *testing.T) {
 func requireCUDA(t *testing.T) {
 	t.Helper()
 	d, err := proxy.NewCUDADevice(0)
-	if err == nil {
-		_ = d.Close()
-		return
-	}
-	if os.Getenv("GDRLINK_REQUIRE_GPU") == "1" || !errors.Is(err, cuda.ErrNoDriver) {
-		t.Fatalf("no CUDA GPU 0: %v", err)
-	}
-	t.Skipf("needs a CUDA driver and a GPU: %v", err)
+	cudatest.SkipIfNoDriver(t, err)
+	_ = d.Close()
 }
 
 // ipcNotReadyJob: rank 0 has a (simulated) GPU, rank 1 none. Each of rank
