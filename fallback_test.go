@@ -32,20 +32,27 @@ func (brokenQP) Connect(context.Context, verbsio.Endpoint) error {
 // joinPair joins two ranks in this process.
 func joinPair(t *testing.T, opts ...Option) [2]*Group {
 	t.Helper()
+	gs := joinRanks(t, 2, opts...)
+	return [2]*Group{gs[0], gs[1]}
+}
+
+// joinRanks joins n ranks in this process.
+func joinRanks(t *testing.T, n int, opts ...Option) []*Group {
+	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	var gs [2]*Group
-	var errs [2]error
+	gs := make([]*Group, n)
+	errs := make([]error, n)
 	var wg sync.WaitGroup
-	for r := range 2 {
+	for r := range n {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			o := append([]Option{WithRank(r, 2), WithRoot(ln.Addr().String())}, opts...)
+			o := append([]Option{WithRank(r, n), WithRoot(ln.Addr().String())}, opts...)
 			if r == 0 {
 				o = append(o, WithRootListener(ln))
 			}

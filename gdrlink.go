@@ -290,7 +290,7 @@ func (g *Group) setup(ctx context.Context) error {
 		if d.pd, err = d.dev.AllocPD(); err != nil {
 			return fmt.Errorf("%s protection domain: %w", name, err)
 		}
-		newRegistrations(d)
+		newRegistrations(d, g.cfg.peerPools)
 		visitors = append(visitors, d.reg)
 		pinnedVisitors = append(pinnedVisitors, d.writableVisitor())
 	}

@@ -50,6 +50,10 @@ type config struct {
 	// switchmlLocal picks the switchml worker's IPv4 address (nil:
 	// localIPv4; a test gives another loopback network).
 	switchmlLocal func(aggregator string, rank int) ([4]byte, error)
+	// peerPools gives each peer a result pool of its own on every
+	// provider but onnode, as on a device without grants (a test's: it
+	// runs that fallback where the provider gives grants).
+	peerPools bool
 	// key is the job key (zero: none), keySource where it came from.
 	key       jobauth.Key
 	keySource string

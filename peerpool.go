@@ -23,10 +23,10 @@ import (
 // the arenas they write, and it protects against mistakes, not a hostile
 // process of the same user (see the README's threat model).
 
-// perPeer reports whether device d gives each peer a result pool of its
-// own.
-func perPeer(name string, dev verbsio.Device) bool {
-	return name != "onnode" && !dev.Caps().Grants
+// perPeer reports whether device dev gives each peer a result pool of its
+// own; forced says the group was told to wherever the provider allows.
+func perPeer(name string, dev verbsio.Device, forced bool) bool {
+	return name != "onnode" && (forced || !dev.Caps().Grants)
 }
 
 // peerPoolKey names a peer's result pool: one per peer and provider.
@@ -79,17 +79,25 @@ func (g *Group) peerMemory(d *device, rank int) (rendezvous.Memory, error) {
 // newRegistrations makes d's registration visitors: reg for the group's
 // pool, and writable, on a device that gives per-peer pools, for the
 // pools peers write (the peers' and the pinned proxy pool).
-func newRegistrations(d *device) {
+// forcePeerPools gives per-peer pools whatever the device
+// (config.peerPools).
+func newRegistrations(d *device, forcePeerPools bool) {
 	// No remote read anywhere: the protocol never issues an RDMA READ, so
 	// a peer holding a key can write what it was granted and read nothing
 	// (a GPU's regions keep it for the flush's loopback read).
 	rw := verbsio.AccessLocalWrite | verbsio.AccessRemoteWrite
-	if perPeer(d.name, d.dev) {
+	switch {
+	case perPeer(d.name, d.dev, forcePeerPools):
 		d.reg = visitor.NewMemoryRegistration(d.pd, verbsio.AccessLocalWrite)
 		d.writable = visitor.NewMemoryRegistration(d.pd, rw)
-		return
+	case d.dev.Caps().Grants:
+		// Every buffer a peer writes is handed out as a grant
+		// (verbsio.Granter needs local write only), so no arena's own
+		// rkey admits a remote write: not even one that never granted.
+		d.reg = visitor.NewMemoryRegistration(d.pd, verbsio.AccessLocalWrite)
+	default:
+		d.reg = visitor.NewMemoryRegistration(d.pd, rw)
 	}
-	d.reg = visitor.NewMemoryRegistration(d.pd, rw)
 }
 
 // writableVisitor is the visitor of d for pools peers write.
