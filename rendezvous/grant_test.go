@@ -11,6 +11,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/gdrlink/gdrlink/alloc"
+	"github.com/gdrlink/gdrlink/internal/ibvdiag"
 	"github.com/gdrlink/gdrlink/internal/offheap"
 	"github.com/gdrlink/gdrlink/internal/wire"
 	"github.com/gdrlink/gdrlink/tensor"
@@ -23,12 +24,11 @@ import (
 // change and its re-request, strings, a large tensor, a withdrawn Recv)
 // still arrive.
 func TestTwoProcessGrants(t *testing.T) {
-	for _, provider := range []string{"tcp", "onnode"} {
-		t.Run(provider, func(t *testing.T) { testTwoProcessGrants(t, provider) })
-	}
+	forEachProvider(t, testTwoProcessGrants)
 }
 
 func testTwoProcessGrants(t *testing.T, provider string) {
+	requireGrants(t, provider)
 	p := startPeer(t, provider, false)
 	ctx := recvCtx(t)
 	recv := func(key string, step int64, kind string, shape tensor.Shape) {
@@ -142,7 +142,11 @@ func newHostileSender(t *testing.T, provider string, victim *side) *hostileSende
 	t.Helper()
 	h := &hostileSender{t: t}
 	var err error
-	if h.dev, err = verbsio.Open(provider, verbsio.Config{}); err != nil {
+	cfg, err := verbsio.ConfigFromEnv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if h.dev, err = verbsio.Open(provider, cfg); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { h.dev.Close() })
@@ -334,13 +338,12 @@ func (w *arenaWindow) unchanged(t *testing.T, what string, from, to uintptr) {
 // and onnode (where the sender's provider checks the receiver's grant
 // table before it copies).
 func TestGrantHostileSender(t *testing.T) {
-	for _, provider := range []string{"tcp", "onnode"} {
-		t.Run(provider, func(t *testing.T) { testGrantHostileSender(t, provider) })
-	}
+	forEachProvider(t, testGrantHostileSender)
 }
 
 func testGrantHostileSender(t *testing.T, provider string) {
 	const size = 4096
+	unbounded := requireGrants(t, provider)
 	meta, _ := tensor.MetaFor(tensor.Uint8, tensor.Shape{size})
 	type recvResult struct {
 		t   *tensor.Tensor
@@ -426,41 +429,74 @@ func testGrantHostileSender(t *testing.T, provider string) {
 
 	cases := []struct {
 		name  string
+		space bool // refused only where the device bounds a grant in space
 		write func(h *hostileSender, m wire.Message, mr verbsio.MemoryRegion, w *arenaWindow) verbsio.Status
 	}{
-		{"ArenaRKeyIntoTheResult", func(h *hostileSender, m wire.Message, mr verbsio.MemoryRegion, w *arenaWindow) verbsio.Status {
+		{"ArenaRKeyIntoTheResult", false, func(h *hostileSender, m wire.Message, mr verbsio.MemoryRegion, w *arenaWindow) verbsio.Status {
 			return h.write(m.Addr, mr.RKey(), size, 0x11, m.Req)
 		}},
-		{"ArenaRKeyIntoTheNextTensor", func(h *hostileSender, m wire.Message, mr verbsio.MemoryRegion, w *arenaWindow) verbsio.Status {
+		{"ArenaRKeyIntoTheNextTensor", false, func(h *hostileSender, m wire.Message, mr verbsio.MemoryRegion, w *arenaWindow) verbsio.Status {
 			return h.write(uint64(w.after.Addr()), mr.RKey(), size, 0x12, m.Req)
 		}},
-		{"GrantOneByteBefore", func(h *hostileSender, m wire.Message, mr verbsio.MemoryRegion, w *arenaWindow) verbsio.Status {
+		{"GrantOneByteBefore", true, func(h *hostileSender, m wire.Message, mr verbsio.MemoryRegion, w *arenaWindow) verbsio.Status {
 			return h.write(m.Addr-1, m.RKey, 16, 0x13, m.Req)
 		}},
-		{"GrantOneBytePast", func(h *hostileSender, m wire.Message, mr verbsio.MemoryRegion, w *arenaWindow) verbsio.Status {
+		{"GrantOneBytePast", true, func(h *hostileSender, m wire.Message, mr verbsio.MemoryRegion, w *arenaWindow) verbsio.Status {
 			return h.write(m.Addr+m.Capacity-15, m.RKey, 16, 0x14, m.Req)
 		}},
-		{"GrantIntoTheNextTensor", func(h *hostileSender, m wire.Message, mr verbsio.MemoryRegion, w *arenaWindow) verbsio.Status {
+		{"GrantIntoTheNextTensor", true, func(h *hostileSender, m wire.Message, mr verbsio.MemoryRegion, w *arenaWindow) verbsio.Status {
 			return h.write(uint64(w.after.Addr()), m.RKey, size, 0x15, m.Req)
 		}},
-		{"GrantIntoThePreviousTensor", func(h *hostileSender, m wire.Message, mr verbsio.MemoryRegion, w *arenaWindow) verbsio.Status {
+		{"GrantIntoThePreviousTensor", true, func(h *hostileSender, m wire.Message, mr verbsio.MemoryRegion, w *arenaWindow) verbsio.Status {
 			return h.write(uint64(w.before.Addr()), m.RKey, size, 0x16, m.Req)
 		}},
 		// No read grant: neither the request's grant nor the arena's key
 		// reads anything (the guard tensors hold 0x3C and 0xC3).
-		{"ReadThroughTheGrant", func(h *hostileSender, m wire.Message, mr verbsio.MemoryRegion, w *arenaWindow) verbsio.Status {
+		{"ReadThroughTheGrant", false, func(h *hostileSender, m wire.Message, mr verbsio.MemoryRegion, w *arenaWindow) verbsio.Status {
 			return readNothing(h, m.Addr, m.RKey, size)
 		}},
-		{"ReadTheNextTensorWithTheArenaRKey", func(h *hostileSender, m wire.Message, mr verbsio.MemoryRegion, w *arenaWindow) verbsio.Status {
+		{"ReadTheNextTensorWithTheArenaRKey", false, func(h *hostileSender, m wire.Message, mr verbsio.MemoryRegion, w *arenaWindow) verbsio.Status {
 			return readNothing(h, uint64(w.after.Addr()), mr.RKey(), size)
 		}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
+			if tc.space && unbounded != "" {
+				t.Skipf("the device does not bound a grant in space: %s", unbounded)
+			}
 			_, h, m, mr, w, res := setup(t)
 			refused(t, tc.name, tc.write(h, m, mr, w), w, res)
 		})
 	}
+
+	// An arena that never gave a grant admits no write through its own
+	// rkey either: the front door registers memory for local write only
+	// where the device gives grants.
+	t.Run("ArenaRKeyIntoAnArenaThatNeverGranted", func(t *testing.T) {
+		v, h, m, _, w, res := setup(t)
+		fresh, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: -1}), alloc.WithVisitors(frontDoorRegistration(v.dev, v.pd, 0)), alloc.WithName("never granted"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer fresh.Close()
+		b, err := fresh.Alloc(size)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer b.Free()
+		fill(b.Bytes(), 0x77)
+		snap := append([]byte(nil), b.Bytes()...)
+		a, _ := fresh.ArenaOf(b.Addr())
+		mr, ok := regionOf(a)
+		if !ok {
+			t.Fatal("the fresh arena has no region")
+		}
+		st := h.write(uint64(b.Addr()), mr.RKey(), size, 0x17, m.Req)
+		if !bytes.Equal(b.Bytes(), snap) {
+			t.Fatalf("the write through the arena's own rkey (%v, region %v) changed the fresh arena: % x", st, mr.Access(), b.Bytes()[:8])
+		}
+		refused(t, "the arena's own rkey into an arena that never granted", st, w, res)
+	})
 
 	t.Run("GrantUsedUp", func(t *testing.T) {
 		_, h, m, _, w, res := setup(t)
@@ -492,6 +528,29 @@ func testGrantHostileSender(t *testing.T, provider string) {
 	})
 }
 
+// requireGrants skips unless provider's devices give grants, and returns
+// why those grants are not bounded in space ("" where they are).
+func requireGrants(t *testing.T, provider string) string {
+	t.Helper()
+	cfg, err := verbsio.ConfigFromEnv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dev, err := verbsio.Open(provider, cfg)
+	if err != nil {
+		skipUnavailable(t, provider, err)
+	}
+	defer dev.Close()
+	if !dev.Caps().Grants {
+		why := "no reason given"
+		if d, ok := ibvdiag.Of(dev); ok {
+			why = d.GrantsReason()
+		}
+		t.Skipf("%s gives no grants here (%s); on ibverbs %s=force tries the window path on a device that does not bound windows", provider, why, "GDRLINK_IBVERBS_WINDOWS")
+	}
+	return grantsUnbounded(dev)
+}
+
 // noGrants hides the regions' Granter, so that a channel asks for its
 // results with the arena's rkey, as before grants.
 type noGrants struct{ Memory }
@@ -509,15 +568,22 @@ func (m noGrants) Region(addr uintptr, n int) (verbsio.MemoryRegion, bool) {
 // openGrantSide is openSide over provider, with grants or without.
 func openGrantSide(provider, name string, grants bool) (*side, error) {
 	s := &side{}
-	var err error
-	if s.dev, err = verbsio.Open(provider, verbsio.Config{}); err != nil {
+	cfg, err := verbsio.ConfigFromEnv()
+	if err != nil {
+		return nil, err
+	}
+	if s.dev, err = verbsio.Open(provider, cfg); err != nil {
 		return nil, err
 	}
 	if s.pd, err = s.dev.AllocPD(); err != nil {
 		_ = s.close()
 		return nil, err
 	}
-	if s.pool, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: -1}), alloc.WithVisitors(registration(s.pd, 0)), alloc.WithName(name)); err != nil {
+	reg := registration(s.pd, 0)
+	if grants {
+		reg = frontDoorRegistration(s.dev, s.pd, 0)
+	}
+	if s.pool, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: -1}), alloc.WithVisitors(reg), alloc.WithName(name)); err != nil {
 		_ = s.close()
 		return nil, err
 	}

@@ -72,12 +72,27 @@ func withStripeMin(n int64) Option {
 type mrKey struct{ rail int }
 
 // registration is the memory-registration visitor the tests use: each arena
-// is registered once with pd for local access and remote write, as the
-// front door registers them (the protocol issues no RDMA READ).
+// is registered once with pd for local access and remote write (the
+// protocol issues no RDMA READ).
 func registration(pd verbsio.ProtectionDomain, rail int) alloc.Visitor {
+	return registrationWith(pd, rail, verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite)
+}
+
+// frontDoorRegistration registers each arena as the front door does over
+// dev: for local write only where dev's regions give grants (every buffer
+// a peer writes is then a grant, so no arena's own rkey admits a write),
+// for local and remote write elsewhere.
+func frontDoorRegistration(dev verbsio.Device, pd verbsio.ProtectionDomain, rail int) alloc.Visitor {
+	if dev.Caps().Grants {
+		return registrationWith(pd, rail, verbsio.AccessLocalWrite)
+	}
+	return registration(pd, rail)
+}
+
+func registrationWith(pd verbsio.ProtectionDomain, rail int, access verbsio.Access) alloc.Visitor {
 	key := mrKey{rail}
 	return alloc.NewVisitor(fmt.Sprint("test-mr-", rail), func(a *alloc.Arena) error {
-		mr, err := pd.RegisterMemory(a.Base(), a.Size(), verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite)
+		mr, err := pd.RegisterMemory(a.Base(), a.Size(), access)
 		if err != nil {
 			return err
 		}
@@ -161,6 +176,20 @@ func openSide(provider, name string, opts ...Option) (*side, error) {
 // openSideRails is openSide with listen addresses given: the first for the
 // channel's device, each further one for an extra rail's device.
 func openSideRails(provider, name string, listen []string, opts ...Option) (*side, error) {
+	return openSideReg(provider, name, listen, frontDoorRegistration, opts...)
+}
+
+// openArenaKeySide is openSide with its arenas registered for remote write
+// whatever the device: for a peer that hands out arena rkeys by hand.
+func openArenaKeySide(provider, name string, opts ...Option) (*side, error) {
+	return openSideReg(provider, name, nil, func(_ verbsio.Device, pd verbsio.ProtectionDomain, rail int) alloc.Visitor {
+		return registration(pd, rail)
+	}, opts...)
+}
+
+// openSideReg is openSideRails with each device's registration visitor
+// made by reg.
+func openSideReg(provider, name string, listen []string, reg func(verbsio.Device, verbsio.ProtectionDomain, int) alloc.Visitor, opts ...Option) (*side, error) {
 	cfg, err := verbsio.ConfigFromEnv()
 	if err != nil {
 		return nil, err
@@ -180,7 +209,7 @@ func openSideRails(provider, name string, listen []string, opts ...Option) (*sid
 		_ = s.close()
 		return nil, err
 	}
-	visitors := []alloc.Visitor{registration(s.pd, 0)}
+	visitors := []alloc.Visitor{reg(s.dev, s.pd, 0)}
 	for i := 1; i < len(listen); i++ {
 		d, err := verbsio.Open(provider, devCfg(i))
 		if err != nil {
@@ -194,7 +223,7 @@ func openSideRails(provider, name string, listen []string, opts ...Option) (*sid
 			return nil, err
 		}
 		s.rpds = append(s.rpds, pd)
-		visitors = append(visitors, registration(pd, i))
+		visitors = append(visitors, reg(d, pd, i))
 	}
 	s.pool, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: -1}), alloc.WithVisitors(visitors...), alloc.WithName(name))
 	if err != nil {

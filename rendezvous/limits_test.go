@@ -63,7 +63,7 @@ func victimAndRawPeer(t *testing.T, provider string, opts ...Option) (*side, *ra
 			t.Errorf("closing the victim: %v", err)
 		}
 	})
-	s, err := openSide(provider, "raw")
+	s, err := openArenaKeySide(provider, "raw") // its requests carry arena rkeys
 	if err != nil {
 		skipUnavailable(t, provider, err)
 	}

@@ -16,6 +16,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/gdrlink/gdrlink/alloc"
+	"github.com/gdrlink/gdrlink/internal/ibvdiag"
 	"github.com/gdrlink/gdrlink/internal/offheap"
 	"github.com/gdrlink/gdrlink/internal/wire"
 	"github.com/gdrlink/gdrlink/tensor"
@@ -45,7 +47,11 @@ func hostileMain(in io.Reader, out io.Writer) int {
 		fmt.Fprintf(out, "error %v\n", err)
 		return 1
 	}
-	dev, err := verbsio.Open(os.Getenv("GDRLINK_RDV_PROVIDER"), verbsio.Config{})
+	cfg, err := verbsio.ConfigFromEnv()
+	if err != nil {
+		return fail(err)
+	}
+	dev, err := verbsio.Open(os.Getenv("GDRLINK_RDV_PROVIDER"), cfg)
 	if err != nil {
 		return fail(err)
 	}
@@ -220,12 +226,12 @@ func startHostile(t *testing.T, provider string) *peerProc {
 	return p
 }
 
-// hostileConn connects a new channel of the victim v to the hostile
-// process h and returns the connection's number there. The channel closes
-// when the test ends, before v.
-func hostileConn(t *testing.T, v *side, h *peerProc) int {
+// hostileConn connects a new channel of the victim v over mem to the
+// hostile process h and returns the connection's number there. The
+// channel closes when the test ends, before v.
+func hostileConn(t *testing.T, v *side, mem Memory, h *peerProc) int {
 	t.Helper()
-	ch, err := New(v.dev, v.pd, v.mem, WithName("victim-to-hostile"))
+	ch, err := New(v.dev, v.pd, mem, WithName("victim-to-hostile"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -247,22 +253,48 @@ func hostileConn(t *testing.T, v *side, h *peerProc) int {
 	return id
 }
 
+// ownResultPool is the result pool of the victim's channels to the hostile
+// peer where the device gives no grants: a pool of that peer's own,
+// registered for remote write, as the front door gives each peer on such
+// a device. It is closed when the test ends, after the channels.
+func ownResultPool(t *testing.T, v *side) Memory {
+	t.Helper()
+	p, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{NUMANode: -1}), alloc.WithVisitors(registration(v.pd, 0)), alloc.WithName("results from the hostile peer"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := p.Close(); err != nil {
+			t.Errorf("closing the hostile peer's pool: %v", err)
+		}
+	})
+	return PoolMemory(regionOf, p)
+}
+
 // TestThreeProcessHostilePeer: a victim (this process) receives from an
 // honest peer process while a hostile peer process, connected to the
-// victim through a channel of its own on the same device and pool, writes
-// into the result tensor of a request the victim sent the honest peer:
-// with the grant's rkey it observed on the wire, with the arena's rkey,
-// and with the grant's rkey into the tensor beside it. Each hostile write
-// fails at the hostile peer with a remote access error, no byte of the
-// result or of the guard tensors around it changes, and the honest peer's
-// traffic, a stream running all along and the result itself, arrives byte
-// for byte. Over tcp and onnode (where the hostile process uses the
-// provider: a hostile onnode peer that bypasses its provider is outside
-// what grants bound; see the README's threat model).
+// victim through a channel of its own on the same device, writes into the
+// result tensor of a request the victim sent the honest peer. Each hostile
+// write fails at the hostile peer with a remote access error, no byte of
+// the result or of the guard tensors around it changes, and the honest
+// peer's traffic, a stream running all along and the result itself,
+// arrives byte for byte.
+//
+// Where the device gives grants (tcp, onnode, ibverbs with memory
+// windows) the victim's arenas admit no write through their own rkey, and
+// the hostile peer writes with the grant's rkey it observed on the wire,
+// with the arena's rkey, and with the grant's rkey into the tensor beside
+// the result (that last one only where the device bounds a grant in
+// space: Soft-RoCE's windows end in time but are not bounded). Where it
+// gives none (ibverbs without windows, as Soft-RoCE is by default) the
+// hostile peer's channel gets a result pool of its own, as the front door
+// does, and the hostile peer writes with its own arena's rkey (what it
+// observes in requests sent to it) into the honest peer's result and the
+// tensor beside it. On onnode the hostile process uses the provider: one
+// that bypasses its provider is outside what grants bound (see the
+// README's threat model).
 func TestThreeProcessHostilePeer(t *testing.T) {
-	for _, provider := range []string{"tcp", "onnode"} {
-		t.Run(provider, func(t *testing.T) { testThreeProcessHostilePeer(t, provider) })
-	}
+	forEachProvider(t, testThreeProcessHostilePeer)
 }
 
 func testThreeProcessHostilePeer(t *testing.T, provider string) {
@@ -271,8 +303,14 @@ func testThreeProcessHostilePeer(t *testing.T, provider string) {
 	if err != nil {
 		skipUnavailable(t, provider, err)
 	}
+	grants := v.dev.Caps().Grants
+	unbounded := grantsUnbounded(v.dev)
 	honest := startPeerOn(t, provider, v, nil, nil)
 	hostile := startHostile(t, provider)
+	hostileMem := v.mem
+	if !grants {
+		hostileMem = ownResultPool(t, v)
+	}
 	ctx := recvCtx(t)
 	recv := func(key string, step int64) {
 		t.Helper()
@@ -286,7 +324,7 @@ func testThreeProcessHostilePeer(t *testing.T, provider string) {
 		}
 		_ = got.Release()
 	}
-	recv("r", 0) // meta-data cached: the next request carries a grant
+	recv("r", 0) // meta-data cached: the next request carries the buffer
 
 	// The honest peer's result, between two guard tensors of the arena.
 	w := &arenaWindow{}
@@ -309,13 +347,16 @@ func testThreeProcessHostilePeer(t *testing.T, provider string) {
 	for deadline := time.Now().Add(20 * time.Second); addr == 0; time.Sleep(time.Millisecond) {
 		v.ch.mu.Lock()
 		for _, r := range v.ch.rcv.reqs {
-			if r.key.name == "r" && r.key.step == 1 && r.buf != nil && len(r.grants) > 0 {
-				addr, grantKey = r.buf.Addr(), r.grants[0].RKey()
+			if r.key.name == "r" && r.key.step == 1 && r.buf != nil && (len(r.grants) > 0 || !grants) {
+				addr = r.buf.Addr()
+				if grants {
+					grantKey = r.grants[0].RKey()
+				}
 			}
 		}
 		v.ch.mu.Unlock()
 		if time.Now().After(deadline) {
-			t.Fatal("the request for r step 1 has no granted buffer")
+			t.Fatal("the request for r step 1 has no buffer (or, where the device gives grants, no grant)")
 		}
 	}
 	w.lo, w.hi = w.before.Addr(), w.after.Addr()+uintptr(w.after.Len())
@@ -326,7 +367,7 @@ func testThreeProcessHostilePeer(t *testing.T, provider string) {
 	if !ok {
 		t.Fatal("the result has no region")
 	}
-	if mr.RKey() == grantKey {
+	if grants && mr.RKey() == grantKey {
 		t.Fatalf("the request carries the arena's rkey %#x, not a grant", grantKey)
 	}
 	fill(w.before.Bytes(), 0x3C)
@@ -352,16 +393,44 @@ func testThreeProcessHostilePeer(t *testing.T, provider string) {
 		streamErr <- nil
 	}()
 
-	for _, a := range []struct {
+	type attempt struct {
 		what string
 		addr uintptr
 		rkey uint32
-	}{
-		{"the grant's rkey into the result", addr, grantKey},
-		{"the arena's rkey into the result", addr, mr.RKey()},
-		{"the grant's rkey into the next tensor", w.after.Addr(), grantKey},
-	} {
-		id := hostileConn(t, v, hostile)
+	}
+	var attempts []attempt
+	if grants {
+		attempts = []attempt{
+			{"the grant's rkey into the result", addr, grantKey},
+			{"the arena's rkey into the result", addr, mr.RKey()},
+		}
+		if unbounded == "" {
+			attempts = append(attempts, attempt{"the grant's rkey into the next tensor", w.after.Addr(), grantKey})
+		} else {
+			t.Logf("not tried: the grant's rkey into the next tensor (%s)", unbounded)
+		}
+	} else {
+		// The rkey the hostile peer sees in requests sent to it: its own
+		// pool's arena's.
+		own, err := hostileMem.Alloc(size, tensor.Host)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ownMR, ok := hostileMem.Region(own.Addr(), own.Len())
+		if !ok {
+			t.Fatal("the hostile peer's pool has no region")
+		}
+		_ = own.Free()
+		if ownMR.RKey() == mr.RKey() {
+			t.Fatalf("the hostile peer's pool and the honest peer's results share rkey %#x", mr.RKey())
+		}
+		attempts = []attempt{
+			{"its own arena's rkey into the honest result", addr, ownMR.RKey()},
+			{"its own arena's rkey into the next tensor", w.after.Addr(), ownMR.RKey()},
+		}
+	}
+	for _, a := range attempts {
+		id := hostileConn(t, v, hostileMem, hostile)
 		hostile.send("write %d %d %d %d %d %d", id, a.addr, a.rkey, size, 0x66, 1)
 		code, err := strconv.Atoi(hostile.expect("status "))
 		if err != nil {
@@ -393,4 +462,14 @@ func testThreeProcessHostilePeer(t *testing.T, provider string) {
 		t.Fatal(err)
 	}
 	recv("r", 2)
+}
+
+// grantsUnbounded says why dev's grants do not keep a peer inside the
+// granted range (windows forced on a device that does not enforce their
+// bounds, as on Soft-RoCE), or "" where they do or the device gives none.
+func grantsUnbounded(dev verbsio.Device) string {
+	if d, ok := ibvdiag.Of(dev); ok && dev.Caps().Grants {
+		return d.GrantsReason()
+	}
+	return ""
 }

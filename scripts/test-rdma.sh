@@ -113,11 +113,17 @@ mkdir -p "$work/bin" "$work/out"
 : > "$work/list"
 while read -r p pattern envs; do
   ip=$(go list -e "$p" 2>/dev/null) || ip=$p
-  name=$(echo "${ip#github.com/gdrlink/gdrlink/}" | tr '/' '_')
-  log "building $ip"
-  go test -c "${race[@]}" -o "$work/bin/$name.test" "$p" || die "building the tests of $ip failed"
-  if [ -x "$work/bin/$name.test" ]; then
-    printf '%s %s %s %s %s\n' "$name" "$ip" "$(go list -f '{{.Dir}}' "$p")" "${pattern:-.}" "$envs" >> "$work/list"
+  bin=$(echo "${ip#github.com/gdrlink/gdrlink/}" | tr '/' '_')
+  # A package listed again (other tests, other variables) runs the same
+  # binary under a name of its own: bin.2, bin.3, ...
+  name=$bin k=1
+  while grep -q "^$name " "$work/list"; do k=$((k + 1)); name=$bin.$k; done
+  if [ "$name" = "$bin" ]; then
+    log "building $ip"
+    go test -c "${race[@]}" -o "$work/bin/$bin.test" "$p" || die "building the tests of $ip failed"
+  fi
+  if [ -x "$work/bin/$bin.test" ]; then
+    printf '%s %s %s %s %s %s\n' "$name" "$bin" "$ip" "$(go list -f '{{.Dir}}' "$p")" "${pattern:-.}" "$envs" >> "$work/list"
   else
     log "$ip has no tests"
   fi
@@ -197,8 +203,8 @@ done
 echo "test-rdma: guest: rxe0 \$(cat /sys/class/infiniband/rxe0/ports/1/state 2>&1), RoCE v2 GID index \${gidx:-none}, \$(nproc) CPUs, \$(cut -d' ' -f1 /proc/uptime)s after boot"
 export TMPDIR=/var/tmp GDRLINK_REQUIRE_RDMA=1 SOFTROCE_DEV=rxe0 SOFTROCE_GID_INDEX=\${gidx:-1} GOMAXPROCS=\$(nproc)
 rc=0
-while read -r name pkg dir pattern envs; do
-  echo "=== test-rdma: \$pkg"
+while read -r name bin pkg dir pattern envs; do
+  echo "=== test-rdma: \$pkg (\$name)"
   t0=\$(cut -d' ' -f1 /proc/uptime)
   skip=() vars=()
   for kv in \$envs; do
@@ -208,12 +214,12 @@ while read -r name pkg dir pattern envs; do
     esac
   done
   [ \${#vars[@]} = 0 ] || echo "test-rdma: with \${vars[*]}"
-  (cd "\$dir" && env "\${vars[@]}" timeout -k 10 \$per "\$work/bin/\$name.test" -test.v -test.count=1 \
+  (cd "\$dir" && env "\${vars[@]}" timeout -k 10 \$per "\$work/bin/\$bin.test" -test.v -test.count=1 \
       -test.timeout \$((per - 5))s -test.run "\${RDMA_TEST_RUN:-\$pattern}" "\${skip[@]}" </dev/null 2>&1) |
     tee "\$work/out/\$name.log"
   st=\${PIPESTATUS[0]}
   t1=\$(cut -d' ' -f1 /proc/uptime)
-  echo "\$st \$pkg \$t0 \$t1" >> "\$work/out/summary"
+  echo "\$st \$name \$pkg \$t0 \$t1" >> "\$work/out/summary"
   [ "\$st" = 0 ] || rc=1
 done < "\$work/list"
 if [ -n "\$bench" ]; then
@@ -231,7 +237,7 @@ EOF
 # --- 6. Boot. ttyS0 is the kernel console (kept in a file), ttyS1 the tests.
 # Software emulation (tcg): it needs no /dev/kvm, and CI machines seldom
 # give a working one.
-log "booting $kver under qemu (tcg, $(nproc) CPUs) for: $(awk '{print $2}' "$work/list" | tr '\n' ' ')"
+log "booting $kver under qemu (tcg, $(nproc) CPUs) for: $(awk '{print $1}' "$work/list" | tr '\n' ' ')"
 t0=$SECONDS
 timeout -k 15 "${RDMA_GUEST_TIMEOUT:-900}" qemu-system-x86_64 \
   -accel tcg,thread=multi -cpu max -smp "$(nproc)" -m "${RDMA_GUEST_MEM:-2048}" \
@@ -255,9 +261,10 @@ if [ ! -s "$work/out/rc" ]; then
 fi
 echo "test-rdma: summary (Soft-RoCE in qemu, $kver):"
 fail=0
-while read -r st pkg t0 t1; do
-  n_pass=$(grep -c -- '^--- PASS' "$work/out/$(echo "${pkg#github.com/gdrlink/gdrlink/}" | tr '/' '_').log" || true)
-  n_skip=$(grep -c -- '--- SKIP' "$work/out/$(echo "${pkg#github.com/gdrlink/gdrlink/}" | tr '/' '_').log" || true)
+while read -r st name pkg t0 t1; do
+  n_pass=$(grep -c -- '^--- PASS' "$work/out/$name.log" || true)
+  n_skip=$(grep -c -- '--- SKIP' "$work/out/$name.log" || true)
+  case "$name" in *.[0-9]*) pkg="$pkg (${name##*.})" ;; esac
   verdict=ok; [ "$st" = 0 ] || { verdict=FAIL; fail=1; }
   # A pattern that matches nothing must not look green.
   [ "$n_pass" -gt 0 ] || { verdict=FAIL; fail=1; log "$pkg: no test passed (is its pattern in scripts/test-rdma.pkgs still right?)"; }
