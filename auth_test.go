@@ -1,15 +1,20 @@
 package gdrlink
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"net"
 	"os"
+	"os/exec"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/bootstrap"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
@@ -162,5 +167,136 @@ func TestKeyEnvironment(t *testing.T) {
 		if _, err := fromEnv(env(bad...)); err == nil || !strings.Contains(err.Error(), bad[0]) {
 			t.Errorf("%v: %v, want an error naming %s", bad, err, bad[0])
 		}
+	}
+}
+
+// TestJobID: two jobs that share a key file but not a job id cannot join
+// each other. Rank 0 runs as a process of job "a"; a rank 1 of job "b",
+// with the same key, is refused at once with ErrNotAuthenticated; then a
+// rank 1 of job "a" joins and the pair job runs.
+func TestJobID(t *testing.T) {
+	key, err := NewJobKey()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lf, err := ln.(*net.TCPListener).File()
+	if err != nil {
+		t.Fatal(err)
+	}
+	root := ln.Addr().String()
+	ln.Close()
+	defer lf.Close()
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := func(rank int) (*exec.Cmd, *bytes.Buffer, *bytes.Buffer) {
+		cmd := exec.Command(self, "-test.run=^$")
+		cmd.Env = append(os.Environ(), "GDRLINK_TEST_JOB=pair", "GDRLINK_RANK="+strconv.Itoa(rank), "GDRLINK_SIZE=2", "GDRLINK_ROOT="+root,
+			"GDRLINK_PROVIDER=tcp", "GDRLINK_JOB_KEY="+key, "GDRLINK_JOB_ID=a")
+		if rank == 0 {
+			cmd.ExtraFiles = []*os.File{lf}
+			cmd.Env = append(cmd.Env, "GDRLINK_TEST_ROOT_FD=3")
+		}
+		var out, errb bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &out, &errb
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			if cmd.ProcessState == nil {
+				cmd.Process.Kill()
+				cmd.Wait()
+			}
+		})
+		return cmd, &out, &errb
+	}
+	r0, out0, err0 := start(0)
+
+	t.Setenv("GDRLINK_JOB_ID", "b")
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	began := time.Now()
+	g, err := Join(ctx, WithRank(1, 2), WithRoot(root), WithJobKey(key), WithProvider("tcp"))
+	if err == nil {
+		g.Close()
+		t.Fatal("a rank of job b joined job a")
+	}
+	took := time.Since(began)
+	t.Logf("job b's rank 1 refused after %v: %v", took.Round(time.Millisecond), err)
+	if !errors.Is(err, ErrNotAuthenticated) || !strings.Contains(err.Error(), `job "b"`) || !strings.Contains(err.Error(), "GDRLINK_JOB_ID") {
+		t.Errorf("Join: %v; want ErrNotAuthenticated naming job b and GDRLINK_JOB_ID", err)
+	}
+	if took > 10*time.Second {
+		t.Errorf("refused after %v, want at once", took)
+	}
+
+	r1, out1, err1 := start(1)
+	for r, c := range []*exec.Cmd{r0, r1} {
+		done := make(chan error, 1)
+		go func() { done <- c.Wait() }()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Fatalf("rank %d of job a: %v\n%s%s", r, err, []*bytes.Buffer{err0, err1}[r], []*bytes.Buffer{out0, out1}[r])
+			}
+		case <-time.After(60 * time.Second):
+			t.Fatalf("rank %d of job a did not end within 60 s", r)
+		}
+	}
+	var rep childReport
+	if err := json.Unmarshal(out1.Bytes(), &rep); err != nil || rep.Received != 15 {
+		t.Fatalf("rank 1 of job a: report %s (%v), want 15 tensors received", out1, err)
+	}
+}
+
+// TestJobIdentity: the job id comes from the environment, else the root
+// address as given; the key bound to it differs with the id and stays
+// none without a key.
+func TestJobIdentity(t *testing.T) {
+	env := func(kv ...string) func(string) (string, bool) {
+		return func(k string) (string, bool) {
+			for i := 0; i+1 < len(kv); i += 2 {
+				if kv[i] == k {
+					return kv[i+1], true
+				}
+			}
+			return "", false
+		}
+	}
+	secret := "0123456789abcdef0123"
+	bound := func(kv ...string) config {
+		t.Helper()
+		c, err := fromEnv(env(append([]string{"GDRLINK_JOB_KEY", secret}, kv...)...))
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.bindJob(bootstrap.Config{Root: "node7:29500"})
+		return c
+	}
+	for _, tc := range []struct {
+		env        []string
+		id, source string
+	}{
+		{nil, "node7:29500", "the root address"},
+		{[]string{"SLURM_JOB_ID", "4242"}, "4242", "SLURM_JOB_ID"},
+		{[]string{"SLURM_JOB_ID", "4242", "GDRLINK_JOB_ID", "mine"}, "mine", "GDRLINK_JOB_ID"},
+	} {
+		if c := bound(tc.env...); c.jobID != tc.id || c.jobIDSource != tc.source {
+			t.Errorf("%v: job id %q from %q, want %q from %q", tc.env, c.jobID, c.jobIDSource, tc.id, tc.source)
+		}
+	}
+	a, a2, b := bound("GDRLINK_JOB_ID", "a"), bound("GDRLINK_JOB_ID", "a"), bound("GDRLINK_JOB_ID", "b")
+	if !bytes.Equal(a.jobKey.Bytes(), a2.jobKey.Bytes()) || bytes.Equal(a.jobKey.Bytes(), b.jobKey.Bytes()) || bytes.Equal(a.jobKey.Bytes(), a.key.Bytes()) {
+		t.Error("the job keys of ids a, a and b, and the secret's: want a and a equal, the others different")
+	}
+	var none config
+	none.bindJob(bootstrap.Config{Root: "node7:29500"})
+	if !none.jobKey.IsZero() {
+		t.Error("a job without a key has a job key")
 	}
 }

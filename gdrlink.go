@@ -146,6 +146,8 @@ func Join(ctx context.Context, opts ...Option) (*Group, error) {
 	if err != nil {
 		return nil, fmt.Errorf("gdrlink: %w", err)
 	}
+	cfg.bindJob(bc)
+	bc.Key = cfg.jobKey
 	g := &Group{cfg: cfg, log: cfg.log, devs: map[string]*device{}, peers: map[int]*peer{}, unusable: map[string]error{}, ready: make(chan struct{}),
 		peerInc: map[int]uint64{}, rejoinSig: make(chan struct{}), peerPools: map[peerPoolKey]*alloc.Pool{}}
 	g.ctx, g.cancel = context.WithCancel(context.Background())
@@ -185,6 +187,9 @@ func Join(ctx context.Context, opts ...Option) (*Group, error) {
 	bc.RejoinData = g.me.Append(nil)
 	if g.boot, err = bootstrap.Join(ctx, bc); err != nil {
 		g.cancel()
+		if errors.Is(err, jobauth.ErrRefused) && !cfg.key.IsZero() {
+			return nil, fmt.Errorf("gdrlink: joining the job %q (id from %s): %w (every rank needs the same job key and job id)", cfg.jobID, cfg.jobIDSource, err)
+		}
 		return nil, fmt.Errorf("gdrlink: joining the job: %w", err)
 	}
 	if err := g.setup(ctx); err != nil {
@@ -198,7 +203,7 @@ func Join(ctx context.Context, opts ...Option) (*Group, error) {
 	g.joinDur = time.Since(start)
 	close(g.ready)
 	g.log.Info("gdrlink: joined", "rank", g.Rank(), "size", g.Size(), "providers", g.providerNames(), "took", g.joinDur,
-		"job_key", cfg.key.Fingerprint(), "job_key_from", cfg.keySource, "insecure", cfg.insecure)
+		"job_key", cfg.key.Fingerprint(), "job_key_from", cfg.keySource, "job_id", cfg.jobID, "job_id_from", cfg.jobIDSource, "insecure", cfg.insecure)
 	return g, nil
 }
 
@@ -218,7 +223,7 @@ func bootstrapConfig(cfg config) (bootstrap.Config, error) {
 	if cfg.root != "" {
 		bc.Root = cfg.root
 	}
-	bc.Key, bc.Insecure = cfg.key, cfg.insecure
+	bc.Insecure = cfg.insecure
 	bc.Logger = cfg.log
 	if cfg.rootListener != nil && bc.Rank == 0 {
 		bc.Listener = cfg.rootListener
@@ -227,6 +232,22 @@ func bootstrapConfig(cfg config) (bootstrap.Config, error) {
 		}
 	}
 	return bc, bc.Validate()
+}
+
+// bindJob names the job, when the environment does not (jobID from
+// jobauth.JobIDFromEnv), by the bootstrap root address as this rank was
+// given it (GDRLINK_ROOT, MASTER_ADDR and MASTER_PORT, WithRoot, the first
+// of GDRLINK_PEERS, or rank 0's WithRootListener), which is the same string
+// on every rank when one launcher handed it out; and binds the job key to
+// the job (jobKey), for every connection between ranks.
+func (c *config) bindJob(bc bootstrap.Config) {
+	if c.jobID == "" {
+		c.jobID, c.jobIDSource = bc.Root, "the root address"
+		if c.jobID == "" && len(bc.Peers) > 0 {
+			c.jobID = bc.Peers[0]
+		}
+	}
+	c.jobKey = c.key.ForJob(c.jobID)
 }
 
 // setup trades host cards, opens the devices of every provider some peer
@@ -265,7 +286,7 @@ func (g *Group) setup(ctx context.Context) error {
 	} else if vc, err = verbsio.ConfigFromEnv(); err != nil {
 		return err
 	}
-	vc.JobKey, vc.Insecure = g.cfg.key.Bytes(), g.cfg.insecure
+	vc.JobKey, vc.Insecure = g.cfg.jobKey.Bytes(), g.cfg.insecure
 	if vc.Logger == nil {
 		vc.Logger = g.log // the providers' refusals
 	}

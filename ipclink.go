@@ -261,7 +261,7 @@ func newGPUIPC(g *Group, dev proxy.Device) (*gpuIPC, error) {
 	x := &gpuIPC{g: g, dev: d, pdev: dev, epoch: binary.BigEndian.Uint32(e[:]), arenas: map[uint32]*alloc.Arena{}}
 	x.cache = ipc.NewCache(ipc.DeviceOpener{Dev: opener{x}})
 	if d.kind() == handleFD {
-		fds, err := ipc.NewFDServer(g.cfg.key, x.lookupFD, g.log)
+		fds, err := ipc.NewFDServer(g.cfg.jobKey, x.lookupFD, g.log)
 		if err != nil {
 			return nil, err
 		}
@@ -410,7 +410,7 @@ func (x *gpuIPC) pullOnce(p *peer, ref rendezvous.PullRef, dst tensor.Buffer) er
 			}
 			ctx, cancel := context.WithTimeout(x.g.ctx, 10*time.Second)
 			var err error
-			fd, err = ipc.FetchFD(ctx, name, x.g.cfg.key, ipc.Msg{From: uint32(x.g.Rank()), Arena: ref.Arena})
+			fd, err = ipc.FetchFD(ctx, name, x.g.cfg.jobKey, ipc.Msg{From: uint32(x.g.Rank()), Arena: ref.Arena})
 			cancel()
 			if err != nil {
 				return err

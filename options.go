@@ -54,10 +54,16 @@ type config struct {
 	// provider but onnode, as on a device without grants (a test's: it
 	// runs that fallback where the provider gives grants).
 	peerPools bool
-	// key is the job key (zero: none), keySource where it came from.
+	// key is the job key (zero: none), keySource where it came from. It
+	// is the secret's own key, which the SwitchML aggregator is given.
 	key       jobauth.Key
 	keySource string
-	insecure  bool
+	// jobID names the job (jobauth.JobIDFromEnv, else the root address as
+	// given: see bindJob), jobIDSource where it came from; jobKey is key
+	// bound to it, which every connection between ranks proves.
+	jobID, jobIDSource string
+	jobKey             jobauth.Key
+	insecure           bool
 	// openGPU opens the GPU (openCUDA unless a test gives a simulated one).
 	openGPU func(ordinal int) (proxy.Device, alloc.Visitor, error)
 	// bar1 reads the BAR1 aperture of the GPU at a PCI address (nvml.BAR1
@@ -257,6 +263,13 @@ func WithMetricsAddr(addr string) Option {
 // bootstrap and providers alike, then starts with a mutual proof of the key,
 // and nothing of the job crosses before it. Without a key, the job listens
 // on loopback only, unless WithInsecure.
+//
+// The connections prove a key bound to the job's id, so that jobs sharing
+// a key file cannot join each other: GDRLINK_JOB_ID, else the launcher's
+// (TORCHELASTIC_RUN_ID, OMPI_MCA_ess_base_jobid, PMIX_NAMESPACE,
+// SLURM_JOB_ID), else the bootstrap root address as this rank was given it.
+// Every rank must see the same id; set GDRLINK_JOB_ID where they would
+// not. The SwitchML aggregator is given the key itself.
 func WithJobKey(secret string) Option {
 	return func(c *config) error {
 		k, err := jobauth.Parse(secret)
@@ -349,6 +362,7 @@ func fromEnv(lookup func(string) (string, bool)) (config, error) {
 		return c, fmt.Errorf("%w: %w", verbsio.ErrBadConfig, err)
 	}
 	c.key, c.keySource = k, src
+	c.jobID, c.jobIDSource = jobauth.JobIDFromEnv(get)
 	if v := get(jobauth.InsecureEnv); v != "" && v != "0" && v != "1" {
 		return c, fmt.Errorf("%w: %s=%q, want 0 or 1", verbsio.ErrBadConfig, jobauth.InsecureEnv, v)
 	}

@@ -297,3 +297,57 @@ func FuzzAccept(f *testing.F) {
 		}
 	})
 }
+
+// TestForJob: a job's key is derived from the secret's and the job id,
+// deterministically; another id, or another secret, gives another key,
+// under which a handshake with the first is refused; no key stays none.
+func TestForJob(t *testing.T) {
+	k := mustKey(t, "a key file shared by two jobs")
+	a, a2, b := k.ForJob("job-a"), k.ForJob("job-a"), k.ForJob("job-b")
+	other := mustKey(t, "another secret altogether").ForJob("job-a")
+	if !bytes.Equal(a.Bytes(), a2.Bytes()) {
+		t.Error("ForJob is not deterministic")
+	}
+	for name, x := range map[string]Key{"another id": b, "no id": k.ForJob(""), "the secret's own key": k, "another secret": other} {
+		if bytes.Equal(a.Bytes(), x.Bytes()) {
+			t.Errorf("job-a's key equals that of %s", name)
+		}
+	}
+	if len(a.Bytes()) != 32 {
+		t.Errorf("derived key of %d bytes, want 32", len(a.Bytes()))
+	}
+	if z := (Key{}).ForJob("job-a"); !z.IsZero() {
+		t.Error("no key derived a key")
+	}
+	d, c := tcpPair(t)
+	ierr, acc := handshake(t, b, a, "bootstrap", "bootstrap", EndsOf(d, true), EndsOf(c, false), d, c)
+	if !errors.Is(ierr, ErrRefused) || !errors.Is(acc.err, ErrRefused) {
+		t.Errorf("handshake between two jobs of one secret: initiator %v, acceptor %v; want both refused", ierr, acc.err)
+	}
+	d, c = tcpPair(t)
+	if ierr, acc := handshake(t, a2, a, "bootstrap", "bootstrap", EndsOf(d, true), EndsOf(c, false), d, c); ierr != nil || acc.err != nil {
+		t.Errorf("handshake within one job: initiator %v, acceptor %v", ierr, acc.err)
+	}
+}
+
+// TestJobIDFromEnv: the job id comes from the first variable set, ours
+// before the launchers', the most specific launcher first.
+func TestJobIDFromEnv(t *testing.T) {
+	for _, tc := range []struct {
+		env        map[string]string
+		id, source string
+	}{
+		{map[string]string{}, "", ""},
+		{map[string]string{"SLURM_JOB_ID": "4242"}, "4242", "SLURM_JOB_ID"},
+		{map[string]string{"SLURM_JOB_ID": "4242", "PMIX_NAMESPACE": "prterun-n1-77@1"}, "prterun-n1-77@1", "PMIX_NAMESPACE"},
+		{map[string]string{"PMIX_NAMESPACE": "1170079745", "OMPI_MCA_ess_base_jobid": "1170079745"}, "1170079745", "OMPI_MCA_ess_base_jobid"},
+		{map[string]string{"SLURM_JOB_ID": "4242", "TORCHELASTIC_RUN_ID": "run7"}, "run7", "TORCHELASTIC_RUN_ID"},
+		{map[string]string{"SLURM_JOB_ID": "4242", "TORCHELASTIC_RUN_ID": "run7", JobIDEnv: " mine "}, "mine", JobIDEnv},
+		{map[string]string{JobIDEnv: " ", "SLURM_JOB_ID": "4242"}, "4242", "SLURM_JOB_ID"},
+	} {
+		id, src := JobIDFromEnv(func(k string) string { return tc.env[k] })
+		if id != tc.id || src != tc.source {
+			t.Errorf("%v: %q from %q, want %q from %q", tc.env, id, src, tc.id, tc.source)
+		}
+	}
+}

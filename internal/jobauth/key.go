@@ -12,9 +12,16 @@
 // then proves it; nothing of the job travels before both have. A wrong key,
 // a replayed handshake (the nonces are fresh) or a relayed one (the
 // addresses differ) fails on both sides with an error wrapping ErrRefused.
+//
+// A key file may serve several jobs, so the key a job's connections prove
+// is not the secret's own but one derived for the job (ForJob) from a job
+// id that every rank reads the same way (JobIDFromEnv: GDRLINK_JOB_ID, else
+// the launcher's id of the job). Two jobs that share a secret but not an
+// id cannot join each other: each refuses the other's handshakes.
 package jobauth
 
 import (
+	"crypto/hmac"
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
@@ -36,6 +43,10 @@ const (
 	// InsecureEnv=1 allows a job without a key to listen on addresses other
 	// than loopback.
 	InsecureEnv = "GDRLINK_INSECURE"
+	// JobIDEnv names the job, to bind its key to it (ForJob); it must be
+	// the same on every rank. Without it the launcher's job id is used
+	// (see JobIDFromEnv).
+	JobIDEnv = "GDRLINK_JOB_ID"
 )
 
 // MinSecret is the shortest secret accepted, in bytes.
@@ -173,4 +184,39 @@ func FromBytes(b []byte) (Key, error) {
 		return Key{k: append([]byte(nil), b...)}, nil
 	}
 	return Key{}, fmt.Errorf("%w: derived key of %d bytes, want %d", ErrBadKey, len(b), sha256.Size)
+}
+
+// ForJob is the key of the job named id: HMAC-SHA-256 under k of a fixed
+// label and id. Handshakes under it prove both the secret and the job, so
+// that two jobs given the same secret (one key file reused) refuse each
+// other unless their ids are equal. The zero Key stays zero.
+func (k Key) ForJob(id string) Key {
+	if k.IsZero() {
+		return Key{}
+	}
+	h := hmac.New(sha256.New, k.k)
+	h.Write([]byte("gdrlink job id v1\x00"))
+	h.Write([]byte(id))
+	return Key{k: h.Sum(nil)}
+}
+
+// jobIDSources are the variables that name a job, most specific first:
+// ours, then torchrun's run id, Open MPI's job (mpirun: the job id of
+// Open MPI 4, the PMIx namespace of Open MPI 5 and other PMIx launchers),
+// then Slurm's job id. A variable set but empty counts as unset.
+var jobIDSources = []string{JobIDEnv, "TORCHELASTIC_RUN_ID", "OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE", "SLURM_JOB_ID"}
+
+// JobIDFromEnv reads the job's id from the environment (getenv is
+// os.Getenv in production): the first of GDRLINK_JOB_ID,
+// TORCHELASTIC_RUN_ID, OMPI_MCA_ess_base_jobid, PMIX_NAMESPACE and
+// SLURM_JOB_ID that is set, and the variable it came from; "", "" when
+// none is (the front door then uses the bootstrap root address as given).
+// Each is the same on every process a launcher starts for one job.
+func JobIDFromEnv(getenv func(string) string) (id, source string) {
+	for _, v := range jobIDSources {
+		if id := strings.TrimSpace(getenv(v)); id != "" {
+			return id, v
+		}
+	}
+	return "", ""
 }

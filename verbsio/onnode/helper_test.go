@@ -429,6 +429,23 @@ func rawRead(c *net.UnixConn, d time.Duration) string {
 	return fmt.Sprintf("raw %d %d false", n, len(fds))
 }
 
+// rawReadHex reads one message from c within d and says "rawhex HEX FDS
+// CLOSED": HEX is the message ("-" when nothing came); the descriptors
+// received are closed.
+func rawReadHex(c *net.UnixConn, d time.Duration) string {
+	c.SetReadDeadline(time.Now().Add(d))
+	buf := make([]byte, 4096)
+	oob := make([]byte, unix.CmsgSpace(16*4))
+	n, oobn, _, _, err := c.ReadMsgUnix(buf, oob)
+	fds := parseRights(oob[:oobn])
+	closeFDs(fds)
+	closed := err == nil && n == 0 || errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET)
+	if n == 0 {
+		return fmt.Sprintf("rawhex - %d %v", len(fds), closed)
+	}
+	return fmt.Sprintf("rawhex %x %d %v", buf[:n], len(fds), closed)
+}
+
 // peer is the helper process seen from the test.
 type peer struct {
 	t    testing.TB

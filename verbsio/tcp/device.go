@@ -176,6 +176,9 @@ type device struct {
 	retransGone uint64
 	// retransOf reads a lane's retransmits (tcpRetransmits; tests fake it).
 	retransOf func(net.Conn) (uint64, error)
+	// dialFn opens a lane's connection (nil: a plain dial; tests record
+	// what goes through it). Set before the first Connect.
+	dialFn func(ctx context.Context, addr string) (net.Conn, error)
 }
 
 // OpenDevice opens a tcp device with explicit options; verbsio.Open("tcp",
@@ -373,8 +376,14 @@ func (d *device) newKey() uint32 {
 // dial opens one lane to a peer's queue pair: with a job key, it proves
 // the key (and has the peer prove it) before the hello goes out.
 func (d *device) dial(ctx context.Context, addr string, h hello) (net.Conn, error) {
-	var dl net.Dialer
-	c, err := dl.DialContext(ctx, "tcp", addr)
+	var c net.Conn
+	var err error
+	if d.dialFn != nil {
+		c, err = d.dialFn(ctx, addr)
+	} else {
+		var dl net.Dialer
+		c, err = dl.DialContext(ctx, "tcp", addr)
+	}
 	if err != nil {
 		return nil, err
 	}
