@@ -56,7 +56,11 @@ func (p painter) check(c gdr.Check) string {
 func (p painter) jobAuth(a JobAuth) string {
 	switch a.Mode {
 	case authKey:
-		return p.paint("32", "yes") + " (" + a.Source + ", fingerprint " + a.Fingerprint + ")"
+		job := "job id from " + a.JobIDSource
+		if a.JobID != "" {
+			job = fmt.Sprintf("job id %q from %s", a.JobID, a.JobIDSource)
+		}
+		return p.paint("32", "yes") + " (" + a.Source + ", fingerprint " + a.Fingerprint + "); " + job
 	case authInsecure:
 		return p.paint("33", "none, "+jobauth.InsecureEnv+"=1") + ": jobs accept unauthenticated peers beyond loopback"
 	case authError:

@@ -29,9 +29,18 @@ type JobAuth struct {
 	// Fingerprint names the key without revealing it (Key.Fingerprint);
 	// "" without a key.
 	Fingerprint string `json:"fingerprint"`
+	// JobID is the job id the key is bound to (jobauth.JobIDFromEnv), and
+	// JobIDSource the variable it came from; with a key and no such
+	// variable, JobID is "" and JobIDSource says that the root address is
+	// used. "" without a key.
+	JobID       string `json:"job_id"`
+	JobIDSource string `json:"job_id_source"`
 	// Detail says what the mode means for the job, or what is wrong.
 	Detail string `json:"detail"`
 }
+
+// rootAsJobID is JobAuth.JobIDSource where no variable names the job.
+const rootAsJobID = "the bootstrap root address as each rank is given it"
 
 // jobAuthOf reads the job key settings as gdrlink's Join does: values with
 // surrounding white space removed, the key from jobauth.FromEnv, and
@@ -53,8 +62,13 @@ func jobAuthOf(getenv func(string) string) JobAuth {
 	}
 	switch {
 	case !k.IsZero():
-		a := JobAuth{Mode: authKey, Source: src, Fingerprint: k.Fingerprint(),
-			Detail: fmt.Sprintf("job key from %s (fingerprint %s): every connection proves it; every rank needs the same key", src, k.Fingerprint())}
+		id, idSrc := jobauth.JobIDFromEnv(get)
+		bound := fmt.Sprintf("job id %q from %s", id, idSrc)
+		if idSrc == "" {
+			idSrc, bound = rootAsJobID, "job id: "+rootAsJobID+" (set "+jobauth.JobIDEnv+" where ranks are given it differently)"
+		}
+		a := JobAuth{Mode: authKey, Source: src, Fingerprint: k.Fingerprint(), JobID: id, JobIDSource: idSrc,
+			Detail: fmt.Sprintf("job key from %s (fingerprint %s): every connection proves it, bound to the %s; every rank needs the same key and job id", src, k.Fingerprint(), bound)}
 		if insecure == "1" {
 			a.Detail += "; " + jobauth.InsecureEnv + "=1 has no effect with a key"
 		}

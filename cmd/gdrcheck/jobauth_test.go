@@ -57,12 +57,28 @@ func TestJobAuth(t *testing.T) {
 		detail []string
 		human  string // the Host line after "job key: ", a prefix
 		code   int
+		// jobID and jobIDSource, where set, are the job id's fields.
+		jobID, jobIDSource string
 	}{
 		{
 			name: "key from env", env: map[string]string{jobauth.KeyEnv: "  " + secret + "\n"},
 			mode: authKey, source: jobauth.KeyEnv, fp: fingerprint(t, secret),
-			detail: []string{"every connection proves it"},
-			human:  "yes (GDRLINK_JOB_KEY, fingerprint " + fingerprint(t, secret) + ")", code: exitReady,
+			detail: []string{"every connection proves it", "bound to the job id: " + rootAsJobID},
+			human:  "yes (GDRLINK_JOB_KEY, fingerprint " + fingerprint(t, secret) + "); job id from " + rootAsJobID, code: exitReady,
+			jobIDSource: rootAsJobID,
+		},
+		{
+			name: "key and job id", env: map[string]string{jobauth.KeyEnv: secret, jobauth.JobIDEnv: "run-7", "SLURM_JOB_ID": "42"},
+			mode: authKey, source: jobauth.KeyEnv, fp: fingerprint(t, secret),
+			detail: []string{`bound to the job id "run-7" from GDRLINK_JOB_ID`},
+			human:  "yes (GDRLINK_JOB_KEY, fingerprint " + fingerprint(t, secret) + `); job id "run-7" from GDRLINK_JOB_ID`, code: exitReady,
+			jobID: "run-7", jobIDSource: jobauth.JobIDEnv,
+		},
+		{
+			name: "key and launcher's job id", env: map[string]string{jobauth.KeyEnv: secret, "SLURM_JOB_ID": "42"},
+			mode: authKey, source: jobauth.KeyEnv, fp: fingerprint(t, secret),
+			human: "yes (GDRLINK_JOB_KEY, fingerprint " + fingerprint(t, secret) + `); job id "42" from SLURM_JOB_ID`, code: exitReady,
+			jobID: "42", jobIDSource: "SLURM_JOB_ID",
 		},
 		{
 			name: "key file 0600", env: map[string]string{jobauth.KeyFileEnv: good},
@@ -155,6 +171,12 @@ func TestJobAuth(t *testing.T) {
 			a := r.JobAuth
 			if a.Mode != c.mode || a.Fingerprint != c.fp {
 				t.Errorf("mode %q fingerprint %q, want %q %q", a.Mode, a.Fingerprint, c.mode, c.fp)
+			}
+			if c.jobIDSource != "" && (a.JobID != c.jobID || a.JobIDSource != c.jobIDSource) {
+				t.Errorf("job id %q from %q, want %q from %q", a.JobID, a.JobIDSource, c.jobID, c.jobIDSource)
+			}
+			if c.mode != authKey && (a.JobID != "" || a.JobIDSource != "") {
+				t.Errorf("job id %q from %q without a key", a.JobID, a.JobIDSource)
 			}
 			if c.source != "" && a.Source != c.source || c.mode != authError && c.source == "" && a.Source != "" {
 				t.Errorf("source %q, want %q", a.Source, c.source)
