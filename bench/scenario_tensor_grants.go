@@ -30,47 +30,64 @@ const setTensorGrants = "tensor.grants"
 // grantGoal is what the note says the ratio should reach.
 const grantGoal = "goal: ratio >= 0.85 at 4 KiB, >= 0.95 at 16 MiB and above"
 
-// grantSwitch is the measuring side's rendezvous.Memory. It hands out
-// result buffers from the scenario's pool, whose regions give grants, or,
-// switched to the arena key, from a second pool of the same shape and
-// registration whose regions are shown without their Granter, so the
-// channel asks with the region's rkey. A pool of its own is needed: a tcp
-// region that gave a grant no longer admits its own rkey.
+// grantSwitch is the measuring side's rendezvous.Memory. Outside the
+// grant rows it hands out result buffers from the scenario's pool. In the
+// grant rows it hands them out from one of two pools of their own, made
+// alike (same source, shape and registration) and used only by those rows,
+// so the two modes differ in the key alone: the grant pool, whose regions
+// give grants, or the arena-key pool, whose regions are shown without
+// their Granter, so the channel asks with the region's rkey. (The arena
+// key needs a pool of its own anyway: a region that gave a grant no longer
+// admits its own rkey.)
 type grantSwitch struct {
-	grants, arena rendezvous.Memory
-	arenaPool     *alloc.Pool
-	useArena      atomic.Bool
+	main, grants, arena  rendezvous.Memory
+	grantPool, arenaPool *alloc.Pool
+	inRows, useArena     atomic.Bool
 }
 
-// newGrantSwitch makes the switch over pool (registered by reg's
-// visitor) and a second pool like it, registered with the same access.
+// newGrantSwitch makes the switch over pool (the scenario's, registered
+// by reg's visitor) and the two pools of the grant rows, registered with
+// access on pd.
 func newGrantSwitch(pd verbsio.ProtectionDomain, reg *visitor.MemoryRegistration, pool *alloc.Pool, access verbsio.Access, arena, maxArena int) (*grantSwitch, error) {
-	areg := visitor.NewMemoryRegistration(pd, access)
-	ap, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}), alloc.WithVisitors(areg),
-		alloc.WithInitialArena(arena), alloc.WithMaxArena(maxArena), alloc.WithName("arena-rkey"))
-	if err != nil {
-		return nil, fmt.Errorf("pool for the arena-key rows: %w", err)
+	g := &grantSwitch{main: rendezvous.PoolMemory(reg.RegionOf, pool)}
+	newPool := func(name string) (*alloc.Pool, rendezvous.Memory, error) {
+		r := visitor.NewMemoryRegistration(pd, access)
+		p, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}), alloc.WithVisitors(r),
+			alloc.WithInitialArena(arena), alloc.WithMaxArena(maxArena), alloc.WithName(name))
+		if err != nil {
+			return nil, nil, fmt.Errorf("pool for the %s rows: %w", name, err)
+		}
+		return p, rendezvous.PoolMemory(r.RegionOf, p), nil
 	}
-	return &grantSwitch{
-		grants:    rendezvous.PoolMemory(reg.RegionOf, pool),
-		arena:     rendezvous.PoolMemory(areg.RegionOf, ap),
-		arenaPool: ap,
-	}, nil
+	var err error
+	if g.grantPool, g.grants, err = newPool("grant"); err != nil {
+		return nil, err
+	}
+	if g.arenaPool, g.arena, err = newPool("arena-rkey"); err != nil {
+		g.grantPool.Close()
+		return nil, err
+	}
+	return g, nil
 }
 
 // Alloc takes the buffer from the pool of the current mode.
 func (g *grantSwitch) Alloc(n int, dev tensor.Device) (tensor.Buffer, error) {
-	if g.useArena.Load() {
+	switch {
+	case !g.inRows.Load():
+		return g.main.Alloc(n, dev)
+	case g.useArena.Load():
 		return g.arena.Alloc(n, dev)
 	}
 	return g.grants.Alloc(n, dev)
 }
 
-// Region finds the region in either pool; those of the arena-key pool come
-// without their Granter.
+// Region finds the region in any of the pools; those of the arena-key
+// pool come without their Granter.
 func (g *grantSwitch) Region(addr uintptr, n int) (verbsio.MemoryRegion, bool) {
-	if r, ok := g.grants.Region(addr, n); ok {
-		return r, true
+	for _, m := range []rendezvous.Memory{g.main, g.grants} {
+		if r, ok := m.Region(addr, n); ok {
+			return r, true
+		}
 	}
 	r, ok := g.arena.Region(addr, n)
 	if !ok {
@@ -82,8 +99,10 @@ func (g *grantSwitch) Region(addr uintptr, n int) (verbsio.MemoryRegion, bool) {
 // plainRegion is a region without its Granter.
 type plainRegion struct{ verbsio.MemoryRegion }
 
-// close releases the arena-key pool; the channel must be closed first.
-func (g *grantSwitch) close() error { return g.arenaPool.Close() }
+// close releases the grant rows' pools; the channel must be closed first.
+func (g *grantSwitch) close() error {
+	return errors.Join(g.grantPool.Close(), g.arenaPool.Close())
+}
 
 // grantsActive reports whether a result buffer of the grant mode sits in a
 // region that gives grants, and if not, why.
@@ -115,7 +134,11 @@ func (m *tensorMeasure) grantRows(sizes []int64, reps, nSmall int, note string) 
 		m.env.Log.Info("grant rows skipped", "provider", m.provider, "reason", err)
 		return nil
 	}
-	defer g.useArena.Store(false)
+	g.inRows.Store(true)
+	defer func() {
+		g.useArena.Store(false)
+		g.inRows.Store(false)
+	}()
 	// both runs f with grants and with the arena key, reps times, and
 	// returns the two medians.
 	both := func(f func() (float64, error)) (grants, arena float64, err error) {

@@ -10,8 +10,9 @@ import (
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
-// The switch hands out buffers from the pool of its mode, and the
-// arena-key pool's regions come without their Granter.
+// The switch hands out buffers from the pool of its mode: the scenario's
+// outside the grant rows, in them the grant pool or the arena-key pool,
+// whose regions come without their Granter.
 func TestGrantSwitch(t *testing.T) {
 	dev, err := verbsio.Open("tcp", verbsio.Config{})
 	if err != nil {
@@ -38,21 +39,33 @@ func TestGrantSwitch(t *testing.T) {
 	if err := g.grantsActive(); err != nil {
 		t.Fatalf("tcp regions: %v", err)
 	}
-	for _, arenaKey := range []bool{false, true} {
-		g.useArena.Store(arenaKey)
+	for _, c := range []struct {
+		name          string
+		inRows, arena bool
+		want          *alloc.Pool
+		wantGranter   bool
+	}{
+		{"outside the rows", false, false, pool, true},
+		{"grants", true, false, g.grantPool, true},
+		{"arena key", true, true, g.arenaPool, false},
+	} {
+		g.inRows.Store(c.inRows)
+		g.useArena.Store(c.arena)
 		b, err := g.Alloc(4096, tensor.Host)
 		if err != nil {
 			t.Fatal(err)
 		}
-		_, inGrantPool := pool.ArenaOf(b.Addr())
-		_, inArenaPool := g.arenaPool.ArenaOf(b.Addr())
+		for _, p := range []*alloc.Pool{pool, g.grantPool, g.arenaPool} {
+			if _, in := p.ArenaOf(b.Addr()); in != (p == c.want) {
+				t.Errorf("%s: buffer in pool %q %v", c.name, p.Stats().Name, in)
+			}
+		}
 		r, ok := g.Region(b.Addr(), b.Len())
 		if !ok {
-			t.Fatalf("arena key %v: no region", arenaKey)
+			t.Fatalf("%s: no region", c.name)
 		}
-		_, granter := r.(verbsio.Granter)
-		if inGrantPool == arenaKey || inArenaPool != arenaKey || granter == arenaKey {
-			t.Errorf("arena key %v: buffer in the grant pool %v, in the arena-key pool %v, region gives grants %v", arenaKey, inGrantPool, inArenaPool, granter)
+		if _, granter := r.(verbsio.Granter); granter != c.wantGranter {
+			t.Errorf("%s: region gives grants %v, want %v", c.name, granter, c.wantGranter)
 		}
 		b.Free()
 	}
