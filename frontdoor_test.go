@@ -26,6 +26,13 @@ import (
 // GDRLINK_TEST_JOB naming what the child does. Each child uses the front
 // door alone, configured by the environment as a launcher would.
 func TestMain(m *testing.M) {
+	if os.Getenv(rxeAggEnv) != "" {
+		if err := runRXEAggregator(); err != nil {
+			fmt.Fprintln(os.Stderr, "aggregator:", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
 	if job := os.Getenv("GDRLINK_TEST_JOB"); job != "" {
 		if err := runChild(job); err != nil {
 			fmt.Fprintf(os.Stderr, "rank %s: %v\n", os.Getenv("GDRLINK_RANK"), err)
@@ -132,6 +139,8 @@ func runChild(job string) error {
 		err = collJob(ctx, g, &rep)
 	case "switchml":
 		err = switchmlJob(ctx, g, &rep)
+	case "switchml-rxe":
+		err = switchmlRXEJob(ctx, g, &rep)
 	case "switchml-types":
 		err = switchmlTypesJob(ctx, g, &rep)
 	case "switchml-pair":

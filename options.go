@@ -47,6 +47,9 @@ type config struct {
 	// AllReduce on the ring), aggregatorPort the RoCEv2 UDP port.
 	aggregator     string
 	aggregatorPort uint16
+	// switchmlTransport is GDRLINK_SWITCHML_TRANSPORT: auto (""), verbs
+	// or udp.
+	switchmlTransport string
 	// switchmlLocal picks the switchml worker's IPv4 address (nil:
 	// localIPv4; a test gives another loopback network).
 	switchmlLocal func(aggregator string, rank int) ([4]byte, error)
@@ -351,6 +354,14 @@ func fromEnv(lookup func(string) (string, bool)) (config, error) {
 			return c, fmt.Errorf("%w: GDRLINK_AGGREGATOR_PORT=%q is not a UDP port", verbsio.ErrBadConfig, v)
 		}
 		c.aggregatorPort = uint16(p)
+	}
+	if v := get("GDRLINK_SWITCHML_TRANSPORT"); v != "" {
+		switch v {
+		case "auto", "verbs", "udp":
+			c.switchmlTransport = v
+		default:
+			return c, fmt.Errorf("%w: GDRLINK_SWITCHML_TRANSPORT=%q, want auto, verbs or udp", verbsio.ErrBadConfig, v)
+		}
 	}
 	if v := get("GDRLINK_METRICS_ADDR"); v != "" {
 		if err := WithMetricsAddr(v)(&c); err != nil {

@@ -36,13 +36,18 @@ type switchML struct {
 	// local picks the worker's IPv4 address (localIPv4 unless a test
 	// gives another).
 	local func(aggregator string, rank int) ([4]byte, error)
+	// mode is GDRLINK_SWITCHML_TRANSPORT; findVerbs the probe for a
+	// verbs device (worker.FindVerbs unless a test gives another).
+	mode      string
+	findVerbs func(local [4]byte) (worker.Verbs, error)
 
 	mu sync.Mutex
 	w  *worker.Worker
 }
 
 func newSwitchML(g *Group, ring coll.Backend) *switchML {
-	s := &switchML{g: g, ring: ring, addr: g.cfg.aggregator, port: g.cfg.aggregatorPort, local: localIPv4}
+	s := &switchML{g: g, ring: ring, addr: g.cfg.aggregator, port: g.cfg.aggregatorPort, local: localIPv4,
+		mode: g.cfg.switchmlTransport, findVerbs: worker.FindVerbs}
 	if g.cfg.switchmlLocal != nil {
 		s.local = g.cfg.switchmlLocal
 	}
@@ -86,17 +91,44 @@ func (s *switchML) worker(ctx context.Context) (*worker.Worker, error) {
 		return s.w, nil
 	}
 	rank, size := s.g.Rank(), s.g.Size()
-	local, err := s.local(s.addr, rank)
+	var local [4]byte
+	var err error
+	if s.mode == "verbs" {
+		// Ranks of one host share their device's address.
+		local, err = localIPv4(s.addr, -1)
+	} else {
+		local, err = s.local(s.addr, rank)
+	}
 	if err != nil {
 		return nil, err
+	}
+	var v worker.Verbs
+	var verr error
+	if s.mode != "udp" {
+		v, verr = s.findVerbs(local)
+	}
+	useVerbs, why, err := switchmlTransport(s.mode, s.port, v, verr)
+	if err != nil {
+		return nil, err
+	}
+	s.g.log.Info("switchml transport", "rank", rank, "transport", map[bool]string{true: "verbs", false: "udp"}[useVerbs], "why", why)
+	cfg := worker.Config{Control: s.addr, Key: s.g.cfg.key, Workers: size, Rank: rank,
+		Local: local, Port: s.port, DataPort: s.port, Seed: uint64(time.Now().UnixNano())}
+	if useVerbs {
+		cfg.Verbs = &v
+		if v.Soft {
+			// rxe loses a queue pair for good to one lost packet of a
+			// multi-packet reply (package worker, Verbs.Soft).
+			cfg.MsgSlots = 1
+		}
 	}
 	var root hostcard.Card
 	if len(s.g.cards) > 0 {
 		root = s.g.cards[0]
 	}
 	job := jobName(size, s.g.boot.RootAddr(), root, s.g.cfg.key)
-	w, err := worker.New(ctx, worker.Config{Control: s.addr, Key: s.g.cfg.key, Job: job, Workers: size, Rank: rank,
-		Local: local, Port: s.port, DataPort: s.port, Seed: uint64(time.Now().UnixNano())})
+	cfg.Job = job
+	w, err := worker.New(ctx, cfg)
 	if err != nil {
 		return nil, err
 	}
@@ -104,9 +136,36 @@ func (s *switchML) worker(ctx context.Context) (*worker.Worker, error) {
 	return w, nil
 }
 
+// switchmlTransport decides, from the mode (GDRLINK_SWITCHML_TRANSPORT:
+// "", auto, verbs or udp), the RoCEv2 port and what the probe for a verbs
+// device found (v, or why none: an error matching worker.ErrNoDevice, or
+// another when it could not tell), whether the worker uses the verbs
+// transport, and says why.
+func switchmlTransport(mode string, port uint16, v worker.Verbs, probe error) (bool, string, error) {
+	switch {
+	case mode == "udp":
+		return false, "GDRLINK_SWITCHML_TRANSPORT=udp", nil
+	case port != 0 && port != 4791:
+		why := fmt.Sprintf("RoCEv2 port %d: a verbs device sends to and receives on 4791 only", port)
+		if mode == "verbs" {
+			return false, why, fmt.Errorf("%w: GDRLINK_SWITCHML_TRANSPORT=verbs: %s", verbsio.ErrBadConfig, why)
+		}
+		return false, why, nil
+	case probe == nil:
+		return true, fmt.Sprintf("%s port %d has RoCE v2 GID %d for the route to the aggregator", v.Device, v.Port, v.GIDIndex), nil
+	case mode == "verbs":
+		return false, "", fmt.Errorf("switchml: GDRLINK_SWITCHML_TRANSPORT=verbs: %w", probe)
+	case errors.Is(probe, worker.ErrNoDevice):
+		return false, probe.Error(), nil
+	default:
+		return false, "could not tell whether a verbs device has the address: " + probe.Error(), nil
+	}
+}
+
 // localIPv4 is the address the route to the aggregator leaves from; on
 // loopback, where every rank of a host would get 127.0.0.1, rank r takes
-// 127.0.0.(2+r), since the aggregator writes to every worker at one port.
+// 127.0.0.(2+r), since the aggregator writes to every worker at one port
+// (a negative rank takes the route's address as it is).
 func localIPv4(aggregator string, rank int) ([4]byte, error) {
 	var a [4]byte
 	c, err := net.Dial("udp4", aggregator)
@@ -118,7 +177,7 @@ func localIPv4(aggregator string, rank int) ([4]byte, error) {
 	if ip == nil {
 		return a, fmt.Errorf("switchml: no IPv4 address toward aggregator %s", aggregator)
 	}
-	if ip.IsLoopback() {
+	if ip.IsLoopback() && rank >= 0 {
 		if rank > 252 {
 			return a, fmt.Errorf("switchml: rank %d: loopback has no address left for it", rank)
 		}
@@ -189,7 +248,7 @@ func (s *switchML) AllReduce(ctx context.Context, seq uint64, t *tensor.Tensor, 
 	}
 	st := w.Stats()
 	rep.Sent, rep.Received = int64(st.BytesSent-st0.BytesSent), int64(st.BytesReceived-st0.BytesReceived)
-	rep.Links = []collective.LinkUse{{Peer: -1, Provider: "switchml", Device: s.addr, Path: rendezvous.PathNone,
+	rep.Links = []collective.LinkUse{{Peer: -1, Provider: "switchml/" + w.Transport(), Device: s.addr, Path: rendezvous.PathNone,
 		Transfers: int(st.Messages - st0.Messages), Bytes: rep.Received}}
 	rep.Took = time.Since(start)
 	var left *worker.LeftError

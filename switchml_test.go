@@ -21,6 +21,7 @@ import (
 	"github.com/gdrlink/gdrlink/internal/jobauth"
 	"github.com/gdrlink/gdrlink/internal/switchml/aggsrv"
 	"github.com/gdrlink/gdrlink/internal/switchml/bfp"
+	"github.com/gdrlink/gdrlink/internal/switchml/worker"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
@@ -544,4 +545,52 @@ func TestAllReduceSwitchMLDeath(t *testing.T) {
 			t.Logf("rank %d failed after %.0f ms: %s", r, rep.FailMS, rep.Failure)
 		}
 	})
+}
+
+// TestSwitchMLTransportChoice: the mode, the RoCEv2 port and what the probe
+// found decide the transport; forced verbs without a device fails, auto
+// falls back to UDP and says why.
+func TestSwitchMLTransportChoice(t *testing.T) {
+	dev := worker.Verbs{Device: "mlx5_0", Port: 1, GIDIndex: 3}
+	none := fmt.Errorf("%w: no ibverbs device", worker.ErrNoDevice)
+	unsure := errors.New("ibv_open_device: EIO")
+	for _, c := range []struct {
+		mode      string
+		port      uint16
+		probe     error
+		verbs, ok bool
+		why       string
+	}{
+		{"", 0, nil, true, true, "mlx5_0 port 1"},
+		{"auto", 4791, nil, true, true, "GID 3"},
+		{"verbs", 0, nil, true, true, "mlx5_0"},
+		{"udp", 0, nil, false, true, "GDRLINK_SWITCHML_TRANSPORT=udp"},
+		{"", 0, none, false, true, "no ibverbs device"},
+		{"auto", 0, unsure, false, true, "could not tell"},
+		{"verbs", 0, none, false, false, ""},
+		{"verbs", 0, unsure, false, false, ""},
+		{"", 5000, nil, false, true, "4791 only"},
+		{"verbs", 5000, nil, false, false, ""},
+		{"udp", 5000, none, false, true, "=udp"},
+	} {
+		verbs, why, err := switchmlTransport(c.mode, c.port, dev, c.probe)
+		if verbs != c.verbs || (err == nil) != c.ok || !strings.Contains(why, c.why) {
+			t.Errorf("mode %q port %d probe %v: verbs %v why %q err %v", c.mode, c.port, c.probe, verbs, why, err)
+		}
+	}
+}
+
+// TestSwitchMLTransportEnv: GDRLINK_SWITCHML_TRANSPORT is read and checked.
+func TestSwitchMLTransportEnv(t *testing.T) {
+	for v, ok := range map[string]bool{"auto": true, "verbs": true, "udp": true, "rdma": false, "UDP": false} {
+		c, err := fromEnv(func(k string) (string, bool) {
+			if k == "GDRLINK_SWITCHML_TRANSPORT" {
+				return v, true
+			}
+			return "", false
+		})
+		if (err == nil) != ok || ok && c.switchmlTransport != v {
+			t.Errorf("GDRLINK_SWITCHML_TRANSPORT=%s: %q, %v", v, c.switchmlTransport, err)
+		}
+	}
 }

@@ -48,7 +48,7 @@ func team(b *testing.B, n int) (*aggsrv.Server, []*Worker) {
 				Local: [4]byte{127, 0, 0, byte(2 + r)}, Port: uint16(port), DataPort: uint16(dc.LocalAddr().(*net.UDPAddr).Port),
 				Timeout: 200 * time.Millisecond})
 			if ws[r] != nil {
-				ws[r].sock.SetReadBuffer(8 << 20)
+				ws[r].tr.(*udpLink).sock.SetReadBuffer(8 << 20)
 			}
 		}()
 	}

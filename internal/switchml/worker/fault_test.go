@@ -139,7 +139,7 @@ func TestCorruptICRC(t *testing.T) {
 	defer ws[1].Close()
 	n := 0
 	var mu sync.Mutex
-	ws[0].mangle = func(b []byte) {
+	ws[0].tr.(*udpLink).mangle = func(b []byte) {
 		mu.Lock()
 		defer mu.Unlock()
 		n++

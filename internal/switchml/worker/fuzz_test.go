@@ -27,8 +27,9 @@ func FuzzHandle(f *testing.F) {
 	f.Add([]byte{})
 	f.Fuzz(func(t *testing.T, b []byte) {
 		q := &qp{qpn: 0x1000, result: make(chan reply, 1), want: vaBase + 1<<20}
-		w := &Worker{cfg: Config{Local: local, SlotBytes: 256, MsgSlots: 1}, msgB: 256, byQPN: map[uint32]*qp{q.qpn: q}}
-		w.handle(b, from)
+		w := &Worker{cfg: Config{Local: local, SlotBytes: 256, MsgSlots: 1}, msgB: 256}
+		u := &udpLink{w: w, byQPN: map[uint32]*qp{q.qpn: q}}
+		u.handle(b, from)
 		select {
 		case r := <-q.result:
 			if len(r.buf) != 256 || r.va != q.want && q.want != 0 {

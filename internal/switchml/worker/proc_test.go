@@ -113,7 +113,7 @@ func runWorker() error {
 	}
 	defer w.Close()
 	if os.Getenv(roleEnv+"_LINK") == "1" {
-		w.link = chaos(uint64(rank))
+		w.tr.(*udpLink).link = chaos(uint64(rank))
 	}
 	f, x := data(rank)
 	h := make([]uint16, len(f))

@@ -1,8 +1,20 @@
-// Package worker is a SwitchML worker in software: it all-reduces tensors
-// through an aggregator (package aggsrv, or a switch) by sending the RoCEv2
-// packets that a verbs NIC's unreliable-connected (UC) queue pairs would send
-// (RDMA WRITE FIRST/MIDDLE/LAST/ONLY, with immediate), over a plain UDP
-// socket, and by receiving the aggregator's writes into its result.
+// Package worker is a SwitchML worker: it all-reduces tensors through an
+// aggregator (package aggsrv, or a switch) with the RDMA WRITE WITH
+// IMMEDIATE messages of unreliable-connected (UC) queue pairs, and takes
+// the aggregator's writes as its results. Two transports carry them:
+//
+//   - UDP (the default): the worker builds the RoCEv2 packets a verbs NIC's
+//     UC queue pairs would send (RDMA WRITE FIRST/MIDDLE/LAST/ONLY, with
+//     immediate) itself, sends them over a plain UDP socket and reassembles
+//     the aggregator's replies. It needs no RDMA device.
+//   - Verbs (Config.Verbs): real UC queue pairs on an ibverbs device with a
+//     RoCE v2 GID for the worker's address (a NIC, or Soft-RoCE), through
+//     package ibv; the aggregator's writes land in a registered result
+//     region mapped at the same virtual address (RegionVA) in every
+//     worker.
+//
+// The message schedule, the exponents, timeouts and resends below are the
+// same for both; the aggregator cannot tell them apart.
 //
 // # Messages
 //
@@ -35,7 +47,12 @@
 // completed message with its result again; such a second reply may arrive
 // after the queue pair has moved on, so each message writes its result to a
 // virtual address of its own (the queue pair's message count picks it), and
-// a reply whose address is not the current message's is dropped.
+// a reply whose address is not the current message's is dropped. The UDP
+// transport reads the address in the reply; a verbs completion does not
+// carry it, so the verbs transport fills the current message's result
+// place with a canary before sending and takes a completion only if its
+// length is the current message's and that place no longer holds the
+// canary (a stale reply wrote elsewhere: to its own message's place).
 package worker
 
 import (
@@ -46,11 +63,8 @@ import (
 	"io"
 	"math/rand/v2"
 	"net"
-	"net/netip"
 	"sync"
 	"time"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/gdrlink/gdrlink/internal/jobauth"
 	"github.com/gdrlink/gdrlink/internal/switchml/aggsrv"
@@ -111,16 +125,23 @@ type Config struct {
 	Job string
 	// Workers and Rank: the job's size and this worker's rank.
 	Workers, Rank int
-	// Local is this worker's IPv4 address for RoCE traffic; the worker
-	// binds it at Port. Workers on one host need one address each
-	// (127.0.0.2, 127.0.0.3, ... on loopback), as the aggregator writes to
-	// every worker at the same port.
+	// Local is this worker's IPv4 address for RoCE traffic. The UDP
+	// transport binds it at Port, so workers on one host need one address
+	// each (127.0.0.2, 127.0.0.3, ... on loopback), as the aggregator
+	// writes to every worker at the same port; with Verbs, it is the
+	// address of the device's GID, and workers on one host may share it
+	// (the device tells their queue pairs apart).
 	Local [4]byte
 	// Port is the UDP port the worker receives on and the aggregator
-	// writes to; rocev2.Port when zero.
+	// writes to; rocev2.Port when zero. A verbs device always uses
+	// rocev2.Port.
 	Port uint16
 	// DataPort is the aggregator's UDP port; rocev2.Port when zero.
 	DataPort uint16
+	// Verbs, when set, carries the messages on UC queue pairs of that
+	// ibverbs device (FindVerbs finds one for Local) instead of the UDP
+	// socket.
+	Verbs *Verbs
 	// SlotBytes is 256 or 1024 (DefaultSlotBytes when zero).
 	SlotBytes int
 	// MsgSlots is the packets per message, 1..4 (DefaultMsgSlots).
@@ -136,7 +157,8 @@ type Config struct {
 	// leave too (DefaultCloseTimeout when zero).
 	CloseTimeout time.Duration
 	// DropSend and DropRecv, between 0 and 1, drop that share of the
-	// packets sent and received, at random, to test loss; Seed seeds it.
+	// packets sent and received, at random, to test loss (with Verbs,
+	// whole messages and completions); Seed seeds it.
 	DropSend, DropRecv float64
 	Seed               uint64
 }
@@ -148,7 +170,7 @@ type Stats struct {
 	PacketsSent   uint64
 	BytesSent     uint64 // payload bytes sent (RDMA payload, no headers)
 	BytesReceived uint64 // payload bytes of results taken
-	StaleReplies  uint64 // reply packets dropped (old message, gap, bad ICRC)
+	StaleReplies  uint64 // replies dropped (old message, gap, bad ICRC): packets over UDP, completions over verbs
 	Dropped       uint64 // packets dropped on purpose (DropSend, DropRecv)
 }
 
@@ -156,14 +178,11 @@ type Stats struct {
 type Worker struct {
 	cfg     Config
 	ctl     net.Conn
-	sock    *net.UDPConn
-	agg     netip.AddrPort
-	aggIP   [4]byte
+	tr      transport
 	base    int
 	slotEl  int // elements (int32) per slot
 	msgB    int // bytes per message
 	qps     []*qp
-	byQPN   map[uint32]*qp
 	opMu    sync.Mutex // one AllReduce at a time
 	mu      sync.Mutex
 	stats   Stats
@@ -171,8 +190,6 @@ type Worker struct {
 	dead    chan struct{} // closed when the control connection ends
 	deadErr error
 	broken  error
-	mangle  func([]byte)          // tests: changes a packet about to be sent
-	link    func([]byte) [][]byte // tests: what the link delivers for a packet sent
 	closed  bool
 	quit    chan struct{} // closed when Close starts: pending calls end
 	wg      sync.WaitGroup
@@ -180,22 +197,24 @@ type Worker struct {
 
 // qp is one of the worker's queue pairs.
 type qp struct {
-	qpn    uint32
+	idx    int    // its index in the window
+	qpn    uint32 // its number (the transport's)
 	aqpn   uint32 // the aggregator's
-	psn    uint32 // next PSN sent
+	psn    uint32 // next PSN sent (UDP) or the first (verbs)
 	set    int    // set of the next message
 	count  uint64 // messages sent (picks the reply address)
 	first  int    // first slot, job-relative
 	eslot  int    // slot of its exponent-only messages, job-relative
 	eset   int    // set of its next exponent-only message
 	result chan reply
-	// receive side, owned by the receive loop
-	rpsn   uint32
-	active bool
-	va     uint64
-	buf    []byte
-	size   int    // DMA length of the reply being received
-	want   uint64 // address of the message awaited (0: none)
+	// receive side, owned by the transport's receive loop under w.mu
+	rpsn     uint32
+	active   bool
+	va       uint64
+	buf      []byte
+	size     int    // DMA length of the reply being received
+	want     uint64 // address of the message awaited (0: none)
+	wantSize int    // its result's length
 }
 
 type reply struct {
@@ -205,11 +224,6 @@ type reply struct {
 }
 
 const psnMask = 1<<24 - 1
-
-// vaBase is where results land: message m of a queue pair at
-// vaBase + (m<<20) + slot<<8, slot being the message's first (addresses
-// only name replies; no memory is behind them).
-const vaBase = 1 << 40
 
 // New sets a worker up with the aggregator: it binds the data socket,
 // announces the queue pairs and waits for the aggregator's. It returns when
@@ -249,43 +263,33 @@ func New(ctx context.Context, cfg Config) (*Worker, error) {
 	case cfg.Workers < 1 || cfg.Rank < 0 || cfg.Rank >= cfg.Workers:
 		return nil, fmt.Errorf("%w: rank %d of %d", ErrConfig, cfg.Rank, cfg.Workers)
 	}
-	sock, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IP(cfg.Local[:]), Port: int(cfg.Port)})
-	if err != nil {
-		return nil, fmt.Errorf("switchml: data socket: %w", err)
-	}
-	if err := dontFragment(sock); err != nil {
-		sock.Close()
-		return nil, err
-	}
-	w := &Worker{cfg: cfg, sock: sock, byQPN: map[uint32]*qp{}, slotEl: cfg.SlotBytes / 4,
+	w := &Worker{cfg: cfg, slotEl: cfg.SlotBytes / 4,
 		msgB: cfg.SlotBytes * cfg.MsgSlots, dead: make(chan struct{}), quit: make(chan struct{}),
 		rng: rand.New(rand.NewPCG(cfg.Seed, uint64(cfg.Rank)))}
+	var err error
+	if cfg.Verbs != nil {
+		w.tr, err = newVerbsLink(w, *cfg.Verbs)
+	} else {
+		w.tr, err = newUDPLink(w)
+	}
+	if err != nil {
+		return nil, err
+	}
 	if err := w.setup(ctx); err != nil {
-		sock.Close()
+		w.tr.close()
 		if w.ctl != nil {
 			w.ctl.Close()
 		}
 		return nil, err
 	}
-	w.wg.Add(2)
+	w.wg.Add(1)
 	go w.watch()
-	go w.receive()
 	return w, nil
 }
 
-func dontFragment(c *net.UDPConn) error {
-	rc, err := c.SyscallConn()
-	if err != nil {
-		return err
-	}
-	var serr error
-	if err := rc.Control(func(fd uintptr) {
-		serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_IP, unix.IP_MTU_DISCOVER, unix.IP_PMTUDISC_DO)
-	}); err != nil || serr != nil {
-		return fmt.Errorf("switchml: setting don't-fragment: %w", errors.Join(err, serr))
-	}
-	return nil
-}
+// Transport names the transport that carries the worker's messages:
+// "udp" or "verbs".
+func (w *Worker) Transport() string { return w.tr.name() }
 
 // setup is the control handshake.
 func (w *Worker) setup(ctx context.Context) error {
@@ -307,14 +311,14 @@ func (w *Worker) setup(ctx context.Context) error {
 		}
 	}
 	a := aggsrv.Announce{Job: cfg.Job, Workers: cfg.Workers, Rank: cfg.Rank, SlotBytes: cfg.SlotBytes,
-		Slots: cfg.Window * (cfg.MsgSlots + 1), Addr: cfg.Local, RKey: 0x5a00 | uint32(cfg.Rank)}
+		Slots: cfg.Window * (cfg.MsgSlots + 1), Addr: cfg.Local}
 	seed := rand.New(rand.NewPCG(cfg.Seed^0x51, uint64(cfg.Rank)))
 	for i := range cfg.Window {
-		q := &qp{qpn: uint32(0x1000 + i), psn: seed.Uint32() & psnMask, first: i * cfg.MsgSlots, eslot: cfg.Window*cfg.MsgSlots + i, result: make(chan reply, 1)}
+		q := &qp{idx: i, psn: seed.Uint32() & psnMask, first: i * cfg.MsgSlots, eslot: cfg.Window*cfg.MsgSlots + i, result: make(chan reply, 1)}
 		w.qps = append(w.qps, q)
-		w.byQPN[q.qpn] = q
-		a.QPNs = append(a.QPNs, q.qpn)
-		a.PSNs = append(a.PSNs, q.psn)
+	}
+	if err := w.tr.announce(&a, w.qps); err != nil {
+		return err
 	}
 	body := a.Append(nil)
 	if _, err := c.Write(append(binary.BigEndian.AppendUint16(nil, uint16(len(body))), body...)); err != nil {
@@ -343,12 +347,11 @@ func (w *Worker) setup(ctx context.Context) error {
 		return fmt.Errorf("%w: aggregator %s: %d queue pairs for %d", ErrAggregator, cfg.Control, len(as.QPNs), cfg.Window)
 	}
 	c.SetDeadline(time.Time{})
-	w.base, w.aggIP = as.Base, as.Addr
-	w.agg = netip.AddrPortFrom(netip.AddrFrom4(as.Addr), cfg.DataPort)
+	w.base = as.Base
 	for i, q := range w.qps {
 		q.aqpn, q.rpsn = as.QPNs[i], as.PSNs[i]
 	}
-	return nil
+	return w.tr.connect(as)
 }
 
 // watch notices the end of the control connection: the aggregator died,
@@ -403,7 +406,7 @@ func (w *Worker) Close() error {
 		cancel()
 	}
 	w.opMu.Unlock()
-	err := errors.Join(w.ctl.Close(), w.sock.Close())
+	err := errors.Join(w.ctl.Close(), w.tr.close())
 	w.wg.Wait()
 	return err
 }
@@ -413,183 +416,4 @@ func (w *Worker) Stats() Stats {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	return w.stats
-}
-
-// receive is the UC responder of every queue pair: it reassembles the
-// aggregator's writes and hands a complete one to its queue pair.
-func (w *Worker) receive() {
-	defer w.wg.Done()
-	buf := make([]byte, 1<<16)
-	for {
-		n, from, err := w.sock.ReadFromUDPAddrPort(buf)
-		if err != nil {
-			if errors.Is(err, net.ErrClosed) {
-				return
-			}
-			continue
-		}
-		w.handle(buf[:n], from)
-	}
-}
-
-func (w *Worker) handle(b []byte, from netip.AddrPort) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if w.cfg.DropRecv > 0 && w.rng.Float64() < w.cfg.DropRecv {
-		w.stats.Dropped++
-		return
-	}
-	p, err := rocev2.ParseTransport(b)
-	if err != nil || !from.Addr().Is4() {
-		w.stats.StaleReplies++
-		return
-	}
-	ip := rocev2.IPv4{Src: from.Addr().As4(), Dst: w.cfg.Local, DontFragment: true, SrcPort: from.Port()}
-	if rocev2.CheckICRC(&ip, b) != nil {
-		w.stats.StaleReplies++
-		return
-	}
-	q := w.byQPN[p.DestQP]
-	if q == nil {
-		w.stats.StaleReplies++
-		return
-	}
-	if p.Opcode.Starts() {
-		q.active, q.va, q.buf, q.size = true, p.VA, q.buf[:0], int(p.DMALen)
-		if q.size != w.msgB && (q.size != 0 || p.Opcode != rocev2.WriteOnlyWithImm) {
-			q.active = false
-		}
-	} else if !q.active || p.PSN != q.rpsn {
-		q.active = false
-	}
-	q.rpsn = (p.PSN + 1) & psnMask
-	if !q.active || len(p.Payload) != min(q.size, w.cfg.SlotBytes) {
-		q.active = false
-		w.stats.StaleReplies++
-		return
-	}
-	q.buf = append(q.buf, p.Payload...)
-	if !p.Opcode.Ends() {
-		return
-	}
-	q.active = false
-	if len(q.buf) != q.size || q.va != q.want {
-		w.stats.StaleReplies++
-		return
-	}
-	q.want = 0
-	r := reply{va: q.va, imm: p.Imm, buf: append([]byte(nil), q.buf...)}
-	select {
-	case q.result <- r:
-	default:
-	}
-}
-
-// exchange sends one message on q (payload of msgB bytes, immediate imm)
-// and returns the result, resending on timeout. A nil payload sends an
-// exponent-only message (no payload) on q's exponent slot; its result is
-// empty.
-func (w *Worker) exchange(ctx context.Context, q *qp, payload []byte, imm uint32) ([]byte, uint32, error) {
-	slot, set, n := q.first, q.set, w.cfg.MsgSlots
-	if payload == nil {
-		slot, set, n = q.eslot, q.eset, 1
-		q.eset ^= 1
-	} else {
-		q.set ^= 1
-	}
-	q.count++
-	va := uint64(vaBase) + q.count<<20 + uint64(slot)<<8
-	w.mu.Lock()
-	q.want = va
-	w.mu.Unlock()
-	select {
-	case <-q.result: // a result that lost the race with a timeout
-	default:
-	}
-	ip := rocev2.IPv4{Src: w.cfg.Local, Dst: w.aggIP, DontFragment: true, SrcPort: w.cfg.Port}
-	var pkt []byte
-	t := time.NewTimer(0)
-	defer t.Stop()
-	<-t.C
-	for try := 0; ; try++ {
-		if try > w.cfg.Retries {
-			return nil, 0, fmt.Errorf("%w: aggregator %s (data %v): no result after %d sends of a message", ErrAggregator, w.cfg.Control, w.agg, try)
-		}
-		for k := range n {
-			p := rocev2.Packet{DestQP: q.aqpn, PSN: q.psn, PKey: rocev2.DefaultPKey}
-			if payload != nil {
-				p.Payload = payload[k*w.cfg.SlotBytes : (k+1)*w.cfg.SlotBytes]
-			}
-			q.psn = (q.psn + 1) & psnMask
-			switch {
-			case n == 1:
-				p.Opcode = rocev2.WriteOnlyWithImm
-			case k == 0:
-				p.Opcode = rocev2.WriteFirst
-			case k == n-1:
-				p.Opcode = rocev2.WriteLastWithImm
-			default:
-				p.Opcode = rocev2.WriteMiddle
-			}
-			if k == 0 {
-				p.VA, p.RKey, p.DMALen = va, uint32(2*(w.base+slot)+set), uint32(len(payload))
-			}
-			if p.Opcode.HasImm() {
-				p.Imm = imm
-			}
-			var err error
-			if pkt, err = rocev2.AppendUDP(pkt[:0], &ip, &p); err != nil {
-				return nil, 0, err
-			}
-			w.mu.Lock()
-			drop := w.cfg.DropSend > 0 && w.rng.Float64() < w.cfg.DropSend
-			if drop {
-				w.stats.Dropped++
-			} else {
-				w.stats.PacketsSent++
-				w.stats.BytesSent += uint64(len(p.Payload))
-			}
-			w.mu.Unlock()
-			if drop {
-				continue
-			}
-			if w.mangle != nil {
-				w.mangle(pkt)
-			}
-			out := [][]byte{pkt}
-			if w.link != nil {
-				out = w.link(pkt)
-			}
-			for _, b := range out {
-				if _, err := w.sock.WriteToUDPAddrPort(b, w.agg); err != nil && !errors.Is(err, unix.ECONNREFUSED) {
-					return nil, 0, fmt.Errorf("switchml: sending to aggregator %v: %w", w.agg, err)
-				}
-			}
-		}
-		if try > 0 {
-			w.mu.Lock()
-			w.stats.Resent++
-			w.mu.Unlock()
-		}
-		t.Reset(w.cfg.Timeout)
-		select {
-		case r := <-q.result:
-			if r.va != va {
-				continue
-			}
-			w.mu.Lock()
-			w.stats.Messages++
-			w.stats.BytesReceived += uint64(len(r.buf))
-			w.mu.Unlock()
-			return r.buf, r.imm, nil
-		case <-t.C:
-		case <-ctx.Done():
-			return nil, 0, fmt.Errorf("switchml: AllReduce through aggregator %s: %w", w.cfg.Control, context.Cause(ctx))
-		case <-w.dead:
-			w.mu.Lock()
-			err := w.deadErr
-			w.mu.Unlock()
-			return nil, 0, err
-		}
-	}
 }

@@ -1,0 +1,461 @@
+package worker
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"syscall"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/gdrlink/gdrlink/internal/ibv"
+	"github.com/gdrlink/gdrlink/internal/switchml/aggsrv"
+	"github.com/gdrlink/gdrlink/internal/switchml/rocev2"
+)
+
+// ErrNoDevice means this host has no ibverbs device that could carry a
+// worker's queue pairs: no libibverbs, no device, or none with a RoCE v2
+// GID for the worker's address; the error says which.
+var ErrNoDevice = errors.New("switchml: no verbs device for the address")
+
+// Verbs names the ibverbs device, port and GID that a worker's UC queue
+// pairs use (Config.Verbs).
+type Verbs struct {
+	Device   string
+	Port     int // 1 when zero
+	GIDIndex int // a RoCE v2 GID whose IPv4 address is Config.Local
+	// Soft says the device is Soft-RoCE (rdma_rxe: vendor 0xffffff). The
+	// 6.1 kernel's rxe drops every later message of a UC queue pair once
+	// the last packet of a multi-packet write was lost, so callers use
+	// one-packet messages (Config.MsgSlots 1) there.
+	Soft bool
+}
+
+// rxeVendor is rdma_rxe's vendor ID.
+const rxeVendor = 0xffffff
+
+// FindVerbs looks for an ibverbs device with an active port and a RoCE v2
+// GID for the IPv4 address local. It returns the device; or an error
+// matching ErrNoDevice that says what is missing; or another error when
+// it could not tell (a device that would not open or answer).
+func FindVerbs(local [4]byte) (Verbs, error) {
+	if err := ibv.Load(); err != nil {
+		if errors.Is(err, ibv.ErrUnavailable) {
+			return Verbs{}, fmt.Errorf("%w: %w", ErrNoDevice, err)
+		}
+		return Verbs{}, err
+	}
+	devs, err := ibv.Devices()
+	if errors.Is(err, syscall.ENOSYS) {
+		return Verbs{}, fmt.Errorf("%w: the kernel has no RDMA support: %w", ErrNoDevice, err)
+	}
+	if err != nil {
+		return Verbs{}, err
+	}
+	if len(devs) == 0 {
+		return Verbs{}, fmt.Errorf("%w: no ibverbs device", ErrNoDevice)
+	}
+	var unsure []error
+	for _, d := range devs {
+		v, err := findOn(d.Name, local)
+		if err == nil {
+			return v, nil
+		}
+		if !errors.Is(err, ErrNoDevice) {
+			unsure = append(unsure, err)
+		}
+	}
+	if len(unsure) > 0 {
+		return Verbs{}, fmt.Errorf("switchml: looking for a RoCE v2 GID for %v: %w", ipString(local), errors.Join(unsure...))
+	}
+	return Verbs{}, fmt.Errorf("%w: none of %d ibverbs devices has an active port with a RoCE v2 GID for %v", ErrNoDevice, len(devs), ipString(local))
+}
+
+func findOn(name string, local [4]byte) (Verbs, error) {
+	c, err := ibv.Open(name)
+	if err != nil {
+		return Verbs{}, err
+	}
+	defer c.Close()
+	da, err := c.QueryDevice()
+	if err != nil {
+		return Verbs{}, err
+	}
+	for port := 1; port <= da.PhysPortCount; port++ {
+		pa, err := c.QueryPort(port)
+		if err != nil {
+			return Verbs{}, err
+		}
+		if pa.State != ibv.PortActive || pa.LinkLayer != ibv.LinkLayerEthernet {
+			continue
+		}
+		var gids []ibv.GIDEntry
+		for i := range pa.GIDTblLen {
+			if e, err := c.QueryGID(port, i); err == nil {
+				gids = append(gids, e)
+			}
+		}
+		if i, ok := roceV2GID(gids, local); ok {
+			return Verbs{Device: name, Port: port, GIDIndex: i, Soft: da.VendorID == rxeVendor}, nil
+		}
+	}
+	return Verbs{}, fmt.Errorf("%w: %s has no active port with a RoCE v2 GID for %v", ErrNoDevice, name, ipString(local))
+}
+
+// roceV2GID picks the RoCE v2 entry whose GID is the IPv4-mapped address
+// ip.
+func roceV2GID(gids []ibv.GIDEntry, ip [4]byte) (int, bool) {
+	for _, e := range gids {
+		if e.Type == ibv.GIDTypeRoCEv2 && e.GID == mappedGID(ip) {
+			return e.Index, true
+		}
+	}
+	return 0, false
+}
+
+// mappedGID is the GID of an IPv4 address: ::ffff:a.b.c.d.
+func mappedGID(ip [4]byte) ibv.GID {
+	var g ibv.GID
+	g[10], g[11] = 0xff, 0xff
+	copy(g[12:], ip[:])
+	return g
+}
+
+func ipString(ip [4]byte) string { return fmt.Sprintf("%d.%d.%d.%d", ip[0], ip[1], ip[2], ip[3]) }
+
+// RegionVA is where the verbs transport maps its result region, in every
+// worker process: the aggregator writes a result at the address its
+// request named, and a switch, which keeps one address per pool index,
+// needs it to be the same on every worker. One verbs worker per process.
+const RegionVA = 0x3e40_0000_0000
+
+// generations is how many messages of a queue pair have a result place of
+// their own, in turn: a stale reply lands in its own message's place, not
+// in the current one's.
+const generations = 4
+
+// layout places results and send buffers in the region: the result of
+// queue pair q's message number m at resultOff(m % generations, q), and
+// the payload it sends with set s at sendOff(q, s).
+type layout struct {
+	window, msgB int
+}
+
+func (l layout) resultOff(gen, q int) int { return (gen*l.window + q) * l.msgB }
+func (l layout) sendOff(q, set int) int {
+	return (generations*l.window + 2*q + set) * l.msgB
+}
+
+// size is the region's length, in whole pages.
+func (l layout) size() int {
+	n := (generations + 2) * l.window * l.msgB
+	return (n + 4095) &^ 4095
+}
+
+// canary fills b with the 8-byte word c (b's length a multiple of 8).
+func fillCanary(b []byte, c uint64) {
+	for i := 0; i+8 <= len(b); i += 8 {
+		binary.LittleEndian.PutUint64(b[i:], c)
+	}
+}
+
+// isCanary reports whether b still holds only the word c.
+func isCanary(b []byte, c uint64) bool {
+	for i := 0; i+8 <= len(b); i += 8 {
+		if binary.LittleEndian.Uint64(b[i:]) != c {
+			return false
+		}
+	}
+	return true
+}
+
+// Work request IDs: the queue pair's index, and whether a receive.
+func wrID(q int, recv bool) uint64 {
+	id := uint64(q) << 1
+	if recv {
+		id |= 1
+	}
+	return id
+}
+
+func wrQP(id uint64) (q int, recv bool) { return int(id >> 1), id&1 == 1 }
+
+// recvDepth is the receives posted per queue pair, each reposted as it
+// completes; sendDepth the queue pair's send queue.
+const (
+	recvDepth = 32
+	sendDepth = 64
+)
+
+// verbsLink is the verbs transport: Window UC queue pairs on one device,
+// a result region at RegionVA, one completion queue polled by one
+// goroutine that hands each queue pair its result.
+type verbsLink struct {
+	w      *Worker
+	v      Verbs
+	lay    layout
+	c      *ibv.Context
+	pd     *ibv.PD
+	cq     *ibv.CQ
+	mr     *ibv.MR
+	qps    []*ibv.QP
+	mem    []byte // the region
+	canary uint64
+	stop   context.CancelFunc
+	wg     sync.WaitGroup
+	err    error // the first failure of a queue pair or the queue (w.mu)
+}
+
+func newVerbsLink(w *Worker, v Verbs) (_ *verbsLink, err error) {
+	if v.Port == 0 {
+		v.Port = 1
+	}
+	if w.cfg.Port != rocev2.Port || w.cfg.DataPort != rocev2.Port {
+		return nil, fmt.Errorf("%w: a verbs device sends to and receives on UDP port %d, not %d and %d", ErrConfig, rocev2.Port, w.cfg.DataPort, w.cfg.Port)
+	}
+	l := &verbsLink{w: w, v: v, lay: layout{window: w.cfg.Window, msgB: w.msgB},
+		canary: rand.New(rand.NewPCG(w.cfg.Seed^0xca4a, uint64(w.cfg.Rank))).Uint64() | 1}
+	defer func() {
+		if err != nil {
+			l.close()
+		}
+	}()
+	if l.c, err = ibv.Open(v.Device); err != nil {
+		return nil, fmt.Errorf("switchml: verbs device: %w", err)
+	}
+	if l.pd, err = l.c.AllocPD(); err != nil {
+		return nil, fmt.Errorf("switchml: verbs device: %w", err)
+	}
+	n := l.lay.size()
+	p, err := unix.MmapPtr(-1, 0, unsafe.Add(nil, RegionVA), uintptr(n), unix.PROT_READ|unix.PROT_WRITE,
+		unix.MAP_ANON|unix.MAP_PRIVATE|unix.MAP_FIXED_NOREPLACE)
+	if err != nil {
+		return nil, fmt.Errorf("switchml: mapping the result region at %#x (one verbs worker per process): %w", RegionVA, err)
+	}
+	l.mem = unsafe.Slice((*byte)(p), n)
+	if uintptr(p) != RegionVA {
+		return nil, fmt.Errorf("switchml: the result region was mapped at %p, not %#x (a kernel older than 4.17 ignores MAP_FIXED_NOREPLACE)", p, RegionVA)
+	}
+	if l.mr, err = l.pd.RegMR(RegionVA, n, ibv.AccessLocalWrite|ibv.AccessRemoteWrite); err != nil {
+		return nil, fmt.Errorf("switchml: registering the result region: %w", err)
+	}
+	if l.cq, err = l.c.CreateCQ(w.cfg.Window * (recvDepth + sendDepth)); err != nil {
+		return nil, fmt.Errorf("switchml: verbs device: %w", err)
+	}
+	return l, nil
+}
+
+func (l *verbsLink) name() string { return "verbs" }
+
+func (l *verbsLink) announce(a *aggsrv.Announce, qps []*qp) error {
+	a.RKey = l.mr.RKey()
+	for _, q := range qps {
+		x, err := l.pd.CreateUCQP(l.cq, l.cq, ibv.QPCaps{MaxSendWR: sendDepth, MaxRecvWR: recvDepth, MaxSendSGE: 1, MaxRecvSGE: 1})
+		if err != nil {
+			return fmt.Errorf("switchml: queue pair %d: %w", q.idx, err)
+		}
+		l.qps = append(l.qps, x)
+		if err := x.ToInit(l.v.Port, 0, ibv.AccessLocalWrite|ibv.AccessRemoteWrite); err != nil {
+			return fmt.Errorf("switchml: queue pair %d: %w", q.idx, err)
+		}
+		q.qpn = x.QPN()
+		a.QPNs = append(a.QPNs, q.qpn)
+		a.PSNs = append(a.PSNs, q.psn)
+	}
+	return nil
+}
+
+func (l *verbsLink) connect(as aggsrv.Assignment) error {
+	dgid := mappedGID(as.Addr)
+	recvs := make([]ibv.RecvWR, recvDepth)
+	for i, q := range l.w.qps {
+		x := l.qps[i]
+		if err := x.ToRTR(ibv.RTRAttr{DestQPN: q.aqpn, RQPSN: q.rpsn, MTU: l.w.cfg.SlotBytes, Global: true, DGID: dgid,
+			SGIDIndex: l.v.GIDIndex, HopLimit: 64, Port: l.v.Port}); err != nil {
+			return fmt.Errorf("switchml: queue pair %d to aggregator %v: %w", i, ipString(as.Addr), err)
+		}
+		if err := x.ToRTS(ibv.RTSAttr{SQPSN: q.psn}); err != nil {
+			return fmt.Errorf("switchml: queue pair %d: %w", i, err)
+		}
+		for k := range recvs {
+			recvs[k] = ibv.RecvWR{WRID: wrID(i, true)}
+		}
+		if _, err := x.PostRecv(recvs, nil); err != nil {
+			return fmt.Errorf("switchml: queue pair %d: posting receives: %w", i, err)
+		}
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	l.stop = cancel
+	l.wg.Add(1)
+	go l.poll(ctx)
+	return nil
+}
+
+func (l *verbsLink) replyVA(q *qp, count uint64, slot int) uint64 {
+	return RegionVA + uint64(l.lay.resultOff(int(count%generations), q.idx))
+}
+
+// expect fills the message's result place with the canary, so that a
+// completion can tell whether the current message's result arrived.
+func (l *verbsLink) expect(q *qp, m *message) {
+	off := int(m.va - RegionVA)
+	fillCanary(l.mem[off:off+len(m.payload)], l.canary)
+}
+
+func (l *verbsLink) send(q *qp, m *message) error {
+	w := l.w
+	w.mu.Lock()
+	err := l.err
+	drop := err == nil && w.cfg.DropSend > 0 && w.rng.Float64() < w.cfg.DropSend
+	if drop {
+		w.stats.Dropped += uint64(m.n)
+	} else if err == nil {
+		w.stats.PacketsSent += uint64(m.n)
+		w.stats.BytesSent += uint64(len(m.payload))
+	}
+	w.mu.Unlock()
+	if err != nil || drop {
+		return err
+	}
+	wr := ibv.SendWR{WRID: wrID(q.idx, false), Opcode: ibv.WRWriteImm, Flags: ibv.SendSignaled,
+		RemoteAddr: m.va, RKey: m.rkey, Imm: m.imm}
+	var sge []ibv.SGE
+	if len(m.payload) > 0 {
+		off := l.lay.sendOff(q.idx, m.set)
+		copy(l.mem[off:], m.payload)
+		wr.NumSGE = 1
+		sge = []ibv.SGE{{Addr: RegionVA + uint64(off), Length: uint32(len(m.payload)), LKey: l.mr.LKey()}}
+	}
+	if _, err := l.qps[q.idx].PostSend([]ibv.SendWR{wr}, sge); err != nil {
+		return fmt.Errorf("switchml: queue pair %d: %w", q.idx, err)
+	}
+	return nil
+}
+
+// poll takes completions until ctx ends, sleeping on the completion
+// channel when there are none.
+func (l *verbsLink) poll(ctx context.Context) {
+	defer l.wg.Done()
+	wc := make([]ibv.WC, 64)
+	armed := false
+	for {
+		n, err := l.cq.Poll(wc)
+		if err != nil {
+			l.fail(err)
+			return
+		}
+		if n == 0 {
+			if !armed {
+				if err := l.cq.Arm(); err != nil {
+					l.fail(err)
+					return
+				}
+				armed = true
+				continue // a completion may have come before the arm
+			}
+			if err := l.cq.WaitEvent(ctx); err != nil {
+				if ctx.Err() == nil {
+					l.fail(err)
+				}
+				return
+			}
+			armed = false
+			continue
+		}
+		for _, e := range wc[:n] {
+			l.complete(e)
+		}
+	}
+}
+
+func (l *verbsLink) fail(err error) {
+	w := l.w
+	w.mu.Lock()
+	if l.err == nil {
+		l.err = fmt.Errorf("switchml: verbs device %s: %w", l.v.Device, err)
+	}
+	w.mu.Unlock()
+}
+
+// complete handles one completion: a send's is only checked; a receive's
+// is reposted and, if it is the current message's result, handed over.
+func (l *verbsLink) complete(e ibv.WC) {
+	qi, recv := wrQP(e.WRID)
+	w := l.w
+	if qi >= len(w.qps) {
+		return
+	}
+	if e.Status != ibv.WCSuccess {
+		l.fail(fmt.Errorf("queue pair %d: completion status %d (vendor error %#x)", qi, e.Status, e.VendorErr))
+		return
+	}
+	if !recv {
+		return
+	}
+	if _, err := l.qps[qi].PostRecv([]ibv.RecvWR{{WRID: wrID(qi, true)}}, nil); err != nil {
+		l.fail(fmt.Errorf("queue pair %d: reposting a receive: %w", qi, err))
+	}
+	q := w.qps[qi]
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.cfg.DropRecv > 0 && w.rng.Float64() < w.cfg.DropRecv {
+		w.stats.Dropped++
+		return
+	}
+	if !l.current(q, e) {
+		w.stats.StaleReplies++
+		return
+	}
+	off := int(q.want - RegionVA)
+	r := reply{va: q.want, imm: e.Imm, buf: append([]byte(nil), l.mem[off:off+q.wantSize]...)}
+	q.want = 0
+	select {
+	case q.result <- r:
+	default:
+	}
+}
+
+// current reports whether completion e is the result of the message q
+// awaits: a write with immediate of its length that changed its place
+// (which held the canary). w.mu is held.
+func (l *verbsLink) current(q *qp, e ibv.WC) bool {
+	if q.want == 0 || e.Flags&ibv.WCWithImm == 0 || int(e.ByteLen) != q.wantSize {
+		return false
+	}
+	off := int(q.want - RegionVA)
+	return q.wantSize == 0 || !isCanary(l.mem[off:off+q.wantSize], l.canary)
+}
+
+// close stops the poller and releases the queue pairs, the queue, the
+// region and the device.
+func (l *verbsLink) close() error {
+	if l.stop != nil {
+		l.stop()
+	}
+	l.wg.Wait()
+	var errs []error
+	for _, x := range l.qps {
+		errs = append(errs, x.Close())
+	}
+	if l.cq != nil {
+		errs = append(errs, l.cq.Close())
+	}
+	if l.mr != nil {
+		errs = append(errs, l.mr.Close())
+	}
+	if l.mem != nil {
+		errs = append(errs, unix.MunmapPtr(unsafe.Pointer(unsafe.SliceData(l.mem)), uintptr(len(l.mem))))
+	}
+	if l.pd != nil {
+		errs = append(errs, l.pd.Close())
+	}
+	if l.c != nil {
+		errs = append(errs, l.c.Close())
+	}
+	l.qps, l.cq, l.mr, l.mem, l.pd, l.c = nil, nil, nil, nil, nil, nil
+	return errors.Join(errs...)
+}

@@ -1,0 +1,291 @@
+package gdrlink
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/gdrlink/gdrlink/internal/ibv"
+	"github.com/gdrlink/gdrlink/internal/jobauth"
+	"github.com/gdrlink/gdrlink/internal/switchml/aggsrv"
+	"github.com/gdrlink/gdrlink/internal/switchml/rocev2"
+	"github.com/gdrlink/gdrlink/tensor"
+)
+
+// rxeAggEnv makes the test binary the aggregator of TestSwitchMLVerbsRXE:
+// its value is the address to serve on; rxeAggEnv_DROP the share of
+// packets it drops.
+const rxeAggEnv = "GDRLINK_TEST_SWITCHML_RXE_AGG"
+
+// runRXEAggregator serves at the address of rxeAggEnv (control on a free
+// TCP port, data on RoCEv2's), prints "ready CONTROL", and serves until
+// its standard input closes, then prints its counters. rxe's requests
+// carry an IPv4 identification that their ICRC covers and a UDP socket
+// does not show, so it does not check their ICRC (aggsrv's TestRXEWorkers
+// says more); the workers' rxe checks the ICRC of its replies.
+func runRXEAggregator() error {
+	key, _, err := jobauth.FromEnv(os.Getenv)
+	if err != nil {
+		return err
+	}
+	host := os.Getenv(rxeAggEnv)
+	drop, _ := strconv.ParseFloat(os.Getenv(rxeAggEnv+"_DROP"), 64)
+	cl, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
+	if err != nil {
+		return err
+	}
+	dc, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.ParseIP(host), Port: rocev2.Port})
+	if err != nil {
+		return err
+	}
+	s, err := aggsrv.New(aggsrv.Config{Key: key, Control: cl, Data: dc, Seed: 11, SetupTimeout: 60 * time.Second, Drop: drop, SkipICRC: true})
+	if err != nil {
+		return err
+	}
+	go s.Serve()
+	fmt.Printf("ready %s\n", cl.Addr())
+	io.Copy(io.Discard, os.Stdin)
+	st := s.Stats()
+	if err := s.Close(); err != nil {
+		return err
+	}
+	b, _ := json.Marshal(st)
+	fmt.Printf("stats %s\n", b)
+	return nil
+}
+
+// The tensors of the rxe job: sizes not multiples of a message.
+const (
+	rxeFloats = 20_003
+	rxeInts   = 12_011
+)
+
+// rxeF32 is rank r's float32 element i: a multiple of 1/4 below 2 in
+// magnitude, so the block-floating-point sum of up to 8 ranks is exact.
+func rxeF32(r, i int) float32 { return float32((r*7919+i*104729)%15-7) / 4 }
+
+// rxeI32 is rank r's int32 element i, large enough that sums wrap.
+func rxeI32(r, i int) int32 { return int32(uint32(r+1)*0x9e3779b1 + uint32(i)*0x85ebca6b) }
+
+// switchmlRXEJob all-reduces a float32 and an int32 tensor through the
+// aggregator, each result checked element by element against the exact
+// sum computed here, and reports their digests and the transport.
+func switchmlRXEJob(ctx context.Context, g *Group, rep *childReport) error {
+	n, r := g.Size(), g.Rank()
+	t, err := g.NewTensor(tensor.Float32, rxeFloats)
+	if err != nil {
+		return err
+	}
+	v, _ := tensor.View[float32](t)
+	for i := range v {
+		v[i] = rxeF32(r, i)
+	}
+	start := time.Now()
+	cr, err := g.AllReduce(ctx, t, Sum)
+	if err != nil {
+		return err
+	}
+	if cr.Backend != "switchml" || len(cr.Links) != 1 || cr.Links[0].Provider != "switchml/verbs" {
+		return fmt.Errorf("float32 report %+v: want backend switchml over verbs", cr)
+	}
+	rep.Paths = append(rep.Paths, fmt.Sprintf("float32 %d B in %v (%d messages)", cr.Bytes, time.Since(start).Round(time.Millisecond), cr.Links[0].Transfers))
+	for i := range v {
+		var s float32
+		for q := range n {
+			s += rxeF32(q, i)
+		}
+		if v[i] != s {
+			return fmt.Errorf("float32 element %d: %v, want %v", i, v[i], s)
+		}
+	}
+	rep.Digests = append(rep.Digests, digest(t))
+	_ = t.Release()
+
+	x, err := g.NewTensor(tensor.Int32, rxeInts)
+	if err != nil {
+		return err
+	}
+	xv, _ := tensor.View[int32](x)
+	for i := range xv {
+		xv[i] = rxeI32(r, i)
+	}
+	start = time.Now()
+	cr, err = g.AllReduce(ctx, x, Sum)
+	if err != nil {
+		return err
+	}
+	rep.Paths = append(rep.Paths, fmt.Sprintf("int32 %d B in %v (%d messages)", cr.Bytes, time.Since(start).Round(time.Millisecond), cr.Links[0].Transfers))
+	for i := range xv {
+		var s int32
+		for q := range n {
+			s += rxeI32(q, i)
+		}
+		if xv[i] != s {
+			return fmt.Errorf("int32 element %d: %d, want %d", i, xv[i], s)
+		}
+	}
+	rep.Digests = append(rep.Digests, digest(x))
+	return nil
+}
+
+// TestSwitchMLVerbsRXE: in the Soft-RoCE guest (GDRLINK_TEST_ROCE_VETH=1,
+// as root), ranks joined through the front door all-reduce float32 and
+// int32 tensors through an aggregator process in a network namespace of
+// its own, joined to the root one by veth whose root-side end has a
+// Soft-RoCE device, with GDRLINK_SWITCHML_TRANSPORT=verbs: the workers'
+// UC queue pairs live on that device. 2, 4 and 8 ranks without loss, then
+// 4 ranks with 2% loss at the aggregator and with 5% loss on the link
+// (nftables in the aggregator's namespace, both ways). Every result is
+// the exact sum, bitwise the same on every rank, and with loss bitwise the
+// lossless one.
+func TestSwitchMLVerbsRXE(t *testing.T) {
+	if os.Getenv("GDRLINK_TEST_ROCE_VETH") != "1" {
+		t.Skip("skipping: set GDRLINK_TEST_ROCE_VETH=1 where this test may make namespaces and Soft-RoCE devices (the guest of make test-rdma does)")
+	}
+	if os.Geteuid() != 0 {
+		t.Fatal("GDRLINK_TEST_ROCE_VETH=1 but not root")
+	}
+	if err := ibv.Load(); err != nil {
+		t.Fatalf("GDRLINK_TEST_ROCE_VETH=1 but libibverbs: %v", err)
+	}
+	var tools []string
+	for _, name := range []string{"ip", "rdma", "nft"} {
+		p, err := exec.LookPath(name)
+		if err != nil {
+			t.Fatalf("GDRLINK_TEST_ROCE_VETH=1 but %s is missing (Debian: iproute2, nftables): %v", name, err)
+		}
+		tools = append(tools, p)
+	}
+	ip, rdma, nft := tools[0], tools[1], tools[2]
+	run := func(args ...string) {
+		t.Helper()
+		if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
+			t.Fatalf("%v: %v: %s", args, err, out)
+		}
+	}
+	id := os.Getpid() % 100000
+	ns, vr, vn, dev := fmt.Sprintf("gdrsv-%d", id), fmt.Sprintf("svr%d", id), fmt.Sprintf("svn%d", id), fmt.Sprintf("rxsv%d", id)
+	exec.Command("modprobe", "veth").Run()
+	run(ip, "netns", "add", ns)
+	t.Cleanup(func() { exec.Command(ip, "netns", "del", ns).Run() })
+	run(ip, "link", "add", vr, "type", "veth", "peer", "name", vn)
+	t.Cleanup(func() { exec.Command(ip, "link", "del", vr).Run() })
+	run(ip, "link", "set", vn, "netns", ns)
+	run(ip, "addr", "add", "10.235.0.10/24", "dev", vr)
+	run(ip, "-n", ns, "addr", "add", "10.235.0.2/24", "dev", vn)
+	run(ip, "-n", ns, "link", "set", "lo", "up")
+	run(ip, "-n", ns, "link", "set", vn, "up")
+	run(ip, "link", "set", vr, "up")
+	run(rdma, "link", "add", dev, "type", "rxe", "netdev", vr)
+	t.Cleanup(func() { exec.Command(rdma, "link", "delete", dev).Run() })
+	const want = "0000:0000:0000:0000:0000:ffff:0aeb:000a"
+	found := false
+	for deadline := time.Now().Add(15 * time.Second); !found && time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		files, _ := filepath.Glob("/sys/class/infiniband/" + dev + "/ports/1/gids/*")
+		for _, f := range files {
+			if b, err := os.ReadFile(f); err == nil && strings.TrimSpace(string(b)) == want {
+				found = true
+			}
+		}
+	}
+	if !found {
+		t.Fatalf("%s has no GID %s after 15 s", dev, want)
+	}
+	_, secret, err := jobauth.Generate()
+	if err != nil {
+		t.Fatal(err)
+	}
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	const table = "gdrlink_switchml_verbs_test"
+	runJob := func(name string, size int, aggDrop string, link bool) []childReport {
+		t.Helper()
+		if link {
+			for _, cmd := range [][]string{
+				{"add", "table", "inet", table},
+				{"add", "chain", "inet", table, "out", "{ type filter hook output priority 0; }"},
+				{"add", "chain", "inet", table, "in", "{ type filter hook input priority 0; }"},
+				{"add", "rule", "inet", table, "out", "udp", "dport", "4791", "numgen", "random", "mod", "100", "<", "5", "counter", "drop"},
+				{"add", "rule", "inet", table, "in", "udp", "dport", "4791", "numgen", "random", "mod", "100", "<", "5", "counter", "drop"},
+			} {
+				run(append([]string{ip, "netns", "exec", ns, nft}, cmd...)...)
+			}
+			defer func() {
+				out, _ := exec.Command(ip, "netns", "exec", ns, nft, "list", "table", "inet", table).CombinedOutput()
+				t.Logf("%s: nft counters:\n%s", name, out)
+				exec.Command(ip, "netns", "exec", ns, nft, "delete", "table", "inet", table).Run()
+			}()
+		}
+		agg := exec.Command(ip, "netns", "exec", ns, self, "-test.run=^$")
+		agg.Env = append(os.Environ(), rxeAggEnv+"=10.235.0.2", rxeAggEnv+"_DROP="+aggDrop, jobauth.KeyEnv+"="+secret)
+		stdin, _ := agg.StdinPipe()
+		stdout, _ := agg.StdoutPipe()
+		agg.Stderr = os.Stderr
+		if err := agg.Start(); err != nil {
+			t.Fatal(err)
+		}
+		defer agg.Process.Kill()
+		out := bufio.NewScanner(stdout)
+		if !out.Scan() {
+			t.Fatalf("%s: the aggregator process said nothing", name)
+		}
+		f := strings.Fields(out.Text())
+		if len(f) != 2 || f[0] != "ready" {
+			t.Fatalf("%s: aggregator: %q", name, out.Text())
+		}
+		start := time.Now()
+		j := startJob(t, "switchml-rxe", size, "127.0.0.1", func(int) []string { return nil }, func(int) []string {
+			return []string{"GDRLINK_PROVIDER=tcp", "GDRLINK_AGGREGATOR=" + f[1], "GDRLINK_SWITCHML_TRANSPORT=verbs", "GDRLINK_JOB_KEY=" + secret}
+		})
+		reps := j.wait(4 * time.Minute)
+		took := time.Since(start)
+		stdin.Close()
+		for out.Scan() {
+			t.Logf("%s: aggregator: %s", name, out.Text())
+		}
+		agg.Wait()
+		t.Logf("%s: %d ranks in %v; rank 0: %v", name, size, took.Round(time.Millisecond), reps[0].Paths)
+		for r, rep := range reps {
+			if len(rep.Digests) != 2 {
+				t.Fatalf("%s: rank %d: %d results", name, r, len(rep.Digests))
+			}
+			for i, d := range rep.Digests {
+				if d != reps[0].Digests[i] {
+					t.Errorf("%s: rank %d: result %d differs from rank 0's", name, r, i)
+				}
+			}
+		}
+		return reps
+	}
+	var lossless4 []childReport
+	for _, size := range []int{2, 4, 8} {
+		reps := runJob(fmt.Sprintf("lossless, %d ranks", size), size, "0", false)
+		if size == 4 {
+			lossless4 = reps
+		}
+	}
+	for _, c := range []struct {
+		name string
+		drop string
+		link bool
+	}{{"aggregator loss 2%, 4 ranks", "0.02", false}, {"link loss 5% both ways, 4 ranks", "0", true}} {
+		reps := runJob(c.name, 4, c.drop, c.link)
+		for i, d := range reps[0].Digests {
+			if d != lossless4[0].Digests[i] {
+				t.Errorf("%s: result %d differs from the lossless run's", c.name, i)
+			}
+		}
+	}
+}
