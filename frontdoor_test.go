@@ -353,6 +353,17 @@ func (j *job) waitDead(limit time.Duration, victim int) []childReport {
 		<-done
 		j.t.Fatalf("the job did not end within %v", limit)
 	}
+	// Every rank that failed is named: the first one's error is often
+	// only that another left.
+	var failed []string
+	for r, c := range j.cmds {
+		if r != victim && !c.ProcessState.Success() {
+			failed = append(failed, fmt.Sprintf("rank %d: %v: %s", r, c.ProcessState, j.errs[r].String()))
+		}
+	}
+	if len(failed) > 0 {
+		j.t.Fatal(strings.Join(failed, "\n"))
+	}
 	reps := make([]childReport, len(j.cmds))
 	for r, c := range j.cmds {
 		if r == victim {

@@ -31,8 +31,9 @@ const rxeAggEnv = "GDRLINK_TEST_SWITCHML_RXE_AGG"
 // TCP port, data on RoCEv2's), prints "ready CONTROL", and serves until
 // its standard input closes, then prints its counters. rxe's requests
 // carry an IPv4 identification that their ICRC covers and a UDP socket
-// does not show, so it does not check their ICRC (aggsrv's TestRXEWorkers
-// says more); the workers' rxe checks the ICRC of its replies.
+// does not show, so it reads a raw IPv4 socket to check their ICRC
+// (aggsrv's package doc says more); the workers' rxe checks the ICRC of
+// its replies.
 func runRXEAggregator() error {
 	key, _, err := jobauth.FromEnv(os.Getenv)
 	if err != nil {
@@ -48,7 +49,7 @@ func runRXEAggregator() error {
 	if err != nil {
 		return err
 	}
-	s, err := aggsrv.New(aggsrv.Config{Key: key, Control: cl, Data: dc, Seed: 11, SetupTimeout: 60 * time.Second, Drop: drop, SkipICRC: true})
+	s, err := aggsrv.New(aggsrv.Config{Key: key, Control: cl, Data: dc, Seed: 11, SetupTimeout: 60 * time.Second, Drop: drop, RawIPv4: aggsrv.RawOn})
 	if err != nil {
 		return err
 	}
@@ -98,7 +99,7 @@ func switchmlRXEJob(ctx context.Context, g *Group, rep *childReport) error {
 	if cr.Backend != "switchml" || len(cr.Links) != 1 || cr.Links[0].Provider != "switchml/verbs" {
 		return fmt.Errorf("float32 report %+v: want backend switchml over verbs", cr)
 	}
-	rep.Paths = append(rep.Paths, fmt.Sprintf("float32 %d B in %v (%d messages)", cr.Bytes, time.Since(start).Round(time.Millisecond), cr.Links[0].Transfers))
+	rep.Paths = append(rep.Paths, fmt.Sprintf("float32 %d B in %v (%d messages, %d B sent)", cr.Bytes, time.Since(start).Round(time.Millisecond), cr.Links[0].Transfers, cr.Sent))
 	for i := range v {
 		var s float32
 		for q := range n {
@@ -124,7 +125,7 @@ func switchmlRXEJob(ctx context.Context, g *Group, rep *childReport) error {
 	if err != nil {
 		return err
 	}
-	rep.Paths = append(rep.Paths, fmt.Sprintf("int32 %d B in %v (%d messages)", cr.Bytes, time.Since(start).Round(time.Millisecond), cr.Links[0].Transfers))
+	rep.Paths = append(rep.Paths, fmt.Sprintf("int32 %d B in %v (%d messages, %d B sent)", cr.Bytes, time.Since(start).Round(time.Millisecond), cr.Links[0].Transfers, cr.Sent))
 	for i := range xv {
 		var s int32
 		for q := range n {
@@ -144,10 +145,17 @@ func switchmlRXEJob(ctx context.Context, g *Group, rep *childReport) error {
 // its own, joined to the root one by veth whose root-side end has a
 // Soft-RoCE device, with GDRLINK_SWITCHML_TRANSPORT=verbs: the workers'
 // UC queue pairs live on that device. 2, 4 and 8 ranks without loss, then
-// 4 ranks with 2% loss at the aggregator and with 5% loss on the link
-// (nftables in the aggregator's namespace, both ways). Every result is
-// the exact sum, bitwise the same on every rank, and with loss bitwise the
-// lossless one.
+// 4 ranks with 2% loss at the aggregator, with 5% loss on the link
+// (nftables in the aggregator's namespace, both ways) and with 5% of the
+// requests corrupted on the link (nftables rewrites 4 payload bytes on the
+// way in). The aggregator reads a raw IPv4 socket and checks every
+// request's ICRC over the IP ID rxe wrote: without corruption none fails;
+// with it, the corrupted ones are counted as BadICRC and not added, and
+// the workers resend: the aggregator adds as many packets as in the
+// lossless run, each once. (Resends alone say little here: under
+// emulation the lossless runs resend too, workers being late past the
+// 50 ms timeout.) Every result is the exact sum, bitwise the same on every
+// rank, and with loss or corruption bitwise the lossless one.
 func TestSwitchMLVerbsRXE(t *testing.T) {
 	if os.Getenv("GDRLINK_TEST_ROCE_VETH") != "1" {
 		t.Skip("skipping: set GDRLINK_TEST_ROCE_VETH=1 where this test may make namespaces and Soft-RoCE devices (the guest of make test-rdma does)")
@@ -210,16 +218,27 @@ func TestSwitchMLVerbsRXE(t *testing.T) {
 		t.Fatal(err)
 	}
 	const table = "gdrlink_switchml_verbs_test"
-	runJob := func(name string, size int, aggDrop string, link bool) []childReport {
+	runJob := func(name string, size int, aggDrop string, link string) ([]childReport, aggsrv.Stats) {
 		t.Helper()
-		if link {
-			for _, cmd := range [][]string{
+		if link != "" {
+			rules := [][]string{
 				{"add", "table", "inet", table},
 				{"add", "chain", "inet", table, "out", "{ type filter hook output priority 0; }"},
 				{"add", "chain", "inet", table, "in", "{ type filter hook input priority 0; }"},
-				{"add", "rule", "inet", table, "out", "udp", "dport", "4791", "numgen", "random", "mod", "100", "<", "5", "counter", "drop"},
-				{"add", "rule", "inet", table, "in", "udp", "dport", "4791", "numgen", "random", "mod", "100", "<", "5", "counter", "drop"},
-			} {
+			}
+			switch link {
+			case "loss":
+				rules = append(rules,
+					[]string{"add", "rule", "inet", table, "out", "udp", "dport", "4791", "numgen", "random", "mod", "100", "<", "5", "counter", "drop"},
+					[]string{"add", "rule", "inet", table, "in", "udp", "dport", "4791", "numgen", "random", "mod", "100", "<", "5", "counter", "drop"})
+			case "corrupt":
+				// Bytes 44-47 of the UDP payload: payload bytes of a
+				// one-packet write with immediate (after BTH, RETH and
+				// ImmDt), so the packet still parses and only its ICRC
+				// is wrong.
+				rules = append(rules, []string{"add", "rule", "inet", table, "in", "udp", "dport", "4791", "numgen", "random", "mod", "100", "<", "5", "counter", "@th,352,32", "set", "0xdeadbeef"})
+			}
+			for _, cmd := range rules {
 				run(append([]string{ip, "netns", "exec", ns, nft}, cmd...)...)
 			}
 			defer func() {
@@ -252,10 +271,18 @@ func TestSwitchMLVerbsRXE(t *testing.T) {
 		reps := j.wait(4 * time.Minute)
 		took := time.Since(start)
 		stdin.Close()
+		var st aggsrv.Stats
+		gotStats := false
 		for out.Scan() {
 			t.Logf("%s: aggregator: %s", name, out.Text())
+			if b, ok := strings.CutPrefix(out.Text(), "stats "); ok {
+				gotStats = json.Unmarshal([]byte(b), &st) == nil
+			}
 		}
 		agg.Wait()
+		if !gotStats {
+			t.Fatalf("%s: the aggregator printed no counters", name)
+		}
 		t.Logf("%s: %d ranks in %v; rank 0: %v", name, size, took.Round(time.Millisecond), reps[0].Paths)
 		for r, rep := range reps {
 			if len(rep.Digests) != 2 {
@@ -267,21 +294,32 @@ func TestSwitchMLVerbsRXE(t *testing.T) {
 				}
 			}
 		}
-		return reps
+		if link != "corrupt" && (st.BadICRC != 0 || st.BadPackets != 0) {
+			t.Errorf("%s: %d packets failed their ICRC, %d did not parse: want none (the raw socket shows rxe's IP ID)", name, st.BadICRC, st.BadPackets)
+		}
+		return reps, st
 	}
 	var lossless4 []childReport
+	var lossless4St aggsrv.Stats
 	for _, size := range []int{2, 4, 8} {
-		reps := runJob(fmt.Sprintf("lossless, %d ranks", size), size, "0", false)
+		reps, st := runJob(fmt.Sprintf("lossless, %d ranks", size), size, "0", "")
 		if size == 4 {
-			lossless4 = reps
+			lossless4, lossless4St = reps, st
 		}
 	}
 	for _, c := range []struct {
 		name string
 		drop string
-		link bool
-	}{{"aggregator loss 2%, 4 ranks", "0.02", false}, {"link loss 5% both ways, 4 ranks", "0", true}} {
-		reps := runJob(c.name, 4, c.drop, c.link)
+		link string
+	}{{"aggregator loss 2%, 4 ranks", "0.02", ""}, {"link loss 5% both ways, 4 ranks", "0", "loss"},
+		{"link corruption 5% of requests, 4 ranks", "0", "corrupt"}} {
+		reps, st := runJob(c.name, 4, c.drop, c.link)
+		t.Logf("%s: aggregator: %d packets added (lossless %d), %d duplicates, %d results resent, %d bad ICRC",
+			c.name, st.Applied, lossless4St.Applied, st.Duplicates, st.Resent, st.BadICRC)
+		if c.link == "corrupt" && (st.BadICRC == 0 || st.Applied != lossless4St.Applied || st.Completed != lossless4St.Completed) {
+			t.Errorf("%s: %d packets failed their ICRC; %d added and %d messages completed, against %d and %d lossless: want corrupted packets dropped, resent and each packet added once",
+				c.name, st.BadICRC, st.Applied, st.Completed, lossless4St.Applied, lossless4St.Completed)
+		}
 		for i, d := range reps[0].Digests {
 			if d != lossless4[0].Digests[i] {
 				t.Errorf("%s: result %d differs from the lossless run's", c.name, i)

@@ -142,7 +142,7 @@ func runAllReduce(ctx context.Context, env *Env) error {
 				// and size (on the first provider): ratio above 1 is
 				// switchml ahead.
 				r := newResult("allreduce", fmt.Sprintf("switchml/%dw", w), row.Size, rateGBs(row.Size, d), "GB/s", ringRate[row.Size], ringName)
-				r.Note = fmt.Sprintf("%d worker processes through a software aggregator (aggsrv, in the bench process) over UDP on loopback, float32 average, median of %d", w, reps)
+				r.Note = fmt.Sprintf("%d worker processes through a software aggregator (aggsrv, in the bench process) at a UDP port of its own on loopback, float32 average, median of %d; results over %s (switchml/udp: software workers)", w, reps, row.Links)
 				env.Emit(r)
 				wire := newResult("allreduce", fmt.Sprintf("wire/switchml/%dw", w), row.Size, float64(row.Sent), "B", 0, "")
 				wire.Note = "payload bytes one worker sent per call: S rounded up to 4 KiB (the exponents of each queue pair's first message ride in a zero-length write), plus 4 KiB for each message resent after a timeout (a lost packet, or another worker more than the 50 ms timeout late)"

@@ -20,7 +20,12 @@
 #   RDMA_TEST_RUN       -test.run pattern for every binary (default: the
 #                       package's pattern in scripts/test-rdma.pkgs, or all)
 #   RDMA_TEST_RACE=1    build the binaries with the race detector
-#   RDMA_TEST_BENCH=0   skip the benchmark program's reg/xfer scenarios
+#   RDMA_TEST_BENCH=0   skip the benchmark program's reg/xfer and allreduce
+#                       scenarios
+#   RDMA_BENCH_ARGS     bench flags for reg/xfer (default: quick sizes, ibverbs)
+#   RDMA_BENCH_ALLREDUCE_ARGS  bench flags for allreduce (default: quick
+#                       sizes, 2 and 4 workers, the ring over ibverbs and
+#                       switchml rows, no MPI baseline)
 #   RDMA_TEST_TIMEOUT   seconds per test binary in the guest (default 300)
 #   RDMA_GUEST_TIMEOUT  seconds for the whole guest (default 900)
 #   RDMA_GUEST_MEM      guest memory in MiB (default 2048)
@@ -128,11 +133,16 @@ while read -r p pattern envs; do
     log "$ip has no tests"
   fi
 done <<< "$plist"
-bench="" bench_scenarios=""
+bench="" bench_scenarios="" bench_allreduce=""
 if [ "${RDMA_TEST_BENCH:-1}" = 1 ]; then
   # The scenarios that measure the ibverbs provider, those that exist.
   for s in reg xfer; do [ -e "bench/scenario_$s.go" ] && bench_scenarios=${bench_scenarios:+$bench_scenarios,}$s; done
-  if [ -n "$bench_scenarios" ]; then
+  # The allreduce scenario runs apart, with its own flags: the ring over
+  # ibverbs and switchml (a software aggregator in the bench process; its
+  # workers reach it over UDP on loopback, since rxe holds port 4791 here)
+  # side by side.
+  [ -e bench/scenario_allreduce.go ] && bench_allreduce=allreduce
+  if [ -n "$bench_scenarios$bench_allreduce" ]; then
     log "building the benchmark program"
     if go build -o "$work/bin/bench" ./bench; then bench=$work/bin/bench; else log "bench does not build: its scenarios are left out"; fi
   fi
@@ -144,6 +154,9 @@ fi
   printf 'bench_scenarios=%q\n' "$bench_scenarios"
   # Quick sizes, and only the provider under test where xfer has others.
   printf 'bench_args=%q\n' "${RDMA_BENCH_ARGS:--quick -set xfer.providers=ibverbs}"
+  printf 'bench_allreduce=%q\n' "$bench_allreduce"
+  # 4 KiB to 1 MiB (-quick), 3 repetitions: the guest has 2 emulated CPUs.
+  printf 'bench_allreduce_args=%q\n' "${RDMA_BENCH_ALLREDUCE_ARGS:--quick -set allreduce.providers=ibverbs -set allreduce.switchml=on -set allreduce.workers=2,4 -set allreduce.mpi=off}"
 } > "$work/env"
 
 # --- 5. The guest: an initramfs that mounts the host's root and runs guest.sh.
@@ -222,10 +235,15 @@ while read -r name bin pkg dir pattern envs; do
   echo "\$st \$name \$pkg \$t0 \$t1" >> "\$work/out/summary"
   [ "\$st" = 0 ] || rc=1
 done < "\$work/list"
-if [ -n "\$bench" ]; then
+if [ -n "\$bench" ] && [ -n "\$bench_scenarios" ]; then
   echo "=== test-rdma: bench -scenario \$bench_scenarios"
   (cd /var/tmp && timeout -k 10 \$per "\$bench" -scenario "\$bench_scenarios" \$bench_args 2>&1) | tee "\$work/out/bench-scenarios.log"
   [ "\${PIPESTATUS[0]}" = 0 ] || { echo "test-rdma: bench failed"; rc=1; }
+fi
+if [ -n "\$bench" ] && [ -n "\$bench_allreduce" ]; then
+  echo "=== test-rdma: bench -scenario allreduce \$bench_allreduce_args"
+  (cd /var/tmp && timeout -k 10 \$per "\$bench" -scenario allreduce \$bench_allreduce_args 2>&1) | tee "\$work/out/bench-allreduce.log"
+  [ "\${PIPESTATUS[0]}" = 0 ] || { echo "test-rdma: bench allreduce failed"; rc=1; }
 fi
 echo \$rc > "\$work/out/rc"
 sync

@@ -13,6 +13,14 @@
 // Soft-RoCE or a RoCE NIC, give the aggregator an address of its own (a
 // network namespace). On SIGINT or SIGTERM it prints its counters as JSON
 // and exits.
+//
+// The ICRC of a worker's packet covers its IPv4 header's identification,
+// which a UDP socket does not show. With -raw auto (the default) or on, the
+// aggregator reads packets from a raw IPv4 socket (CAP_NET_RAW) and checks
+// the ICRC over the ID each packet carries, as Soft-RoCE and NICs write
+// IDs of their own; without that capability, auto reads the UDP socket and
+// assumes ID 0 (what gdrlink's software workers send), and the first line
+// it prints says which.
 package main
 
 import (
@@ -41,7 +49,8 @@ func run(args []string, getenv func(string) string, stdout, stderr io.Writer, st
 	fs.SetOutput(stderr)
 	data := fs.String("data", "", "IPv4 address and UDP port of the RoCEv2 data path (port 4791 for real NICs)")
 	control := fs.String("control", "127.0.0.1:4792", "TCP address of the control endpoint")
-	skipICRC := fs.Bool("skip-icrc", false, "accept packets without checking their ICRC (for senders that write IP IDs other than 0)")
+	skipICRC := fs.Bool("skip-icrc", false, "accept packets without checking their ICRC")
+	rawFlag := fs.String("raw", "auto", "read packets from a raw IPv4 socket, to check the ICRC over their IP ID: on, off, or auto (when permitted)")
 	timeout := fs.Duration("setup-timeout", 60*time.Second, "how long a job's workers have to announce themselves")
 	drop := fs.Float64("drop", 0, "drop this share (0..1) of the packets received and sent, at random, to test loss")
 	peerPort := fs.Uint("peer-port", 0, "UDP port the workers receive on (default 4791)")
@@ -51,6 +60,11 @@ func run(args []string, getenv func(string) string, stdout, stderr io.Writer, st
 	}
 	if *drop < 0 || *drop >= 1 || *peerPort > 0xffff {
 		fmt.Fprintln(stderr, "switchml-agg: -drop must be in [0, 1) and -peer-port a UDP port")
+		return 2
+	}
+	raw, err := aggsrv.ParseRawMode(*rawFlag)
+	if err != nil {
+		fmt.Fprintln(stderr, "switchml-agg:", err)
 		return 2
 	}
 	if *data == "" {
@@ -82,7 +96,7 @@ func run(args []string, getenv func(string) string, stdout, stderr io.Writer, st
 		fmt.Fprintln(stderr, "switchml-agg:", err)
 		return 1
 	}
-	cfg := aggsrv.Config{Key: key, Control: cl, Data: dc, SkipICRC: *skipICRC, SetupTimeout: *timeout, Seed: uint64(time.Now().UnixNano()), Drop: *drop, PeerPort: uint16(*peerPort)}
+	cfg := aggsrv.Config{Key: key, Control: cl, Data: dc, SkipICRC: *skipICRC, RawIPv4: raw, SetupTimeout: *timeout, Seed: uint64(time.Now().UnixNano()), Drop: *drop, PeerPort: uint16(*peerPort)}
 	if *verbose {
 		cfg.Logger = slog.New(slog.NewTextHandler(stderr, nil))
 	}
@@ -99,7 +113,11 @@ func run(args []string, getenv func(string) string, stdout, stderr io.Writer, st
 		fmt.Fprintln(stderr, "switchml-agg:", err)
 		return 1
 	}
-	fmt.Fprintf(stdout, "switchml-agg: data %s, control %s\n", dc.LocalAddr(), cl.Addr())
+	reads := "UDP socket, ICRC assuming IP ID 0"
+	if s.RawIPv4() {
+		reads = "raw IPv4 socket, ICRC over each packet's IP ID"
+	}
+	fmt.Fprintf(stdout, "switchml-agg: data %s (%s), control %s\n", dc.LocalAddr(), reads, cl.Addr())
 	served := make(chan error, 1)
 	go func() { served <- s.Serve() }()
 	sig := make(chan os.Signal, 1)

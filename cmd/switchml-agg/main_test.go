@@ -45,6 +45,10 @@ func TestRun(t *testing.T) {
 		t.Fatalf("exit %d: %s", code, errb.String())
 	}
 	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+	if !strings.Contains(lines[0], "socket") {
+		t.Errorf("the first line does not say which socket packets are read from: %q", lines[0])
+	}
+	t.Log(lines[0])
 	var st map[string]any
 	if err := json.Unmarshal([]byte(lines[len(lines)-1]), &st); err != nil || st["Jobs"] == nil {
 		t.Fatalf("counters %q: %v", lines[len(lines)-1], err)
@@ -63,6 +67,7 @@ func TestRefusals(t *testing.T) {
 		{[]string{"-data", "127.0.0.1:0", "-control", "0.0.0.0:0"}, 1},
 		{[]string{"-data", "0.0.0.0:0", "-control", "127.0.0.1:0"}, 1},
 		{[]string{"-bogus"}, 2},
+		{[]string{"-data", "127.0.0.1:0", "-control", "127.0.0.1:0", "-raw", "maybe"}, 2},
 	} {
 		var out, errb syncBuffer
 		if code := run(c.args, none, &out, &errb, nil); code != c.code {

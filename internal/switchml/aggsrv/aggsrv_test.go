@@ -53,7 +53,7 @@ func runChild() error {
 	}
 	peer, _ := strconv.Atoi(os.Getenv(childEnv + "_PEER_PORT"))
 	// _ADDR, when set, is the address to serve on, with the data socket
-	// at RoCEv2's port (TestRXEWorkers).
+	// at RoCEv2's port, and _RAW the Config.RawIPv4 mode (TestRXEWorkers).
 	host, dport := "127.0.0.1", 0
 	if a := os.Getenv(childEnv + "_ADDR"); a != "" {
 		host, dport = a, rocev2.Port
@@ -67,8 +67,13 @@ func runChild() error {
 	if err != nil {
 		return err
 	}
-	s, err := New(Config{Key: key, Control: cl, Data: dc, PeerPort: uint16(peer), Seed: 7, SetupTimeout: 30 * time.Second, Drop: drop,
-		SkipICRC: os.Getenv(childEnv+"_SKIP_ICRC") == "1"})
+	raw := RawOff
+	if m := os.Getenv(childEnv + "_RAW"); m != "" {
+		if raw, err = ParseRawMode(m); err != nil {
+			return err
+		}
+	}
+	s, err := New(Config{Key: key, Control: cl, Data: dc, PeerPort: uint16(peer), Seed: 7, SetupTimeout: 30 * time.Second, Drop: drop, RawIPv4: raw})
 	if err != nil {
 		return err
 	}

@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -73,12 +74,16 @@ func rxeImm(r, m int) uint32 {
 // address of their result region (mapped at the same address in every
 // worker), the reply arriving as the aggregator's UC write with immediate
 // into that region. Each result must be the exact sum and the immediate
-// the bytewise maximum. Four runs: lossless with three-packet messages,
-// then with one-packet messages lossless, with 5% loss at the aggregator
-// and with 5% loss on the link (nftables in the aggregator's namespace,
-// both ways); the last three's results are bitwise equal. Replies are
-// told apart by byte 3 of the immediate, the round, the same on every
-// worker; a second reply to a resent message is dropped.
+// the bytewise maximum. The aggregator reads a raw IPv4 socket and checks
+// the ICRC of every request over the IP ID rxe wrote: none may fail. Five
+// runs: lossless with three-packet messages, then with one-packet
+// messages lossless, with 5% loss at the aggregator, with 5% loss on the
+// link (nftables in the aggregator's namespace, both ways), and with 5%
+// of the requests corrupted on the link (nftables rewrites 4 payload
+// bytes on the way in): those must be counted as BadICRC, not added, and
+// resent by the workers. Every run adds each worker's packets once. The last four runs' results are bitwise equal.
+// Replies are told apart by byte 3 of the immediate, the round, the same
+// on every worker; a second reply to a resent message is dropped.
 func TestRXEWorkers(t *testing.T) {
 	if os.Getenv("GDRLINK_TEST_ROCE_VETH") != "1" {
 		t.Skip("skipping: set GDRLINK_TEST_ROCE_VETH=1 where this test may make namespaces and Soft-RoCE devices (the guest of make test-rdma does)")
@@ -147,34 +152,48 @@ func TestRXEWorkers(t *testing.T) {
 	}
 	// The ICRC of rxe's requests covers the IPv4 identification field,
 	// which rxe sets (__ip_select_ident) and a UDP socket does not show:
-	// the aggregator cannot check it (every request counts as BadICRC),
-	// so it runs with SkipICRC here. Its replies' ICRC is checked by the
-	// workers' rxe, which drops a packet whose ICRC is wrong.
-	skipICRC := "1"
-	if os.Getenv("GDRLINK_TEST_SWITCHML_ICRC") == "1" {
-		skipICRC = "0"
-	}
+	// the aggregator reads a raw IPv4 socket to check it. Its replies'
+	// ICRC is checked by the workers' rxe, which drops a packet whose
+	// ICRC is wrong.
 	const table = "gdrlink_switchml_test"
-	runJob := func(name string, slots int, aggDrop string, link bool) []string {
+	type result struct {
+		sums    []string
+		stats   Stats
+		resent  int
+		nftRule string
+	}
+	// res is named: the deferred nft listing fills res.nftRule.
+	runJob := func(name string, slots int, aggDrop string, link string) (res result) {
 		t.Helper()
-		if link {
-			for _, cmd := range [][]string{
+		if link != "" {
+			rules := [][]string{
 				{"add", "table", "inet", table},
 				{"add", "chain", "inet", table, "out", "{ type filter hook output priority 0; }"},
 				{"add", "chain", "inet", table, "in", "{ type filter hook input priority 0; }"},
-				{"add", "rule", "inet", table, "out", "udp", "dport", "4791", "numgen", "random", "mod", "100", "<", "5", "counter", "drop"},
-				{"add", "rule", "inet", table, "in", "udp", "dport", "4791", "numgen", "random", "mod", "100", "<", "5", "counter", "drop"},
-			} {
+			}
+			switch link {
+			case "loss":
+				rules = append(rules,
+					[]string{"add", "rule", "inet", table, "out", "udp", "dport", "4791", "numgen", "random", "mod", "100", "<", "5", "counter", "drop"},
+					[]string{"add", "rule", "inet", table, "in", "udp", "dport", "4791", "numgen", "random", "mod", "100", "<", "5", "counter", "drop"})
+			case "corrupt":
+				// Bytes 44-47 of the UDP payload: payload bytes of
+				// any packet (after BTH, RETH and ImmDt), so the
+				// packet still parses and only its ICRC is wrong.
+				rules = append(rules, []string{"add", "rule", "inet", table, "in", "udp", "dport", "4791", "numgen", "random", "mod", "100", "<", "5", "counter", "@th,352,32", "set", "0xdeadbeef"})
+			}
+			for _, cmd := range rules {
 				run(append([]string{ip, "netns", "exec", ns, nft}, cmd...)...)
 			}
 			defer func() {
 				out, _ := exec.Command(ip, "netns", "exec", ns, nft, "list", "table", "inet", table).CombinedOutput()
 				t.Logf("%s: nft counters:\n%s", name, out)
+				res.nftRule = string(out)
 				exec.Command(ip, "netns", "exec", ns, nft, "delete", "table", "inet", table).Run()
 			}()
 		}
 		agg := exec.Command(ip, "netns", "exec", ns, self, "-test.run=^$")
-		agg.Env = append(os.Environ(), childEnv+"=1", childEnv+"_ADDR=10.234.0.2", childEnv+"_DROP="+aggDrop, childEnv+"_SKIP_ICRC="+skipICRC, jobauth.KeyEnv+"="+secret)
+		agg.Env = append(os.Environ(), childEnv+"=1", childEnv+"_ADDR=10.234.0.2", childEnv+"_DROP="+aggDrop, childEnv+"_RAW=on", jobauth.KeyEnv+"="+secret)
 		stdin, _ := agg.StdinPipe()
 		stdout, _ := agg.StdoutPipe()
 		agg.Stderr = os.Stderr
@@ -197,6 +216,7 @@ func TestRXEWorkers(t *testing.T) {
 		errs := make([]error, workers)
 		stdins := make([]io.WriteCloser, workers)
 		var wg, results sync.WaitGroup
+		var mu sync.Mutex
 		for r := range workers {
 			ctx, cancel := context.WithTimeout(context.Background(), 240*time.Second)
 			defer cancel()
@@ -220,6 +240,12 @@ func TestRXEWorkers(t *testing.T) {
 						sums[r], got = s, true
 						results.Done()
 					} else {
+						var sends, resent int
+						if n, _ := fmt.Sscanf(sc.Text(), "sends %d resent %d", &sends, &resent); n == 2 {
+							mu.Lock()
+							res.resent += resent
+							mu.Unlock()
+						}
 						t.Logf("%s: worker %d: %s", name, r, sc.Text())
 					}
 				}
@@ -237,27 +263,49 @@ func TestRXEWorkers(t *testing.T) {
 		}
 		wg.Wait()
 		stdin.Close()
+		gotStats := false
 		for out.Scan() {
 			t.Logf("%s: aggregator: %s", name, out.Text())
+			if b, ok := strings.CutPrefix(out.Text(), "stats "); ok {
+				gotStats = json.Unmarshal([]byte(b), &res.stats) == nil
+			}
 		}
 		agg.Wait()
 		if err := errors.Join(errs...); err != nil {
 			t.Fatalf("%s: %v", name, err)
 		}
-		return sums
+		if !gotStats {
+			t.Fatalf("%s: the aggregator printed no counters", name)
+		}
+		res.sums = sums
+		return res
 	}
 	// Loss runs use one-packet messages: with several packets, a lost
 	// reply packet left the worker's rxe responder dropping every later
 	// message of that queue pair (see the run's log).
 	var first []string
 	for _, c := range []struct {
-		name        string
-		slots       int
-		drop        string
-		link, equal bool
-	}{{"lossless, 3-packet messages", 3, "0", false, false}, {"lossless", 1, "0", false, false},
-		{"aggregator loss 5%", 1, "0.05", false, true}, {"link loss 5%", 1, "0", true, true}} {
-		sums := runJob(c.name, c.slots, c.drop, c.link)
+		name  string
+		slots int
+		drop  string
+		link  string
+		equal bool
+	}{{"lossless, 3-packet messages", 3, "0", "", false}, {"lossless", 1, "0", "", false},
+		{"aggregator loss 5%", 1, "0.05", "", true}, {"link loss 5%", 1, "0", "loss", true},
+		{"link corruption 5%", 1, "0", "corrupt", true}} {
+		res := runJob(c.name, c.slots, c.drop, c.link)
+		sums, st := res.sums, res.stats
+		t.Logf("%s: aggregator: %d packets added, %d duplicates, %d bad ICRC, %d unparsable; workers resent %d messages", c.name, st.Applied, st.Duplicates, st.BadICRC, st.BadPackets, res.resent)
+		if want := uint64(rxeRounds * workers * c.slots); st.Applied != want {
+			t.Errorf("%s: %d packets added, want %d: each worker's packet once", c.name, st.Applied, want)
+		}
+		if c.link == "corrupt" {
+			if st.BadICRC == 0 || res.resent == 0 {
+				t.Errorf("%s: %d packets failed their ICRC and the workers resent %d messages: the corruption did not show (nft:\n%s)", c.name, st.BadICRC, res.resent, res.nftRule)
+			}
+		} else if st.BadICRC != 0 || st.BadPackets != 0 {
+			t.Errorf("%s: %d packets failed their ICRC, %d did not parse: want none (the raw socket's IP ID)", c.name, st.BadICRC, st.BadPackets)
+		}
 		for r, s := range sums {
 			if s == "" || s != sums[0] {
 				t.Errorf("%s: worker %d result %q, worker 0 %q", c.name, r, s, sums[0])

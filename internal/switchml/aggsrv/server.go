@@ -2,18 +2,23 @@
 // agg) on the network: RoCEv2 packets on a UDP socket, and a control
 // endpoint, authenticated with the job key, where workers set up jobs.
 //
-// Packets come and go through an ordinary UDP socket, so the kernel writes
-// the IPv4 and UDP headers that the ICRC covers. On the way out the socket
-// sets don't-fragment, and Linux then writes IP ID 0 (an unconnected socket's
+// Packets go out through an ordinary UDP socket, so the kernel writes
+// the IPv4 and UDP headers that the ICRC covers: the socket sets
+// don't-fragment, and Linux then writes IP ID 0 (an unconnected socket's
 // DF packets), which the ICRC is computed for (TestICRCOnTheWire checks the
-// packets as sent). On the way in, a UDP socket
-// does not say which IP ID a packet had: the ICRC is checked assuming ID 0
-// and DF, which is what the software worker (package worker, an
-// unconnected UDP socket with DF set) sends. Soft-RoCE does not: rxe
-// writes an IP ID of its own choosing (__ip_select_ident) and its ICRC
-// covers it, so every request from rxe fails this check. Config.SkipICRC
-// turns the check off for such senders (TestRXEWorkers runs so; the
-// workers' rxe still checks the ICRC of the aggregator's replies).
+// packets as sent).
+//
+// On the way in, the ICRC covers the sender's IP ID too, and a UDP socket
+// does not show it. Read from the UDP socket (Config.RawIPv4 RawOff), the
+// ICRC is checked assuming ID 0 and DF, which is what the software worker
+// (package worker, an unconnected UDP socket with DF set) sends.
+// Soft-RoCE does not: rxe writes an IP ID of its own choosing
+// (__ip_select_ident), so every request from rxe fails that check, and
+// hardware NICs need not write 0 either. With RawOn (or RawAuto where the
+// process has CAP_NET_RAW) the server reads packets from a raw IPv4 socket
+// instead, which shows each packet's IPv4 header as it arrived, and checks
+// the ICRC over the true ID (TestRawICRC on loopback, TestRXEWorkers
+// against rxe). Config.SkipICRC turns the check off altogether.
 package aggsrv
 
 import (
@@ -24,7 +29,6 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"net"
-	"net/netip"
 	"sort"
 	"sync"
 	"time"
@@ -62,9 +66,12 @@ type Config struct {
 	Data *net.UDPConn
 	// PeerPort is the UDP port replies go to; rocev2.Port when zero.
 	PeerPort uint16
-	// SkipICRC accepts packets without checking their ICRC: for senders
-	// whose IP ID is not 0, such as Soft-RoCE (see the package doc).
+	// SkipICRC accepts packets without checking their ICRC.
 	SkipICRC bool
+	// RawIPv4 says whether data packets are read from a raw IPv4 socket,
+	// which shows their IP ID, or from Data (see the package doc); RawOff
+	// when zero.
+	RawIPv4 RawMode
 	// SetupTimeout bounds the handshake and the wait for a job's other
 	// workers; 60 s when zero.
 	SetupTimeout time.Duration
@@ -92,6 +99,8 @@ type Server struct {
 	cfg   Config
 	local [4]byte
 	port  uint16
+	raw   *net.IPConn      // the raw IPv4 socket data is read from, or nil
+	rawPC *ipv4.PacketConn // raw's batch reader
 
 	mu      sync.Mutex
 	core    *agg.Aggregator
@@ -154,8 +163,32 @@ func New(cfg Config) (*Server, error) {
 	s := &Server{cfg: cfg, port: uint16(la.Port), core: agg.New(cfg.Seed), jobs: map[int]*job{},
 		pending: map[string]*job{}, conns: map[net.Conn]bool{}, done: make(chan struct{})}
 	copy(s.local[:], la.IP.To4())
+	if cfg.RawIPv4 != RawOff {
+		raw, pc, err := listenRaw(la.IP, s.port)
+		if err == nil {
+			err = dropAll(cfg.Data)
+			if err != nil {
+				raw.Close()
+			}
+		}
+		switch {
+		case err == nil:
+			s.raw, s.rawPC = raw, pc
+		case cfg.RawIPv4 == RawAuto:
+			s.logf("switchml data path: no raw IPv4 socket, reading the UDP socket (the ICRC is checked assuming IP ID 0)", "err", err)
+		default:
+			return nil, err
+		}
+	}
+	if s.raw != nil {
+		s.logf("switchml data path: reading a raw IPv4 socket (the ICRC is checked over each packet's IP ID)", "addr", la)
+	}
 	return s, nil
 }
+
+// RawIPv4 says whether the server reads data packets from a raw IPv4
+// socket (Config.RawIPv4).
+func (s *Server) RawIPv4() bool { return s.raw != nil }
 
 // Serve runs the control endpoint and the data path until Close; it
 // returns ErrClosed then.
@@ -210,6 +243,9 @@ func (s *Server) Close() error {
 	}
 	s.mu.Unlock()
 	err := errors.Join(s.cfg.Control.Close(), s.cfg.Data.Close())
+	if s.raw != nil {
+		err = errors.Join(err, s.raw.Close())
+	}
 	s.wg.Wait()
 	return err
 }
@@ -239,10 +275,15 @@ const batch = 64
 // then fails its ICRC.
 const maxPacket = 4096
 
-// data is the packet loop: it reads packets in batches, hands each to the
-// core, and writes the replies of a batch together.
+// data is the packet loop: it reads packets in batches (from the raw
+// IPv4 socket when there is one), hands each to the core, and writes the
+// replies of a batch together through the UDP socket.
 func (s *Server) data() {
 	pc := ipv4.NewPacketConn(s.cfg.Data)
+	rpc := pc
+	if s.rawPC != nil {
+		rpc = s.rawPC
+	}
 	in := make([]ipv4.Message, batch)
 	for i := range in {
 		in[i].Buffers = [][]byte{make([]byte, maxPacket)}
@@ -251,7 +292,7 @@ func (s *Server) data() {
 	var out []agg.Reply
 	var w writer
 	for {
-		n, err := pc.ReadBatch(in, 0)
+		n, err := rpc.ReadBatch(in, 0)
 		if err != nil {
 			select {
 			case <-s.done:
@@ -262,11 +303,25 @@ func (s *Server) data() {
 		}
 		s.mu.Lock()
 		for i := range in[:n] {
-			from, _ := in[i].Addr.(*net.UDPAddr)
-			if from == nil {
-				continue
+			b := in[i].Buffers[0][:in[i].N]
+			var ip rocev2.IPv4
+			if s.raw != nil {
+				var ok bool
+				if ip, b, ok = parseRaw(b, s.port); !ok {
+					s.stats.BadPackets++
+					continue
+				}
+			} else {
+				from, _ := in[i].Addr.(*net.UDPAddr)
+				if from == nil || from.IP.To4() == nil {
+					continue
+				}
+				// What an unconnected UDP socket with DF set sends.
+				ip = rocev2.IPv4{DontFragment: true, SrcPort: uint16(from.Port)}
+				copy(ip.Src[:], from.IP.To4())
 			}
-			out = s.packet(in[i].Buffers[0][:in[i].N], from.AddrPort(), loss, out[:0], &w)
+			ip.Dst = s.local
+			out = s.packet(b, &ip, loss, out[:0], &w)
 		}
 		s.mu.Unlock()
 		if failed := w.flush(pc); failed > 0 {
@@ -277,10 +332,9 @@ func (s *Server) data() {
 	}
 }
 
-// packet handles one packet from from, queueing its replies on w; s.mu is
-// held.
-func (s *Server) packet(b []byte, from netip.AddrPort, loss *rand.Rand, out []agg.Reply, w *writer) []agg.Reply {
-	from = netip.AddrPortFrom(from.Addr().Unmap(), from.Port())
+// packet handles one packet, the UDP payload b that came with the IPv4
+// and UDP header fields in ip, queueing its replies on w; s.mu is held.
+func (s *Server) packet(b []byte, ip *rocev2.IPv4, loss *rand.Rand, out []agg.Reply, w *writer) []agg.Reply {
 	p, err := rocev2.ParseTransport(b)
 	if s.cfg.Drop > 0 && loss.Float64() < s.cfg.Drop {
 		s.stats.Injected++
@@ -290,12 +344,11 @@ func (s *Server) packet(b []byte, from netip.AddrPort, loss *rand.Rand, out []ag
 		s.stats.BadPackets++
 		return out
 	}
-	if !s.cfg.SkipICRC && from.Addr().Is4() {
+	if !s.cfg.SkipICRC {
 		// The pseudo header names 4791 as the destination port, as on
 		// the wire (a server bound elsewhere, in tests, is sent packets
 		// made the same way).
-		ip := rocev2.IPv4{Src: from.Addr().As4(), Dst: s.local, DontFragment: true, SrcPort: from.Port()}
-		if err := rocev2.CheckICRC(&ip, b); err != nil {
+		if err := rocev2.CheckICRC(ip, b); err != nil {
 			s.stats.BadICRC++
 			return out
 		}
@@ -311,8 +364,8 @@ func (s *Server) packet(b []byte, from netip.AddrPort, loss *rand.Rand, out []ag
 			continue
 		}
 		dst := j.addrs[out[i].Worker]
-		ip := rocev2.IPv4{Src: s.local, Dst: dst, DontFragment: true, TTL: 64, SrcPort: s.port}
-		wb, err := rocev2.AppendUDP(w.next(), &ip, &out[i].Packet)
+		rip := rocev2.IPv4{Src: s.local, Dst: dst, DontFragment: true, TTL: 64, SrcPort: s.port}
+		wb, err := rocev2.AppendUDP(w.next(), &rip, &out[i].Packet)
 		if err != nil {
 			s.stats.SendErrors++
 			continue
