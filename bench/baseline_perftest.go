@@ -16,8 +16,9 @@ import (
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
-// errNoPerftest: perftest's ib_write_bw is not installed.
-var errNoPerftest = errors.New("ib_write_bw (Debian package perftest) not found")
+// errNoPerftest: a perftest program (ib_write_bw, ib_write_lat) is not
+// installed; the wrapped error names it.
+var errNoPerftest = errors.New("perftest (Debian package perftest) not found")
 
 // perftestIters is how many writes ib_write_bw makes for a size: enough
 // bytes for a steady figure, few enough for emulated devices (Soft-RoCE
@@ -96,15 +97,36 @@ func perftestWriteBW(ctx context.Context, dev string, gidIndex int, size int64, 
 var errPerftestZero = errors.New("ib_write_bw reported a bandwidth of 0")
 
 func perftestWriteBWOnce(ctx context.Context, dev string, gidIndex int, size int64, iters int) (float64, error) {
-	bin, err := exec.LookPath("ib_write_bw")
-	if err != nil {
-		return 0, fmt.Errorf("%w: %w", errNoPerftest, err)
-	}
-	port, err := freePort()
+	out, err := perftestPair(ctx, "ib_write_bw", dev, gidIndex, "-s", strconv.FormatInt(size, 10), "-n", strconv.Itoa(iters))
 	if err != nil {
 		return 0, err
 	}
-	args := []string{"-d", dev, "-F", "-s", strconv.FormatInt(size, 10), "-n", strconv.Itoa(iters), "-p", strconv.Itoa(port)}
+	mibs, err := parsePerftestBW(out)
+	if err != nil {
+		return 0, err
+	}
+	if !(mibs > 0) {
+		return 0, fmt.Errorf("%w (%v MB/s) for %d writes of %d bytes:\n%s", errPerftestZero, mibs, iters, size, out)
+	}
+	return mibs * (1 << 20) / 1e9, nil
+}
+
+// perftestPair runs the perftest program prog as a server and a client on
+// one device of this host, `prog -d DEV -F ARGS... -p PORT [-x GID]` (the
+// client with 127.0.0.1 added), and returns the client's output. The
+// server's port is one that was free a moment ago; the client is started
+// again while the server is not listening yet.
+func perftestPair(ctx context.Context, prog, dev string, gidIndex int, extra ...string) ([]byte, error) {
+	bin, err := exec.LookPath(prog)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", errNoPerftest, err)
+	}
+	port, err := freePort()
+	if err != nil {
+		return nil, err
+	}
+	args := append([]string{"-d", dev, "-F"}, extra...)
+	args = append(args, "-p", strconv.Itoa(port))
 	if gidIndex >= 0 {
 		args = append(args, "-x", strconv.Itoa(gidIndex))
 	}
@@ -114,7 +136,7 @@ func perftestWriteBWOnce(ctx context.Context, dev string, gidIndex int, size int
 	server := exec.CommandContext(ctx, bin, args...)
 	server.Stdout, server.Stderr = &serverOut, &serverOut
 	if err := server.Start(); err != nil {
-		return 0, fmt.Errorf("starting the ib_write_bw server: %w", err)
+		return nil, fmt.Errorf("starting the %s server: %w", prog, err)
 	}
 	defer func() {
 		server.Process.Kill()
@@ -131,16 +153,9 @@ func perftestWriteBWOnce(ctx context.Context, dev string, gidIndex int, size int
 		time.Sleep(100 * time.Millisecond)
 	}
 	if err != nil {
-		return 0, fmt.Errorf("ib_write_bw client: %w\n%s\nserver:\n%s", err, out, serverOut.String())
+		return nil, fmt.Errorf("%s client: %w\n%s\nserver:\n%s", prog, err, out, serverOut.String())
 	}
-	mibs, err := parsePerftestBW(out)
-	if err != nil {
-		return 0, err
-	}
-	if !(mibs > 0) {
-		return 0, fmt.Errorf("%w (%v MB/s) for %d writes of %d bytes:\n%s", errPerftestZero, mibs, iters, size, out)
-	}
-	return mibs * (1 << 20) / 1e9, nil
+	return out, nil
 }
 
 // parsePerftestBW finds the "BW average[MB/sec]" column of ib_*_bw's
