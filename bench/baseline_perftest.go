@@ -6,8 +6,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"math"
 	"net"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -190,6 +193,143 @@ func parsePerftestBW(out []byte) (float64, error) {
 		return v, nil
 	}
 	return 0, fmt.Errorf("ib_write_bw printed no bandwidth report:\n%s", out)
+}
+
+// perftestLat is the ib_write_lat baseline of one ibverbs device: it
+// measures on the device and GID that the device uses.
+type perftestLat struct {
+	dev string
+	gid int
+}
+
+// perftestLatBaseline returns the ib_write_lat baseline of an ibverbs
+// device's one-way write latency. It fails with errNoPerftest when
+// perftest is not installed, and with verbsio.ErrNotSupported for devices
+// of other providers.
+func perftestLatBaseline(dev verbsio.Device) (*perftestLat, error) {
+	d, ok := ibvdiag.Of(dev)
+	if !ok {
+		return nil, fmt.Errorf("%w: ib_write_lat measures ibverbs devices, not %s", verbsio.ErrNotSupported, dev.Info().Provider)
+	}
+	if _, err := exec.LookPath("ib_write_lat"); err != nil {
+		return nil, fmt.Errorf("%w: %w", errNoPerftest, err)
+	}
+	return &perftestLat{dev: d.Info().Name, gid: d.GIDIndex()}, nil
+}
+
+// run makes iters ping-pongs of size-byte RDMA WRITEs with ib_write_lat
+// (`ib_write_lat -d DEV -x GID -F -s SIZE -n ITERS -p PORT`, server and
+// client) and returns the client's report, whose figures are one-way
+// latencies.
+func (p *perftestLat) run(ctx context.Context, size, iters int) (perftestLatReport, error) {
+	out, err := perftestPair(ctx, "ib_write_lat", p.dev, p.gid, "-s", strconv.Itoa(size), "-n", strconv.Itoa(iters))
+	if err != nil {
+		return perftestLatReport{}, err
+	}
+	r, err := parsePerftestLat(out)
+	if err != nil {
+		return r, err
+	}
+	if !(r.Typical > 0) {
+		return r, fmt.Errorf("ib_write_lat reported a typical latency of %v us for %d writes of %d bytes:\n%s", r.Typical, iters, size, out)
+	}
+	return r, nil
+}
+
+// String is the command line it runs, without size and count.
+func (p *perftestLat) String() string {
+	if p.gid < 0 {
+		return "ib_write_lat -d " + p.dev
+	}
+	return fmt.Sprintf("ib_write_lat -d %s -x %d", p.dev, p.gid)
+}
+
+// perftestLatReport is the data line of an ib_*_lat report (run with -n,
+// without -C), in microseconds. perftest times round trips and divides
+// them by two for its write and send tests (by one for read and atomic),
+// so ib_write_lat's figures are one-way. t_typical is the median.
+// Every perftest prints bytes, iterations, t_min, t_max and t_typical;
+// the others came later (perftest 4.x) and are nil where missing.
+type perftestLatReport struct {
+	Bytes, Iters      int64
+	Min, Max, Typical float64
+	Avg, Stdev        *float64
+	P99, P999         *float64
+}
+
+// parsePerftestLat finds the header of ib_*_lat's report (the line naming
+// #bytes and t_typical[usec]) and reads the first data line under it by
+// the header's columns.
+func parsePerftestLat(out []byte) (perftestLatReport, error) {
+	var r perftestLatReport
+	required := map[string]bool{"#bytes": true, "#iterations": true, "t_min[usec]": true, "t_max[usec]": true, "t_typical[usec]": true}
+	sc := bufio.NewScanner(bytes.NewReader(out))
+	var heads []string
+	for sc.Scan() {
+		line := sc.Text()
+		if heads == nil {
+			if !strings.Contains(line, "#bytes") || !strings.Contains(line, "t_typical[usec]") {
+				continue
+			}
+			// The percentile headers are two words each.
+			heads = strings.Fields(strings.NewReplacer("% percentile", "%_percentile").Replace(line))
+			continue
+		}
+		f := strings.Fields(line)
+		if len(f) < len(heads) {
+			continue
+		}
+		for i, h := range heads {
+			switch h {
+			case "#bytes", "#iterations":
+				n, err := strconv.ParseInt(f[i], 10, 64)
+				if err != nil || n < 0 {
+					return perftestLatReport{}, fmt.Errorf("ib_write_lat: %s %q in %q", h, f[i], line)
+				}
+				if h == "#bytes" {
+					r.Bytes = n
+				} else {
+					r.Iters = n
+				}
+				delete(required, h)
+				continue
+			}
+			var dst *float64
+			switch h {
+			case "t_min[usec]":
+				dst = &r.Min
+			case "t_max[usec]":
+				dst = &r.Max
+			case "t_typical[usec]":
+				dst = &r.Typical
+			case "t_avg[usec]":
+				r.Avg = new(float64)
+				dst = r.Avg
+			case "t_stdev[usec]":
+				r.Stdev = new(float64)
+				dst = r.Stdev
+			case "99%_percentile[usec]":
+				r.P99 = new(float64)
+				dst = r.P99
+			case "99.9%_percentile[usec]":
+				r.P999 = new(float64)
+				dst = r.P999
+			default:
+				continue // a column of a later perftest
+			}
+			v, err := strconv.ParseFloat(f[i], 64)
+			if err != nil || !(v >= 0) || math.IsInf(v, 0) {
+				return perftestLatReport{}, fmt.Errorf("ib_write_lat: %s %q in %q", h, f[i], line)
+			}
+			*dst = v
+			delete(required, h)
+		}
+		if len(required) > 0 {
+			return perftestLatReport{}, fmt.Errorf("ib_write_lat's report has no %s column:\n%s", strings.Join(slices.Sorted(maps.Keys(required)), ", "), out)
+		}
+		return r, nil
+	}
+	return perftestLatReport{}, fmt.Errorf("ib_write_lat printed no latency report:\n%s", out)
 }
 
 // freePort returns a TCP port that was free a moment ago.
