@@ -132,13 +132,24 @@ func TestParsePerftestLatMalformed(t *testing.T) {
 			t.Errorf("%s: parsed %s", name, fmtLatReport(r))
 		}
 	}
+	// What ib_write_lat -F printed in a Soft-RoCE guest run where it could
+	// not measure the clock rate: a failure to measure, tried again.
+	if _, err := parsePerftestLat([]byte(perftestLatNoClock)); !errors.Is(err, errPerftestNoClock) {
+		t.Errorf("a report of inf: %v, want errPerftestNoClock", err)
+	}
 }
+
+// perftestLatNoClock is the table of an ib_write_lat -F run that could
+// not measure the CPU clock rate (Soft-RoCE guest).
+const perftestLatNoClock = " #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec] \n" +
+	" 8       200          inf            inf          inf      \t       inf         \t-nan   \t\tinf     \t\tinf    \n"
 
 // FuzzParsePerftestLat feeds the report parser arbitrary text: it must
 // return finite, non-negative figures or an error, never panic.
 func FuzzParsePerftestLat(f *testing.F) {
 	f.Add([]byte(perftestLatSample))
 	f.Add([]byte(perftestLatOld))
+	f.Add([]byte(perftestLatNoClock))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		r, err := parsePerftestLat(b)
 		if err != nil {
