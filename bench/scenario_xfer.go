@@ -27,19 +27,19 @@ import (
 // immediate (half the median ping-pong round trip). Baselines measured in
 // the same run: a single-thread memcpy between buffers like the two ends of
 // the onnode transfer, one raw loopback TCP stream to the same peer process
-// for tcp, perftest's ib_write_bw on the same device and GID for ibverbs
-// (where perftest is installed), and ucx_perftest on loopback (tag_bw,
-// tag_lat) where ucx-utils is installed. A provider with no device here is
+// for tcp, perftest's ib_write_bw and ib_write_lat on the same device and
+// GID for ibverbs (where perftest is installed), and ucx_perftest on
+// loopback (tag_bw, tag_lat) where ucx-utils is installed. A provider with no device here is
 // reported as a "skipped/PROVIDER" result whose note says why.
 func init() {
 	register(Scenario{
 		Name: "xfer",
-		Doc:  "RDMA WRITE between two processes per provider, 4 KiB..256 MiB GB/s and 8 B/4 KiB one-way latency, vs memcpy, raw TCP, ib_write_bw and ucx_perftest",
+		Doc:  "RDMA WRITE between two processes per provider, 4 KiB..256 MiB GB/s and 8 B/4 KiB one-way latency, vs memcpy, raw TCP, ib_write_bw/ib_write_lat and ucx_perftest",
 		Run:  runXfer,
 		Plots: []Plot{
 			{File: "xfer-bandwidth.svg", Title: "RDMA WRITE between two processes vs memcpy / raw TCP / ib_write_bw", Unit: "GB/s", CasePrefix: "bw/"},
 			{File: "xfer-vs-ucx.svg", Title: "RDMA WRITE vs ucx_perftest tag_bw", Unit: "GB/s", CasePrefix: "ucx/"},
-			{File: "xfer-latency.svg", Title: "one-way latency, write with immediate vs ucx_perftest tag_lat", Unit: "us", CasePrefix: "lat/"},
+			{File: "xfer-latency.svg", Title: "one-way latency, write with immediate vs ucx_perftest tag_lat / ib_write_lat", Unit: "us", CasePrefix: "lat/"},
 		},
 	})
 	// The bench binary re-executes itself as the scenario's peer.
@@ -599,6 +599,8 @@ func xferProvider(ctx context.Context, env *Env, provider string, sizes []int64,
 	var cases []*xferCase
 	var ucxBW, ucxLat []string // UCX_TLS settings to run
 	var latUCX string
+	var latBase *perftestLat // ib_write_lat, for ibverbs devices
+	var latNote string       // why latBase is nil
 	switch provider {
 	case "onnode":
 		shm := &xferCase{name: "bw/onnode-shm", target: *peer.hello.Memfd, ucx: []string{"sm", "cma,tcp"},
@@ -640,6 +642,13 @@ func xferProvider(ctx context.Context, env *Env, provider string, sizes []int64,
 			}
 		} else {
 			c.note += fmt.Sprintf("; baseline %s -F, as many writes of the same size, run alternately with the transfer", c.perftest)
+		}
+		if latBase, err = perftestLatBaseline(s.dev); err != nil {
+			latBase = nil
+			if provider == "ibverbs" {
+				env.Log.Info("ib_write_lat baseline skipped", "reason", err)
+				latNote = "; no ib_write_lat baseline: " + err.Error()
+			}
 		}
 		cases = []*xferCase{c}
 	}
@@ -712,46 +721,79 @@ func xferProvider(ctx context.Context, env *Env, provider string, sizes []int64,
 	}
 
 	// One-way latency: half the median round trip of a ping-pong of writes
-	// with immediate.
+	// with immediate, in rounds of count; with ib_write_lat, each round
+	// alternates with an ib_write_lat run of as many ping-pongs.
 	count := 2000
 	if env.Quick {
 		count = 200
 	}
 	for _, size := range []int{8, 4096} {
-		if err := peer.enc.Encode(xferCmd{Op: "pong", Size: size, Count: count * (env.Reps + 1)}); err != nil {
-			return err
-		}
-		rtts := make([]float64, 0, count*(env.Reps+1))
-		for i := 0; i < count*(env.Reps+1); i++ {
-			t := time.Now()
-			if err := s.writeImm(ctx, peer.hello.Ping, size); err != nil {
-				return fmt.Errorf("ping %d B: %w", size, err)
+		var rtts []float64 // of the timed rounds
+		rounds := 0
+		ours := func() (time.Duration, error) {
+			round, err := peer.pingPong(ctx, s, size, count)
+			if err != nil {
+				return 0, err
 			}
-			if err := s.waitImm(ctx); err != nil {
-				return fmt.Errorf("ping %d B: %w", size, err)
+			if rounds++; rounds > 1 { // timePair's first round warms up
+				rtts = append(rtts, round...)
 			}
-			if i >= count { // the first round warms up
-				rtts = append(rtts, sinceUS(t))
+			return time.Duration(median(round) / 2 * 1e3), nil
+		}
+		var baseline func() (time.Duration, error)
+		if latBase != nil {
+			baseline = func() (time.Duration, error) {
+				r, err := latBase.run(ctx, size, count)
+				return time.Duration(r.Typical * 1e3), err
 			}
 		}
-		var r xferReply
-		if err := peer.read(&r); err != nil || r.Err != "" {
-			return fmt.Errorf("peer pong: %v %s", err, r.Err)
-		}
-		if err := s.drain(ctx); err != nil {
-			return err
+		_, bd, err := timePair(env.Reps, ours, baseline)
+		if err != nil {
+			return fmt.Errorf("one-way latency of %d B: %w", size, err)
 		}
 		oneWay := median(rtts) / 2
+		note := fmt.Sprintf("half the median of %d ping-pong round trips of write with immediate (the receiver waits for its receive completion)", len(rtts))
 		var base float64
 		var baseName string
-		if u, ok := ucxMedian(ucx[latUCX], "lat", int64(size), env.Reps, func(r ucxRow) float64 { return r.MedianLatU }); ok {
-			base, baseName = u, "ucx_perftest tag_lat UCX_TLS="+latUCX+" (median)"
+		switch {
+		case latBase != nil:
+			base, baseName = float64(bd)/1e3, "ib_write_lat"
+			note += fmt.Sprintf("; baseline %s -F -n %d in turn with rounds of as many: the median of %d runs' t_typical, its median one-way latency (half the round trip; its receiver polls the buffer's last byte)", latBase, count, max(env.Reps, 1))
+		default:
+			if u, ok := ucxMedian(ucx[latUCX], "lat", int64(size), env.Reps, func(r ucxRow) float64 { return r.MedianLatU }); ok {
+				base, baseName = u, "ucx_perftest tag_lat UCX_TLS="+latUCX+" (median)"
+			}
+			note += latNote
 		}
 		res := newResult("xfer", "lat/"+provider, int64(size), oneWay, "us", base, baseName)
-		res.Note = fmt.Sprintf("half the median of %d ping-pong round trips of write with immediate", len(rtts))
+		res.Note = note
 		env.Emit(res)
 	}
 	return nil
+}
+
+// pingPong makes count ping-pongs of size-byte writes with immediate with
+// the peer and returns their round trips in microseconds.
+func (p *xferPeer) pingPong(ctx context.Context, s *xferSide, size, count int) ([]float64, error) {
+	if err := p.enc.Encode(xferCmd{Op: "pong", Size: size, Count: count}); err != nil {
+		return nil, err
+	}
+	rtts := make([]float64, 0, count)
+	for range count {
+		t := time.Now()
+		if err := s.writeImm(ctx, p.hello.Ping, size); err != nil {
+			return nil, fmt.Errorf("ping %d B: %w", size, err)
+		}
+		if err := s.waitImm(ctx); err != nil {
+			return nil, fmt.Errorf("ping %d B: %w", size, err)
+		}
+		rtts = append(rtts, sinceUS(t))
+	}
+	var r xferReply
+	if err := p.read(&r); err != nil || r.Err != "" {
+		return nil, fmt.Errorf("peer pong: %v %s", err, r.Err)
+	}
+	return rtts, s.drain(ctx)
 }
 
 // xferCalibrate returns how many writes of size a timed run makes: iters,

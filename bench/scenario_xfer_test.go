@@ -52,7 +52,8 @@ func TestXferScenarioQuick(t *testing.T) {
 // TestXferIbverbs runs the scenario on the ibverbs provider alone. Without
 // a device it must say so in a skipped result's note (and fail, since no
 // provider ran); with one, every bandwidth figure must stand next to
-// ib_write_bw's measured on the same device, or say why it does not.
+// ib_write_bw's measured on the same device and every latency figure next
+// to ib_write_lat's, or say why it does not.
 func TestXferIbverbs(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts a peer process and ib_write_bw")
@@ -80,9 +81,23 @@ func TestXferIbverbs(t *testing.T) {
 		t.Fatalf("exit %d: %s", code, errOut)
 	}
 	_, perftestErr := exec.LookPath("ib_write_bw")
+	_, latErr := exec.LookPath("ib_write_lat")
 	seen := map[string]int{}
 	for _, r := range rs {
 		seen[r.Case]++
+		if r.Case == "lat/ibverbs" {
+			switch {
+			case latErr != nil:
+				if r.Baseline != 0 || !strings.Contains(r.Note, "no ib_write_lat baseline") {
+					t.Errorf("without ib_write_lat: %+v", r)
+				}
+			case r.BaselineName != "ib_write_lat" || !(r.Baseline > 0) || !(r.Ratio > 0) || !strings.Contains(r.Note, "ib_write_lat -d") || !strings.Contains(r.Note, "t_typical"):
+				t.Errorf("latency result without its ib_write_lat baseline: %+v", r)
+			default:
+				t.Logf("lat %s: %.2f us one-way, ib_write_lat %.2f us, ratio %.2f", formatSize(r.SizeBytes), r.Value, r.Baseline, r.Ratio)
+			}
+			continue
+		}
 		if r.Case != "bw/ibverbs" {
 			continue
 		}
