@@ -8,15 +8,13 @@ import (
 	"io"
 	"net"
 	"os"
-	"os/exec"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/gdrlink/gdrlink/internal/ibv"
 	"github.com/gdrlink/gdrlink/internal/jobauth"
+	"github.com/gdrlink/gdrlink/internal/roceveth"
 	"github.com/gdrlink/gdrlink/internal/switchml/aggsrv"
 	"github.com/gdrlink/gdrlink/internal/switchml/rocev2"
 	"github.com/gdrlink/gdrlink/tensor"
@@ -157,58 +155,7 @@ func switchmlRXEJob(ctx context.Context, g *Group, rep *childReport) error {
 // 50 ms timeout.) Every result is the exact sum, bitwise the same on every
 // rank, and with loss or corruption bitwise the lossless one.
 func TestSwitchMLVerbsRXE(t *testing.T) {
-	if os.Getenv("GDRLINK_TEST_ROCE_VETH") != "1" {
-		t.Skip("skipping: set GDRLINK_TEST_ROCE_VETH=1 where this test may make namespaces and Soft-RoCE devices (the guest of make test-rdma does)")
-	}
-	if os.Geteuid() != 0 {
-		t.Fatal("GDRLINK_TEST_ROCE_VETH=1 but not root")
-	}
-	if err := ibv.Load(); err != nil {
-		t.Fatalf("GDRLINK_TEST_ROCE_VETH=1 but libibverbs: %v", err)
-	}
-	var tools []string
-	for _, name := range []string{"ip", "rdma", "nft"} {
-		p, err := exec.LookPath(name)
-		if err != nil {
-			t.Fatalf("GDRLINK_TEST_ROCE_VETH=1 but %s is missing (Debian: iproute2, nftables): %v", name, err)
-		}
-		tools = append(tools, p)
-	}
-	ip, rdma, nft := tools[0], tools[1], tools[2]
-	run := func(args ...string) {
-		t.Helper()
-		if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
-			t.Fatalf("%v: %v: %s", args, err, out)
-		}
-	}
-	id := os.Getpid() % 100000
-	ns, vr, vn, dev := fmt.Sprintf("gdrsv-%d", id), fmt.Sprintf("svr%d", id), fmt.Sprintf("svn%d", id), fmt.Sprintf("rxsv%d", id)
-	exec.Command("modprobe", "veth").Run()
-	run(ip, "netns", "add", ns)
-	t.Cleanup(func() { exec.Command(ip, "netns", "del", ns).Run() })
-	run(ip, "link", "add", vr, "type", "veth", "peer", "name", vn)
-	t.Cleanup(func() { exec.Command(ip, "link", "del", vr).Run() })
-	run(ip, "link", "set", vn, "netns", ns)
-	run(ip, "addr", "add", "10.235.0.10/24", "dev", vr)
-	run(ip, "-n", ns, "addr", "add", "10.235.0.2/24", "dev", vn)
-	run(ip, "-n", ns, "link", "set", "lo", "up")
-	run(ip, "-n", ns, "link", "set", vn, "up")
-	run(ip, "link", "set", vr, "up")
-	run(rdma, "link", "add", dev, "type", "rxe", "netdev", vr)
-	t.Cleanup(func() { exec.Command(rdma, "link", "delete", dev).Run() })
-	const want = "0000:0000:0000:0000:0000:ffff:0aeb:000a"
-	found := false
-	for deadline := time.Now().Add(15 * time.Second); !found && time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
-		files, _ := filepath.Glob("/sys/class/infiniband/" + dev + "/ports/1/gids/*")
-		for _, f := range files {
-			if b, err := os.ReadFile(f); err == nil && strings.TrimSpace(string(b)) == want {
-				found = true
-			}
-		}
-	}
-	if !found {
-		t.Fatalf("%s has no GID %s after 15 s", dev, want)
-	}
+	veth := roceveth.Setup(t, "sv", []string{"10.235.0.10/24"}, "10.235.0.2/24")
 	_, secret, err := jobauth.Generate()
 	if err != nil {
 		t.Fatal(err)
@@ -217,37 +164,13 @@ func TestSwitchMLVerbsRXE(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	const table = "gdrlink_switchml_verbs_test"
 	runJob := func(name string, size int, aggDrop string, link string) ([]childReport, aggsrv.Stats) {
 		t.Helper()
 		if link != "" {
-			rules := [][]string{
-				{"add", "table", "inet", table},
-				{"add", "chain", "inet", table, "out", "{ type filter hook output priority 0; }"},
-				{"add", "chain", "inet", table, "in", "{ type filter hook input priority 0; }"},
-			}
-			switch link {
-			case "loss":
-				rules = append(rules,
-					[]string{"add", "rule", "inet", table, "out", "udp", "dport", "4791", "numgen", "random", "mod", "100", "<", "5", "counter", "drop"},
-					[]string{"add", "rule", "inet", table, "in", "udp", "dport", "4791", "numgen", "random", "mod", "100", "<", "5", "counter", "drop"})
-			case "corrupt":
-				// Bytes 44-47 of the UDP payload: payload bytes of a
-				// one-packet write with immediate (after BTH, RETH and
-				// ImmDt), so the packet still parses and only its ICRC
-				// is wrong.
-				rules = append(rules, []string{"add", "rule", "inet", table, "in", "udp", "dport", "4791", "numgen", "random", "mod", "100", "<", "5", "counter", "@th,352,32", "set", "0xdeadbeef"})
-			}
-			for _, cmd := range rules {
-				run(append([]string{ip, "netns", "exec", ns, nft}, cmd...)...)
-			}
-			defer func() {
-				out, _ := exec.Command(ip, "netns", "exec", ns, nft, "list", "table", "inet", table).CombinedOutput()
-				t.Logf("%s: nft counters:\n%s", name, out)
-				exec.Command(ip, "netns", "exec", ns, nft, "delete", "table", "inet", table).Run()
-			}()
+			undo := veth.Impair(link)
+			defer func() { t.Logf("%s: nft counters:\n%s", name, undo()) }()
 		}
-		agg := exec.Command(ip, "netns", "exec", ns, self, "-test.run=^$")
+		agg := veth.Command(self, "-test.run=^$")
 		agg.Env = append(os.Environ(), rxeAggEnv+"=10.235.0.2", rxeAggEnv+"_DROP="+aggDrop, jobauth.KeyEnv+"="+secret)
 		stdin, _ := agg.StdinPipe()
 		stdout, _ := agg.StdoutPipe()

@@ -14,7 +14,6 @@ import (
 	"net"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -26,6 +25,7 @@ import (
 
 	"github.com/gdrlink/gdrlink/internal/ibv"
 	"github.com/gdrlink/gdrlink/internal/jobauth"
+	"github.com/gdrlink/gdrlink/internal/roceveth"
 )
 
 // rxeWorkerEnv makes the test binary a worker of TestRXEWorkers: the value
@@ -85,63 +85,13 @@ func rxeImm(r, m int) uint32 {
 // Replies are told apart by byte 3 of the immediate, the round, the same
 // on every worker; a second reply to a resent message is dropped.
 func TestRXEWorkers(t *testing.T) {
-	if os.Getenv("GDRLINK_TEST_ROCE_VETH") != "1" {
-		t.Skip("skipping: set GDRLINK_TEST_ROCE_VETH=1 where this test may make namespaces and Soft-RoCE devices (the guest of make test-rdma does)")
-	}
-	if os.Geteuid() != 0 {
-		t.Fatal("GDRLINK_TEST_ROCE_VETH=1 but not root")
-	}
-	if err := ibv.Load(); err != nil {
-		t.Fatalf("GDRLINK_TEST_ROCE_VETH=1 but libibverbs: %v", err)
-	}
-	var tools []string
-	for _, name := range []string{"ip", "rdma", "nft"} {
-		p, err := exec.LookPath(name)
-		if err != nil {
-			t.Fatalf("GDRLINK_TEST_ROCE_VETH=1 but %s is missing (Debian: iproute2, nftables): %v", name, err)
-		}
-		tools = append(tools, p)
-	}
-	ip, rdma, nft := tools[0], tools[1], tools[2]
-	run := func(args ...string) {
-		t.Helper()
-		if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
-			t.Fatalf("%v: %v: %s", args, err, out)
-		}
-	}
-	id := os.Getpid() % 100000
-	ns, vr, vn, dev := fmt.Sprintf("gdrsw-%d", id), fmt.Sprintf("swr%d", id), fmt.Sprintf("swn%d", id), fmt.Sprintf("rxsw%d", id)
 	const workers = 3
-	exec.Command("modprobe", "veth").Run()
-	run(ip, "netns", "add", ns)
-	t.Cleanup(func() { exec.Command(ip, "netns", "del", ns).Run() })
-	run(ip, "link", "add", vr, "type", "veth", "peer", "name", vn)
-	t.Cleanup(func() { exec.Command(ip, "link", "del", vr).Run() })
-	run(ip, "link", "set", vn, "netns", ns)
+	var addrs []string
 	for r := range workers {
-		run(ip, "addr", "add", fmt.Sprintf("10.234.0.%d/24", 10+r), "dev", vr)
+		addrs = append(addrs, fmt.Sprintf("10.234.0.%d/24", 10+r))
 	}
-	run(ip, "-n", ns, "addr", "add", "10.234.0.2/24", "dev", vn)
-	run(ip, "-n", ns, "link", "set", "lo", "up")
-	run(ip, "-n", ns, "link", "set", vn, "up")
-	run(ip, "link", "set", vr, "up")
-	run(rdma, "link", "add", dev, "type", "rxe", "netdev", vr)
-	t.Cleanup(func() { exec.Command(rdma, "link", "delete", dev).Run() })
-	for r := range workers {
-		want := fmt.Sprintf("0000:0000:0000:0000:0000:ffff:0aea:00%02x", 10+r)
-		found := false
-		for deadline := time.Now().Add(15 * time.Second); !found && time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
-			files, _ := filepath.Glob("/sys/class/infiniband/" + dev + "/ports/1/gids/*")
-			for _, f := range files {
-				if b, err := os.ReadFile(f); err == nil && strings.TrimSpace(string(b)) == want {
-					found = true
-				}
-			}
-		}
-		if !found {
-			t.Fatalf("%s has no GID %s after 15 s", dev, want)
-		}
-	}
+	veth := roceveth.Setup(t, "sw", addrs, "10.234.0.2/24")
+	dev := veth.Dev
 	_, secret, err := jobauth.Generate()
 	if err != nil {
 		t.Fatal(err)
@@ -155,7 +105,6 @@ func TestRXEWorkers(t *testing.T) {
 	// the aggregator reads a raw IPv4 socket to check it. Its replies'
 	// ICRC is checked by the workers' rxe, which drops a packet whose
 	// ICRC is wrong.
-	const table = "gdrlink_switchml_test"
 	type result struct {
 		sums    []string
 		stats   Stats
@@ -166,33 +115,13 @@ func TestRXEWorkers(t *testing.T) {
 	runJob := func(name string, slots int, aggDrop string, link string) (res result) {
 		t.Helper()
 		if link != "" {
-			rules := [][]string{
-				{"add", "table", "inet", table},
-				{"add", "chain", "inet", table, "out", "{ type filter hook output priority 0; }"},
-				{"add", "chain", "inet", table, "in", "{ type filter hook input priority 0; }"},
-			}
-			switch link {
-			case "loss":
-				rules = append(rules,
-					[]string{"add", "rule", "inet", table, "out", "udp", "dport", "4791", "numgen", "random", "mod", "100", "<", "5", "counter", "drop"},
-					[]string{"add", "rule", "inet", table, "in", "udp", "dport", "4791", "numgen", "random", "mod", "100", "<", "5", "counter", "drop"})
-			case "corrupt":
-				// Bytes 44-47 of the UDP payload: payload bytes of
-				// any packet (after BTH, RETH and ImmDt), so the
-				// packet still parses and only its ICRC is wrong.
-				rules = append(rules, []string{"add", "rule", "inet", table, "in", "udp", "dport", "4791", "numgen", "random", "mod", "100", "<", "5", "counter", "@th,352,32", "set", "0xdeadbeef"})
-			}
-			for _, cmd := range rules {
-				run(append([]string{ip, "netns", "exec", ns, nft}, cmd...)...)
-			}
+			undo := veth.Impair(link)
 			defer func() {
-				out, _ := exec.Command(ip, "netns", "exec", ns, nft, "list", "table", "inet", table).CombinedOutput()
-				t.Logf("%s: nft counters:\n%s", name, out)
-				res.nftRule = string(out)
-				exec.Command(ip, "netns", "exec", ns, nft, "delete", "table", "inet", table).Run()
+				res.nftRule = undo()
+				t.Logf("%s: nft counters:\n%s", name, res.nftRule)
 			}()
 		}
-		agg := exec.Command(ip, "netns", "exec", ns, self, "-test.run=^$")
+		agg := veth.Command(self, "-test.run=^$")
 		agg.Env = append(os.Environ(), childEnv+"=1", childEnv+"_ADDR=10.234.0.2", childEnv+"_DROP="+aggDrop, childEnv+"_RAW=on", jobauth.KeyEnv+"="+secret)
 		stdin, _ := agg.StdinPipe()
 		stdout, _ := agg.StdoutPipe()
