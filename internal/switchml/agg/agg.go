@@ -505,16 +505,7 @@ func (a *Aggregator) reply(j *job, first, s, w int, out []Reply) []Reply {
 			Payload: j.sums[si*sb : (si+1)*sb],
 		}
 		q.spsn = (q.spsn + 1) & psnMask
-		switch {
-		case m.n == 1:
-			p.Opcode = rocev2.WriteOnlyWithImm
-		case k == 0:
-			p.Opcode = rocev2.WriteFirst
-		case k == m.n-1:
-			p.Opcode = rocev2.WriteLastWithImm
-		default:
-			p.Opcode = rocev2.WriteMiddle
-		}
+		p.Opcode = rocev2.WriteWithImmOpcode(k, m.n)
 		if k == 0 {
 			p.VA, p.RKey, p.DMALen = m.va[w], j.spec.Workers[w].RKey, uint32(m.n*sb)
 		}

@@ -117,16 +117,7 @@ func simulate(t *testing.T, workers, channels, slotBytes int, msgs []simMsg, los
 			p := rocev2.Packet{PKey: rocev2.DefaultPKey, DestQP: wk.eps[c].QPN, PSN: wk.spsn[c],
 				Payload: m.data[wk.id][k*slotBytes : (k+1)*slotBytes]}
 			wk.spsn[c] = (wk.spsn[c] + 1) & psnMask
-			switch {
-			case m.n == 1:
-				p.Opcode = rocev2.WriteOnlyWithImm
-			case k == 0:
-				p.Opcode = rocev2.WriteFirst
-			case k == m.n-1:
-				p.Opcode = rocev2.WriteLastWithImm
-			default:
-				p.Opcode = rocev2.WriteMiddle
-			}
+			p.Opcode = rocev2.WriteWithImmOpcode(k, m.n)
 			if k == 0 {
 				p.VA = 0x7f0000000000 + uint64(c)<<20
 				p.RKey = 0xab<<16 | uint32(2*(spec.Base+m.first)+m.set)

@@ -124,6 +124,20 @@ func (o Opcode) HasRETH() bool { return o == WriteFirst || o == WriteOnly || o =
 // HasImm says whether packets with o carry immediate data.
 func (o Opcode) HasImm() bool { return o == WriteLastWithImm || o == WriteOnlyWithImm }
 
+// WriteWithImmOpcode is the opcode of packet k of a write with immediate
+// of n packets: ONLY for one packet, else FIRST, MIDDLE..., LAST.
+func WriteWithImmOpcode(k, n int) Opcode {
+	switch {
+	case n == 1:
+		return WriteOnlyWithImm
+	case k == 0:
+		return WriteFirst
+	case k == n-1:
+		return WriteLastWithImm
+	}
+	return WriteMiddle
+}
+
 // Starts says whether o begins a message (FIRST or ONLY).
 func (o Opcode) Starts() bool { return o.HasRETH() }
 

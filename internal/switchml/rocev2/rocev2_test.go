@@ -298,3 +298,20 @@ func TestUDP(t *testing.T) {
 		t.Fatalf("short: %v", err)
 	}
 }
+
+func TestWriteWithImmOpcode(t *testing.T) {
+	for _, c := range []struct {
+		n    int
+		want []Opcode
+	}{
+		{1, []Opcode{WriteOnlyWithImm}},
+		{2, []Opcode{WriteFirst, WriteLastWithImm}},
+		{4, []Opcode{WriteFirst, WriteMiddle, WriteMiddle, WriteLastWithImm}},
+	} {
+		for k, want := range c.want {
+			if got := WriteWithImmOpcode(k, c.n); got != want {
+				t.Errorf("packet %d of %d: %v, want %v", k, c.n, got, want)
+			}
+		}
+	}
+}

@@ -173,16 +173,7 @@ func (u *udpLink) send(q *qp, m *message) error {
 			p.Payload = m.payload[k*w.cfg.SlotBytes : (k+1)*w.cfg.SlotBytes]
 		}
 		q.psn = (q.psn + 1) & psnMask
-		switch {
-		case m.n == 1:
-			p.Opcode = rocev2.WriteOnlyWithImm
-		case k == 0:
-			p.Opcode = rocev2.WriteFirst
-		case k == m.n-1:
-			p.Opcode = rocev2.WriteLastWithImm
-		default:
-			p.Opcode = rocev2.WriteMiddle
-		}
+		p.Opcode = rocev2.WriteWithImmOpcode(k, m.n)
 		if k == 0 {
 			p.VA, p.RKey, p.DMALen = m.va, m.rkey, uint32(len(m.payload))
 		}
