@@ -11,8 +11,11 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/gdrlink/gdrlink/internal/jobauth"
 )
@@ -253,6 +256,16 @@ type recConn struct {
 	sent bytes.Buffer
 }
 
+// Close resets the connection, which frees its local port at once (no
+// TIME_WAIT): a replay can then come from that very address and port, so
+// that only the nonces tell it from the original.
+func (c *recConn) Close() error {
+	if tc, ok := c.Conn.(*net.TCPConn); ok {
+		tc.SetLinger(0)
+	}
+	return c.Conn.Close()
+}
+
 func (c *recConn) Write(b []byte) (int, error) {
 	c.mu.Lock()
 	c.sent.Write(b)
@@ -287,12 +300,21 @@ func (r *recorder) dial(ctx context.Context, addr string) (net.Conn, error) {
 
 // to is what was written on the connections dialled to addr, in order.
 func (r *recorder) to(addr string) [][]byte {
+	var out [][]byte
+	for _, c := range r.connsTo(addr) {
+		out = append(out, c.bytes())
+	}
+	return out
+}
+
+// connsTo are the connections dialled to addr, in order.
+func (r *recorder) connsTo(addr string) []*recConn {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	var out [][]byte
+	var out []*recConn
 	for _, c := range r.conns {
 		if c.addr == addr {
-			out = append(out, c.bytes())
+			out = append(out, c)
 		}
 	}
 	return out
@@ -303,9 +325,32 @@ func (r *recorder) to(addr string) [][]byte {
 // fails the test.
 func replay(t *testing.T, addr string, b []byte) []byte {
 	t.Helper()
-	c, err := net.Dial("tcp", addr)
+	return replayFrom(t, "", addr, b)
+}
+
+// replayFrom is replay from the local address from ("" for any): the
+// address and port of the recorded connection, freed by its reset.
+func replayFrom(t *testing.T, from, addr string, b []byte) []byte {
+	t.Helper()
+	d := net.Dialer{Timeout: 5 * time.Second}
+	if from != "" {
+		la, err := net.ResolveTCPAddr("tcp", from)
+		if err != nil {
+			t.Fatal(err)
+		}
+		d.LocalAddr = la
+		d.Control = func(_, _ string, rc syscall.RawConn) error {
+			var serr error
+			err := rc.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_REUSEADDR, 1) })
+			return errors.Join(err, serr)
+		}
+	}
+	c, err := d.Dial("tcp", addr)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if from != "" && c.LocalAddr().String() != from {
+		t.Fatalf("replaying from %s, want %s", c.LocalAddr(), from)
 	}
 	defer c.Close()
 	c.SetDeadline(time.Now().Add(5 * time.Second))
@@ -320,9 +365,12 @@ func replay(t *testing.T, addr string, b []byte) []byte {
 }
 
 // TestAuthReplay: what a rank of the job sent, replayed word for word on a
-// new connection, proves nothing: the acceptor's nonce is fresh. Neither a
-// replayed hello (to a root of the same key with the slot free) nor a
-// replayed Call (of rank 0 or of rank 1) gets through.
+// new connection, proves nothing. A replayed Call (of rank 0 or of rank 1)
+// comes from the recorded address and port, so the endpoints the
+// handshake binds are the original's and only the acceptor's fresh nonce
+// refuses it (with a fixed nonce it gets through). A replayed hello, to
+// another root of the same key with the slot free, is refused too (there
+// the root's address differs as well).
 func TestAuthReplay(t *testing.T) {
 	key := testKey(t, "replay")
 	recs := make([]recorder, 3)
@@ -351,12 +399,16 @@ func TestAuthReplay(t *testing.T) {
 
 	for from := 0; from < 2; from++ {
 		t.Run(fmt.Sprintf("CallOfRank%d", from), func(t *testing.T) {
-			sent := recs[from].to(gs[0].Addrs()[2])
+			sent := recs[from].connsTo(gs[0].Addrs()[2])
 			if len(sent) != 1 {
 				t.Fatalf("recorded %d connections to rank 2, want 1", len(sent))
 			}
+			// From the recorded address and port, so that the
+			// endpoints the handshake binds are the same and only the
+			// acceptor's fresh nonce refuses the replay.
+			sent[0].Close()
 			before := calls.Load()
-			got := replay(t, gs[0].Addrs()[2], sent[0])
+			got := replayFrom(t, sent[0].LocalAddr().String(), gs[0].Addrs()[2], sent[0].bytes())
 			if n := calls.Load() - before; n != 0 || bytes.Contains(got, []byte("paid")) {
 				t.Errorf("the replayed call reached the handler (%d calls, answer %q)", n, got)
 			}
