@@ -157,6 +157,8 @@ func runChild(job string) error {
 		}
 	case "stop":
 		return stopJob(ctx, g) // no barrier: rank 0 stays stopped
+	case "dead-peer":
+		return deadPeerJob(ctx, g) // no barrier: a rank is dead
 	default:
 		err = fmt.Errorf("unknown job %q", job)
 	}
@@ -280,6 +282,10 @@ type job struct {
 	outs  []*bytes.Buffer
 	errs  []*bytes.Buffer
 	start time.Time
+	// rootFile is this process's copy of rank 0's listening socket,
+	// kept for a rank 0 started again; while it is open, the root's
+	// port accepts connections (into the backlog) after rank 0 died.
+	rootFile *os.File
 }
 
 // startJob starts size children running what; wrap(rank) may prefix a
@@ -301,7 +307,7 @@ func startJob(t *testing.T, what string, size int, rootIP string, wrap func(int)
 	if err != nil {
 		t.Fatal(err)
 	}
-	j := &job{t: t, start: time.Now()}
+	j := &job{t: t, start: time.Now(), rootFile: lf}
 	for r := range size {
 		args := append(wrap(r), self, "-test.run=^$")
 		cmd := exec.Command(args[0], args[1:]...)
