@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"os/exec"
 	"strconv"
 	"strings"
 	"testing"
@@ -198,32 +197,7 @@ func hostileMain(in io.Reader, out io.Writer) int {
 // empty (the victim's channels are the test's).
 func startHostile(t *testing.T, provider string) *peerProc {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), hostileEnv+"=1", "GDRLINK_RDV_PROVIDER="+provider)
-	cmd.Stderr = os.Stderr
-	in, err := cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	outp, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	p := &peerProc{t: t, cmd: cmd, in: in, lines: make(chan string, 16), local: &side{}, done: make(chan struct{})}
-	go func() {
-		sc := bufio.NewScanner(outp)
-		sc.Buffer(make([]byte, 64<<10), 1<<20)
-		for sc.Scan() {
-			p.lines <- sc.Text()
-		}
-		close(p.lines)
-	}()
-	go func() { _ = cmd.Wait(); close(p.done) }()
-	t.Cleanup(p.stop)
-	return p
+	return launchProc(t, nil, []string{hostileEnv + "=1", "GDRLINK_RDV_PROVIDER=" + provider}, &side{})
 }
 
 // hostileConn connects a new channel of the victim v over mem to the

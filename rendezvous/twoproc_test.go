@@ -287,9 +287,31 @@ func startPeerWith(t *testing.T, provider string, listen, env, wrap []string, op
 // (which it closes when the test ends) and connects them.
 func startPeerOn(t *testing.T, provider string, local *side, env, wrap []string) *peerProc {
 	t.Helper()
+	p := launchProc(t, wrap, append([]string{peerEnv + "=1", "GDRLINK_RDV_PROVIDER=" + provider}, env...), local)
+	hello := p.expect("hello ")
+	ph, err := hex.DecodeString(hello)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.send("hello %x", local.ch.Hello())
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := local.ch.Connect(ctx, ph); err != nil {
+		t.Fatalf("connect to the peer process: %v", err)
+	}
+	p.expect("ready")
+	return p
+}
+
+// launchProc starts this test binary as a process of its own (after the
+// command prefix wrap, with the extra environment env) and hands its
+// output lines to the returned handle, whose local side is local. The
+// process is stopped when the test ends.
+func launchProc(t *testing.T, wrap, env []string, local *side) *peerProc {
+	t.Helper()
 	argv := append(append([]string{}, wrap...), os.Args[0], "-test.run=^$")
 	cmd := exec.Command(argv[0], argv[1:]...)
-	cmd.Env = append(append(os.Environ(), peerEnv+"=1", "GDRLINK_RDV_PROVIDER="+provider), env...)
+	cmd.Env = append(os.Environ(), env...)
 	cmd.Stderr = os.Stderr
 	in, err := cmd.StdinPipe()
 	if err != nil {
@@ -313,18 +335,6 @@ func startPeerOn(t *testing.T, provider string, local *side, env, wrap []string)
 	}()
 	go func() { _ = cmd.Wait(); close(p.done) }()
 	t.Cleanup(p.stop)
-	hello := p.expect("hello ")
-	ph, err := hex.DecodeString(hello)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p.send("hello %x", local.ch.Hello())
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	if err := local.ch.Connect(ctx, ph); err != nil {
-		t.Fatalf("connect to the peer process: %v", err)
-	}
-	p.expect("ready")
 	return p
 }
 
