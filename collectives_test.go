@@ -476,22 +476,27 @@ type collectiveVecs struct{ m *metrics }
 func (c collectiveVecs) Describe(ch chan<- *prometheus.Desc) {
 	c.m.collectives.Describe(ch)
 	c.m.collectiveBytes.Describe(ch)
+	c.m.collectiveRecovery.Describe(ch)
 	c.m.collectiveTook.Describe(ch)
 }
 
 func (c collectiveVecs) Collect(ch chan<- prometheus.Metric) {
 	c.m.collectives.Collect(ch)
 	c.m.collectiveBytes.Collect(ch)
+	c.m.collectiveRecovery.Collect(ch)
 	c.m.collectiveTook.Collect(ch)
 }
 
-// TestCollectiveMetrics: calls by result, wire bytes by direction, and
-// the duration of the successful ones.
+// TestCollectiveMetrics: calls by result, wire bytes by direction,
+// switchml's resends and stale replies, and the duration of the
+// successful ones.
 func TestCollectiveMetrics(t *testing.T) {
 	m := newMetrics(nil)
 	m.collective("allreduce", "ring", collective.Report{Sent: 100, Received: 300, Took: time.Millisecond}, nil)
 	m.collective("allreduce", "ring", collective.Report{Sent: 50, Received: 0}, errors.New("lost"))
 	m.collective("broadcast", "ring", collective.Report{Received: 7, Took: time.Millisecond}, nil)
+	m.collective("allreduce", "switchml", collective.Report{Sent: 4, Received: 4, Resent: 3, StaleReplies: 2, Took: time.Millisecond}, nil)
+	m.collective("allreduce", "switchml", collective.Report{Resent: 1}, errors.New("aggregator lost"))
 	fams := gather(t, collectiveVecs{m})
 	for _, c := range []struct {
 		name   string
@@ -504,13 +509,16 @@ func TestCollectiveMetrics(t *testing.T) {
 		{"gdrlink_collective_bytes_total", map[string]string{"op": "allreduce", "backend": "ring", "direction": "out"}, 150},
 		{"gdrlink_collective_bytes_total", map[string]string{"op": "allreduce", "backend": "ring", "direction": "in"}, 300},
 		{"gdrlink_collective_bytes_total", map[string]string{"op": "broadcast", "backend": "ring", "direction": "in"}, 7},
+		{"gdrlink_collective_recovery_total", map[string]string{"op": "allreduce", "backend": "switchml", "kind": "resent"}, 4},
+		{"gdrlink_collective_recovery_total", map[string]string{"op": "allreduce", "backend": "switchml", "kind": "stale"}, 2},
+		{"gdrlink_collective_recovery_total", map[string]string{"op": "allreduce", "backend": "ring", "kind": "resent"}, 0},
 	} {
 		if got, ok := value(fams[c.name], c.labels); !ok || got != c.want {
 			t.Errorf("%s%v = %v (found %v), want %v", c.name, c.labels, got, ok, c.want)
 		}
 	}
 	h := fams["gdrlink_collective_duration_seconds"]
-	if h == nil || len(h.GetMetric()) != 2 || h.GetMetric()[0].GetHistogram().GetSampleCount() != 1 {
-		t.Errorf("duration histogram: %v, want one observation for each op", h)
+	if h == nil || len(h.GetMetric()) != 3 || h.GetMetric()[0].GetHistogram().GetSampleCount() != 1 {
+		t.Errorf("duration histogram: %v, want one observation for each op and backend", h)
 	}
 }

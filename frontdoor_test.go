@@ -66,6 +66,10 @@ type childReport struct {
 	// Digests are the collective job's results (a hash each), to compare
 	// across ranks.
 	Digests []string `json:"digests,omitempty"`
+	// Resent and Stale sum the collective reports' Resent and
+	// StaleReplies (the switchml jobs).
+	Resent int64 `json:"resent,omitempty"`
+	Stale  int64 `json:"stale,omitempty"`
 	// FailRank, Failure and FailMS are what the collective that lost a
 	// rank said, and how long it took.
 	FailRank int     `json:"fail_rank,omitempty"`

@@ -74,7 +74,10 @@ type metrics struct {
 	errs      *prometheus.CounterVec
 
 	collectives, collectiveBytes *prometheus.CounterVec
-	collectiveTook               *prometheus.HistogramVec
+	// collectiveRecovery counts the messages collectives sent again and
+	// the stale replies they dropped (switchml's loss recovery).
+	collectiveRecovery *prometheus.CounterVec
+	collectiveTook     *prometheus.HistogramVec
 
 	mu     sync.RWMutex
 	series map[seriesKey]*series
@@ -109,6 +112,9 @@ func newMetrics(g *Group) *metrics {
 		collectiveBytes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "gdrlink_collective_bytes_total", Help: "Bytes collectives put on the wire (out) and took in (in), by op and backend.",
 		}, []string{"op", "backend", "direction"}),
+		collectiveRecovery: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "gdrlink_collective_recovery_total", Help: "Messages collectives sent again after a timeout (resent) and replies they dropped as stale or corrupted (stale), by op and backend.",
+		}, []string{"op", "backend", "kind"}),
 		collectiveTook: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "gdrlink_collective_duration_seconds", Help: "Time of successful collective calls, by op and backend.",
 			Buckets: durationBuckets,
@@ -150,6 +156,8 @@ func (m *metrics) collective(op, backend string, rep collective.Report, err erro
 	m.collectives.WithLabelValues(op, backend, result).Inc()
 	m.collectiveBytes.WithLabelValues(op, backend, "out").Add(float64(rep.Sent))
 	m.collectiveBytes.WithLabelValues(op, backend, "in").Add(float64(rep.Received))
+	m.collectiveRecovery.WithLabelValues(op, backend, "resent").Add(float64(rep.Resent))
+	m.collectiveRecovery.WithLabelValues(op, backend, "stale").Add(float64(rep.StaleReplies))
 	if err == nil {
 		m.collectiveTook.WithLabelValues(op, backend).Observe(rep.Took.Seconds())
 	}
@@ -193,6 +201,7 @@ func (m *metrics) Describe(ch chan<- *prometheus.Desc) {
 	m.errs.Describe(ch)
 	m.collectives.Describe(ch)
 	m.collectiveBytes.Describe(ch)
+	m.collectiveRecovery.Describe(ch)
 	m.collectiveTook.Describe(ch)
 	for _, d := range []*prometheus.Desc{m.connections, m.requests, m.reRequests, m.metaResponses, m.writes,
 		m.checksumFailures, m.checksumRetries, m.keepalives, m.creditStalls, m.retransmits, m.failovers, m.rejoins, m.poolInUse, m.poolReserved, m.poolArenas,
@@ -210,6 +219,7 @@ func (m *metrics) Collect(ch chan<- prometheus.Metric) {
 	m.errs.Collect(ch)
 	m.collectives.Collect(ch)
 	m.collectiveBytes.Collect(ch)
+	m.collectiveRecovery.Collect(ch)
 	m.collectiveTook.Collect(ch)
 	m.collectStats(ch, m.g.Stats())
 	// Absent, not zero, without a GPU or without NVML.

@@ -248,6 +248,7 @@ func (s *switchML) AllReduce(ctx context.Context, seq uint64, t *tensor.Tensor, 
 	}
 	st := w.Stats()
 	rep.Sent, rep.Received = int64(st.BytesSent-st0.BytesSent), int64(st.BytesReceived-st0.BytesReceived)
+	rep.Resent, rep.StaleReplies = int64(st.Resent-st0.Resent), int64(st.StaleReplies-st0.StaleReplies)
 	rep.Links = []collective.LinkUse{{Peer: -1, Provider: "switchml/" + w.Transport(), Device: s.addr, Path: rendezvous.PathNone,
 		Transfers: int(st.Messages - st0.Messages), Bytes: rep.Received}}
 	rep.Took = time.Since(start)

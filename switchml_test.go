@@ -50,6 +50,7 @@ func switchmlJob(ctx context.Context, g *Group, rep *childReport) error {
 		return fmt.Errorf("float32 report %+v", cr)
 	}
 	rep.Paths = append(rep.Paths, fmt.Sprintf("sent %d received %d for %d bytes", cr.Sent, cr.Received, cr.Bytes))
+	rep.Resent, rep.Stale = rep.Resent+cr.Resent, rep.Stale+cr.StaleReplies
 	for i := 0; i < rn; i += 13 {
 		var s float64
 		for q := range n {
@@ -71,9 +72,11 @@ func switchmlJob(ctx context.Context, g *Group, rep *childReport) error {
 	for i := range xv {
 		xv[i] = int32(r*100_000 - i)
 	}
-	if _, err := g.AllReduce(ctx, x, Sum); err != nil {
+	cr, err = g.AllReduce(ctx, x, Sum)
+	if err != nil {
 		return err
 	}
+	rep.Resent, rep.Stale = rep.Resent+cr.Resent, rep.Stale+cr.StaleReplies
 	for i := range xv {
 		want := int32(0)
 		for q := range n {
@@ -98,8 +101,8 @@ func switchmlJob(ctx context.Context, g *Group, rep *childReport) error {
 	if err != nil {
 		return err
 	}
-	if cr.Backend != "ring" {
-		return fmt.Errorf("int64 AllReduce ran on %q, want the ring", cr.Backend)
+	if cr.Backend != "ring" || cr.Resent != 0 || cr.StaleReplies != 0 {
+		return fmt.Errorf("int64 AllReduce ran on %q (%d resent, %d stale), want the ring, which resends nothing", cr.Backend, cr.Resent, cr.StaleReplies)
 	}
 	rep.Digests = append(rep.Digests, digest(y))
 	return nil
@@ -141,6 +144,55 @@ func TestAllReduceSwitchML(t *testing.T) {
 			t.Logf("rank 0: %v; aggregator %+v", reps[0].Paths, s.Stats())
 		})
 	}
+}
+
+// TestAllReduceSwitchMLLoss runs the switchml job twice on 2 ranks, with
+// the same tensors: through a lossless aggregator, then through one that
+// drops 3% of the packets it receives and sends. The results are the same
+// bits; the lossy run's reports count more messages resent than the
+// lossless run's, and rank 0's metrics count what its reports said.
+func TestAllReduceSwitchMLLoss(t *testing.T) {
+	const size = 2
+	run := func(drop float64) ([]childReport, aggsrv.Stats) {
+		s, env := startLossyAggregator(t, "", size, drop)
+		j := startJob(t, "switchml", size, "127.0.0.1", func(int) []string { return nil }, func(int) []string {
+			return append(slices.Clip(env), "GDRLINK_METRICS_ADDR=127.0.0.1:0")
+		})
+		reps := j.wait(3 * time.Minute)
+		return reps, s.Stats()
+	}
+	clean, cst := run(0)
+	lossy, lst := run(0.03)
+	if lst.Injected == 0 {
+		t.Fatalf("the lossy aggregator dropped nothing: %+v", lst)
+	}
+	var cleanResent, lossyResent int64
+	for r := range size {
+		if len(clean[r].Digests) != 3 || len(lossy[r].Digests) != 3 {
+			t.Fatalf("rank %d: %d and %d results", r, len(clean[r].Digests), len(lossy[r].Digests))
+		}
+		for i := range clean[r].Digests {
+			if clean[r].Digests[i] != lossy[r].Digests[i] {
+				t.Errorf("rank %d: result %d with loss differs from the lossless run's", r, i)
+			}
+		}
+		cleanResent += clean[r].Resent
+		lossyResent += lossy[r].Resent
+		t.Logf("rank %d: lossless %d resent %d stale; lossy %d resent %d stale", r, clean[r].Resent, clean[r].Stale, lossy[r].Resent, lossy[r].Stale)
+	}
+	// A loaded host can time a lossless message out too (the 8-rank run
+	// of TestAllReduceSwitchML does on 2 cores), so the lossless run is
+	// only bounded by the lossy one.
+	if lossyResent == 0 || lossyResent <= cleanResent {
+		t.Errorf("the run that lost %d packets resent %d messages, the lossless run %d (aggregator %+v)", lst.Injected, lossyResent, cleanResent, cst)
+	}
+	for kind, want := range map[string]int64{"resent": lossy[0].Resent, "stale": lossy[0].Stale} {
+		k := "gdrlink_collective_recovery_total{backend=switchml,kind=" + kind + ",op=allreduce}"
+		if got := lossy[0].Scraped[k]; got != float64(want) {
+			t.Errorf("rank 0: %s = %v, its reports said %d", k, got, want)
+		}
+	}
+	t.Logf("aggregator with loss: %+v", lst)
 }
 
 // switchmlPort finds a UDP port free on 127.0.0.1 and on 127.0.net.2 ..
@@ -213,6 +265,13 @@ func withSwitchMLNet(net byte) Option {
 // returns the server and the children's environment.
 func startAggregator(t *testing.T, secret string, ranks int, nets ...byte) (*aggsrv.Server, []string) {
 	t.Helper()
+	return startLossyAggregator(t, secret, ranks, 0, nets...)
+}
+
+// startLossyAggregator is startAggregator with drop (aggsrv.Config.Drop)
+// the share of packets it drops, received and sent.
+func startLossyAggregator(t *testing.T, secret string, ranks int, drop float64, nets ...byte) (*aggsrv.Server, []string) {
+	t.Helper()
 	var key jobauth.Key
 	if secret != "" {
 		var err error
@@ -229,7 +288,7 @@ func startAggregator(t *testing.T, secret string, ranks int, nets ...byte) (*agg
 	if err != nil {
 		t.Skip("aggregator port taken:", err)
 	}
-	s, err := aggsrv.New(aggsrv.Config{Key: key, Control: cl, Data: dc, PeerPort: uint16(port), SetupTimeout: 60 * time.Second})
+	s, err := aggsrv.New(aggsrv.Config{Key: key, Control: cl, Data: dc, PeerPort: uint16(port), SetupTimeout: 60 * time.Second, Drop: drop})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -70,6 +70,12 @@ type Report struct {
 	// Links says how the received bytes came, by neighbour, provider,
 	// device and path (as Transfer reports a Recv).
 	Links []LinkUse
+	// Resent counts the messages this rank sent again because no answer
+	// came within their timeout, and StaleReplies the replies it dropped
+	// (for a message already answered, out of order, or corrupted): the
+	// switchml backend's recovery from loss, whose result is the same
+	// bits as without it. The ring, on reliable links, leaves them 0.
+	Resent, StaleReplies int64
 	// Took is the time the call took.
 	Took time.Duration
 }
