@@ -34,6 +34,9 @@ import (
 )
 
 func main() {
+	if code, ok := runChild(os.Getenv); ok {
+		os.Exit(code)
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"math"
+	"os"
 	"strings"
 	"testing"
 )
@@ -257,4 +258,42 @@ func slicesContain(xs []string, want string) bool {
 		}
 	}
 	return false
+}
+
+// TestRunChild: the environment variable of a scenario's child role runs
+// that role from main (with the variable's value, exiting with its
+// status), none runs nothing, and two at once are refused; the
+// scenarios that re-execute the binary declare their roles.
+func TestRunChild(t *testing.T) {
+	const env = "GDRLINK_BENCH_TEST_CHILD"
+	var got string
+	register(Scenario{Name: "test-child", Child: &Child{Env: env, Run: func(v string) int { got = v; return 7 }}})
+	t.Cleanup(func() { delete(scenarios, "test-child") })
+	vars := map[string]string{}
+	getenv := func(k string) string { return vars[k] }
+	if code, ok := runChild(getenv); ok {
+		t.Fatalf("no role set: ran one (status %d)", code)
+	}
+	vars[env] = "peer-arg"
+	if code, ok := runChild(getenv); !ok || code != 7 || got != "peer-arg" {
+		t.Fatalf("role set: status %d, ran %v, value %q; want 7, true, peer-arg", code, ok, got)
+	}
+	vars[allReduceRankEnv] = "1"
+	if code, ok := runChild(getenv); !ok || code != exitUsage {
+		t.Fatalf("two roles set: status %d, ran %v; want %d, true", code, ok, exitUsage)
+	}
+	for name, want := range map[string]string{"allreduce": allReduceRankEnv, "tensor": tensorPeerEnv, "xfer": xferPeerEnv, "ipc": ipcPeerEnv} {
+		if c := scenarios[name].Child; c == nil || c.Env != want {
+			t.Errorf("scenario %s: child role %+v, want one run by %s", name, c, want)
+		}
+	}
+}
+
+// TestMain runs a child role as main does: the scenarios' tests
+// re-execute this test binary as their peers and ranks.
+func TestMain(m *testing.M) {
+	if code, ok := runChild(os.Getenv); ok {
+		os.Exit(code)
+	}
+	os.Exit(m.Run())
 }

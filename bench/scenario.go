@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"os"
 	"sort"
 )
 
@@ -53,6 +54,44 @@ type Scenario struct {
 	Run func(ctx context.Context, env *Env) error
 	// Plots describes the SVG plots drawn from its results with -svg.
 	Plots []Plot
+	// Child, when set, is the process the bench binary re-executes itself
+	// as for this scenario (its peer, or a rank of its job).
+	Child *Child
+}
+
+// Child is a role the bench binary runs in a process of its own: when the
+// environment variable Env is set, main runs Run with its value, and exits
+// with what Run returns, instead of reading a command line. main, not an
+// init function: Go runs init functions on the main goroutine locked to the
+// process's main thread, so a peer run from one hands every wake-up of its
+// main goroutine to that one thread (a futex wake and a context switch
+// each): a Send and Recv of 4 KiB between two allreduce ranks, on their
+// main goroutines, took 260-480 us per exchange from init and 116-125 us
+// from main.
+type Child struct {
+	Env string
+	Run func(value string) int
+}
+
+// runChild runs the child role the environment names, if any: ok is
+// false when it names none. Two roles named at once is an error (exit
+// status 2), not a guess.
+func runChild(getenv func(string) string) (code int, ok bool) {
+	var found []Scenario
+	for _, name := range scenarioNames() {
+		s := scenarios[name]
+		if s.Child != nil && getenv(s.Child.Env) != "" {
+			found = append(found, s)
+		}
+	}
+	switch len(found) {
+	case 0:
+		return 0, false
+	case 1:
+		return found[0].Child.Run(getenv(found[0].Child.Env)), true
+	}
+	fmt.Fprintf(os.Stderr, "bench: %s and %s both set: one child role at a time\n", found[0].Child.Env, found[1].Child.Env)
+	return exitUsage, true
 }
 
 // Plot describes one SVG plot of a sweep: for each case whose name has the

@@ -30,11 +30,9 @@ func init() {
 		Plots: []Plot{
 			{File: "allreduce-bandwidth.svg", Title: "AllReduce algorithm bandwidth (size / time) vs MPI_Allreduce", Unit: "GB/s", CasePrefix: "ring/"},
 		},
+		// The bench binary re-executes itself as the job's ranks.
+		Child: &Child{Env: allReduceRankEnv, Run: func(string) int { return runAllReduceRank() }},
 	})
-	// The bench binary re-executes itself as the job's ranks.
-	if os.Getenv(allReduceRankEnv) != "" {
-		os.Exit(runAllReduceRank())
-	}
 }
 
 const (

@@ -51,15 +51,15 @@ func init() {
 			Unit:       "GB/s",
 			CasePrefix: "pull-vs-inprocess/",
 		}},
+		// The bench binary re-executes itself as the pulling process.
+		Child: &Child{Env: ipcPeerEnv, Run: func(mode string) int {
+			if err := runIPCPeer(mode); err != nil {
+				fmt.Fprintln(os.Stderr, "ipc peer:", err)
+				return 1
+			}
+			return 0
+		}},
 	})
-	// The bench binary re-executes itself as the pulling process.
-	if m := os.Getenv(ipcPeerEnv); m != "" {
-		if err := runIPCPeer(m); err != nil {
-			fmt.Fprintln(os.Stderr, "ipc peer:", err)
-			os.Exit(1)
-		}
-		os.Exit(0)
-	}
 }
 
 const (

@@ -42,11 +42,9 @@ func init() {
 		Plots: []Plot{
 			{File: "tensor-vs-grpc.svg", Title: "tensor protocol vs gRPC", Unit: "GB/s", CasePrefix: "tensor/"},
 		},
+		// The bench binary re-executes itself as the scenario's peer.
+		Child: &Child{Env: tensorPeerEnv, Run: runTensorPeer},
 	})
-	// The bench binary re-executes itself as the scenario's peer.
-	if p := os.Getenv(tensorPeerEnv); p != "" {
-		os.Exit(runTensorPeer(p))
-	}
 }
 
 const (

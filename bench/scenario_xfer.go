@@ -41,11 +41,9 @@ func init() {
 			{File: "xfer-vs-ucx.svg", Title: "RDMA WRITE vs ucx_perftest tag_bw", Unit: "GB/s", CasePrefix: "ucx/"},
 			{File: "xfer-latency.svg", Title: "one-way latency, write with immediate vs ucx_perftest tag_lat / ib_write_lat", Unit: "us", CasePrefix: "lat/"},
 		},
+		// The bench binary re-executes itself as the scenario's peer.
+		Child: &Child{Env: xferPeerEnv, Run: runXferPeer},
 	})
-	// The bench binary re-executes itself as the scenario's peer.
-	if p := os.Getenv(xferPeerEnv); p != "" {
-		os.Exit(runXferPeer(p))
-	}
 }
 
 const (
