@@ -50,6 +50,9 @@ type config struct {
 	// switchmlTransport is GDRLINK_SWITCHML_TRANSPORT: auto (""), verbs
 	// or udp.
 	switchmlTransport string
+	// switchmlPackets is GDRLINK_SWITCHML_MSG_PACKETS: packets per
+	// SwitchML message, 1..4 (0: the worker's default, 1 on Soft-RoCE).
+	switchmlPackets int
 	// switchmlLocal picks the switchml worker's IPv4 address (nil:
 	// localIPv4; a test gives another loopback network).
 	switchmlLocal func(aggregator string, rank int) ([4]byte, error)
@@ -362,6 +365,13 @@ func fromEnv(lookup func(string) (string, bool)) (config, error) {
 		default:
 			return c, fmt.Errorf("%w: GDRLINK_SWITCHML_TRANSPORT=%q, want auto, verbs or udp", verbsio.ErrBadConfig, v)
 		}
+	}
+	if v := get("GDRLINK_SWITCHML_MSG_PACKETS"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 || n > 4 {
+			return c, fmt.Errorf("%w: GDRLINK_SWITCHML_MSG_PACKETS=%q, want 1 to 4 packets per message", verbsio.ErrBadConfig, v)
+		}
+		c.switchmlPackets = n
 	}
 	if v := get("GDRLINK_METRICS_ADDR"); v != "" {
 		if err := WithMetricsAddr(v)(&c); err != nil {

@@ -122,6 +122,12 @@ func (s *switchML) worker(ctx context.Context) (*worker.Worker, error) {
 			cfg.MsgSlots = 1
 		}
 	}
+	if n := s.g.cfg.switchmlPackets; n > 0 {
+		if useVerbs && v.Soft && n > 1 {
+			s.g.log.Warn("switchml: multi-packet messages on Soft-RoCE: one lost packet of a reply stops its queue pair for good", "rank", rank, "packets", n)
+		}
+		cfg.MsgSlots = n
+	}
 	var root hostcard.Card
 	if len(s.g.cards) > 0 {
 		root = s.g.cards[0]

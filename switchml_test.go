@@ -653,3 +653,54 @@ func TestSwitchMLTransportEnv(t *testing.T) {
 		}
 	}
 }
+
+// TestSwitchMLPacketsEnv: GDRLINK_SWITCHML_MSG_PACKETS is read and checked.
+func TestSwitchMLPacketsEnv(t *testing.T) {
+	for v, want := range map[string]int{"1": 1, "4": 4, "0": -1, "5": -1, "four": -1} {
+		c, err := fromEnv(func(k string) (string, bool) {
+			if k == "GDRLINK_SWITCHML_MSG_PACKETS" {
+				return v, true
+			}
+			return "", false
+		})
+		if want < 0 && !errors.Is(err, verbsio.ErrBadConfig) || want > 0 && (err != nil || c.switchmlPackets != want) {
+			t.Errorf("GDRLINK_SWITCHML_MSG_PACKETS=%s: %d, %v", v, c.switchmlPackets, err)
+		}
+	}
+}
+
+// TestAllReduceSwitchMLPackets runs the switchml job on 2 ranks with
+// one-packet messages and with the default four-packet ones: the
+// aggregator adds about one packet per rank per completed message in the
+// first and about four in the second, and the results are the same bits
+// (each 256-element block has its own exponent, whatever the message).
+func TestAllReduceSwitchMLPackets(t *testing.T) {
+	const size = 2
+	run := func(packets string) ([]childReport, aggsrv.Stats) {
+		s, env := startAggregator(t, "", size)
+		j := startJob(t, "switchml", size, "127.0.0.1", func(int) []string { return nil }, func(int) []string {
+			return append(slices.Clip(env), "GDRLINK_SWITCHML_MSG_PACKETS="+packets)
+		})
+		return j.wait(3 * time.Minute), s.Stats()
+	}
+	one, st1 := run("1")
+	four, st4 := run("4")
+	per := func(st aggsrv.Stats) float64 { return float64(st.Applied) / float64(max(st.Completed, 1)) / size }
+	t.Logf("one-packet messages: %d packets in %d messages (%.2f per rank); four-packet: %d in %d (%.2f)",
+		st1.Applied, st1.Completed, per(st1), st4.Applied, st4.Completed, per(st4))
+	if p := per(st1); p < 0.9 || p > 1.1 {
+		t.Errorf("one-packet messages: %.2f packets per rank per message", p)
+	}
+	// The first message of each queue pair carries the exponents alone
+	// (one packet), so a little under four.
+	if p := per(st4); p < 3.5 || p > 4 {
+		t.Errorf("four-packet messages: %.2f packets per rank per message", p)
+	}
+	for r := range size {
+		for i := range one[r].Digests {
+			if one[r].Digests[i] != four[r].Digests[i] {
+				t.Errorf("rank %d: result %d with one-packet messages differs from the four-packet one", r, i)
+			}
+		}
+	}
+}
