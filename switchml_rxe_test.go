@@ -241,9 +241,7 @@ func TestSwitchMLVerbsRXE(t *testing.T) {
 	// send RDMA WRITE FIRST, MIDDLE and LAST packets, the aggregator
 	// writes four-packet replies, and the results are the lossless
 	// one-packet run's bits.
-	per := func(st aggsrv.Stats, ranks int) float64 {
-		return float64(st.Applied) / float64(max(st.Completed, 1)) / float64(ranks)
-	}
+	per := packetsPerMessage
 	multi, multiSt := runJob("lossless, 4-packet messages, 4 ranks", 4, "0", "", "4")
 	t.Logf("packets per rank per message: %.2f one-packet (%d in %d), %.2f four-packet (%d in %d)",
 		per(lossless4St, 4), lossless4St.Applied, lossless4St.Completed, per(multiSt, 4), multiSt.Applied, multiSt.Completed)

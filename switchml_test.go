@@ -118,11 +118,7 @@ func TestAllReduceSwitchML(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			s, env := startAggregator(t, secret, size)
-			j := startJob(t, "switchml", size, "127.0.0.1", func(int) []string { return nil }, func(int) []string {
-				return append(slices.Clip(env), "GDRLINK_METRICS_ADDR=127.0.0.1:0")
-			})
-			reps := j.wait(3 * time.Minute)
+			reps, st := runSwitchmlJob(t, secret, size, 0)
 			// The metrics name the backend that ran each call: the
 			// float32 and int32 calls switchml, the int64 one the ring.
 			for backend, want := range map[string]float64{"switchml": 2, "ring": 1} {
@@ -141,9 +137,30 @@ func TestAllReduceSwitchML(t *testing.T) {
 					}
 				}
 			}
-			t.Logf("rank 0: %v; aggregator %+v", reps[0].Paths, s.Stats())
+			t.Logf("rank 0: %v; aggregator %+v", reps[0].Paths, st)
 		})
 	}
+}
+
+// runSwitchmlJob runs the switchml job on size ranks through an aggregator
+// in this process that drops the share drop of its packets (with the job
+// key secret, none if empty), each rank serving its metrics and given the
+// variables extra; it returns the ranks' reports and the aggregator's
+// counters once they are done.
+func runSwitchmlJob(t *testing.T, secret string, size int, drop float64, extra ...string) ([]childReport, aggsrv.Stats) {
+	t.Helper()
+	s, env := startLossyAggregator(t, secret, size, drop)
+	j := startJob(t, "switchml", size, "127.0.0.1", func(int) []string { return nil }, func(int) []string {
+		return append(append(slices.Clip(env), "GDRLINK_METRICS_ADDR=127.0.0.1:0"), extra...)
+	})
+	reps := j.wait(3 * time.Minute)
+	return reps, s.Stats()
+}
+
+// packetsPerMessage is the packets the aggregator added per rank per
+// message it completed.
+func packetsPerMessage(st aggsrv.Stats, ranks int) float64 {
+	return float64(st.Applied) / float64(max(st.Completed, 1)) / float64(ranks)
 }
 
 // TestAllReduceSwitchMLLoss runs the switchml job twice on 2 ranks, with
@@ -153,16 +170,8 @@ func TestAllReduceSwitchML(t *testing.T) {
 // lossless run's, and rank 0's metrics count what its reports said.
 func TestAllReduceSwitchMLLoss(t *testing.T) {
 	const size = 2
-	run := func(drop float64) ([]childReport, aggsrv.Stats) {
-		s, env := startLossyAggregator(t, "", size, drop)
-		j := startJob(t, "switchml", size, "127.0.0.1", func(int) []string { return nil }, func(int) []string {
-			return append(slices.Clip(env), "GDRLINK_METRICS_ADDR=127.0.0.1:0")
-		})
-		reps := j.wait(3 * time.Minute)
-		return reps, s.Stats()
-	}
-	clean, cst := run(0)
-	lossy, lst := run(0.03)
+	clean, cst := runSwitchmlJob(t, "", size, 0)
+	lossy, lst := runSwitchmlJob(t, "", size, 0.03)
 	if lst.Injected == 0 {
 		t.Fatalf("the lossy aggregator dropped nothing: %+v", lst)
 	}
@@ -676,16 +685,9 @@ func TestSwitchMLPacketsEnv(t *testing.T) {
 // (each 256-element block has its own exponent, whatever the message).
 func TestAllReduceSwitchMLPackets(t *testing.T) {
 	const size = 2
-	run := func(packets string) ([]childReport, aggsrv.Stats) {
-		s, env := startAggregator(t, "", size)
-		j := startJob(t, "switchml", size, "127.0.0.1", func(int) []string { return nil }, func(int) []string {
-			return append(slices.Clip(env), "GDRLINK_SWITCHML_MSG_PACKETS="+packets)
-		})
-		return j.wait(3 * time.Minute), s.Stats()
-	}
-	one, st1 := run("1")
-	four, st4 := run("4")
-	per := func(st aggsrv.Stats) float64 { return float64(st.Applied) / float64(max(st.Completed, 1)) / size }
+	one, st1 := runSwitchmlJob(t, "", size, 0, "GDRLINK_SWITCHML_MSG_PACKETS=1")
+	four, st4 := runSwitchmlJob(t, "", size, 0, "GDRLINK_SWITCHML_MSG_PACKETS=4")
+	per := func(st aggsrv.Stats) float64 { return packetsPerMessage(st, size) }
 	t.Logf("one-packet messages: %d packets in %d messages (%.2f per rank); four-packet: %d in %d (%.2f)",
 		st1.Applied, st1.Completed, per(st1), st4.Applied, st4.Completed, per(st4))
 	if p := per(st1); p < 0.9 || p > 1.1 {
