@@ -23,7 +23,17 @@ PKGS=(
 	"./cmd/gdrcheck:"
 	"./bench:IPC"
 	".:GPU|CUDA|IPC"
+	"./contrib/gorgonia:"
 )
+
+# module prints the directory of the Go module that holds pkg: nested
+# modules (contrib/...) are built from their own directory.
+module() {
+	case $1 in
+	./contrib/*) echo "$1" ;;
+	*) echo . ;;
+	esac
+}
 
 # name turns a package path into a directory name: ./alloc/visitor → alloc_visitor.
 name() {
@@ -36,6 +46,8 @@ build() {
 	local dir=${1:-gpu-check}
 	local go=${GO:-go}
 	mkdir -p "$dir"
+	local adir
+	adir=$(cd "$dir" && pwd)
 	rm -rf "${dir:?}/tree"
 	: >"$dir/packages"
 	for entry in "${PKGS[@]}"; do
@@ -44,8 +56,11 @@ build() {
 		n=$(name "$pkg")
 		# cgo only where the package needs it (NVML through go-nvml);
 		# everything else is built static, with no C library to match.
-		local cgo=0
-		if "$go" list -deps "$pkg" | grep -q '^github.com/NVIDIA/go-nvml/'; then
+		local cgo=0 mod target out
+		mod=$(module "$pkg")
+		target=$pkg out=$adir/$n/$n.test
+		[ "$mod" != . ] && target=.
+		if (cd "$mod" && "$go" list -deps "$target") | grep -q '^github.com/NVIDIA/go-nvml/'; then
 			cgo=1
 		fi
 		# The binary runs in a copy of its package directory (its data
@@ -59,7 +74,7 @@ build() {
 			cp -a --parents "$pkg/testdata" "$dir/tree/"
 		fi
 		echo "build $pkg (CGO_ENABLED=$cgo)"
-		CGO_ENABLED=$cgo "$go" test -c -ldflags='-s -w' -o "$dir/$n/$n.test" "$pkg"
+		(cd "$mod" && CGO_ENABLED=$cgo "$go" test -c -ldflags='-s -w' -o "$out" "$target")
 		printf '%s;%s;%s\n' "$n" "$run" "tree/${pkg#./}" >>"$dir/packages"
 	done
 	# The tools live under bin/: the bench package's test binary already
