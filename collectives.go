@@ -25,9 +25,12 @@ const (
 
 // AllReduce reduces t over every rank of the job, in place: afterwards
 // every rank's t holds the sum (or average) of all ranks' t, the same
-// bits on every rank. t is a host tensor of this group's pool (NewTensor)
-// of a numeric type (integers, float16, bfloat16, float32, float64,
-// complex) and the same shape on every rank. The report says what the
+// bits on every rank. t is a tensor of this group of a numeric type
+// (integers, float16, bfloat16, float32, float64, complex) and the same
+// shape on every rank: in host memory (NewTensor), in pinned memory or on
+// the group's GPU (NewTensorOn). A GPU tensor is copied to a pinned host
+// tensor, reduced there and copied back (Report.Staged counts the bytes);
+// ranks may mix GPU and host tensors. The report says what the
 // call did: the backend (ring), the bytes it put on the wire and took
 // in, and per neighbour the provider, device and path they came by, as
 // Transfer says for a Recv.
@@ -55,29 +58,36 @@ const (
 // collectives (collective.ErrBroken): close it.
 func (g *Group) AllReduce(ctx context.Context, t *tensor.Tensor, op ReduceOp) (collective.Report, error) {
 	return g.collective(ctx, "allreduce", func(b coll.Backend, seq uint64) (collective.Report, error) {
-		return b.AllReduce(ctx, seq, t, coll.Op(op))
+		return g.onHost(ctx, []stageArg{{t, true, true}}, func(h []*tensor.Tensor) (collective.Report, error) {
+			return b.AllReduce(ctx, seq, h[0], coll.Op(op))
+		})
 	})
 }
 
 // Broadcast copies root's t into every other rank's t, in place. t is a
-// host tensor of this group's pool of the same type and shape on every
-// rank. Calls are ordered and fail as AllReduce's are.
+// tensor of this group (host, pinned or GPU, as for AllReduce) of the
+// same type and shape on every rank. Calls are ordered and fail as AllReduce's are.
 func (g *Group) Broadcast(ctx context.Context, t *tensor.Tensor, root int) (collective.Report, error) {
 	return g.collective(ctx, "broadcast", func(b coll.Backend, seq uint64) (collective.Report, error) {
-		return b.Broadcast(ctx, seq, t, root)
+		return g.onHost(ctx, []stageArg{{t, g.Rank() == root, g.Rank() != root}}, func(h []*tensor.Tensor) (collective.Report, error) {
+			return b.Broadcast(ctx, seq, h[0], root)
+		})
 	})
 }
 
 // AllGather gathers every rank's in into every rank's out: out holds
-// Size() slots of in's size, rank i's in at slot i. out is a host tensor
+// Size() slots of in's size, rank i's in at slot i. out is a tensor
 // of this group's pool of in's element type with Size() times its
 // elements; its shape is the caller's (usually [Size(), in's shape...],
 // as torch's all_gather_into_tensor, so that out's first index is the
-// rank). in is left as it was. Calls are ordered and fail as AllReduce's
+// rank). in is left as it was. Either may be pinned or on the group's
+// GPU, as for AllReduce. Calls are ordered and fail as AllReduce's
 // are.
 func (g *Group) AllGather(ctx context.Context, in, out *tensor.Tensor) (collective.Report, error) {
 	return g.collective(ctx, "allgather", func(b coll.Backend, seq uint64) (collective.Report, error) {
-		return b.AllGather(ctx, seq, in, out)
+		return g.onHost(ctx, []stageArg{{in, true, false}, {out, false, true}}, func(h []*tensor.Tensor) (collective.Report, error) {
+			return b.AllGather(ctx, seq, h[0], h[1])
+		})
 	})
 }
 

@@ -141,6 +141,8 @@ func runChild(job string) error {
 		err = failoverJob(ctx, g, &rep)
 	case "collectives":
 		err = collJob(ctx, g, &rep)
+	case "gpu-collectives":
+		err = gpuCollJob(ctx, g, &rep)
 	case "switchml":
 		err = switchmlJob(ctx, g, &rep)
 	case "switchml-rxe":

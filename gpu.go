@@ -56,6 +56,9 @@ type gpuSide struct {
 	pinned  *alloc.Pool
 	px      *proxy.Proxy
 	ipc     *gpuIPC
+	// collStream is the stream the collectives copy GPU tensors to and
+	// from pinned memory on (nil until the first such call).
+	collStream proxy.Stream
 	// busID is the GPU's PCI address, "" when the device has none; bar1
 	// reads its BAR1 aperture.
 	busID string
@@ -132,6 +135,9 @@ func (g *Group) bar1() (bus string, used, total int64, ok bool) {
 // closeGPU closes the proxy, the pools, the on-node path and the device.
 func (gs *gpuSide) close() []error {
 	var errs []error
+	if gs.collStream != nil {
+		errs = append(errs, gs.collStream.Close())
+	}
 	if gs.px != nil {
 		errs = append(errs, gs.px.Close())
 	}

@@ -15,10 +15,12 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unsafe"
 
 	"github.com/gdrlink/gdrlink"
 	"github.com/gdrlink/gdrlink/internal/jobauth"
 	"github.com/gdrlink/gdrlink/internal/switchml/aggsrv"
+	"github.com/gdrlink/gdrlink/proxy"
 	"github.com/gdrlink/gdrlink/tensor"
 )
 
@@ -39,14 +41,17 @@ const (
 	allReduceRankEnv  = "GDRLINK_BENCH_ALLREDUCE"
 	allReduceSizesEnv = "GDRLINK_BENCH_ALLREDUCE_SIZES"
 	allReduceRepsEnv  = "GDRLINK_BENCH_ALLREDUCE_REPS"
-	allReduceMinSize  = 4 << 10
-	allReduceMaxSize  = 256 << 20
+	// allReduceGPUEnv set to 1 makes the ranks reduce tensors on GPU 0.
+	allReduceGPUEnv  = "GDRLINK_BENCH_ALLREDUCE_GPU"
+	allReduceMinSize = 4 << 10
+	allReduceMaxSize = 256 << 20
 
 	// The allreduce scenario's -set keys.
 	setAllReduceWorkers   = "allreduce.workers"   // comma-separated worker counts (default 2,4,8)
 	setAllReduceProviders = "allreduce.providers" // comma-separated providers (default onnode)
 	setAllReduceMPI       = "allreduce.mpi"       // "off" skips the Open MPI baseline
 	setAllReduceSwitchML  = "allreduce.switchml"  // "on" adds switchml rows: a software aggregator in this process
+	setAllReduceGPU       = "allreduce.gpu"       // "on" adds ring rows of tensors on GPU 0 (every worker shares it)
 )
 
 // allReduceRow is what rank 0 of a job prints for one size: the median
@@ -58,7 +63,10 @@ type allReduceRow struct {
 	Sent     int64   `json:"sent"`
 	Received int64   `json:"received"`
 	Links    string  `json:"links"`
-	Err      string  `json:"err,omitempty"`
+	// Stage is the median time of the copies between the GPU tensor and
+	// its pinned host copy (the GPU rows).
+	Stage float64 `json:"stage,omitempty"`
+	Err   string  `json:"err,omitempty"`
 }
 
 func runAllReduce(ctx context.Context, env *Env) error {
@@ -82,6 +90,13 @@ func runAllReduce(ctx context.Context, env *Env) error {
 		providers = strings.Split(v, ",")
 	}
 	reps := max(env.Reps, 1)
+	if env.Args[setAllReduceGPU] == "on" {
+		dev, err := proxy.NewCUDADevice(0)
+		if err != nil {
+			return fmt.Errorf("-set %s=on: %w", setAllReduceGPU, err)
+		}
+		_ = dev.Close()
+	}
 	mpi, mpiErr := buildMPIAllReduce(ctx)
 	if env.Args[setAllReduceMPI] == "off" {
 		mpiErr = errors.New("-set " + setAllReduceMPI + "=off")
@@ -107,7 +122,7 @@ func runAllReduce(ctx context.Context, env *Env) error {
 		// the switchml rows' baseline.
 		ringRate, ringName := map[int64]float64{}, ""
 		for _, prov := range providers {
-			rows, err := runRingAllReduce(ctx, prov, w, sizes, reps, false)
+			rows, err := runRingAllReduce(ctx, prov, w, sizes, reps, false, false)
 			if err != nil {
 				return fmt.Errorf("%d workers on %s: %w", w, prov, err)
 			}
@@ -129,8 +144,22 @@ func runAllReduce(ctx context.Context, env *Env) error {
 				}
 			}
 		}
+		if env.Args[setAllReduceGPU] == "on" {
+			rows, err := runRingAllReduce(ctx, providers[0], w, sizes, reps, false, true)
+			if err != nil {
+				return fmt.Errorf("%d workers on GPU 0: %w", w, err)
+			}
+			for _, row := range rows {
+				d := time.Duration(row.Seconds * float64(time.Second))
+				// The baseline is the host ring of the same run: the
+				// ratio is what staging through pinned memory costs.
+				r := newResult("allreduce", fmt.Sprintf("ring-gpu/%s/%dw", providers[0], w), row.Size, rateGBs(row.Size, d), "GB/s", ringRate[row.Size], ringName)
+				r.Note = fmt.Sprintf("%d worker processes sharing GPU 0, float32 average of GPU tensors, copied to pinned host memory, reduced there and copied back (median %.3f ms of copies a call), median of %d; received over %s", w, row.Stage*1e3, reps, row.Links)
+				env.Emit(r)
+			}
+		}
 		if env.Args[setAllReduceSwitchML] == "on" {
-			rows, err := runRingAllReduce(ctx, "tcp", w, sizes, reps, true)
+			rows, err := runRingAllReduce(ctx, "tcp", w, sizes, reps, true, false)
 			if err != nil {
 				return fmt.Errorf("%d workers through the aggregator: %w", w, err)
 			}
@@ -157,8 +186,8 @@ func runAllReduce(ctx context.Context, env *Env) error {
 // runRingAllReduce runs a job of w processes of this binary over provider
 // and returns rank 0's rows.
 // With aggregator, the job's AllReduce goes through a SwitchML aggregator
-// run in this process.
-func runRingAllReduce(ctx context.Context, provider string, w int, sizes []int64, reps int, aggregator bool) ([]allReduceRow, error) {
+// run in this process. With gpu, the ranks reduce tensors on GPU 0.
+func runRingAllReduce(ctx context.Context, provider string, w int, sizes []int64, reps int, aggregator, gpu bool) ([]allReduceRow, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
@@ -199,6 +228,9 @@ func runRingAllReduce(ctx context.Context, provider string, w int, sizes []int64
 		c.Env = append(os.Environ(), allReduceRankEnv+"=1", allReduceSizesEnv+"="+strings.Join(ss, ","), allReduceRepsEnv+"="+strconv.Itoa(reps),
 			"GDRLINK_RANK="+strconv.Itoa(r), "GDRLINK_SIZE="+strconv.Itoa(w), "GDRLINK_ROOT="+root, "GDRLINK_PROVIDER="+provider, "GDRLINK_JOB_KEY="+key)
 		c.Env = append(c.Env, extra...)
+		if gpu {
+			c.Env = append(c.Env, allReduceGPUEnv+"=1")
+		}
 		if r == 0 {
 			c.ExtraFiles = []*os.File{lf}
 			c.Stdout = &out0
@@ -267,6 +299,16 @@ func allReduceRank(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	var fill func(t *tensor.Tensor, v []float32) error
+	if os.Getenv(allReduceGPUEnv) == "1" {
+		dev, err := proxy.NewCUDADevice(0)
+		if err != nil {
+			return err
+		}
+		defer dev.Close()
+		opts = append(opts, gdrlink.WithGPU(0))
+		fill = func(t *tensor.Tensor, v []float32) error { return fillGPU(dev, t, v) }
+	}
 	g, err := gdrlink.Join(ctx, opts...)
 	if err != nil {
 		return err
@@ -286,10 +328,21 @@ func allReduceRank(ctx context.Context) error {
 		for i := range v {
 			v[i] = float32(i%7) / 8
 		}
+		if fill != nil {
+			h := t
+			if t, err = g.NewTensorOn(tensor.GPUDevice(0), tensor.Float32, size/4); err != nil {
+				return err
+			}
+			err = fill(t, v)
+			_ = h.Release()
+			if err != nil {
+				return err
+			}
+		}
 		if _, err := g.AllReduce(ctx, t, gdrlink.Average); err != nil {
 			return err
 		}
-		times := make([]float64, reps)
+		times, stage := make([]float64, reps), make([]float64, reps)
 		row := allReduceRow{Size: size}
 		for i := range times {
 			if err := g.Barrier(ctx); err != nil {
@@ -301,6 +354,7 @@ func allReduceRank(ctx context.Context) error {
 				return err
 			}
 			times[i] = time.Since(start).Seconds()
+			stage[i] = rep.StageTook.Seconds()
 			row.Sent, row.Received = rep.Sent, rep.Received
 			var links []string
 			for _, l := range rep.Links {
@@ -310,6 +364,9 @@ func allReduceRank(ctx context.Context) error {
 		}
 		_ = t.Release()
 		row.Seconds = median(times)
+		if fill != nil {
+			row.Stage = median(stage)
+		}
 		if g.Rank() == 0 {
 			if err := enc.Encode(row); err != nil {
 				return err
@@ -473,4 +530,21 @@ func startAggregator(secret string, w int) (*runningAggregator, error) {
 		}, nil
 	}
 	return nil, errors.New("no UDP port free on every loopback address")
+}
+
+// fillGPU copies v into t, a tensor on dev, and waits.
+func fillGPU(dev proxy.Device, t *tensor.Tensor, v []float32) error {
+	s, err := dev.NewStream()
+	if err != nil {
+		return err
+	}
+	defer s.Close()
+	n := len(v) * 4
+	if n == 0 {
+		return nil
+	}
+	if err := dev.CopyHtoDAsync(proxy.DevicePtr(t.Addr()), uintptr(unsafe.Pointer(&v[0])), n, s); err != nil {
+		return err
+	}
+	return s.Synchronize()
 }

@@ -76,6 +76,11 @@ type Report struct {
 	// switchml backend's recovery from loss, whose result is the same
 	// bits as without it. The ring, on reliable links, leaves them 0.
 	Resent, StaleReplies int64
+	// Staged counts the bytes copied between GPU tensors of the call and
+	// their pinned host copies, which the collective ran on, and StageTook
+	// the time those copies took (in Took too); 0 for host tensors.
+	Staged    int64
+	StageTook time.Duration
 	// Took is the time the call took.
 	Took time.Duration
 }

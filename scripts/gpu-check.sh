@@ -150,6 +150,14 @@ run() {
 	fi
 
 	echo
+	echo "== bench -scenario allreduce (GPU tensors against host tensors, 2 and 4 workers on GPU 0)"
+	if ! "$dir/bin/bench" -scenario allreduce -set allreduce.gpu=on -set allreduce.workers=2,4 \
+		-set allreduce.mpi=off -max-size 64MiB -reps 5 2>"$logs/bench-allreduce.err"; then
+		failed=1
+		tail -n 3 "$logs/bench-allreduce.err"
+	fi
+
+	echo
 	if [ "$failed" -ne 0 ]; then
 		echo "gpu-check: FAILED (logs under $logs)"
 		return 1

@@ -1,0 +1,267 @@
+package gdrlink
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/gdrlink/gdrlink/collective"
+	"github.com/gdrlink/gdrlink/proxy"
+	"github.com/gdrlink/gdrlink/tensor"
+	"github.com/gdrlink/gdrlink/verbsio"
+)
+
+// gpuCopy copies src's bytes into dst, one of them on the group's GPU and
+// the other pinned, on a stream of its own, and waits.
+func gpuCopy(g *Group, dst, src *tensor.Tensor) error {
+	s, err := g.gpu.dev.NewStream()
+	if err != nil {
+		return err
+	}
+	defer s.Close()
+	n := int(src.Meta().ByteSize)
+	if n == 0 {
+		return nil
+	}
+	if dst.Device().IsGPU() {
+		err = g.gpu.dev.CopyHtoDAsync(proxy.DevicePtr(dst.Addr()), src.Addr(), n, s)
+	} else {
+		err = g.gpu.dev.CopyDtoHAsync(dst.Addr(), proxy.DevicePtr(src.Addr()), n, s)
+	}
+	if err != nil {
+		return err
+	}
+	return s.Synchronize()
+}
+
+// gpuCollJob runs the collective job's cases on tensors of the rank's GPU
+// (case c on rank r stays in host memory where (r+c)%3 == 2, so that
+// ranks mix GPU and host tensors in one call): each is filled through a
+// pinned tensor, reduced, read back and checked element by element
+// against the float64 sums, with the report's staged bytes. Then a
+// Broadcast from each root and an AllGather from a GPU tensor into a GPU
+// tensor.
+func gpuCollJob(ctx context.Context, g *Group, rep *childReport) error {
+	n, r := g.Size(), g.Rank()
+	pinned := tensor.Device{Kind: tensor.PinnedHost}
+	gpu := tensor.GPUDevice(0)
+	// onGPU makes a GPU tensor holding h's bytes.
+	onGPU := func(h *tensor.Tensor) (*tensor.Tensor, error) {
+		m := h.Meta()
+		t, err := g.NewTensorOn(gpu, m.DType, m.Shape...)
+		if err != nil {
+			return nil, err
+		}
+		return t, gpuCopy(g, t, h)
+	}
+	for c, cs := range collCases {
+		h, err := g.NewTensorOn(pinned, cs.dt, cs.n)
+		if err != nil {
+			return err
+		}
+		for i := range cs.n {
+			setElem(h, i, float64(collValue(c, r, i)))
+		}
+		t := h
+		if (r+c)%3 != 2 {
+			if t, err = onGPU(h); err != nil {
+				return err
+			}
+		}
+		cr, err := g.AllReduce(ctx, t, cs.op)
+		if err != nil {
+			return fmt.Errorf("case %d (%s[%d] on %s): %w", c, cs.dt, cs.n, t.Device(), err)
+		}
+		var staged int64
+		if t != h {
+			staged = 2 * h.Meta().ByteSize
+			if err := gpuCopy(g, h, t); err != nil {
+				return err
+			}
+			_ = t.Release()
+		}
+		if cr.Staged != staged || (staged > 0) != (cr.StageTook > 0) || cr.Took < cr.StageTook {
+			return fmt.Errorf("case %d on %s: staged %d bytes in %v of %v, want %d bytes", c, t.Device(), cr.Staged, cr.StageTook, cr.Took, staged)
+		}
+		for i := range cs.n {
+			if got, want := elem(h, i), collWant(c, cs, n, i); got != want {
+				return fmt.Errorf("case %d (%s[%d] on %s): element %d is %v, want %v", c, cs.dt, cs.n, t.Device(), i, got, want)
+			}
+		}
+		rep.Digests = append(rep.Digests, digest(h))
+		_ = h.Release()
+	}
+
+	for root := range n {
+		h, err := g.NewTensorOn(pinned, tensor.Int64, 100001)
+		if err != nil {
+			return err
+		}
+		w, _ := tensor.View[int64](h)
+		for i := range w {
+			w[i] = int64(r*1_000_000 + i)
+		}
+		t, err := onGPU(h)
+		if err != nil {
+			return err
+		}
+		cr, err := g.Broadcast(ctx, t, root)
+		if err != nil {
+			return err
+		}
+		if cr.Staged != h.Meta().ByteSize {
+			return fmt.Errorf("broadcast from %d: staged %d bytes, want %d (one way)", root, cr.Staged, h.Meta().ByteSize)
+		}
+		clear(w)
+		if err := gpuCopy(g, h, t); err != nil {
+			return err
+		}
+		for i := range w {
+			if w[i] != int64(root*1_000_000+i) {
+				return fmt.Errorf("broadcast from %d: element %d is %d", root, i, w[i])
+			}
+		}
+		_ = t.Release()
+		_ = h.Release()
+	}
+
+	hin, err := g.NewTensorOn(pinned, tensor.Float64, 3, 1001)
+	if err != nil {
+		return err
+	}
+	iv, _ := tensor.View[float64](hin)
+	for i := range iv {
+		iv[i] = float64(r) + float64(i)/8
+	}
+	in, err := onGPU(hin)
+	if err != nil {
+		return err
+	}
+	out, err := g.NewTensorOn(gpu, tensor.Float64, int64(n), 3, 1001)
+	if err != nil {
+		return err
+	}
+	hout, err := g.NewTensorOn(pinned, tensor.Float64, int64(n), 3, 1001)
+	if err != nil {
+		return err
+	}
+	cr, err := g.AllGather(ctx, in, out)
+	if err != nil {
+		return err
+	}
+	if want := hin.Meta().ByteSize + hout.Meta().ByteSize; cr.Staged != want {
+		return fmt.Errorf("allgather staged %d bytes, want %d (in, then out)", cr.Staged, want)
+	}
+	if err := gpuCopy(g, hout, out); err != nil {
+		return err
+	}
+	ov, _ := tensor.View[float64](hout)
+	for q := range n {
+		for i := range iv {
+			if got, want := ov[q*len(iv)+i], float64(q)+float64(i)/8; got != want {
+				return fmt.Errorf("allgather slot %d element %d: %v, want %v", q, i, got, want)
+			}
+		}
+	}
+	for _, t := range []*tensor.Tensor{in, out, hin, hout} {
+		_ = t.Release()
+	}
+	return nil
+}
+
+// TestCollectivesGPU: three ranks reduce, broadcast and gather tensors on
+// their GPU (mixed with host tensors), on onnode and tcp: with a simulated
+// GPU (named as such: no GPU here), and with GPU 0 where a CUDA driver is
+// (all three processes share it).
+func TestCollectivesGPU(t *testing.T) {
+	for _, gpu := range []string{"simulated", "cuda"} {
+		for _, prov := range []string{"onnode", "tcp"} {
+			t.Run(gpu+"/"+prov, func(t *testing.T) {
+				env := []string{"GDRLINK_TEST_SIMGPU=1"}
+				if gpu == "cuda" {
+					requireCUDA(t)
+					env = []string{"GDRLINK_TEST_REALGPU=1"}
+				}
+				env = append(env, "GDRLINK_PROVIDER="+prov)
+				j := startJob(t, "gpu-collectives", 3, "127.0.0.1", func(int) []string { return nil }, func(int) []string { return env })
+				reps := j.wait(3 * time.Minute)
+				for r, rep := range reps {
+					if len(rep.Digests) != len(collCases) {
+						t.Fatalf("rank %d: %d digests, want %d", r, len(rep.Digests), len(collCases))
+					}
+					for i, d := range rep.Digests {
+						if d != reps[0].Digests[i] {
+							t.Errorf("rank %d: result %d differs from rank 0's", r, i)
+						}
+					}
+				}
+			})
+		}
+	}
+}
+
+// TestCollectivesGPURefused: a GPU tensor in a group without a GPU is a
+// bad argument that leaves the group usable, and so is a tensor of another
+// GPU than the group's.
+func TestCollectivesGPURefused(t *testing.T) {
+	g, err := Join(context.Background(), WithRank(0, 1), withSimulatedGPU())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	m, err := tensor.MetaFor(tensor.Float32, tensor.Shape{4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	other, err := tensor.New(m, fakeBuffer{dev: tensor.GPUDevice(1)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := g.AllReduce(ctx, other, Sum); !errors.Is(err, verbsio.ErrBadConfig) {
+		t.Errorf("AllReduce of a tensor on GPU 1 in a group on GPU 0: %v, want ErrBadConfig", err)
+	}
+	plain, err := Join(context.Background(), WithRank(0, 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer plain.Close()
+	if _, err := plain.AllReduce(ctx, other, Sum); !errors.Is(err, verbsio.ErrBadConfig) {
+		t.Errorf("AllReduce of a GPU tensor in a group without a GPU: %v, want ErrBadConfig", err)
+	}
+	// Both groups still reduce: a bad argument does not break them.
+	for _, gr := range []*Group{g, plain} {
+		x, err := gr.NewTensor(tensor.Float32, 4)
+		if err != nil {
+			t.Fatal(err)
+		}
+		v, _ := tensor.View[float32](x)
+		v[2] = 3
+		if _, err := gr.AllReduce(ctx, x, Sum); err != nil || v[2] != 3 {
+			t.Errorf("AllReduce after a refusal: %v, element %v", err, v[2])
+		}
+		if errors.Is(err, collective.ErrBroken) {
+			t.Error("the group broke")
+		}
+	}
+	gt, err := g.NewTensorOn(tensor.GPUDevice(0), tensor.Float32, 1000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer gt.Release()
+	if rep, err := g.AllReduce(ctx, gt, Average); err != nil || rep.Staged != 8000 {
+		t.Errorf("AllReduce of a GPU tensor on one rank: %v, staged %d bytes, want 8000", err, rep.Staged)
+	}
+}
+
+// fakeBuffer is memory that claims to be on dev; nothing reads it.
+type fakeBuffer struct{ dev tensor.Device }
+
+func (b fakeBuffer) Bytes() []byte         { return nil }
+func (b fakeBuffer) Addr() uintptr         { return 0x1000 }
+func (b fakeBuffer) Len() int              { return 16 }
+func (b fakeBuffer) Device() tensor.Device { return b.dev }
+func (b fakeBuffer) Free() error           { return nil }
