@@ -151,6 +151,8 @@ func runChild(job string) error {
 		err = switchmlTypesJob(ctx, g, &rep)
 	case "switchml-pair":
 		err = switchmlPairJob(ctx, g, &rep)
+	case "switchml-mismatch":
+		err = switchmlMismatchJob(ctx, g, &rep)
 	case "switchml-kill":
 		// The aggregator or a rank is dead: no barrier.
 		if err = switchmlKillJob(ctx, g, &rep); err == nil {

@@ -706,3 +706,55 @@ func TestAllReduceSwitchMLPackets(t *testing.T) {
 		}
 	}
 }
+
+// switchmlMismatchJob: one AllReduce through the aggregator, whose
+// error, and the time it took, the rank reports; a success is an error.
+func switchmlMismatchJob(ctx context.Context, g *Group, rep *childReport) error {
+	t, err := g.NewTensor(tensor.Float32, 4096)
+	if err != nil {
+		return err
+	}
+	defer t.Release()
+	actx, cancel := context.WithTimeout(ctx, 60*time.Second)
+	defer cancel()
+	start := time.Now()
+	_, err = g.AllReduce(actx, t, Sum)
+	rep.FailMS = float64(time.Since(start).Milliseconds())
+	if err == nil {
+		return errors.New("AllReduce succeeded with ranks of different message sizes")
+	}
+	rep.Failure = err.Error()
+	if actx.Err() != nil {
+		return fmt.Errorf("the error came after the deadline: %w", err)
+	}
+	return nil
+}
+
+// TestAllReduceSwitchMLSizeMismatch: rank 0 asks for four-packet messages,
+// rank 1 for one-packet ones (GDRLINK_SWITCHML_MSG_PACKETS). Their pool
+// indexes would hold messages of different sizes, so the aggregator's job
+// setup refuses the job (the ranks announce different slot counts): both
+// ranks' AllReduce fail, well within the call's deadline, and neither
+// adds a packet.
+func TestAllReduceSwitchMLSizeMismatch(t *testing.T) {
+	const size = 2
+	s, env := startAggregator(t, "", size)
+	j := startJob(t, "switchml-mismatch", size, "127.0.0.1", func(int) []string { return nil }, func(r int) []string {
+		return append(slices.Clip(env), "GDRLINK_SWITCHML_MSG_PACKETS="+[]string{"4", "1"}[r])
+	})
+	reps := j.wait(2 * time.Minute)
+	var slots bool
+	for r, rep := range reps {
+		if rep.Failure == "" {
+			t.Errorf("rank %d: no failure reported", r)
+		}
+		slots = slots || strings.Contains(rep.Failure, "slots")
+		t.Logf("rank %d failed after %.0f ms: %s", r, rep.FailMS, rep.Failure)
+	}
+	if !slots {
+		t.Error("no rank's error names the slot counts that differ")
+	}
+	if st := s.Stats(); st.Applied != 0 {
+		t.Errorf("the aggregator added %d packets of a refused job", st.Applied)
+	}
+}

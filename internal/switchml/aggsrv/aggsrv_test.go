@@ -469,6 +469,39 @@ func TestSetupRefusals(t *testing.T) {
 	if err != nil || as.Err != "" || len(as.QPNs) != 1 {
 		t.Fatalf("good announce: %v %+v", err, as)
 	}
+
+	// Ranks that disagree on the slot count (their message sizes differ):
+	// rank 0 waits for the others; rank 1's announce refuses the whole
+	// job, so rank 0 hears it at once, not after the 2 s setup timeout,
+	// and rank 2, announcing after, is refused at once too.
+	three := Announce{Job: "mismatch", Workers: 3, SlotBytes: 256, Slots: 4, QPNs: []uint32{1}, PSNs: []uint32{0}}
+	first := make(chan Assignment, 1)
+	go func() {
+		as, err := try(0, three)
+		if err != nil {
+			as.Err = "no answer: " + err.Error()
+		}
+		first <- as
+	}()
+	for announced := false; !announced; time.Sleep(time.Millisecond) {
+		s.mu.Lock()
+		announced = s.pending["mismatch"] != nil
+		s.mu.Unlock()
+	}
+	start := time.Now()
+	other := three
+	other.Rank, other.Slots = 1, 8
+	if as, err := try(1, other); err != nil || !strings.Contains(as.Err, "must agree") {
+		t.Errorf("rank 1 with 8 slots against 4: %v, assignment %+v", err, as)
+	}
+	if as := <-first; !strings.Contains(as.Err, "must agree") || time.Since(start) > time.Second {
+		t.Errorf("rank 0 after %v: %+v, want the refusal at once", time.Since(start), as)
+	}
+	late := three
+	late.Rank = 2
+	if as, err := try(2, late); err != nil || !strings.Contains(as.Err, "must agree") || time.Since(start) > time.Second {
+		t.Errorf("rank 2 after the refusal (%v): %v, assignment %+v", time.Since(start), err, as)
+	}
 }
 
 // TestControlCodec round-trips both messages.

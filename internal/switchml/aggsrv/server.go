@@ -106,6 +106,9 @@ type Server struct {
 	core    *agg.Aggregator
 	jobs    map[int]*job
 	pending map[string]*job
+	// refused holds the jobs whose ranks disagreed, so that the ranks
+	// still to announce hear it at once.
+	refused map[string]refusal
 	stats   Stats
 	closed  bool
 	conns   map[net.Conn]bool
@@ -161,7 +164,7 @@ func New(cfg Config) (*Server, error) {
 		return nil, fmt.Errorf("aggsrv: setting don't-fragment on the data socket: %w", errors.Join(err, serr))
 	}
 	s := &Server{cfg: cfg, port: uint16(la.Port), core: agg.New(cfg.Seed), jobs: map[int]*job{},
-		pending: map[string]*job{}, conns: map[net.Conn]bool{}, done: make(chan struct{})}
+		pending: map[string]*job{}, refused: map[string]refusal{}, conns: map[net.Conn]bool{}, done: make(chan struct{})}
 	copy(s.local[:], la.IP.To4())
 	if cfg.RawIPv4 != RawOff {
 		raw, pc, err := listenRaw(la.IP, s.port)
@@ -493,6 +496,12 @@ func (s *Server) join(c net.Conn, a Announce) (*job, *member, error) {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if r, ok := s.refused[a.Job]; ok {
+		if time.Now().Before(r.until) {
+			return nil, nil, errors.New(r.why)
+		}
+		delete(s.refused, a.Job)
+	}
 	j := s.pending[a.Job]
 	if j == nil {
 		j = &job{name: a.Job, ann: a, ready: make(chan struct{})}
@@ -500,7 +509,23 @@ func (s *Server) join(c net.Conn, a Announce) (*job, *member, error) {
 	}
 	f := j.ann
 	if a.Workers != f.Workers || a.SlotBytes != f.SlotBytes || a.Slots != f.Slots {
-		return nil, nil, fmt.Errorf("job %q: %d workers, %d-byte slots, %d slots announced, against %d, %d, %d", a.Job, a.Workers, a.SlotBytes, a.Slots, f.Workers, f.SlotBytes, f.Slots)
+		// The ranks disagree on the job's shape (message sizes differ
+		// when the slot counts do): no rank of it can run, so every
+		// rank that announced is told now, and those still to come
+		// until the setup timeout has passed, rather than after it.
+		why := fmt.Sprintf("job %q: rank %d announced %d workers, %d-byte slots, %d slots; rank %d announced %d, %d, %d: the ranks must agree (the same message size, GDRLINK_SWITCHML_MSG_PACKETS)",
+			a.Job, a.Rank, a.Workers, a.SlotBytes, a.Slots, f.Rank, f.Workers, f.SlotBytes, f.Slots)
+		delete(s.pending, a.Job)
+		j.err = why
+		close(j.ready)
+		for name, r := range s.refused {
+			if time.Now().After(r.until) {
+				delete(s.refused, name)
+			}
+		}
+		s.refused[a.Job] = refusal{why: why, until: time.Now().Add(s.cfg.SetupTimeout)}
+		s.logf("switchml job refused", "job", a.Job, "why", why)
+		return nil, nil, errors.New(why)
 	}
 	for _, m := range j.members {
 		if m.ann.Rank == a.Rank {
@@ -539,6 +564,13 @@ func (s *Server) join(c net.Conn, a Announce) (*job, *member, error) {
 	s.logf("switchml job set up", "job", a.Job, "workers", a.Workers, "slots", a.Slots, "base", base)
 	close(j.ready)
 	return j, m, nil
+}
+
+// refusal is why a job was refused, said to its ranks that announce until
+// until.
+type refusal struct {
+	why   string
+	until time.Time
 }
 
 // place finds room for n slots among the running jobs' ranges.
