@@ -126,7 +126,7 @@ type job struct {
 	running bool
 	ready   chan struct{} // closed when set up or refused
 	err     string
-	addrs   [][4]byte
+	addrs   []*net.UDPAddr // each worker's, where its replies go
 	ended   bool
 }
 
@@ -366,22 +366,26 @@ func (s *Server) packet(b []byte, ip *rocev2.IPv4, loss *rand.Rand, out []agg.Re
 			s.stats.Injected++
 			continue
 		}
-		dst := j.addrs[out[i].Worker]
-		rip := rocev2.IPv4{Src: s.local, Dst: dst, DontFragment: true, TTL: 64, SrcPort: s.port}
+		to := j.addrs[out[i].Worker]
+		rip := rocev2.IPv4{Src: s.local, DontFragment: true, TTL: 64, SrcPort: s.port}
+		copy(rip.Dst[:], to.IP.To4())
 		wb, err := rocev2.AppendUDP(w.next(), &rip, &out[i].Packet)
 		if err != nil {
 			s.stats.SendErrors++
 			continue
 		}
-		w.add(wb, &net.UDPAddr{IP: net.IP(dst[:]), Port: int(s.cfg.PeerPort)})
+		w.add(wb, to)
 	}
 	return out
 }
 
-// writer gathers reply datagrams and sends them in batches.
+// writer gathers reply datagrams and sends them in batches. Its buffers
+// and each message's one-buffer vector are kept between batches, so that
+// a reply allocates nothing.
 type writer struct {
 	msgs []ipv4.Message
-	bufs [][]byte // kept between batches
+	bufs [][]byte   // kept between batches
+	iovs [][][]byte // msgs[i].Buffers, one buffer each
 }
 
 // next returns an empty buffer for the next datagram.
@@ -399,7 +403,12 @@ func (w *writer) add(b []byte, to net.Addr) {
 	} else {
 		w.bufs = append(w.bufs, b)
 	}
-	w.msgs = append(w.msgs, ipv4.Message{Buffers: [][]byte{b}, Addr: to})
+	i := len(w.msgs)
+	if i == len(w.iovs) {
+		w.iovs = append(w.iovs, make([][]byte, 1))
+	}
+	w.iovs[i][0] = b
+	w.msgs = append(w.msgs, ipv4.Message{Buffers: w.iovs[i], Addr: to})
 }
 
 // flush sends the queued datagrams, batch at a time, and returns how many
@@ -548,7 +557,7 @@ func (s *Server) join(c net.Conn, a Announce) (*job, *member, error) {
 	spec := agg.Job{Base: base, Slots: a.Slots, SlotBytes: a.SlotBytes}
 	for _, mm := range j.members {
 		spec.Workers = append(spec.Workers, agg.Worker{QPNs: mm.ann.QPNs, PSNs: mm.ann.PSNs, RKey: mm.ann.RKey})
-		j.addrs = append(j.addrs, mm.ann.Addr)
+		j.addrs = append(j.addrs, &net.UDPAddr{IP: net.IP(append([]byte(nil), mm.ann.Addr[:]...)), Port: int(s.cfg.PeerPort)})
 	}
 	id, eps, err := s.core.AddJob(spec)
 	if err != nil {

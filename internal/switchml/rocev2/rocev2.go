@@ -443,8 +443,14 @@ func icrc(ipudp, transport []byte) uint32 {
 	ps[8+IPv4Len+6], ps[8+IPv4Len+7] = 0xff, 0xff // UDP checksum
 	copy(ps[8+IPv4Len+UDPLen:], transport[:BTHLen])
 	ps[8+IPv4Len+UDPLen+4] = 0xff // FECN, BECN, resv6
-	crc := crc32.Update(0, crc32.IEEETable, ps[:])
-	return crc32.Update(crc, crc32.IEEETable, transport[BTHLen:])
+	// The masked headers byte by byte, as crc32.Update(0, IEEETable, ps)
+	// would: handing ps to Update would move it to the heap, an
+	// allocation per packet.
+	crc := ^uint32(0)
+	for _, b := range ps {
+		crc = crc32.IEEETable[byte(crc)^b] ^ crc>>8
+	}
+	return crc32.Update(^crc, crc32.IEEETable, transport[BTHLen:])
 }
 
 // ipChecksum is the Internet checksum of an IPv4 header; over a header whose

@@ -155,7 +155,8 @@ func (u *udpLink) handle(b []byte, from netip.AddrPort) {
 		return
 	}
 	q.want = 0
-	r := reply{va: q.va, imm: p.Imm, buf: append([]byte(nil), q.buf...)}
+	q.rbuf = append(q.rbuf[:0], q.buf...)
+	r := reply{va: q.va, imm: p.Imm, buf: q.rbuf}
 	select {
 	case q.result <- r:
 	default:
@@ -166,7 +167,8 @@ func (u *udpLink) handle(b []byte, from netip.AddrPort) {
 func (u *udpLink) send(q *qp, m *message) error {
 	w := u.w
 	ip := rocev2.IPv4{Src: w.cfg.Local, Dst: u.aggIP, DontFragment: true, SrcPort: w.cfg.Port}
-	var pkt []byte
+	pkt := q.sbuf
+	defer func() { q.sbuf = pkt }()
 	for k := range m.n {
 		p := rocev2.Packet{DestQP: q.aqpn, PSN: q.psn, PKey: rocev2.DefaultPKey}
 		if m.payload != nil {
@@ -199,7 +201,8 @@ func (u *udpLink) send(q *qp, m *message) error {
 		if u.mangle != nil {
 			u.mangle(pkt)
 		}
-		out := [][]byte{pkt}
+		one := [1][]byte{pkt}
+		out := one[:]
 		if u.link != nil {
 			out = u.link(pkt)
 		}

@@ -411,7 +411,8 @@ func (l *verbsLink) complete(e ibv.WC) {
 		return
 	}
 	off := int(q.want - RegionVA)
-	r := reply{va: q.want, imm: e.Imm, buf: append([]byte(nil), l.mem[off:off+q.wantSize]...)}
+	q.rbuf = append(q.rbuf[:0], l.mem[off:off+q.wantSize]...)
+	r := reply{va: q.want, imm: e.Imm, buf: q.rbuf}
 	q.want = 0
 	select {
 	case q.result <- r:
