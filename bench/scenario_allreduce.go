@@ -7,11 +7,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"math"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -19,7 +21,9 @@ import (
 
 	"github.com/gdrlink/gdrlink"
 	"github.com/gdrlink/gdrlink/internal/jobauth"
+	"github.com/gdrlink/gdrlink/internal/roceveth"
 	"github.com/gdrlink/gdrlink/internal/switchml/aggsrv"
+	"github.com/gdrlink/gdrlink/internal/switchml/rocev2"
 	"github.com/gdrlink/gdrlink/proxy"
 	"github.com/gdrlink/gdrlink/tensor"
 )
@@ -33,7 +37,12 @@ func init() {
 			{File: "allreduce-bandwidth.svg", Title: "AllReduce algorithm bandwidth (size / time) vs MPI_Allreduce", Unit: "GB/s", CasePrefix: "ring/"},
 		},
 		// The bench binary re-executes itself as the job's ranks.
-		Child: &Child{Env: allReduceRankEnv, Run: func(string) int { return runAllReduceRank() }},
+		Child: &Child{Env: allReduceRankEnv, Run: func(role string) int {
+			if role == allReduceAggregatorRole {
+				return runRXEAggregator()
+			}
+			return runAllReduceRank()
+		}},
 	})
 }
 
@@ -50,7 +59,7 @@ const (
 	setAllReduceWorkers   = "allreduce.workers"   // comma-separated worker counts (default 2,4,8)
 	setAllReduceProviders = "allreduce.providers" // comma-separated providers (default onnode)
 	setAllReduceMPI       = "allreduce.mpi"       // "off" skips the Open MPI baseline
-	setAllReduceSwitchML  = "allreduce.switchml"  // "on" adds switchml rows: a software aggregator in this process
+	setAllReduceSwitchML  = "allreduce.switchml"  // "on" or "udp" adds switchml rows of software workers (UDP) through an aggregator in this process; "verbs" of workers on a Soft-RoCE device through an aggregator process in a network namespace (root, rdma_rxe); "udp,verbs" both
 	setAllReduceGPU       = "allreduce.gpu"       // "on" adds ring rows of tensors on GPU 0 (every worker shares it)
 )
 
@@ -97,6 +106,29 @@ func runAllReduce(ctx context.Context, env *Env) error {
 		}
 		_ = dev.Close()
 	}
+	var switchmlModes []string
+	var rxe *roceveth.Link
+	if v, ok := env.Args[setAllReduceSwitchML]; ok {
+		for _, m := range strings.Split(v, ",") {
+			switch m {
+			case "on", "udp":
+				switchmlModes = append(switchmlModes, "udp")
+			case "verbs":
+				switchmlModes = append(switchmlModes, "verbs")
+			case "off":
+			default:
+				return fmt.Errorf("%w: -set %s=%s: want on, udp, verbs or off", errUsage, setAllReduceSwitchML, v)
+			}
+		}
+		if slices.Contains(switchmlModes, "verbs") {
+			l, cleanup, err := roceveth.New("ab", []string{rxeWorkerNet}, rxeAggNet)
+			if err != nil {
+				return fmt.Errorf("-set %s=verbs needs a Soft-RoCE device on veth to a namespace: %w", setAllReduceSwitchML, err)
+			}
+			defer cleanup()
+			rxe = l
+		}
+	}
 	mpi, mpiErr := buildMPIAllReduce(ctx)
 	if env.Args[setAllReduceMPI] == "off" {
 		mpiErr = errors.New("-set " + setAllReduceMPI + "=off")
@@ -122,7 +154,7 @@ func runAllReduce(ctx context.Context, env *Env) error {
 		// the switchml rows' baseline.
 		ringRate, ringName := map[int64]float64{}, ""
 		for _, prov := range providers {
-			rows, err := runRingAllReduce(ctx, prov, w, sizes, reps, false, false)
+			rows, err := runRingAllReduce(ctx, prov, w, sizes, reps, false, false, nil)
 			if err != nil {
 				return fmt.Errorf("%d workers on %s: %w", w, prov, err)
 			}
@@ -145,7 +177,7 @@ func runAllReduce(ctx context.Context, env *Env) error {
 			}
 		}
 		if env.Args[setAllReduceGPU] == "on" {
-			rows, err := runRingAllReduce(ctx, providers[0], w, sizes, reps, false, true)
+			rows, err := runRingAllReduce(ctx, providers[0], w, sizes, reps, false, true, nil)
 			if err != nil {
 				return fmt.Errorf("%d workers on GPU 0: %w", w, err)
 			}
@@ -158,23 +190,31 @@ func runAllReduce(ctx context.Context, env *Env) error {
 				env.Emit(r)
 			}
 		}
-		if env.Args[setAllReduceSwitchML] == "on" {
-			rows, err := runRingAllReduce(ctx, "tcp", w, sizes, reps, true, false)
+		for _, mode := range switchmlModes {
+			var rows []allReduceRow
+			var err error
+			case_, where := "switchml", "a software aggregator (aggsrv, in the bench process) at a UDP port of its own on loopback"
+			if mode == "verbs" {
+				rows, err = runRingAllReduce(ctx, "tcp", w, sizes, reps, false, false, rxe)
+				case_, where = "switchml-verbs", fmt.Sprintf("a software aggregator process in network namespace %s, reached over veth from Soft-RoCE device %s (UC queue pairs)", rxe.NS, rxe.Dev)
+			} else {
+				rows, err = runRingAllReduce(ctx, "tcp", w, sizes, reps, true, false, nil)
+			}
 			if err != nil {
-				return fmt.Errorf("%d workers through the aggregator: %w", w, err)
+				return fmt.Errorf("%d workers through the aggregator (%s): %w", w, mode, err)
 			}
 			for _, row := range rows {
 				d := time.Duration(row.Seconds * float64(time.Second))
 				// The baseline is the ring of the same run, same workers
 				// and size (on the first provider): ratio above 1 is
 				// switchml ahead.
-				r := newResult("allreduce", fmt.Sprintf("switchml/%dw", w), row.Size, rateGBs(row.Size, d), "GB/s", ringRate[row.Size], ringName)
-				r.Note = fmt.Sprintf("%d worker processes through a software aggregator (aggsrv, in the bench process) at a UDP port of its own on loopback, float32 average, median of %d; results over %s (switchml/udp: software workers)", w, reps, row.Links)
+				r := newResult("allreduce", fmt.Sprintf("%s/%dw", case_, w), row.Size, rateGBs(row.Size, d), "GB/s", ringRate[row.Size], ringName)
+				r.Note = fmt.Sprintf("%d worker processes through %s, float32 average, median of %d; results over %s (switchml/udp: software workers; switchml/verbs: the device's queue pairs)", w, where, reps, row.Links)
 				env.Emit(r)
-				wire := newResult("allreduce", fmt.Sprintf("wire/switchml/%dw", w), row.Size, float64(row.Sent), "B", 0, "")
+				wire := newResult("allreduce", fmt.Sprintf("wire/%s/%dw", case_, w), row.Size, float64(row.Sent), "B", 0, "")
 				wire.Note = "payload bytes one worker sent per call: S rounded up to 4 KiB (the exponents of each queue pair's first message ride in a zero-length write), plus 4 KiB for each message resent after a timeout (a lost packet, or another worker more than the 50 ms timeout late)"
 				env.Emit(wire)
-				in := newResult("allreduce", fmt.Sprintf("wire-in/switchml/%dw", w), row.Size, float64(row.Received), "B", 0, "")
+				in := newResult("allreduce", fmt.Sprintf("wire-in/%s/%dw", case_, w), row.Size, float64(row.Received), "B", 0, "")
 				in.Note = "payload bytes of results one worker took in per call: S rounded up to 4 KiB (a result sent again after a resend is not taken twice)"
 				env.Emit(in)
 			}
@@ -186,8 +226,10 @@ func runAllReduce(ctx context.Context, env *Env) error {
 // runRingAllReduce runs a job of w processes of this binary over provider
 // and returns rank 0's rows.
 // With aggregator, the job's AllReduce goes through a SwitchML aggregator
-// run in this process. With gpu, the ranks reduce tensors on GPU 0.
-func runRingAllReduce(ctx context.Context, provider string, w int, sizes []int64, reps int, aggregator, gpu bool) ([]allReduceRow, error) {
+// run in this process. With gpu, the ranks reduce tensors on GPU 0. With
+// rxe, the job's AllReduce goes through an aggregator process in rxe's
+// namespace, the ranks' SwitchML queue pairs on its Soft-RoCE device.
+func runRingAllReduce(ctx context.Context, provider string, w int, sizes []int64, reps int, aggregator, gpu bool, rxe *roceveth.Link) ([]allReduceRow, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
@@ -212,6 +254,14 @@ func runRingAllReduce(ctx context.Context, provider string, w int, sizes []int64
 		a, err := startAggregator(key, w)
 		if err != nil {
 			return nil, fmt.Errorf("aggregator: %w", err)
+		}
+		defer a.close()
+		extra = a.env
+	}
+	if rxe != nil {
+		a, err := startRXEAggregator(ctx, rxe, self, key)
+		if err != nil {
+			return nil, fmt.Errorf("aggregator in %s: %w", rxe.NS, err)
 		}
 		defer a.close()
 		extra = a.env
@@ -476,6 +526,111 @@ func parseMPIAllReduce(out []byte, reps int) (map[int64]float64, error) {
 		res[size] = median(ts)
 	}
 	return res, nil
+}
+
+// The addresses of the verbs switchml rows: the workers' Soft-RoCE device
+// on the root-side end of the veth, the aggregator in the namespace.
+const (
+	rxeWorkerNet = "10.236.0.10/24"
+	rxeAggNet    = "10.236.0.2/24"
+	rxeAggAddr   = "10.236.0.2"
+	// allReduceAggregatorRole is allReduceRankEnv's value that makes a
+	// child the aggregator of the verbs rows.
+	allReduceAggregatorRole = "aggregator"
+)
+
+// startRXEAggregator starts this binary as an aggregator process in rxe's
+// namespace, serving RoCEv2 (port 4791) at rxeAggAddr and reading a raw
+// IPv4 socket (rxe's requests carry an IP ID their ICRC covers, which a
+// UDP socket does not show), and returns what the ranks need to use it;
+// close ends it.
+func startRXEAggregator(ctx context.Context, rxe *roceveth.Link, self, secret string) (*runningAggregator, error) {
+	c := rxe.Command(self, "-test.run=^$")
+	c.Env = append(os.Environ(), allReduceRankEnv+"="+allReduceAggregatorRole, "GDRLINK_JOB_KEY="+secret)
+	stdin, err := c.StdinPipe()
+	if err != nil {
+		return nil, err
+	}
+	stdout, err := c.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	var stderr bytes.Buffer
+	c.Stderr = &stderr
+	if err := c.Start(); err != nil {
+		return nil, err
+	}
+	stop := func() {
+		stdin.Close()
+		done := make(chan struct{})
+		go func() { c.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(5 * time.Second):
+			c.Process.Kill()
+			<-done
+		}
+	}
+	line := make(chan string, 1)
+	go func() {
+		sc := bufio.NewScanner(stdout)
+		if sc.Scan() {
+			line <- sc.Text()
+		}
+		close(line)
+		io.Copy(io.Discard, stdout)
+	}()
+	select {
+	case l, ok := <-line:
+		ctl, found := strings.CutPrefix(l, "ready ")
+		if !ok || !found {
+			stop()
+			return nil, fmt.Errorf("the aggregator process said %q: %s", l, strings.TrimSpace(stderr.String()))
+		}
+		return &runningAggregator{
+			env:   []string{"GDRLINK_AGGREGATOR=" + ctl, "GDRLINK_SWITCHML_TRANSPORT=verbs"},
+			close: stop,
+		}, nil
+	case <-time.After(30 * time.Second):
+		stop()
+		return nil, errors.New("the aggregator process did not start within 30 s")
+	case <-ctx.Done():
+		stop()
+		return nil, ctx.Err()
+	}
+}
+
+// runRXEAggregator is the aggregator process of the verbs rows: it serves
+// at rxeAggAddr until its standard input closes.
+func runRXEAggregator() int {
+	if err := serveRXEAggregator(); err != nil {
+		fmt.Fprintf(os.Stderr, "aggregator: %v\n", err)
+		return 1
+	}
+	return 0
+}
+
+func serveRXEAggregator() error {
+	key, _, err := jobauth.FromEnv(os.Getenv)
+	if err != nil {
+		return err
+	}
+	cl, err := net.Listen("tcp", net.JoinHostPort(rxeAggAddr, "0"))
+	if err != nil {
+		return err
+	}
+	dc, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.ParseIP(rxeAggAddr), Port: rocev2.Port})
+	if err != nil {
+		return err
+	}
+	s, err := aggsrv.New(aggsrv.Config{Key: key, Control: cl, Data: dc, SetupTimeout: time.Minute, RawIPv4: aggsrv.RawOn})
+	if err != nil {
+		return err
+	}
+	go s.Serve()
+	fmt.Printf("ready %s\n", cl.Addr())
+	io.Copy(io.Discard, os.Stdin)
+	return s.Close()
 }
 
 // runningAggregator is a SwitchML aggregator in this process.

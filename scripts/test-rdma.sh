@@ -25,7 +25,8 @@
 #   RDMA_BENCH_ARGS     bench flags for reg/xfer (default: quick sizes, ibverbs)
 #   RDMA_BENCH_ALLREDUCE_ARGS  bench flags for allreduce (default: quick
 #                       sizes, 2 and 4 workers, the ring over ibverbs and
-#                       switchml rows, no MPI baseline)
+#                       switchml rows of workers on Soft-RoCE, no MPI
+#                       baseline)
 #   RDMA_TEST_TIMEOUT   seconds per test binary in the guest (default 300)
 #   RDMA_GUEST_TIMEOUT  seconds for the whole guest (default 900)
 #   RDMA_GUEST_MEM      guest memory in MiB (default 2048)
@@ -156,7 +157,7 @@ fi
   printf 'bench_args=%q\n' "${RDMA_BENCH_ARGS:--quick -set xfer.providers=ibverbs}"
   printf 'bench_allreduce=%q\n' "$bench_allreduce"
   # 4 KiB to 1 MiB (-quick), 3 repetitions: the guest has 2 emulated CPUs.
-  printf 'bench_allreduce_args=%q\n' "${RDMA_BENCH_ALLREDUCE_ARGS:--quick -set allreduce.providers=ibverbs -set allreduce.switchml=on -set allreduce.workers=2,4 -set allreduce.mpi=off}"
+  printf 'bench_allreduce_args=%q\n' "${RDMA_BENCH_ALLREDUCE_ARGS:--quick -set allreduce.providers=ibverbs -set allreduce.switchml=verbs -set allreduce.workers=2,4 -set allreduce.mpi=off}"
 } > "$work/env"
 
 # --- 5. The guest: an initramfs that mounts the host's root and runs guest.sh.

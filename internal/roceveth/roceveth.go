@@ -6,6 +6,7 @@
 package roceveth
 
 import (
+	"errors"
 	"fmt"
 	"net/netip"
 	"os"
@@ -24,63 +25,108 @@ const Env = "GDRLINK_TEST_ROCE_VETH"
 // Link is a namespace joined to the root one by veth, with an rxe device
 // on the root-side end.
 type Link struct {
-	t testing.TB
+	t testing.TB // nil for New's
 	// NS is the namespace, Dev the rxe device.
 	NS, Dev string
 	ip, nft string
 }
 
 // Setup skips t unless GDRLINK_TEST_ROCE_VETH=1, fails it unless it runs as
-// root with libibverbs, ip, rdma and nft, then makes a namespace and a veth
-// pair named after name and this process, gives the root-side end the
-// addresses rootAddrs and the namespace's end nsAddr (prefixes such as
-// "10.234.0.10/24"), adds an rxe device on the root-side end and waits until
-// it has a RoCE v2 GID for each root address. All of it goes when the test
-// ends.
+// root with libibverbs, ip, rdma and nft, then makes the link as New does.
+// All of it goes when the test ends.
 func Setup(t testing.TB, name string, rootAddrs []string, nsAddr string) *Link {
 	t.Helper()
 	if os.Getenv(Env) != "1" {
 		t.Skip("skipping: set " + Env + "=1 where this test may make namespaces and Soft-RoCE devices (the guest of make test-rdma does)")
 	}
+	l, cleanup, err := New(name, rootAddrs, nsAddr)
+	if err != nil {
+		t.Fatalf("%s=1 but %v", Env, err)
+	}
+	t.Cleanup(cleanup)
+	l.t = t
+	return l
+}
+
+// New makes a namespace and a veth pair named after name and this process,
+// gives the root-side end the addresses rootAddrs and the namespace's end
+// nsAddr (prefixes such as "10.234.0.10/24"), adds an rxe device on the
+// root-side end and waits until it has a RoCE v2 GID for each root
+// address. It needs root, libibverbs, ip, rdma and nft. cleanup removes
+// all of it (also after an error, where it removes what was made); the
+// Link's test-only methods (Run, NFT, Impair) need Setup's Link.
+func New(name string, rootAddrs []string, nsAddr string) (l *Link, cleanup func(), err error) {
+	var undo []func()
+	cleanup = func() {
+		for i := len(undo) - 1; i >= 0; i-- {
+			undo[i]()
+		}
+	}
+	defer func() {
+		if err != nil {
+			cleanup()
+		}
+	}()
 	if os.Geteuid() != 0 {
-		t.Fatal(Env + "=1 but not root")
+		return nil, cleanup, errors.New("not root")
 	}
 	if err := ibv.Load(); err != nil {
-		t.Fatalf(Env+"=1 but libibverbs: %v", err)
+		return nil, cleanup, fmt.Errorf("libibverbs: %w", err)
 	}
 	var tools []string
 	for _, tool := range []string{"ip", "rdma", "nft"} {
 		p, err := exec.LookPath(tool)
 		if err != nil {
-			t.Fatalf(Env+"=1 but %s is missing (Debian: iproute2, nftables): %v", tool, err)
+			return nil, cleanup, fmt.Errorf("%s is missing (Debian: iproute2, nftables): %w", tool, err)
 		}
 		tools = append(tools, p)
 	}
 	id := os.Getpid() % 100000
-	l := &Link{t: t, NS: fmt.Sprintf("gdr%s-%d", name, id), Dev: fmt.Sprintf("rx%s%d", name, id), ip: tools[0], nft: tools[2]}
+	l = &Link{NS: fmt.Sprintf("gdr%s-%d", name, id), Dev: fmt.Sprintf("rx%s%d", name, id), ip: tools[0], nft: tools[2]}
 	rdma := tools[1]
 	vr, vn := fmt.Sprintf("%sr%d", name, id), fmt.Sprintf("%sn%d", name, id)
+	run := func(args ...string) error {
+		if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
+			return fmt.Errorf("%v: %w: %s", args, err, out)
+		}
+		return nil
+	}
 	exec.Command("modprobe", "veth").Run()
-	l.Run(l.ip, "netns", "add", l.NS)
-	t.Cleanup(func() { exec.Command(l.ip, "netns", "del", l.NS).Run() })
-	l.Run(l.ip, "link", "add", vr, "type", "veth", "peer", "name", vn)
-	t.Cleanup(func() { exec.Command(l.ip, "link", "del", vr).Run() })
-	l.Run(l.ip, "link", "set", vn, "netns", l.NS)
+	if err := run(l.ip, "netns", "add", l.NS); err != nil {
+		return nil, cleanup, err
+	}
+	ip, ns, dev := l.ip, l.NS, l.Dev // l is nil after an error
+	undo = append(undo, func() { exec.Command(ip, "netns", "del", ns).Run() })
+	if err := run(l.ip, "link", "add", vr, "type", "veth", "peer", "name", vn); err != nil {
+		return nil, cleanup, err
+	}
+	undo = append(undo, func() { exec.Command(ip, "link", "del", vr).Run() })
+	if err := run(l.ip, "link", "set", vn, "netns", l.NS); err != nil {
+		return nil, cleanup, err
+	}
 	var want []string
 	for _, a := range rootAddrs {
 		p, err := netip.ParsePrefix(a)
 		if err != nil || !p.Addr().Is4() {
-			t.Fatalf("root address %q: want an IPv4 prefix", a)
+			return nil, cleanup, fmt.Errorf("root address %q: want an IPv4 prefix", a)
 		}
-		l.Run(l.ip, "addr", "add", a, "dev", vr)
+		if err := run(l.ip, "addr", "add", a, "dev", vr); err != nil {
+			return nil, cleanup, err
+		}
 		want = append(want, GID(p.Addr()))
 	}
-	l.Run(l.ip, "-n", l.NS, "addr", "add", nsAddr, "dev", vn)
-	l.Run(l.ip, "-n", l.NS, "link", "set", "lo", "up")
-	l.Run(l.ip, "-n", l.NS, "link", "set", vn, "up")
-	l.Run(l.ip, "link", "set", vr, "up")
-	l.Run(rdma, "link", "add", l.Dev, "type", "rxe", "netdev", vr)
-	t.Cleanup(func() { exec.Command(rdma, "link", "delete", l.Dev).Run() })
+	for _, args := range [][]string{
+		{l.ip, "-n", l.NS, "addr", "add", nsAddr, "dev", vn},
+		{l.ip, "-n", l.NS, "link", "set", "lo", "up"},
+		{l.ip, "-n", l.NS, "link", "set", vn, "up"},
+		{l.ip, "link", "set", vr, "up"},
+		{rdma, "link", "add", l.Dev, "type", "rxe", "netdev", vr},
+	} {
+		if err := run(args...); err != nil {
+			return nil, cleanup, err
+		}
+	}
+	undo = append(undo, func() { exec.Command(rdma, "link", "delete", dev).Run() })
 	for _, w := range want {
 		found := false
 		for deadline := time.Now().Add(15 * time.Second); !found && time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
@@ -92,10 +138,10 @@ func Setup(t testing.TB, name string, rootAddrs []string, nsAddr string) *Link {
 			}
 		}
 		if !found {
-			t.Fatalf("%s has no GID %s after 15 s", l.Dev, w)
+			return nil, cleanup, fmt.Errorf("%s has no GID %s after 15 s", l.Dev, w)
 		}
 	}
-	return l
+	return l, cleanup, nil
 }
 
 // GID is the RoCE v2 GID of an IPv4 address as sysfs writes it.
