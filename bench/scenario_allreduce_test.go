@@ -2,6 +2,7 @@ package main
 
 import (
 	"math"
+	"os"
 	"strings"
 	"testing"
 )
@@ -121,4 +122,52 @@ func FuzzParseMPIAllReduce(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestAllReduceScenarioSwitchMLVerbs: -set allreduce.switchml=verbs. With
+// GDRLINK_TEST_ROCE_VETH=1 (the Soft-RoCE guest of make test-rdma, as
+// root) it runs the verbs workers through an aggregator process in a
+// namespace on 2 processes: every size has a switchml-verbs figure over
+// switchml/verbs with the ring of the same run as baseline, and each
+// worker took in exactly S bytes. Elsewhere the scenario fails and says
+// that it needs a Soft-RoCE device. A mode it does not know is a usage
+// error (the scenario fails and names the modes).
+func TestAllReduceScenarioSwitchMLVerbs(t *testing.T) {
+	code, _, errOut := runBench(t, "-quick", "-scenario", "allreduce", "-set", "allreduce.switchml=rdma")
+	if code != exitFailed || !strings.Contains(errOut, "want on, udp, verbs or off") {
+		t.Errorf("allreduce.switchml=rdma: exit %d: %s", code, errOut)
+	}
+	args := []string{"-quick", "-json", "-reps", "1", "-max-size", "16KiB", "-scenario", "allreduce",
+		"-set", "allreduce.switchml=verbs", "-set", "allreduce.workers=2", "-set", "allreduce.mpi=off"}
+	if os.Getenv("GDRLINK_TEST_ROCE_VETH") != "1" {
+		code, _, errOut := runBench(t, args...)
+		if code != exitFailed || !strings.Contains(errOut, "needs a Soft-RoCE device") {
+			t.Errorf("without a Soft-RoCE device: exit %d: %s", code, errOut)
+		}
+		t.Logf("without GDRLINK_TEST_ROCE_VETH=1 (no Soft-RoCE here), the refusal only: %s", strings.TrimSpace(errOut))
+		return
+	}
+	code, out, errOut := runBench(t, args...)
+	if code != exitOK {
+		t.Fatalf("exit %d: %s", code, errOut)
+	}
+	n := len(sweepSizes(allReduceMinSize, 16<<10))
+	rows, in := 0, 0
+	for _, r := range parseLines(t, out) {
+		switch {
+		case strings.HasPrefix(r.Case, "switchml-verbs/"):
+			rows++
+			if !(r.Value > 0) || r.BaselineName != "ring/onnode" || !strings.Contains(r.Note, "switchml/verbs") {
+				t.Errorf("%s %d: %v against %q, note %q", r.Case, r.SizeBytes, r.Value, r.BaselineName, r.Note)
+			}
+		case strings.HasPrefix(r.Case, "wire-in/switchml-verbs/"):
+			in++
+			if r.Value != float64(r.SizeBytes) {
+				t.Errorf("%s %d: took in %v bytes, want the size", r.Case, r.SizeBytes, r.Value)
+			}
+		}
+	}
+	if rows != n || in != n {
+		t.Errorf("%d switchml-verbs and %d wire-in rows, want %d each", rows, in, n)
+	}
 }
