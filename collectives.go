@@ -58,9 +58,7 @@ const (
 // collectives (collective.ErrBroken): close it.
 func (g *Group) AllReduce(ctx context.Context, t *tensor.Tensor, op ReduceOp) (collective.Report, error) {
 	return g.collective(ctx, "allreduce", func(b coll.Backend, seq uint64) (collective.Report, error) {
-		return g.onHost(ctx, []stageArg{{t, true, true}}, func(h []*tensor.Tensor) (collective.Report, error) {
-			return b.AllReduce(ctx, seq, h[0], coll.Op(op))
-		})
+		return g.allReduceOnHost(ctx, b, seq, t, coll.Op(op))
 	})
 }
 

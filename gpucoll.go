@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/gdrlink/gdrlink/collective"
@@ -18,6 +19,116 @@ import (
 // collective where the collective reads them, the collective runs on the
 // pinned tensor, and the result is copied back after it. The copies run on
 // a stream of the group's GPU kept for the collectives.
+
+// stagedAllReducer is a backend that runs an AllReduce on a host copy of a
+// GPU tensor, loading and storing its pieces as its steps need them (the
+// ring).
+type stagedAllReducer interface {
+	AllReduceStaged(ctx context.Context, seq uint64, t *tensor.Tensor, op coll.Op, st coll.Staging) (collective.Report, error)
+}
+
+// allReduceOnHost runs b's AllReduce of t: a GPU tensor on a backend that
+// can overlap the copies with its steps goes through AllReduceStaged,
+// any other through onHost.
+func (g *Group) allReduceOnHost(ctx context.Context, b coll.Backend, seq uint64, t *tensor.Tensor, op coll.Op) (collective.Report, error) {
+	sb, ok := b.(stagedAllReducer)
+	if !ok || t == nil || !t.Device().IsGPU() {
+		return g.onHost(ctx, []stageArg{{t, true, true}}, func(h []*tensor.Tensor) (collective.Report, error) {
+			return b.AllReduce(ctx, seq, h[0], op)
+		})
+	}
+	s, err := g.collectiveStream(t)
+	if err == nil {
+		err = g.checkGPUTensor(t)
+	}
+	if err != nil {
+		return collective.Report{}, err
+	}
+	m := t.Meta()
+	host, err := g.gpu.pinned.NewTensor(m)
+	if err != nil {
+		return collective.Report{}, fmt.Errorf("collective on the GPU: pinned host copy of %s: %w", m, err)
+	}
+	st := &gpuStaging{g: g, s: s, dev: proxy.DevicePtr(t.Addr()), host: host.Addr()}
+	start := time.Now()
+	rep, err := sb.AllReduceStaged(ctx, seq, host, op, st)
+	wait := time.Now()
+	// Every copy is waited for, after a failure too, before the pinned
+	// tensor goes back to the pool.
+	serr := st.finish()
+	rep.StageTook = time.Since(wait) + st.queued
+	rep.Took = time.Since(start)
+	rep.Staged = st.moved
+	_ = host.Release()
+	if err == nil && serr != nil {
+		err = fmt.Errorf("collective result to the GPU: %w", serr)
+	}
+	return rep, err
+}
+
+// gpuStaging loads and stores pieces of a GPU tensor for the ring, with
+// copies on the group's collective stream and an event per load.
+type gpuStaging struct {
+	g    *Group
+	s    proxy.Stream
+	dev  proxy.DevicePtr
+	host uintptr
+
+	mu     sync.Mutex
+	events []proxy.Event
+	moved  int64
+	queued time.Duration // spent queuing loads before the ring began
+}
+
+func (st *gpuStaging) Load(off, n int64) func() error {
+	if n == 0 {
+		return func() error { return nil }
+	}
+	start := time.Now()
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	defer func() { st.queued += time.Since(start) }()
+	dev := st.g.gpu.dev
+	if err := dev.CopyDtoHAsync(st.host+uintptr(off), st.dev+proxy.DevicePtr(off), int(n), st.s); err != nil {
+		return func() error { return err }
+	}
+	st.moved += n
+	ev, err := dev.RecordEvent(st.s)
+	if err != nil {
+		return func() error { return err }
+	}
+	st.events = append(st.events, ev)
+	var once sync.Once
+	var werr error
+	return func() error {
+		// In the driver, not by polling with Go timers (see
+		// copyAndWait); a queued copy ends at the device's rate.
+		once.Do(func() { werr = ev.Wait(context.Background()) })
+		return werr
+	}
+}
+
+func (st *gpuStaging) Store(off, n int64) error {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if err := st.g.gpu.dev.CopyHtoDAsync(st.dev+proxy.DevicePtr(off), st.host+uintptr(off), int(n), st.s); err != nil {
+		return err
+	}
+	st.moved += n
+	return nil
+}
+
+// finish waits for every copy queued and releases the events.
+func (st *gpuStaging) finish() error {
+	err := st.s.Synchronize()
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	for _, ev := range st.events {
+		_ = ev.Close()
+	}
+	st.events = nil
+	return err
+}
 
 // stageArg is one tensor of a collective call: load when the collective
 // reads its bytes, store when it writes them.

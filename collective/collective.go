@@ -78,7 +78,11 @@ type Report struct {
 	Resent, StaleReplies int64
 	// Staged counts the bytes copied between GPU tensors of the call and
 	// their pinned host copies, which the collective ran on, and StageTook
-	// the time those copies took (in Took too); 0 for host tensors.
+	// the time the call spent on those copies outside the collective's
+	// own steps (in Took too); 0 for host tensors. The ring's AllReduce
+	// overlaps the copies with its steps, so StageTook is only the
+	// queuing of the loads before them and the wait for the last stores
+	// after them; the other calls copy whole tensors before and after.
 	Staged    int64
 	StageTook time.Duration
 	// Took is the time the call took.

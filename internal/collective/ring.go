@@ -89,6 +89,36 @@ func (r *Ring) Name() string { return "ring" }
 
 // AllReduce reduces t over every rank in place (see Ring).
 func (r *Ring) AllReduce(ctx context.Context, seq uint64, t *tensor.Tensor, op Op) (collective.Report, error) {
+	return r.allReduce(ctx, seq, t, op, nil)
+}
+
+// Staging is where a call's tensor really lives when the host tensor the
+// ring runs on is a copy of it (a GPU tensor's, in pinned memory): the
+// ring loads each segment of the host tensor before it first reads it and
+// stores each back once its result is final, so that the copies overlap
+// the ring's steps. Offsets and lengths are in bytes of the tensor.
+type Staging interface {
+	// Load queues the copy of bytes [off, off+n) into the host tensor;
+	// ready waits until they are there and returns the copy's error.
+	Load(off, n int64) (ready func() error)
+	// Store queues the copy of bytes [off, off+n) of the host tensor
+	// back. Lanes call it at once from their goroutines.
+	Store(off, n int64) error
+}
+
+// AllReduceStaged is AllReduce of t, a host copy of st's tensor, whose
+// bytes it loads and stores through st as the steps need them: the
+// segments of the chunk this rank sends first, then those of the chunks
+// in the order the reduce-scatter adds into them; each segment is stored
+// when it is final (its owner's after the reduce-scatter, the others as
+// the all-gather brings them). The caller waits for the stores when it
+// returns, after a failure too, before t's memory is reused. With one
+// rank it copies nothing: st's tensor is already the result.
+func (r *Ring) AllReduceStaged(ctx context.Context, seq uint64, t *tensor.Tensor, op Op, st Staging) (collective.Report, error) {
+	return r.allReduce(ctx, seq, t, op, st)
+}
+
+func (r *Ring) allReduce(ctx context.Context, seq uint64, t *tensor.Tensor, op Op, st Staging) (collective.Report, error) {
 	const name = "allreduce"
 	if err := checkHost("allreduce", t); err != nil {
 		return collective.Report{Op: name}, err
@@ -113,6 +143,19 @@ func (r *Ring) AllReduce(ctx context.Context, seq uint64, t *tensor.Tensor, op O
 		return x.finish(nil)
 	}
 	x.steps = 2 * (n - 1)
+	if st != nil {
+		x.st = st
+		x.setLanes()
+		x.loaded = make([][]func() error, n)
+		for i := range n {
+			c := x.mod(x.rank - i) // the order the steps first touch them
+			x.loaded[c] = make([]func() error, x.lanes)
+			for k := range x.lanes {
+				sg := x.seg(c, k)
+				x.loaded[c][k] = st.Load(sg.off*x.esize, sg.n*x.esize)
+			}
+		}
+	}
 	return x.finish(x.runLanes(ctx, x.allReduceLane))
 }
 
@@ -207,6 +250,38 @@ type run struct {
 	weak      error
 	weakTimer *time.Timer
 	sentUpTo  []int // per lane: the steps whose sends were made
+
+	// st is where t's bytes are loaded from and stored to (nil: t is
+	// the tensor itself), and loaded[c][k] waits for segment k of chunk
+	// c to be loaded.
+	st     Staging
+	loaded [][]func() error
+}
+
+// ready waits until segment k of chunk c is in the host tensor.
+func (x *run) ready(c, k int) error {
+	if x.loaded == nil {
+		return nil
+	}
+	if err := x.loaded[c][k](); err != nil {
+		return &collective.RankError{Op: x.op, Rank: x.rank, Err: fmt.Errorf("rank %d: copying chunk %d to host memory: %w", x.rank, c, err)}
+	}
+	return nil
+}
+
+// store stores segment k of chunk c, final, back where t came from.
+func (x *run) store(c, k int) error {
+	if x.st == nil {
+		return nil
+	}
+	sg := x.seg(c, k)
+	if sg.n == 0 {
+		return nil
+	}
+	if err := x.st.Store(sg.off*x.esize, sg.n*x.esize); err != nil {
+		return &collective.RankError{Op: x.op, Rank: x.rank, Err: fmt.Errorf("rank %d: copying chunk %d back: %w", x.rank, c, err)}
+	}
+	return nil
 }
 
 func (r *Ring) newRun(op string, seq uint64, t *tensor.Tensor) *run {
@@ -516,11 +591,24 @@ func (x *run) allReduceLane(k int) error {
 		var sendC, recvC int
 		if s < n-1 {
 			sendC, recvC = x.mod(r-s), x.mod(r-s-1)
+			if s == 0 {
+				if err := x.ready(sendC, k); err != nil {
+					drain(cur)
+					return err
+				}
+			}
 		} else {
 			a := s - (n - 1)
 			sendC, recvC = x.mod(r+1-a), x.mod(r-a)
-			if a == 0 && x.avg {
-				x.kern.div(x.bytes(x.seg(sendC, k)), n)
+			if a == 0 {
+				// This rank's own chunk is final.
+				if x.avg {
+					x.kern.div(x.bytes(x.seg(sendC, k)), n)
+				}
+				if err := x.store(sendC, k); err != nil {
+					drain(cur)
+					return err
+				}
 			}
 		}
 		done, err := x.send(k, s, x.seg(sendC, k))
@@ -543,6 +631,11 @@ func (x *run) allReduceLane(k int) error {
 		}
 		in, _ := got.Bytes()
 		if s < n-1 {
+			if err := x.ready(recvC, k); err != nil {
+				_ = got.Release()
+				drain(nxt)
+				return err
+			}
 			x.kern.add(x.bytes(want), in)
 		} else {
 			// The bytes overwritten went out in reduce-scatter step a;
@@ -560,6 +653,11 @@ func (x *run) allReduceLane(k int) error {
 				return x.linkErr(x.nextRank, err)
 			}
 			copy(x.bytes(want), in)
+			if err := x.store(recvC, k); err != nil {
+				_ = got.Release()
+				drain(nxt)
+				return err
+			}
 		}
 		_ = got.Release()
 		cur = nxt
