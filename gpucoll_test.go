@@ -252,9 +252,19 @@ func TestCollectivesGPURefused(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer gt.Release()
-	// One rank: the GPU tensor is the result already, nothing is copied.
-	if rep, err := g.AllReduce(ctx, gt, Average); err != nil || rep.Staged != 0 {
-		t.Errorf("AllReduce of a GPU tensor on one rank: %v, staged %d bytes, want 0", err, rep.Staged)
+	// One rank: a small tensor is copied there and back whole; from
+	// overlapMin up the ring copies nothing, the GPU tensor being the
+	// result already.
+	if rep, err := g.AllReduce(ctx, gt, Average); err != nil || rep.Staged != 8000 {
+		t.Errorf("AllReduce of a 4000-byte GPU tensor on one rank: %v, staged %d bytes, want 8000", err, rep.Staged)
+	}
+	big, err := g.NewTensorOn(tensor.GPUDevice(0), tensor.Float32, overlapMin/4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer big.Release()
+	if rep, err := g.AllReduce(ctx, big, Average); err != nil || rep.Staged != 0 {
+		t.Errorf("AllReduce of a %d-byte GPU tensor on one rank: %v, staged %d bytes, want 0", overlapMin, err, rep.Staged)
 	}
 }
 

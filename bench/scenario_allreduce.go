@@ -186,7 +186,7 @@ func runAllReduce(ctx context.Context, env *Env) error {
 				// The baseline is the host ring of the same run: the
 				// ratio is what staging through pinned memory costs.
 				r := newResult("allreduce", fmt.Sprintf("ring-gpu/%s/%dw", providers[0], w), row.Size, rateGBs(row.Size, d), "GB/s", ringRate[row.Size], ringName)
-				r.Note = fmt.Sprintf("%d worker processes sharing GPU 0, float32 average of GPU tensors, copied to pinned host memory, reduced there and copied back (median %.3f ms of copies a call), median of %d; received over %s", w, row.Stage*1e3, reps, row.Links)
+				r.Note = fmt.Sprintf("%d worker processes sharing GPU 0, float32 average of GPU tensors, copied to pinned host memory, reduced there and copied back (median %.3f ms a call on copies outside the ring's steps), median of %d; received over %s", w, row.Stage*1e3, reps, row.Links)
 				env.Emit(r)
 			}
 		}
