@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"hash/crc32"
 	"log/slog"
 	"math/bits"
 	"runtime"
@@ -18,8 +17,6 @@ import (
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
-
-var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
 // Work request IDs carry their kind in the top byte.
 const (

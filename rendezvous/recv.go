@@ -4,12 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"hash/crc32"
 	"log/slog"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/crc32c"
 	"github.com/gdrlink/gdrlink/internal/wire"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
@@ -743,7 +743,7 @@ func (rv *receiver) onWriteLocked(imm uint32, ds *deliveries) {
 			// read (device memory, in the provider's default mode): the
 			// tensor is taken unverified.
 		case host != nil:
-			if got := crc32.Checksum(host, castagnoli); got != r.crc {
+			if got := crc32c.Checksum(host); got != r.crc {
 				rv.stats.checksumFailures.Add(1)
 				r.tries++
 				if rv.retryLocked(r) {

@@ -3,10 +3,10 @@ package rendezvous
 import (
 	"errors"
 	"fmt"
-	"hash/crc32"
 	"sync/atomic"
 	"unicode/utf8"
 
+	"github.com/gdrlink/gdrlink/internal/crc32c"
 	"github.com/gdrlink/gdrlink/internal/wire"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
@@ -726,7 +726,7 @@ func (s *sender) prepareLocked(e *sendEntry, ds *deliveries) error {
 		case e.src == nil:
 			return fmt.Errorf("%w: checksum mode needs a host view of %q step %d", ErrBadTensor, e.key.name, e.key.step)
 		default:
-			e.crc = crc32.Checksum(e.src, castagnoli)
+			e.crc = crc32c.Checksum(e.src)
 		}
 	}
 	e.prepared = true
@@ -985,7 +985,7 @@ func (s *sender) staged(e *sendEntry, n int, sb tensor.Buffer, err error) {
 	}
 	e.stage, e.addr, e.lkey, e.src, e.n = sb, sb.Addr(), mr.LKey(), sb.Bytes()[:n], int64(n)
 	if c.checksum {
-		e.crc = crc32.Checksum(e.src, castagnoli)
+		e.crc = crc32c.Checksum(e.src)
 	}
 	e.prepared = true
 	s.stats.staged.Add(1)
