@@ -124,8 +124,15 @@ type Channel struct {
 	sqMax     int
 	freeSlots []int
 	outq      []outItem
-	orphans   []tensor.Buffer
-	byeWRID   uint64
+	// outqArr is the array outq's items live in, reused once the queue
+	// empties; frames is the arena of the queued control frames, reused
+	// likewise (a full one is left to the frames still queued in it and
+	// a new one started), so that queuing a message allocates nothing on
+	// the steady path.
+	outqArr []outItem
+	frames  []byte
+	orphans []tensor.Buffer
+	byeWRID uint64
 	// byeDone, peerDone: byeSent and peerBye are closed.
 	byeDone, peerDone bool
 	// imms counts the writes with immediate taken in on the queue pair
@@ -650,7 +657,7 @@ func (c *Channel) failLocked(err error, ds *deliveries, st chanState) {
 			c.snd.dropLocked(it.write, err, ds)
 		}
 	}
-	c.outq = nil
+	c.outq, c.outqArr, c.frames = nil, nil, nil
 	c.snd.errorsQueued = 0
 	if st == stateFailed {
 		c.log.Debug("rendezvous: channel failed", "peer", c.peer, "err", err)
@@ -953,9 +960,33 @@ func (c *Channel) onFramesLocked(b []byte, ds *deliveries) {
 	}
 }
 
+// frameArena is the size of an arena of queued control frames.
+const frameArena = 64 << 10
+
 // enqueueLocked queues a control message.
 func (c *Channel) enqueueLocked(m *wire.Message) {
-	c.outq = append(c.outq, outItem{frame: m.Append(make([]byte, 0, m.Len()))})
+	if len(c.outq) == 0 {
+		// No frame is in use: the arena starts over.
+		c.frames = c.frames[:0]
+	}
+	start := len(c.frames)
+	if n := m.Len(); start+n > cap(c.frames) {
+		c.frames, start = make([]byte, 0, max(frameArena, n)), 0
+	}
+	c.frames = m.Append(c.frames)
+	c.pushLocked(outItem{frame: c.frames[start:len(c.frames):len(c.frames)]})
+}
+
+// pushLocked appends it to the queue (an empty queue starts over at the
+// beginning of its array).
+func (c *Channel) pushLocked(it outItem) {
+	if len(c.outq) == 0 {
+		c.outq = c.outqArr[:0]
+	}
+	c.outq = append(c.outq, it)
+	if cap(c.outq) > cap(c.outqArr) {
+		c.outqArr = c.outq // grown into a new array, which it begins
+	}
 }
 
 // flushLocked posts queued items in order while credits, send slots and

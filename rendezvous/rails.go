@@ -192,7 +192,7 @@ func (s *sender) railPartDoneLocked(seq uint64) {
 	if e.railPending--; e.railPending == 0 {
 		delete(s.striping, seq)
 		if s.c.state == stateConnected {
-			s.c.outq = append(s.c.outq, outItem{write: e})
+			s.c.pushLocked(outItem{write: e})
 		}
 	}
 }

@@ -750,7 +750,7 @@ func (s *sender) queueWriteLocked(e *sendEntry) {
 		}
 		c.opts.corrupt(e.key.name, e.key.step, e.src)
 	}
-	c.outq = append(c.outq, outItem{write: e})
+	c.pushLocked(outItem{write: e})
 }
 
 // restoreLocked puts back a source the test hook changed (options.corrupt)
