@@ -54,8 +54,7 @@ func poolRKey(base, slot, set int) uint32 { return uint32(2*(base+slot) + set) }
 // exponent-only message (no payload) on q's exponent slot; its result is
 // empty.
 func (w *Worker) exchange(ctx context.Context, q *qp, payload []byte, imm uint32) ([]byte, uint32, error) {
-	q.msg = message{slot: q.first, set: q.set, n: w.cfg.MsgSlots, payload: payload, imm: imm}
-	m := &q.msg
+	m := message{slot: q.first, set: q.set, n: w.cfg.MsgSlots, payload: payload, imm: imm}
 	if payload == nil {
 		m.slot, m.set, m.n = q.eslot, q.eset, 1
 		q.eset ^= 1
@@ -67,23 +66,20 @@ func (w *Worker) exchange(ctx context.Context, q *qp, payload []byte, imm uint32
 	m.rkey = poolRKey(w.base, m.slot, m.set)
 	w.mu.Lock()
 	q.want, q.wantSize = m.va, len(payload)
-	w.tr.expect(q, m)
+	w.tr.expect(q, &m)
 	w.mu.Unlock()
 	select {
 	case <-q.result: // a result that lost the race with a timeout
 	default:
 	}
-	if q.timer == nil {
-		q.timer = time.NewTimer(w.cfg.Timeout)
-		q.timer.Stop()
-	}
-	t := q.timer
+	t := time.NewTimer(0)
 	defer t.Stop()
+	<-t.C
 	for try := 0; ; try++ {
 		if try > w.cfg.Retries {
 			return nil, 0, fmt.Errorf("%w: aggregator %s (%s): no result after %d sends of a message", ErrAggregator, w.cfg.Control, w.tr.name(), try)
 		}
-		if err := w.tr.send(q, m); err != nil {
+		if err := w.tr.send(q, &m); err != nil {
 			return nil, 0, err
 		}
 		if try > 0 {

@@ -155,8 +155,7 @@ func (u *udpLink) handle(b []byte, from netip.AddrPort) {
 		return
 	}
 	q.want = 0
-	q.rbuf = append(q.rbuf[:0], q.buf...)
-	r := reply{va: q.va, imm: p.Imm, buf: q.rbuf}
+	r := reply{va: q.va, imm: p.Imm, buf: append([]byte(nil), q.buf...)}
 	select {
 	case q.result <- r:
 	default:

@@ -411,8 +411,7 @@ func (l *verbsLink) complete(e ibv.WC) {
 		return
 	}
 	off := int(q.want - RegionVA)
-	q.rbuf = append(q.rbuf[:0], l.mem[off:off+q.wantSize]...)
-	r := reply{va: q.want, imm: e.Imm, buf: q.rbuf}
+	r := reply{va: q.want, imm: e.Imm, buf: append([]byte(nil), l.mem[off:off+q.wantSize]...)}
 	q.want = 0
 	select {
 	case q.result <- r:

@@ -215,18 +215,9 @@ type qp struct {
 	size     int    // DMA length of the reply being received
 	want     uint64 // address of the message awaited (0: none)
 	wantSize int    // its result's length
-	// rbuf holds the result handed to exchange: a copy out of the place
-	// it landed (where a late duplicate of an older message could land
-	// next), reused for each message, since exchange's caller is done
-	// with one result before its next message, and no result is handed
-	// over while none is awaited (want 0).
-	rbuf []byte
-	// owned by the goroutine that runs the queue pair's messages: the
-	// message being sent, its timeout, and the UDP transport's packet
-	// buffer
-	msg   message
-	timer *time.Timer
-	sbuf  []byte
+	// sbuf is the UDP transport's packet buffer, owned by the goroutine
+	// that runs the queue pair's messages.
+	sbuf []byte
 }
 
 type reply struct {
