@@ -247,13 +247,8 @@ func collJob(ctx context.Context, g *Group, rep *childReport) error {
 	if _, err := g.AllGather(ctx, in, out); err != nil {
 		return err
 	}
-	ov, _ := tensor.View[float64](out)
-	for q := range n {
-		for i := range iv {
-			if got, want := ov[q*len(iv)+i], float64(q)+float64(i)/8; got != want {
-				return fmt.Errorf("allgather slot %d element %d: %v, want %v", q, i, got, want)
-			}
-		}
+	if err := checkGathered(out, n, len(iv)); err != nil {
+		return err
 	}
 	_ = in.Release()
 	_ = out.Release()
@@ -261,6 +256,20 @@ func collJob(ctx context.Context, g *Group, rep *childReport) error {
 	// none through a staging copy.
 	if st := g.Stats().Protocol; st.Staged != 0 {
 		return fmt.Errorf("%d sends were staged", st.Staged)
+	}
+	return nil
+}
+
+// checkGathered checks an AllGather's out of n slots of per elements each:
+// rank q's element i is q + i/8.
+func checkGathered(out *tensor.Tensor, n, per int) error {
+	ov, _ := tensor.View[float64](out)
+	for q := range n {
+		for i := range per {
+			if got, want := ov[q*per+i], float64(q)+float64(i)/8; got != want {
+				return fmt.Errorf("allgather slot %d element %d: %v, want %v", q, i, got, want)
+			}
+		}
 	}
 	return nil
 }

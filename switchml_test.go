@@ -535,13 +535,20 @@ func switchmlKillJob(ctx context.Context, g *Group, rep *childReport) error {
 		_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
 		select {}
 	}
+	return failingAllReduce(ctx, g, t, rep, "AllReduce succeeded")
+}
+
+// failingAllReduce runs an AllReduce of t that must fail within 60 s and
+// reports its error, the rank it names (-1: none) and the time it took;
+// a success is an error saying succeeded.
+func failingAllReduce(ctx context.Context, g *Group, t *tensor.Tensor, rep *childReport, succeeded string) error {
 	actx, cancel := context.WithTimeout(ctx, 60*time.Second)
 	defer cancel()
 	start := time.Now()
-	_, err = g.AllReduce(actx, t, Sum)
+	_, err := g.AllReduce(actx, t, Sum)
 	rep.FailMS = float64(time.Since(start).Milliseconds())
 	if err == nil {
-		return errors.New("AllReduce succeeded")
+		return errors.New(succeeded)
 	}
 	rep.FailRank, rep.Failure = -1, err.Error()
 	var re *collective.RankError
@@ -715,19 +722,7 @@ func switchmlMismatchJob(ctx context.Context, g *Group, rep *childReport) error 
 		return err
 	}
 	defer t.Release()
-	actx, cancel := context.WithTimeout(ctx, 60*time.Second)
-	defer cancel()
-	start := time.Now()
-	_, err = g.AllReduce(actx, t, Sum)
-	rep.FailMS = float64(time.Since(start).Milliseconds())
-	if err == nil {
-		return errors.New("AllReduce succeeded with ranks of different message sizes")
-	}
-	rep.Failure = err.Error()
-	if actx.Err() != nil {
-		return fmt.Errorf("the error came after the deadline: %w", err)
-	}
-	return nil
+	return failingAllReduce(ctx, g, t, rep, "AllReduce succeeded with ranks of different message sizes")
 }
 
 // TestAllReduceSwitchMLSizeMismatch: rank 0 asks for four-packet messages,
