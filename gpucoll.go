@@ -45,17 +45,9 @@ func (g *Group) allReduceOnHost(ctx context.Context, b coll.Backend, seq uint64,
 			return b.AllReduce(ctx, seq, h[0], op)
 		})
 	}
-	s, err := g.collectiveStream(t)
-	if err == nil {
-		err = g.checkGPUTensor(t)
-	}
+	s, host, err := g.pinnedCopy(t)
 	if err != nil {
-		return collective.Report{}, err
-	}
-	m := t.Meta()
-	host, err := g.gpu.pinned.NewTensor(m)
-	if err != nil {
-		return collective.Report{}, fmt.Errorf("collective on the GPU: pinned host copy of %s: %w", m, err)
+		return collective.Report{}, gpuErr(err)
 	}
 	st := &gpuStaging{g: g, s: s, dev: proxy.DevicePtr(t.Addr()), host: host.Addr()}
 	start := time.Now()
@@ -162,48 +154,41 @@ func (g *Group) onHost(ctx context.Context, args []stageArg, call func(host []*t
 		return call(host)
 	}
 	var (
-		rep   collective.Report
 		moved int64
 		took  time.Duration
 	)
-	s, err := g.collectiveStream(args[staged[0]].t)
 	defer func() {
 		for _, i := range staged {
-			if host[i] != nil && host[i] != args[i].t {
+			if host[i] != args[i].t {
 				_ = host[i].Release()
 			}
 		}
 	}()
+	var s proxy.Stream
+	var err error
 	for _, i := range staged {
-		if err != nil {
-			break
-		}
 		a := args[i]
-		if err = g.checkGPUTensor(a.t); err != nil {
+		var h *tensor.Tensor
+		if s, h, err = g.pinnedCopy(a.t); err != nil {
 			break
 		}
-		m := a.t.Meta()
-		if host[i], err = g.gpu.pinned.NewTensor(m); err != nil {
-			host[i] = nil
-			err = fmt.Errorf("pinned host copy of %s: %w", m, err)
-			break
-		}
-		if a.load && m.ByteSize > 0 {
+		host[i] = h
+		if m := a.t.Meta(); a.load && m.ByteSize > 0 {
 			start := time.Now()
 			err = g.copyAndWait(ctx, s, func() error {
 				return g.gpu.dev.CopyDtoHAsync(host[i].Addr(), proxy.DevicePtr(a.t.Addr()), int(m.ByteSize), s)
 			})
 			took += time.Since(start)
 			moved += m.ByteSize
+			if err != nil {
+				break
+			}
 		}
 	}
 	if err != nil {
-		if !errors.Is(err, coll.ErrBadArgument) {
-			err = fmt.Errorf("collective on the GPU: %w", err)
-		}
-		return collective.Report{}, err
+		return collective.Report{}, gpuErr(err)
 	}
-	rep, err = call(host)
+	rep, err := call(host)
 	if err == nil {
 		for _, i := range staged {
 			a := args[i]
@@ -224,6 +209,33 @@ func (g *Group) onHost(ctx context.Context, args []stageArg, call func(host []*t
 	rep.Staged, rep.StageTook = moved, took
 	rep.Took += took
 	return rep, err
+}
+
+// pinnedCopy checks that t lives on this group's GPU and returns the
+// collectives' stream and a pinned host tensor of t's type and shape (its
+// bytes not yet copied).
+func (g *Group) pinnedCopy(t *tensor.Tensor) (proxy.Stream, *tensor.Tensor, error) {
+	s, err := g.collectiveStream(t)
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := g.checkGPUTensor(t); err != nil {
+		return nil, nil, err
+	}
+	h, err := g.gpu.pinned.NewTensor(t.Meta())
+	if err != nil {
+		return nil, nil, fmt.Errorf("pinned host copy of %s: %w", t.Meta(), err)
+	}
+	return s, h, nil
+}
+
+// gpuErr says that err came from a collective's copies, unless it is a
+// bad argument, which says so already.
+func gpuErr(err error) error {
+	if errors.Is(err, coll.ErrBadArgument) {
+		return err
+	}
+	return fmt.Errorf("collective on the GPU: %w", err)
 }
 
 // checkGPUTensor checks that t lives on this group's GPU.

@@ -196,7 +196,7 @@ func localIPv4(aggregator string, rank int) ([4]byte, error) {
 func (s *switchML) AllReduce(ctx context.Context, seq uint64, t *tensor.Tensor, op coll.Op) (collective.Report, error) {
 	const name = "allreduce"
 	start := time.Now()
-	if t == nil || (t.Device() != tensor.Host && t.Device().Kind != tensor.PinnedHost) || t.Meta().IsDead {
+	if t == nil || t.Device().IsGPU() || t.Meta().IsDead {
 		return s.ring.AllReduce(ctx, seq, t, op) // the ring reports what is wrong
 	}
 	dt := t.Meta().DType

@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"os"
 	"strconv"
 	"strings"
@@ -16,7 +15,6 @@ import (
 	"github.com/gdrlink/gdrlink/internal/jobauth"
 	"github.com/gdrlink/gdrlink/internal/roceveth"
 	"github.com/gdrlink/gdrlink/internal/switchml/aggsrv"
-	"github.com/gdrlink/gdrlink/internal/switchml/rocev2"
 	"github.com/gdrlink/gdrlink/tensor"
 )
 
@@ -39,20 +37,12 @@ func runRXEAggregator() error {
 	}
 	host := os.Getenv(rxeAggEnv)
 	drop, _ := strconv.ParseFloat(os.Getenv(rxeAggEnv+"_DROP"), 64)
-	cl, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
-	if err != nil {
-		return err
-	}
-	dc, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.ParseIP(host), Port: rocev2.Port})
-	if err != nil {
-		return err
-	}
-	s, err := aggsrv.New(aggsrv.Config{Key: key, Control: cl, Data: dc, Seed: 11, SetupTimeout: 60 * time.Second, Drop: drop, RawIPv4: aggsrv.RawOn})
+	s, ctl, err := aggsrv.ListenRoCE(host, aggsrv.Config{Key: key, Seed: 11, SetupTimeout: 60 * time.Second, Drop: drop})
 	if err != nil {
 		return err
 	}
 	go s.Serve()
-	fmt.Printf("ready %s\n", cl.Addr())
+	fmt.Printf("ready %s\n", ctl)
 	io.Copy(io.Discard, os.Stdin)
 	st := s.Stats()
 	if err := s.Close(); err != nil {

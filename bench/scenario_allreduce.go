@@ -23,7 +23,6 @@ import (
 	"github.com/gdrlink/gdrlink/internal/jobauth"
 	"github.com/gdrlink/gdrlink/internal/roceveth"
 	"github.com/gdrlink/gdrlink/internal/switchml/aggsrv"
-	"github.com/gdrlink/gdrlink/internal/switchml/rocev2"
 	"github.com/gdrlink/gdrlink/proxy"
 	"github.com/gdrlink/gdrlink/tensor"
 )
@@ -615,20 +614,12 @@ func serveRXEAggregator() error {
 	if err != nil {
 		return err
 	}
-	cl, err := net.Listen("tcp", net.JoinHostPort(rxeAggAddr, "0"))
-	if err != nil {
-		return err
-	}
-	dc, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.ParseIP(rxeAggAddr), Port: rocev2.Port})
-	if err != nil {
-		return err
-	}
-	s, err := aggsrv.New(aggsrv.Config{Key: key, Control: cl, Data: dc, SetupTimeout: time.Minute, RawIPv4: aggsrv.RawOn})
+	s, ctl, err := aggsrv.ListenRoCE(rxeAggAddr, aggsrv.Config{Key: key, SetupTimeout: time.Minute})
 	if err != nil {
 		return err
 	}
 	go s.Serve()
-	fmt.Printf("ready %s\n", cl.Addr())
+	fmt.Printf("ready %s\n", ctl)
 	io.Copy(io.Discard, os.Stdin)
 	return s.Close()
 }

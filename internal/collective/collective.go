@@ -134,8 +134,8 @@ func checkHost(what string, t *tensor.Tensor) error {
 	if m.IsDead || !m.DType.DMAable() {
 		return fmt.Errorf("%w: %s tensor %s: dead or not a numeric type", ErrBadArgument, what, m)
 	}
-	if d := t.Device(); d != tensor.Host && d.Kind != tensor.PinnedHost {
-		return fmt.Errorf("%w: %s tensor on %s: collectives work on host tensors", ErrBadArgument, what, d)
+	if t.Device().IsGPU() {
+		return fmt.Errorf("%w: %s tensor on %s: collectives work on host tensors", ErrBadArgument, what, t.Device())
 	}
 	if _, err := t.Bytes(); err != nil {
 		return fmt.Errorf("%w: %s tensor: %w", ErrBadArgument, what, err)

@@ -122,3 +122,27 @@ func parseRaw(b []byte, port uint16) (rocev2.IPv4, []byte, bool) {
 	ip.SrcPort = binary.BigEndian.Uint16(udp)
 	return ip, udp[rocev2.UDPLen:], true
 }
+
+// ListenRoCE makes a server at host as a RoCEv2 peer of verbs devices:
+// its control endpoint on a free TCP port of host, its data on UDP
+// rocev2.Port, read from a raw IPv4 socket (RawOn), with the rest of cfg.
+// It returns the control endpoint's address for the workers.
+func ListenRoCE(host string, cfg Config) (*Server, net.Addr, error) {
+	cl, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
+	if err != nil {
+		return nil, nil, err
+	}
+	dc, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.ParseIP(host), Port: rocev2.Port})
+	if err != nil {
+		cl.Close()
+		return nil, nil, err
+	}
+	cfg.Control, cfg.Data, cfg.RawIPv4 = cl, dc, RawOn
+	s, err := New(cfg)
+	if err != nil {
+		cl.Close()
+		dc.Close()
+		return nil, nil, err
+	}
+	return s, cl.Addr(), nil
+}
