@@ -74,7 +74,12 @@ func TestRawICRC(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			dc, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
+			// The data socket at an address of its own: the raw
+			// socket takes every UDP datagram to its address and
+			// port, and other tests' processes on 127.0.0.1 may send
+			// to a port this one reuses (make test saw two such
+			// datagrams counted as BadPackets).
+			dc, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 201)})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -99,7 +104,7 @@ func TestRawICRC(t *testing.T) {
 			defer w.ctl.Close()
 			port := uint16(w.agg.Port())
 			data := bytes.Repeat([]byte{1, 2, 3, 4}, agg.SlotSmall/4)
-			to := &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}
+			to := &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 201}}
 			wait := func(what string, ok func(Stats) bool) {
 				t.Helper()
 				for deadline := time.Now().Add(10 * time.Second); !ok(s.Stats()); time.Sleep(5 * time.Millisecond) {
