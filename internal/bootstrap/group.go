@@ -15,6 +15,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/adaptspin"
 	"github.com/gdrlink/gdrlink/internal/ctxerr"
 	"github.com/gdrlink/gdrlink/internal/jobauth"
 	"github.com/gdrlink/gdrlink/internal/refuselog"
@@ -39,8 +40,11 @@ type Group struct {
 	refusals *refuselog.Log
 
 	gatherMu sync.Mutex
-	root     net.Conn   // ranks > 0: the connection to the root
-	ranks    []net.Conn // rank 0: the connection of every rank
+	// gatherSpin says how long an all-gather polls its socket before it
+	// sleeps (spinReader).
+	gatherSpin *adaptspin.Policy
+	root       net.Conn   // ranks > 0: the connection to the root
+	ranks      []net.Conn // rank 0: the connection of every rank
 
 	onCall Handler
 	ctx    context.Context // ends at Close; bounds the Handlers
@@ -98,7 +102,8 @@ func Join(ctx context.Context, cfg Config) (*Group, error) {
 		return nil, err
 	}
 	g := &Group{rank: cfg.Rank, size: cfg.Size, max: cfg.MaxMessage, pairs: map[int]*pair{},
-		joinCh: make(chan joinReq, cfg.Size), pending: map[net.Conn]*greeting{}, onCall: cfg.OnCall,
+		gatherSpin: adaptspin.New(adaptspin.Bounds{Max: adaptspin.DefaultMax, Min: adaptspin.DefaultMin}),
+		joinCh:     make(chan joinReq, cfg.Size), pending: map[net.Conn]*greeting{}, onCall: cfg.OnCall,
 		key: cfg.Key, insecure: cfg.Insecure, dialFn: cfg.dial, logger: cfg.Logger, unprovenBy: map[string]int{},
 		rejoinData: cfg.RejoinData, onRejoin: cfg.OnRejoin, rejoining: map[int]bool{}}
 	g.ctx, g.cancel = context.WithCancel(context.Background())
@@ -808,7 +813,7 @@ func (g *Group) AllGather(ctx context.Context, data []byte) ([][]byte, error) {
 				return err
 			}
 			var err error
-			m, err = readMsg(c, g.max*g.size+4*g.size+4)
+			m, err = readMsg(newSpinReader(c, g.gatherSpin), g.max*g.size+4*g.size+4)
 			return err
 		})
 		if err != nil {
@@ -825,7 +830,7 @@ func (g *Group) AllGather(ctx context.Context, data []byte) ([][]byte, error) {
 		var m msg
 		err := g.io(ctx, g.rankConn(r), func(c net.Conn) error {
 			var err error
-			m, err = readMsg(c, g.max)
+			m, err = readMsg(newSpinReader(c, g.gatherSpin), g.max)
 			return err
 		})
 		if err != nil {
