@@ -211,6 +211,50 @@ func (r *Ring) AllGather(ctx context.Context, seq uint64, in, out *tensor.Tensor
 	return x.finish(x.runLanes(ctx, x.allGatherLane))
 }
 
+// Abandon fails call seq on this rank before it begins, for a reason of
+// this rank's own (cause: it could not stage its tensor, say), and tells
+// the others, so that they fail now rather than at their deadlines: its
+// successor hears an abort naming this rank on every step it may wait
+// for, and passes the failure on round the ring as any failed call
+// does. op is the collective ("allreduce", "broadcast" or "allgather")
+// and m the meta-data of its tensor (AllGather's output), which fix the
+// steps and segments. It returns the *collective.RankError the call
+// fails with. A Broadcast abandoned by a rank other than the root holds
+// its predecessor until that rank's deadline: nothing goes back up the
+// ring.
+func (r *Ring) Abandon(ctx context.Context, seq uint64, op string, m tensor.Meta, cause error) error {
+	x := &run{r: r, op: op, seq: seq, n: r.tr.Size(), rank: r.tr.Rank(), esize: int64(m.DType.Size())}
+	x.nextRank = (x.rank + 1) % x.n
+	err := &collective.RankError{Op: op, Rank: x.rank, Err: fmt.Errorf("rank %d: %w", x.rank, cause)}
+	if x.n == 1 || x.esize <= 0 {
+		return err
+	}
+	elems := m.ByteSize / x.esize
+	switch op {
+	case "allreduce":
+		x.chunks = make([]span, x.n)
+		for c := range x.n {
+			lo, hi := elems*int64(c)/int64(x.n), elems*int64(c+1)/int64(x.n)
+			x.chunks[c] = span{lo, hi - lo}
+		}
+		x.steps = 2 * (x.n - 1)
+	case "broadcast":
+		x.chunks, x.steps = []span{{0, elems}}, 1
+	case "allgather":
+		each := elems / int64(x.n)
+		x.chunks = make([]span, x.n)
+		for c := range x.n {
+			x.chunks[c] = span{each * int64(c), each}
+		}
+		x.steps = x.n - 1
+	default:
+		return err
+	}
+	x.setLanes()
+	x.tellSuccessor(ctx, err)
+	return err
+}
+
 // span is a range of elements.
 type span struct{ off, n int64 }
 
@@ -325,18 +369,9 @@ func (x *run) runLanes(ctx context.Context, lane func(k int) error) error {
 	x.setLanes()
 	x.sentUpTo = make([]int, x.lanes)
 	if err := ctx.Err(); err != nil {
-		// Ended before it began: tell the successor, whose lanes wait
-		// for their first step, if the link is there at once.
+		// Ended before it began.
 		err := &collective.RankError{Op: x.op, Rank: x.rank, Err: fmt.Errorf("rank %d: %w", x.rank, context.Cause(ctx))}
-		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), abortGrace)
-		defer cancel()
-		if next, lerr := x.r.tr.Link(tctx, x.nextRank); lerr == nil {
-			for k := range x.lanes {
-				for s := range x.steps {
-					_ = next.SendError(x.key(k), x.step(s), abortText(x.rank, err))
-				}
-			}
-		}
+		x.tellSuccessor(ctx, err)
 		return err
 	}
 	var err error
@@ -368,11 +403,44 @@ func (x *run) runLanes(ctx context.Context, lane func(k int) error) error {
 	ferr := x.err
 	x.mu.Unlock()
 	if ferr == nil {
-		x.sends.Wait()
-		return nil
+		if ferr = x.waitSends(); ferr == nil {
+			return nil
+		}
 	}
 	x.abort(ferr)
 	return ferr
+}
+
+// tellSuccessor tells the successor, whose lanes wait for their first
+// step, that this rank's call failed with err before it began (if the
+// link is there within abortGrace): an abort on every step of every lane.
+func (x *run) tellSuccessor(ctx context.Context, err error) {
+	tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), abortGrace)
+	defer cancel()
+	next, lerr := x.r.tr.Link(tctx, x.nextRank)
+	if lerr != nil {
+		return
+	}
+	for k := range x.lanes {
+		for s := range x.steps {
+			_ = next.SendError(x.key(k), x.step(s), abortText(x.rank, err))
+		}
+	}
+}
+
+// waitSends waits until the successor has taken every piece offered it,
+// or the call's context ends: a successor that never asks (its own call
+// failed before it began, and it told only its successor) cannot hold
+// this rank past its deadline.
+func (x *run) waitSends() error {
+	done := make(chan struct{})
+	go func() { x.sends.Wait(); close(done) }()
+	select {
+	case <-done:
+		return nil
+	case <-x.parent.Done():
+		return &collective.RankError{Op: x.op, Rank: x.rank, Err: fmt.Errorf("rank %d: waiting for rank %d to take its pieces: %w", x.rank, x.nextRank, context.Cause(x.parent))}
+	}
 }
 
 // setLanes picks the number of segments per chunk: enough for segments

@@ -344,3 +344,73 @@ func TestDeadlineNamesSelf(t *testing.T) {
 		t.Errorf("rank %d: %v, want DeadlineExceeded", late, errs[late])
 	}
 }
+
+// TestAbandon: a rank that abandons its call fails at once with a
+// RankError naming it and wrapping its cause, and every other rank's call
+// fails within seconds, naming it, not at its 30 s deadline: for every
+// collective, with tensors cut into several segments (WithSegment).
+func TestAbandon(t *testing.T) {
+	const size, quitter = 4, 2
+	cause := errors.New("no room to stage the tensor")
+	for _, op := range []string{"allreduce", "broadcast", "allgather"} {
+		t.Run(op, func(t *testing.T) {
+			start := time.Now()
+			errs := runRanks(t, size, []RingOption{WithSegment(256)}, func(r int, b *Ring) error {
+				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+				defer cancel()
+				in := newTensor(tensor.Float32, 1000)
+				out := newTensor(tensor.Float32, size*1000)
+				if r == quitter {
+					m := in.Meta()
+					if op == "allgather" {
+						m = out.Meta()
+					}
+					return b.Abandon(ctx, 0, op, m, cause)
+				}
+				var err error
+				switch op {
+				case "allreduce":
+					_, err = b.AllReduce(ctx, 0, in, Sum)
+				case "broadcast":
+					_, err = b.Broadcast(ctx, 0, in, quitter)
+				case "allgather":
+					_, err = b.AllGather(ctx, 0, in, out)
+				}
+				return err
+			})
+			if d := time.Since(start); d > 10*time.Second {
+				t.Errorf("the ranks took %v to fail", d)
+			}
+			for r, err := range errs {
+				var re *collective.RankError
+				if !errors.As(err, &re) || re.Rank != quitter {
+					t.Errorf("rank %d: %v, want a RankError naming rank %d", r, err, quitter)
+				}
+			}
+			if !errors.Is(errs[quitter], cause) {
+				t.Errorf("rank %d: %v does not wrap its cause", quitter, errs[quitter])
+			}
+		})
+	}
+}
+
+// TestBroadcastSuccessorAbandons: a Broadcast root whose successor
+// abandoned the call (and never asks for its piece) fails at its own
+// deadline, naming itself, rather than waiting for ever.
+func TestBroadcastSuccessorAbandons(t *testing.T) {
+	const size, root = 2, 0
+	errs := runRanks(t, size, nil, func(r int, b *Ring) error {
+		ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+		defer cancel()
+		x := newTensor(tensor.Int32, 64)
+		if r != root {
+			return b.Abandon(ctx, 0, "broadcast", x.Meta(), errors.New("abandoned"))
+		}
+		_, err := b.Broadcast(ctx, 0, x, root)
+		return err
+	})
+	var re *collective.RankError
+	if !errors.As(errs[root], &re) || re.Rank != root || !errors.Is(errs[root], context.DeadlineExceeded) {
+		t.Errorf("root: %v, want a RankError naming itself at its deadline", errs[root])
+	}
+}
