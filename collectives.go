@@ -67,7 +67,7 @@ func (g *Group) AllReduce(ctx context.Context, t *tensor.Tensor, op ReduceOp) (c
 // same type and shape on every rank. Calls are ordered and fail as AllReduce's are.
 func (g *Group) Broadcast(ctx context.Context, t *tensor.Tensor, root int) (collective.Report, error) {
 	return g.collective(ctx, "broadcast", func(b coll.Backend, seq uint64) (collective.Report, error) {
-		return g.onHost(ctx, []stageArg{{t, g.Rank() == root, g.Rank() != root}}, func(h []*tensor.Tensor) (collective.Report, error) {
+		return g.onHost(ctx, callOf(b, seq, "broadcast", t), []stageArg{{t, g.Rank() == root, g.Rank() != root}}, func(h []*tensor.Tensor) (collective.Report, error) {
 			return b.Broadcast(ctx, seq, h[0], root)
 		})
 	})
@@ -83,7 +83,7 @@ func (g *Group) Broadcast(ctx context.Context, t *tensor.Tensor, root int) (coll
 // are.
 func (g *Group) AllGather(ctx context.Context, in, out *tensor.Tensor) (collective.Report, error) {
 	return g.collective(ctx, "allgather", func(b coll.Backend, seq uint64) (collective.Report, error) {
-		return g.onHost(ctx, []stageArg{{in, true, false}, {out, false, true}}, func(h []*tensor.Tensor) (collective.Report, error) {
+		return g.onHost(ctx, callOf(b, seq, "allgather", out), []stageArg{{in, true, false}, {out, false, true}}, func(h []*tensor.Tensor) (collective.Report, error) {
 			return b.AllGather(ctx, seq, h[0], h[1])
 		})
 	})

@@ -143,6 +143,8 @@ func runChild(job string) error {
 		err = collJob(ctx, g, &rep)
 	case "gpu-collectives":
 		err = gpuCollJob(ctx, g, &rep)
+	case "gpu-pinned-full":
+		err = gpuPinnedFullJob(ctx, g, &rep)
 	case "switchml":
 		err = switchmlJob(ctx, g, &rep)
 	case "switchml-rxe":

@@ -41,13 +41,13 @@ const overlapMin = 1 << 20
 func (g *Group) allReduceOnHost(ctx context.Context, b coll.Backend, seq uint64, t *tensor.Tensor, op coll.Op) (collective.Report, error) {
 	sb, ok := b.(stagedAllReducer)
 	if !ok || t == nil || !t.Device().IsGPU() || t.Meta().ByteSize < overlapMin {
-		return g.onHost(ctx, []stageArg{{t, true, true}}, func(h []*tensor.Tensor) (collective.Report, error) {
+		return g.onHost(ctx, callOf(b, seq, "allreduce", t), []stageArg{{t, true, true}}, func(h []*tensor.Tensor) (collective.Report, error) {
 			return b.AllReduce(ctx, seq, h[0], op)
 		})
 	}
 	s, host, err := g.pinnedCopy(t)
 	if err != nil {
-		return collective.Report{}, gpuErr(err)
+		return collective.Report{}, callOf(b, seq, "allreduce", t).abandon(ctx, err)
 	}
 	st := &gpuStaging{g: g, s: s, dev: proxy.DevicePtr(t.Addr()), host: host.Addr()}
 	start := time.Now()
@@ -141,7 +141,7 @@ type stageArg struct {
 // pinned tensor goes as it is; a tensor on the group's GPU goes as a
 // pinned host copy, loaded before the call and stored back after a call
 // that succeeded. The report counts the copies in Staged and StageTook.
-func (g *Group) onHost(ctx context.Context, args []stageArg, call func(host []*tensor.Tensor) (collective.Report, error)) (collective.Report, error) {
+func (g *Group) onHost(ctx context.Context, id callID, args []stageArg, call func(host []*tensor.Tensor) (collective.Report, error)) (collective.Report, error) {
 	host := make([]*tensor.Tensor, len(args))
 	var staged []int // indexes of args on the GPU
 	for i, a := range args {
@@ -186,7 +186,7 @@ func (g *Group) onHost(ctx context.Context, args []stageArg, call func(host []*t
 		}
 	}
 	if err != nil {
-		return collective.Report{}, gpuErr(err)
+		return collective.Report{}, id.abandon(ctx, err)
 	}
 	rep, err := call(host)
 	if err == nil {
@@ -227,6 +227,45 @@ func (g *Group) pinnedCopy(t *tensor.Tensor) (proxy.Stream, *tensor.Tensor, erro
 		return nil, nil, fmt.Errorf("pinned host copy of %s: %w", t.Meta(), err)
 	}
 	return s, h, nil
+}
+
+// callID is one collective call: its backend, sequence number, name and
+// the meta-data of the tensor that fixes its steps (AllGather's output).
+type callID struct {
+	b    coll.Backend
+	seq  uint64
+	op   string
+	meta tensor.Meta
+}
+
+func callOf(b coll.Backend, seq uint64, op string, t *tensor.Tensor) callID {
+	id := callID{b: b, seq: seq, op: op}
+	if t != nil {
+		id.meta = t.Meta()
+	}
+	return id
+}
+
+// abandoner is a backend that can fail a call on this rank before it
+// begins and tell the other ranks (coll.Ring.Abandon).
+type abandoner interface {
+	Abandon(ctx context.Context, seq uint64, op string, m tensor.Meta, cause error) error
+}
+
+// abandon is the error of a call whose GPU tensor could not be staged
+// (no room in the pinned pool, a failed copy): a bad argument is only
+// returned (it leaves the group usable); any other failure is one of
+// this rank, told to the other ranks where the backend can, so that
+// their calls fail now, naming this rank, not at their deadlines.
+func (id callID) abandon(ctx context.Context, cause error) error {
+	err := gpuErr(cause)
+	if errors.Is(err, coll.ErrBadArgument) {
+		return err
+	}
+	if a, ok := id.b.(abandoner); ok {
+		return a.Abandon(ctx, id.seq, id.op, id.meta, err)
+	}
+	return err
 }
 
 // gpuErr says that err came from a collective's copies, unless it is a

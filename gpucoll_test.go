@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -271,3 +273,112 @@ func (b fakeBuffer) Addr() uintptr         { return 0x1000 }
 func (b fakeBuffer) Len() int              { return 16 }
 func (b fakeBuffer) Device() tensor.Device { return b.dev }
 func (b fakeBuffer) Free() error           { return nil }
+
+// gpuPinnedFullJob: rank 1 has no room left in its pinned pool
+// (GDRLINK_POOL_LIMIT is small there, and it fills the pool first), so
+// its collective on a GPU tensor (GDRLINK_TEST_COLLOP: "allreduce" of 4
+// KiB, copied whole; "allreduce-staged" of 2 MiB, whose copies overlap
+// the ring's steps; "allgather" into a GPU tensor) cannot be staged. The
+// other ranks call it on host tensors. Every rank records when and how
+// its call failed.
+func gpuPinnedFullJob(ctx context.Context, g *Group, rep *childReport) error {
+	const victim = 1
+	op := os.Getenv("GDRLINK_TEST_COLLOP")
+	elems := int64(1024)
+	if op == "allreduce-staged" {
+		elems = 2 * overlapMin / 4
+	}
+	dev := tensor.Host
+	if g.Rank() == victim {
+		dev = tensor.GPUDevice(0)
+	}
+	in, err := g.NewTensorOn(dev, tensor.Float32, elems)
+	if err != nil {
+		return err
+	}
+	defer in.Release()
+	out, err := g.NewTensorOn(dev, tensor.Float32, int64(g.Size()), elems)
+	if err != nil {
+		return err
+	}
+	defer out.Release()
+	if g.Rank() == victim {
+		var held []*tensor.Tensor
+		defer func() {
+			for _, t := range held {
+				_ = t.Release()
+			}
+		}()
+		for {
+			h, err := g.NewTensorOn(tensor.Device{Kind: tensor.PinnedHost}, tensor.Float32, 64<<10)
+			if err != nil {
+				break
+			}
+			held = append(held, h)
+			if len(held) > 4096 {
+				return errors.New("the pinned pool never filled")
+			}
+		}
+		return failingCollective(ctx, g, op, in, out, rep)
+	}
+	return failingCollective(ctx, g, op, in, out, rep)
+}
+
+// failingCollective runs op (see gpuPinnedFullJob), which must fail
+// before its 60 s deadline, and records the failure in rep.
+func failingCollective(ctx context.Context, g *Group, op string, in, out *tensor.Tensor, rep *childReport) error {
+	if op != "allgather" {
+		return failingAllReduce(ctx, g, in, rep, op+" succeeded on a rank with a full pinned pool")
+	}
+	actx, cancel := context.WithTimeout(ctx, 60*time.Second)
+	defer cancel()
+	start := time.Now()
+	_, err := g.AllGather(actx, in, out)
+	rep.FailMS = float64(time.Since(start).Milliseconds())
+	if err == nil {
+		return errors.New("allgather succeeded on a rank with a full pinned pool")
+	}
+	rep.FailRank, rep.Failure = -1, err.Error()
+	var re *collective.RankError
+	if errors.As(err, &re) {
+		rep.FailRank = re.Rank
+	}
+	if actx.Err() != nil {
+		return fmt.Errorf("the error came after the deadline: %w", err)
+	}
+	return nil
+}
+
+// TestCollectivesGPUPinnedPoolFull: a rank whose GPU tensor finds no room
+// in its pinned pool fails its call at once, and the other ranks' calls
+// fail within seconds (the ring's abort grace), not at their 60 s
+// deadlines, naming that rank: the rank tells its ring successor, and the
+// failure goes round the ring. Three processes, simulated GPUs (there is
+// no GPU here), onnode.
+func TestCollectivesGPUPinnedPoolFull(t *testing.T) {
+	const victim = 1
+	for _, op := range []string{"allreduce", "allreduce-staged", "allgather"} {
+		t.Run(op, func(t *testing.T) {
+			j := startJob(t, "gpu-pinned-full", 3, "127.0.0.1", func(int) []string { return nil }, func(r int) []string {
+				env := []string{"GDRLINK_TEST_SIMGPU=1", "GDRLINK_PROVIDER=onnode", "GDRLINK_TEST_COLLOP=" + op}
+				if r == victim {
+					env = append(env, "GDRLINK_POOL_LIMIT=64MiB")
+				}
+				return env
+			})
+			reps := j.wait(2 * time.Minute)
+			for r, rep := range reps {
+				t.Logf("rank %d failed after %.0f ms: %s", r, rep.FailMS, rep.Failure)
+				if rep.FailRank != victim {
+					t.Errorf("rank %d: failure names rank %d, want %d", r, rep.FailRank, victim)
+				}
+				if rep.FailMS > 10000 {
+					t.Errorf("rank %d: failed after %.0f ms, want well within the 60 s deadline", r, rep.FailMS)
+				}
+			}
+			if !strings.Contains(reps[victim].Failure, "pinned host copy") {
+				t.Errorf("rank %d: %q does not say the pinned copy failed", victim, reps[victim].Failure)
+			}
+		})
+	}
+}

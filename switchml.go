@@ -82,6 +82,20 @@ func (s *switchML) AllGather(ctx context.Context, seq uint64, in, out *tensor.Te
 	return s.ring.AllGather(ctx, seq, in, out)
 }
 
+// Abandon tells the other ranks of a Broadcast or AllGather, which run
+// on the ring, that this rank's call failed before it began. An AllReduce
+// is not told: the other ranks' messages wait at the aggregator until
+// their deadline.
+func (s *switchML) Abandon(ctx context.Context, seq uint64, op string, m tensor.Meta, cause error) error {
+	if op == "allreduce" {
+		return &collective.RankError{Op: op, Rank: s.g.Rank(), Err: fmt.Errorf("rank %d: %w", s.g.Rank(), cause)}
+	}
+	if a, ok := s.ring.(abandoner); ok {
+		return a.Abandon(ctx, seq, op, m, cause)
+	}
+	return &collective.RankError{Op: op, Rank: s.g.Rank(), Err: fmt.Errorf("rank %d: %w", s.g.Rank(), cause)}
+}
+
 // worker returns the worker, setting the job up with the aggregator on
 // first use (every rank gets there in its first AllReduce).
 func (s *switchML) worker(ctx context.Context) (*worker.Worker, error) {
