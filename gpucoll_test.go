@@ -330,23 +330,10 @@ func failingCollective(ctx context.Context, g *Group, op string, in, out *tensor
 	if op != "allgather" {
 		return failingAllReduce(ctx, g, in, rep, op+" succeeded on a rank with a full pinned pool")
 	}
-	actx, cancel := context.WithTimeout(ctx, 60*time.Second)
-	defer cancel()
-	start := time.Now()
-	_, err := g.AllGather(actx, in, out)
-	rep.FailMS = float64(time.Since(start).Milliseconds())
-	if err == nil {
-		return errors.New("allgather succeeded on a rank with a full pinned pool")
-	}
-	rep.FailRank, rep.Failure = -1, err.Error()
-	var re *collective.RankError
-	if errors.As(err, &re) {
-		rep.FailRank = re.Rank
-	}
-	if actx.Err() != nil {
-		return fmt.Errorf("the error came after the deadline: %w", err)
-	}
-	return nil
+	return failingCall(ctx, rep, "allgather succeeded on a rank with a full pinned pool", func(ctx context.Context) error {
+		_, err := g.AllGather(ctx, in, out)
+		return err
+	})
 }
 
 // TestCollectivesGPUPinnedPoolFull: a rank whose GPU tensor finds no room

@@ -542,10 +542,19 @@ func switchmlKillJob(ctx context.Context, g *Group, rep *childReport) error {
 // reports its error, the rank it names (-1: none) and the time it took;
 // a success is an error saying succeeded.
 func failingAllReduce(ctx context.Context, g *Group, t *tensor.Tensor, rep *childReport, succeeded string) error {
+	return failingCall(ctx, rep, succeeded, func(ctx context.Context) error {
+		_, err := g.AllReduce(ctx, t, Sum)
+		return err
+	})
+}
+
+// failingCall runs call, which must fail within 60 s, and reports as
+// failingAllReduce does.
+func failingCall(ctx context.Context, rep *childReport, succeeded string, call func(context.Context) error) error {
 	actx, cancel := context.WithTimeout(ctx, 60*time.Second)
 	defer cancel()
 	start := time.Now()
-	_, err := g.AllReduce(actx, t, Sum)
+	err := call(actx)
 	rep.FailMS = float64(time.Since(start).Milliseconds())
 	if err == nil {
 		return errors.New(succeeded)
