@@ -88,6 +88,10 @@
 // the reply path has been quiet for a while, discarding what comes, before
 // it takes another completion on that queue pair; receiving each set's
 // replies on a queue pair of its own would make the reply name its set.
+// Package worker's verbs transport instead names a result place of its
+// own in every send (a resend included, whose second reply goes to the
+// resend's address) and attributes each completion to the oldest place
+// written since.
 //
 // # Queue pairs
 //

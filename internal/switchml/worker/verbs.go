@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"syscall"
 	"unsafe"
@@ -134,25 +135,32 @@ func ipString(ip [4]byte) string { return fmt.Sprintf("%d.%d.%d.%d", ip[0], ip[1
 const RegionVA = 0x3e40_0000_0000
 
 // generations is how many messages of a queue pair have a result place of
-// their own, in turn: a stale reply lands in its own message's place, not
-// in the current one's.
+// their own, in turn, for their first send: the place a message's reply
+// lands in is free again four messages later.
 const generations = 4
 
+// resendPlaces is how many places each queue pair has for the replies to
+// its resends, used in turn: every send of a message names a place of its
+// own, so each place receives at most one write (see complete).
+const resendPlaces = 4
+
 // layout places results and send buffers in the region: the result of
-// queue pair q's message number m at resultOff(m % generations, q), and
-// the payload it sends with set s at sendOff(q, s).
+// queue pair q's message number m, sent the first time, at
+// resultOff(m % generations, q); the result of its k-th resend at
+// resultOff(generations + k % resendPlaces, q); and the payload it sends
+// with set s at sendOff(q, s).
 type layout struct {
 	window, msgB int
 }
 
 func (l layout) resultOff(gen, q int) int { return (gen*l.window + q) * l.msgB }
 func (l layout) sendOff(q, set int) int {
-	return (generations*l.window + 2*q + set) * l.msgB
+	return ((generations+resendPlaces)*l.window + 2*q + set) * l.msgB
 }
 
 // size is the region's length, in whole pages.
 func (l layout) size() int {
-	n := (generations + 2) * l.window * l.msgB
+	n := (generations + resendPlaces + 2) * l.window * l.msgB
 	return (n + 4095) &^ 4095
 }
 
@@ -191,6 +199,21 @@ const (
 	sendDepth = 64
 )
 
+// placed is the result place one send of a message named.
+type placed struct {
+	off   int    // the place's offset in the region
+	count uint64 // the message's number (qp.count)
+}
+
+// sentPlaces is what a queue pair's receive side knows of its sends: the
+// places whose reply has not been seen yet, oldest send first, the message
+// last sent and how many resends have taken a place.
+type sentPlaces struct {
+	pending []placed
+	last    uint64
+	resends int
+}
+
 // verbsLink is the verbs transport: Window UC queue pairs on one device,
 // a result region at RegionVA, one completion queue polled by one
 // goroutine that hands each queue pair its result.
@@ -205,6 +228,7 @@ type verbsLink struct {
 	qps    []*ibv.QP
 	mem    []byte // the region
 	canary uint64
+	sent   []sentPlaces // per queue pair (w.mu)
 	stop   context.CancelFunc
 	wg     sync.WaitGroup
 	err    error // the first failure of a queue pair or the queue (w.mu)
@@ -243,6 +267,8 @@ func newVerbsLink(w *Worker, v Verbs) (_ *verbsLink, err error) {
 	if l.mr, err = l.pd.RegMR(RegionVA, n, ibv.AccessLocalWrite|ibv.AccessRemoteWrite); err != nil {
 		return nil, fmt.Errorf("switchml: registering the result region: %w", err)
 	}
+	fillCanary(l.mem, l.canary)
+	l.sent = make([]sentPlaces, w.cfg.Window)
 	if l.cq, err = l.c.CreateCQ(w.cfg.Window * (recvDepth + sendDepth)); err != nil {
 		return nil, fmt.Errorf("switchml: verbs device: %w", err)
 	}
@@ -317,12 +343,16 @@ func (l *verbsLink) send(q *qp, m *message) error {
 		w.stats.PacketsSent += uint64(m.n)
 		w.stats.BytesSent += uint64(len(m.payload))
 	}
+	va := m.va
+	if err == nil && len(m.payload) > 0 {
+		va = l.place(q, m)
+	}
 	w.mu.Unlock()
 	if err != nil || drop {
 		return err
 	}
 	wr := ibv.SendWR{WRID: wrID(q.idx, false), Opcode: ibv.WRWriteImm, Flags: ibv.SendSignaled,
-		RemoteAddr: m.va, RKey: m.rkey, Imm: m.imm}
+		RemoteAddr: va, RKey: m.rkey, Imm: m.imm}
 	var sge []ibv.SGE
 	if len(m.payload) > 0 {
 		off := l.lay.sendOff(q.idx, m.set)
@@ -334,6 +364,27 @@ func (l *verbsLink) send(q *qp, m *message) error {
 		return fmt.Errorf("switchml: queue pair %d: %w", q.idx, err)
 	}
 	return nil
+}
+
+// place picks the result place of a send of q's data message m (w.mu
+// held): the message's own place (m.va, which expect filled with the
+// canary) the first time, the next of q's resend places, filled with the
+// canary now, each time after. It records the place as awaiting its
+// reply and returns its address.
+func (l *verbsLink) place(q *qp, m *message) uint64 {
+	sp := &l.sent[q.idx]
+	off := int(m.va - RegionVA)
+	if sp.last == q.count {
+		off = l.lay.resultOff(generations+sp.resends%resendPlaces, q.idx)
+		sp.resends++
+		fillCanary(l.mem[off:off+len(m.payload)], l.canary)
+	}
+	sp.last = q.count
+	// A place used again (the ring of resend places came round) no longer
+	// waits for its earlier send's reply.
+	sp.pending = slices.DeleteFunc(sp.pending, func(p placed) bool { return p.off == off })
+	sp.pending = append(sp.pending, placed{off: off, count: q.count})
+	return RegionVA + uint64(off)
 }
 
 // poll takes completions until ctx ends, sleeping on the completion
@@ -406,11 +457,11 @@ func (l *verbsLink) complete(e ibv.WC) {
 		w.stats.Dropped++
 		return
 	}
-	if !l.current(q, e) {
+	off, ok := l.attribute(q, e)
+	if !ok {
 		w.stats.StaleReplies++
 		return
 	}
-	off := int(q.want - RegionVA)
 	r := reply{va: q.want, imm: e.Imm, buf: append([]byte(nil), l.mem[off:off+q.wantSize]...)}
 	q.want = 0
 	select {
@@ -419,15 +470,52 @@ func (l *verbsLink) complete(e ibv.WC) {
 	}
 }
 
-// current reports whether completion e is the result of the message q
-// awaits: a write with immediate of its length that changed its place
-// (which held the canary). w.mu is held.
-func (l *verbsLink) current(q *qp, e ibv.WC) bool {
-	if q.want == 0 || e.Flags&ibv.WCWithImm == 0 || int(e.ByteLen) != q.wantSize {
-		return false
+// attribute says which write completion e reports (w.mu held) and returns
+// the offset of the current message's result if it is that message's
+// reply.
+//
+// A completion does not carry the address its write went to, and a queue
+// pair receives, besides the current message's reply, second replies to
+// resends of earlier messages (the aggregator answers a resend of a
+// completed message again). Each send names a place of its own, filled
+// with the canary before the send, so each place receives at most one
+// write; completions come in the order of the writes, which is the order
+// of the sends (the aggregator answers a queue pair's requests in order).
+// So the write a completion reports is the oldest-sent place that has
+// been written and not yet accounted for: the first pending place, in
+// send order, that no longer holds the canary. Checking only the current
+// message's place would be wrong: a second reply's completion can be
+// taken while the current reply is still being written into its place,
+// which then holds part of the result and part of the canary.
+//
+// A place whose last slot still holds the canary was cut short (a
+// multi-packet write whose last packet was lost, which completes nothing)
+// or is being written; it is passed over. Taking a result forgets the
+// places of earlier messages: their replies came before this one.
+//
+// An exponent-only message has no payload, so its place shows nothing: an
+// empty write with immediate is its reply if one is awaited. (A queue
+// pair always sends a data message between two exponent-only ones, and a
+// second reply to the first comes before the reply to that data message.)
+func (l *verbsLink) attribute(q *qp, e ibv.WC) (int, bool) {
+	if e.ByteLen == 0 {
+		return 0, q.want != 0 && q.wantSize == 0 && e.Flags&ibv.WCWithImm != 0
 	}
-	off := int(q.want - RegionVA)
-	return q.wantSize == 0 || !isCanary(l.mem[off:off+q.wantSize], l.canary)
+	sp := &l.sent[q.idx]
+	slot := l.w.cfg.SlotBytes
+	for i, p := range sp.pending {
+		end := p.off + l.lay.msgB
+		if isCanary(l.mem[end-slot:end], l.canary) {
+			continue
+		}
+		sp.pending = slices.Delete(sp.pending, i, i+1)
+		if q.want == 0 || p.count != q.count || q.wantSize == 0 || int(e.ByteLen) != q.wantSize || e.Flags&ibv.WCWithImm == 0 {
+			return 0, false
+		}
+		sp.pending = slices.DeleteFunc(sp.pending, func(o placed) bool { return o.count < p.count })
+		return p.off, true
+	}
+	return 0, false
 }
 
 // close stops the poller and releases the queue pairs, the queue, the

@@ -39,7 +39,7 @@ func TestLayout(t *testing.T) {
 			}
 		}
 		for q := range l.window {
-			for g := range generations {
+			for g := range generations + resendPlaces {
 				claim(l.resultOff(g, q), "result")
 			}
 			claim(l.sendOff(q, 0), "send 0")
@@ -117,44 +117,167 @@ func TestRoCEv2GID(t *testing.T) {
 	}
 }
 
-// TestVerbsCurrent: a completion is the current message's result only if
-// it is a write with immediate of the awaited length that changed the
-// awaited place; a second reply to an earlier message (which wrote its own
-// place) is not.
-func TestVerbsCurrent(t *testing.T) {
-	w := &Worker{cfg: Config{Window: 2, MsgSlots: 1, SlotBytes: 256}, msgB: 256}
-	l := &verbsLink{w: w, lay: layout{window: 2, msgB: 256}, canary: 0x5555aaaa12345678, mem: make([]byte, layout{2, 256}.size())}
-	q := &qp{idx: 1}
-	// mem stands in for the region: addresses are offsets from RegionVA.
-	arm := func(count uint64, size int) {
-		m := message{va: l.replyVA(q, count, 0), payload: make([]byte, size)}
-		q.want, q.wantSize = m.va, size
-		l.expect(q, &m)
+// attributeRig is a verbs link without a device: mem stands in for the
+// region (addresses are offsets from RegionVA), and sends are recorded as
+// the transport records them, without posting anything.
+type attributeRig struct {
+	t *testing.T
+	l *verbsLink
+	q *qp
+}
+
+func newAttributeRig(t *testing.T, msgSlots int) *attributeRig {
+	w := &Worker{cfg: Config{Window: 2, MsgSlots: msgSlots, SlotBytes: 256}, msgB: 256 * msgSlots}
+	w.qps = []*qp{{idx: 0}, {idx: 1, result: make(chan reply, 1)}}
+	lay := layout{window: 2, msgB: w.msgB}
+	l := &verbsLink{w: w, lay: lay, canary: 0x5555aaaa12345678, mem: make([]byte, lay.size()), sent: make([]sentPlaces, 2)}
+	fillCanary(l.mem, l.canary)
+	return &attributeRig{t: t, l: l, q: w.qps[1]}
+}
+
+// next starts the queue pair's next message, as exchange does, and sends
+// it once; size 0 is an exponent-only message.
+func (r *attributeRig) next(size int) *message {
+	q := r.q
+	q.count++
+	m := &message{va: r.l.replyVA(q, q.count, 0), payload: make([]byte, size)}
+	if size == 0 {
+		m.payload = nil
 	}
-	wc := func(n int) ibv.WC { return ibv.WC{Flags: ibv.WCWithImm, ByteLen: uint32(n)} }
-	arm(2, 256)
-	if l.current(q, wc(256)) {
-		t.Fatal("took a completion while the place still holds the canary (a stale reply wrote elsewhere)")
+	q.want, q.wantSize = m.va, size
+	r.l.expect(q, m)
+	r.send(m)
+	return m
+}
+
+// send sends m (again) and returns the offset its reply is written to.
+func (r *attributeRig) send(m *message) int {
+	if len(m.payload) == 0 {
+		return int(m.va - RegionVA)
 	}
-	if l.current(q, wc(0)) {
-		t.Fatal("took an empty completion for a data message")
+	return int(r.l.place(r.q, m) - RegionVA)
+}
+
+// write writes n bytes of a reply of fill bytes at off, as the device
+// would, without a completion.
+func (r *attributeRig) write(off, n int, fill byte) {
+	for i := range n {
+		r.l.mem[off+i] = fill
 	}
-	off := l.lay.resultOff(2, 1)
-	l.mem[off+100] = 7
-	if !l.current(q, wc(256)) {
-		t.Fatal("missed the current result")
+}
+
+// complete hands a completion of length n to attribute and returns what
+// it took: the result's bytes, or nil.
+func (r *attributeRig) complete(n int) []byte {
+	off, ok := r.l.attribute(r.q, ibv.WC{Flags: ibv.WCWithImm, ByteLen: uint32(n)})
+	if !ok {
+		return nil
 	}
-	if l.current(q, ibv.WC{ByteLen: 256}) {
-		t.Fatal("took a completion without immediate")
+	r.q.want = 0
+	return append([]byte{}, r.l.mem[off:off+r.q.wantSize]...)
+}
+
+// TestVerbsAttribute: a completion is taken as the current message's
+// result only once that result is whole in its place; second replies to
+// resends of earlier messages, which write places of their own, are
+// accounted for and dropped, even when one's completion is handled while
+// the current reply is still being written.
+func TestVerbsAttribute(t *testing.T) {
+	const n = 256
+	whole := func(t *testing.T, got []byte, fill byte) {
+		t.Helper()
+		if got == nil {
+			t.Fatal("the result was not taken")
+		}
+		for i, b := range got {
+			if b != fill {
+				t.Fatalf("result byte %d is %#x, want %#x: part of the result is another write's or the canary", i, b, fill)
+			}
+		}
 	}
-	arm(3, 0)
-	if !l.current(q, wc(0)) || l.current(q, wc(256)) {
-		t.Fatal("exponent-only message: wrong completion taken or missed")
-	}
-	q.want = 0
-	if l.current(q, wc(0)) {
-		t.Fatal("took a completion with no message awaited")
-	}
+	t.Run("plain", func(t *testing.T) {
+		r := newAttributeRig(t, 1)
+		m := r.next(n)
+		if r.complete(n) != nil {
+			t.Fatal("took a completion while the place still holds the canary")
+		}
+		r.write(int(m.va-RegionVA), n, 1)
+		whole(t, r.complete(n), 1)
+		if r.complete(n) != nil {
+			t.Fatal("took a completion with no message awaited")
+		}
+	})
+	// The failure seen on Soft-RoCE: message 1 is resent and its first
+	// reply taken; message 2 goes out; the second reply to message 1 is
+	// handled while message 2's reply is half written.
+	t.Run("second reply while the current one is written", func(t *testing.T) {
+		r := newAttributeRig(t, 1)
+		m1 := r.next(n)
+		again := r.send(m1)
+		r.write(int(m1.va-RegionVA), n, 1)
+		whole(t, r.complete(n), 1)
+		m2 := r.next(n)
+		r.write(again, n, 1)                  // the second reply to message 1
+		r.write(int(m2.va-RegionVA), n/2, 2)  // message 2's, half of it
+		if got := r.complete(n); got != nil { // message 1's second completion
+			t.Fatalf("took %x... as message 2's result: the second reply to message 1 was taken for it", got[n/2-1:n/2+1])
+		}
+		r.write(int(m2.va-RegionVA), n, 2)
+		whole(t, r.complete(n), 2)
+	})
+	t.Run("second reply lost", func(t *testing.T) {
+		r := newAttributeRig(t, 1)
+		m1 := r.next(n)
+		r.send(m1)
+		r.write(int(m1.va-RegionVA), n, 1)
+		whole(t, r.complete(n), 1)
+		m2 := r.next(n)
+		r.write(int(m2.va-RegionVA), n, 2)
+		whole(t, r.complete(n), 2)
+	})
+	t.Run("first reply lost, the resend's taken", func(t *testing.T) {
+		r := newAttributeRig(t, 1)
+		m1 := r.next(n)
+		again := r.send(m1)
+		r.write(again, n, 3)
+		whole(t, r.complete(n), 3)
+	})
+	t.Run("places come round", func(t *testing.T) {
+		r := newAttributeRig(t, 1)
+		for k := range 3 * (generations + resendPlaces) {
+			m := r.next(n)
+			off := int(m.va - RegionVA)
+			for range k % 3 { // resends without replies
+				off = r.send(m)
+			}
+			r.write(off, n, byte(k+1))
+			whole(t, r.complete(n), byte(k+1))
+		}
+	})
+	t.Run("a multi-packet reply cut short", func(t *testing.T) {
+		r := newAttributeRig(t, 4)
+		m := r.next(4 * n)
+		r.write(int(m.va-RegionVA), 3*n, 4) // last packet lost: no completion
+		again := r.send(m)
+		r.write(again, 4*n, 5)
+		whole(t, r.complete(4*n), 5)
+	})
+	t.Run("exponent-only", func(t *testing.T) {
+		r := newAttributeRig(t, 1)
+		r.next(0)
+		if r.complete(n) != nil {
+			t.Fatal("took a data completion for an exponent-only message")
+		}
+		if got := r.complete(0); got == nil || len(got) != 0 {
+			t.Fatalf("exponent-only message: took %v", got)
+		}
+		m := r.next(n)
+		if r.complete(0) != nil {
+			t.Fatal("took an empty completion for a data message")
+		}
+		r.write(int(m.va-RegionVA), n, 6)
+		whole(t, r.complete(n), 6)
+	})
 }
 
 // TestFindVerbs: on a host without a device the probe says what is

@@ -48,11 +48,15 @@
 // after the queue pair has moved on, so each message writes its result to a
 // virtual address of its own (the queue pair's message count picks it), and
 // a reply whose address is not the current message's is dropped. The UDP
-// transport reads the address in the reply; a verbs completion does not
-// carry it, so the verbs transport fills the current message's result
-// place with a canary before sending and takes a completion only if its
-// length is the current message's and that place no longer holds the
-// canary (a stale reply wrote elsewhere: to its own message's place).
+// transport reads the address in the reply. A verbs completion does not
+// carry it, so the verbs transport gives every send, resends included, a
+// place of its own, filled with a canary before the send: each place is
+// written at most once, completions come in the order of the writes, and a
+// completion is the write of the oldest-sent place that no longer holds
+// the canary and has not been accounted for. It is the current message's
+// result only if that place is one of the current message's sends (not
+// merely because the current place changed: it may be half written while
+// a second reply to an earlier message completes).
 package worker
 
 import (
