@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"strconv"
 	"strings"
@@ -37,7 +38,10 @@ func runRXEAggregator() error {
 	}
 	host := os.Getenv(rxeAggEnv)
 	drop, _ := strconv.ParseFloat(os.Getenv(rxeAggEnv+"_DROP"), 64)
-	s, ctl, err := aggsrv.ListenRoCE(host, aggsrv.Config{Key: key, Seed: 11, SetupTimeout: 60 * time.Second, Drop: drop})
+	// Drops by the core (a bad PSN, a set reused too early) go to the
+	// test log: a lossless job has none.
+	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	s, ctl, err := aggsrv.ListenRoCE(host, aggsrv.Config{Key: key, Seed: 11, SetupTimeout: 60 * time.Second, Drop: drop, Logger: log})
 	if err != nil {
 		return err
 	}
@@ -178,6 +182,18 @@ func TestSwitchMLVerbsRXE(t *testing.T) {
 		if len(f) != 2 || f[0] != "ready" {
 			t.Fatalf("%s: aggregator: %q", name, out.Text())
 		}
+		// A failed job ends the test inside j.wait: the aggregator's
+		// counters are logged on the way out.
+		waited := false
+		defer func() {
+			if waited {
+				return
+			}
+			stdin.Close()
+			for out.Scan() {
+				t.Logf("%s: aggregator (the job failed): %s", name, out.Text())
+			}
+		}()
 		start := time.Now()
 		j := startJob(t, "switchml-rxe", size, "127.0.0.1", func(int) []string { return nil }, func(int) []string {
 			env := []string{"GDRLINK_PROVIDER=tcp", "GDRLINK_AGGREGATOR=" + f[1], "GDRLINK_SWITCHML_TRANSPORT=verbs", "GDRLINK_JOB_KEY=" + secret}
@@ -188,6 +204,7 @@ func TestSwitchMLVerbsRXE(t *testing.T) {
 		})
 		reps := j.wait(4 * time.Minute)
 		took := time.Since(start)
+		waited = true
 		stdin.Close()
 		var st aggsrv.Stats
 		gotStats := false

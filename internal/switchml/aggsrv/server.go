@@ -110,10 +110,12 @@ type Server struct {
 	// still to announce hear it at once.
 	refused map[string]refusal
 	stats   Stats
-	closed  bool
-	conns   map[net.Conn]bool
-	wg      sync.WaitGroup
-	done    chan struct{}
+	// dropLogs counts the drops told to the logger (the data loop's).
+	dropLogs int
+	closed   bool
+	conns    map[net.Conn]bool
+	wg       sync.WaitGroup
+	done     chan struct{}
 }
 
 // job is a job being set up or running.
@@ -269,6 +271,10 @@ func (s *Server) logf(msg string, args ...any) {
 	}
 }
 
+// maxDropLogs is how many packets the core drops before the logger stops
+// hearing of each.
+const maxDropLogs = 20
+
 // batch is how many packets the data loop reads, and replies it writes,
 // per system call (recvmmsg and sendmmsg on Linux).
 const batch = 64
@@ -356,7 +362,11 @@ func (s *Server) packet(b []byte, ip *rocev2.IPv4, loss *rand.Rand, out []agg.Re
 			return out
 		}
 	}
-	out, _ = s.core.Handle(&p, out)
+	out, err = s.core.Handle(&p, out)
+	if err != nil && s.cfg.Logger != nil && s.dropLogs < maxDropLogs {
+		s.dropLogs++
+		s.cfg.Logger.Debug("switchml data path: packet dropped", "err", err, "src", net.IP(ip.Src[:]).String())
+	}
 	for i := range out {
 		j := s.jobs[out[i].Job]
 		if j == nil {

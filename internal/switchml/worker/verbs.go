@@ -140,14 +140,15 @@ const RegionVA = 0x3e40_0000_0000
 const generations = 4
 
 // resendPlaces is how many places each queue pair has for the replies to
-// its resends, used in turn: every send of a message names a place of its
-// own, so each place receives at most one write (see complete).
-const resendPlaces = 4
+// its resends. A place is used again only once no reply can come to it
+// any more (see place).
+const resendPlaces = 8
 
 // layout places results and send buffers in the region: the result of
 // queue pair q's message number m, sent the first time, at
-// resultOff(m % generations, q); the result of its k-th resend at
-// resultOff(generations + k % resendPlaces, q); and the payload it sends
+// resultOff(m % generations, q); the results of its resends at
+// resultOff(generations + k, q) for a free k below resendPlaces; and the
+// payload it sends
 // with set s at sendOff(q, s).
 type layout struct {
 	window, msgB int
@@ -199,19 +200,19 @@ const (
 	sendDepth = 64
 )
 
-// placed is the result place one send of a message named.
+// placed is a result place that sends of a message named and whose reply
+// has not been accounted for.
 type placed struct {
 	off   int    // the place's offset in the region
 	count uint64 // the message's number (qp.count)
+	sends int    // the sends that named it and may still be answered
 }
 
 // sentPlaces is what a queue pair's receive side knows of its sends: the
-// places whose reply has not been seen yet, oldest send first, the message
-// last sent and how many resends have taken a place.
+// places awaiting a reply, oldest send first, and the message last sent.
 type sentPlaces struct {
 	pending []placed
 	last    uint64
-	resends int
 }
 
 // verbsLink is the verbs transport: Window UC queue pairs on one device,
@@ -367,24 +368,40 @@ func (l *verbsLink) send(q *qp, m *message) error {
 }
 
 // place picks the result place of a send of q's data message m (w.mu
-// held): the message's own place (m.va, which expect filled with the
-// canary) the first time, the next of q's resend places, filled with the
-// canary now, each time after. It records the place as awaiting its
-// reply and returns its address.
+// held) and returns its address. The first send names the message's own
+// place (m.va, which expect filled with the canary). A resend names a
+// resend place that no reply can still come to, filled with the canary
+// now, so that each place receives at most one write: under load the
+// aggregator answers a resend of the previous message long after this
+// message went out. When every resend place is still awaited, the resend
+// names the place of this message's latest send again, without the
+// canary: every reply to it is this message's result, so the bytes there
+// are right whichever write lands, and the entry counts both sends.
 func (l *verbsLink) place(q *qp, m *message) uint64 {
 	sp := &l.sent[q.idx]
-	off := int(m.va - RegionVA)
-	if sp.last == q.count {
-		off = l.lay.resultOff(generations+sp.resends%resendPlaces, q.idx)
-		sp.resends++
-		fillCanary(l.mem[off:off+len(m.payload)], l.canary)
+	if sp.last != q.count {
+		sp.last = q.count
+		off := int(m.va - RegionVA)
+		sp.pending = append(sp.pending, placed{off: off, count: q.count, sends: 1})
+		return m.va
 	}
-	sp.last = q.count
-	// A place used again (the ring of resend places came round) no longer
-	// waits for its earlier send's reply.
-	sp.pending = slices.DeleteFunc(sp.pending, func(p placed) bool { return p.off == off })
-	sp.pending = append(sp.pending, placed{off: off, count: q.count})
-	return RegionVA + uint64(off)
+	for k := range resendPlaces {
+		off := l.lay.resultOff(generations+k, q.idx)
+		if !slices.ContainsFunc(sp.pending, func(p placed) bool { return p.off == off }) {
+			fillCanary(l.mem[off:off+len(m.payload)], l.canary)
+			sp.pending = append(sp.pending, placed{off: off, count: q.count, sends: 1})
+			return RegionVA + uint64(off)
+		}
+	}
+	for i := len(sp.pending) - 1; i >= 0; i-- {
+		if p := &sp.pending[i]; p.count == q.count {
+			p.sends++
+			return RegionVA + uint64(p.off)
+		}
+	}
+	// Not reached: the first send's place is awaited until a reply to
+	// this message is taken, and then the message is not resent.
+	return m.va
 }
 
 // poll takes completions until ctx ends, sleeping on the completion
@@ -478,20 +495,22 @@ func (l *verbsLink) complete(e ibv.WC) {
 // pair receives, besides the current message's reply, second replies to
 // resends of earlier messages (the aggregator answers a resend of a
 // completed message again). Each send names a place of its own, filled
-// with the canary before the send, so each place receives at most one
-// write; completions come in the order of the writes, which is the order
-// of the sends (the aggregator answers a queue pair's requests in order).
-// So the write a completion reports is the oldest-sent place that has
-// been written and not yet accounted for: the first pending place, in
-// send order, that no longer holds the canary. Checking only the current
-// message's place would be wrong: a second reply's completion can be
-// taken while the current reply is still being written into its place,
-// which then holds part of the result and part of the canary.
+// with the canary before the send (place), and completions come in the
+// order of the writes, which is the order of the sends: the aggregator
+// answers a queue pair's requests in order, and its replies keep that
+// order. So the write a completion reports is the one to the first
+// awaited place, in send order, that no longer holds the canary; the
+// places before it were never written and never will be (their replies
+// would have come first), so they are no longer awaited. Checking only
+// the current message's place would be wrong: a second reply's
+// completion can be handled while the current reply is still being
+// written into its place, which then holds part of the result and part
+// of the canary.
 //
 // A place whose last slot still holds the canary was cut short (a
-// multi-packet write whose last packet was lost, which completes nothing)
-// or is being written; it is passed over. Taking a result forgets the
-// places of earlier messages: their replies came before this one.
+// multi-packet write whose last packet was lost, which completes
+// nothing); it is passed over, and given up once a later place is
+// written.
 //
 // An exponent-only message has no payload, so its place shows nothing: an
 // empty write with immediate is its reply if one is awaited. (A queue
@@ -508,11 +527,13 @@ func (l *verbsLink) attribute(q *qp, e ibv.WC) (int, bool) {
 		if isCanary(l.mem[end-slot:end], l.canary) {
 			continue
 		}
-		sp.pending = slices.Delete(sp.pending, i, i+1)
+		sp.pending = sp.pending[i:]
+		if sp.pending[0].sends--; sp.pending[0].sends <= 0 {
+			sp.pending = sp.pending[1:]
+		}
 		if q.want == 0 || p.count != q.count || q.wantSize == 0 || int(e.ByteLen) != q.wantSize || e.Flags&ibv.WCWithImm == 0 {
 			return 0, false
 		}
-		sp.pending = slices.DeleteFunc(sp.pending, func(o placed) bool { return o.count < p.count })
 		return p.off, true
 	}
 	return 0, false

@@ -3,6 +3,7 @@ package worker
 import (
 	"errors"
 	"os"
+	"slices"
 	"testing"
 
 	"github.com/gdrlink/gdrlink/internal/ibv"
@@ -253,6 +254,36 @@ func TestVerbsAttribute(t *testing.T) {
 			r.write(off, n, byte(k+1))
 			whole(t, r.complete(n), byte(k+1))
 		}
+	})
+	// Under load the aggregator answers resends of the previous message
+	// long after the queue pair moved on and resent the current one many
+	// times: no place is named again while a reply may still come to it.
+	t.Run("second replies late, more resends than places", func(t *testing.T) {
+		r := newAttributeRig(t, 1)
+		m1 := r.next(n)
+		var late []int
+		for range 3 {
+			late = append(late, r.send(m1))
+		}
+		r.write(int(m1.va-RegionVA), n, 1)
+		whole(t, r.complete(n), 1)
+		m2 := r.next(n)
+		last := int(m2.va - RegionVA)
+		for range resendPlaces + 2 {
+			off := r.send(m2)
+			if slices.Contains(late, off) {
+				t.Fatalf("a resend of message 2 names %d, where a reply to message 1 may still land", off)
+			}
+			last = off
+		}
+		for _, off := range late {
+			r.write(off, n, 1)
+			if got := r.complete(n); got != nil {
+				t.Fatal("took a late reply to message 1 as message 2's result")
+			}
+		}
+		r.write(last, n, 2)
+		whole(t, r.complete(n), 2)
 	})
 	t.Run("a multi-packet reply cut short", func(t *testing.T) {
 		r := newAttributeRig(t, 4)

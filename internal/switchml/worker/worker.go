@@ -50,10 +50,10 @@
 // a reply whose address is not the current message's is dropped. The UDP
 // transport reads the address in the reply. A verbs completion does not
 // carry it, so the verbs transport gives every send, resends included, a
-// place of its own, filled with a canary before the send: each place is
-// written at most once, completions come in the order of the writes, and a
-// completion is the write of the oldest-sent place that no longer holds
-// the canary and has not been accounted for. It is the current message's
+// place of its own, filled with a canary before the send and not named
+// again while a reply may still come to it; completions come in the order
+// of the writes, and a completion is the write of the oldest-sent place
+// that no longer holds the canary and has not been accounted for. It is the current message's
 // result only if that place is one of the current message's sends (not
 // merely because the current place changed: it may be half written while
 // a second reply to an earlier message completes).
