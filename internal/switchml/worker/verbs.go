@@ -148,8 +148,7 @@ const resendPlaces = 8
 // queue pair q's message number m, sent the first time, at
 // resultOff(m % generations, q); the results of its resends at
 // resultOff(generations + k, q) for a free k below resendPlaces; and the
-// payload it sends
-// with set s at sendOff(q, s).
+// payload it sends with set s at sendOff(q, s).
 type layout struct {
 	window, msgB int
 }
@@ -374,9 +373,10 @@ func (l *verbsLink) send(q *qp, m *message) error {
 // now, so that each place receives at most one write: under load the
 // aggregator answers a resend of the previous message long after this
 // message went out. When every resend place is still awaited, the resend
-// names the place of this message's latest send again, without the
-// canary: every reply to it is this message's result, so the bytes there
-// are right whichever write lands, and the entry counts both sends.
+// names this message's latest awaited place again, without the canary:
+// every reply to it is this message's result, so the bytes there are
+// right whichever write lands, and the entry counts the sends that named
+// it.
 func (l *verbsLink) place(q *qp, m *message) uint64 {
 	sp := &l.sent[q.idx]
 	if sp.last != q.count {
@@ -399,8 +399,9 @@ func (l *verbsLink) place(q *qp, m *message) uint64 {
 			return RegionVA + uint64(p.off)
 		}
 	}
-	// Not reached: the first send's place is awaited until a reply to
-	// this message is taken, and then the message is not resent.
+	// Not reached: if none of this message's places is awaited, attribute
+	// gave up every older place when it matched this message's last one,
+	// so no place is awaited and the loop above found a free one.
 	return m.va
 }
 
