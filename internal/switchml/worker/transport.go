@@ -2,6 +2,7 @@ package worker
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -33,6 +34,11 @@ type transport interface {
 	// close stops receiving and releases what the transport holds.
 	close() error
 }
+
+// errNoPlace means a transport did not resend a message: every place a
+// reply to the resend could land in may still receive a reply to an
+// earlier send (verbsLink.place). The message waits one more timeout.
+var errNoPlace = errors.New("switchml: every result place awaits a reply")
 
 // message is one message of a queue pair, as sent.
 type message struct {
@@ -77,12 +83,14 @@ func (w *Worker) exchange(ctx context.Context, q *qp, payload []byte, imm uint32
 	<-t.C
 	for try := 0; ; try++ {
 		if try > w.cfg.Retries {
-			return nil, 0, fmt.Errorf("%w: aggregator %s (%s): no result after %d sends of a message", ErrAggregator, w.cfg.Control, w.tr.name(), try)
+			return nil, 0, fmt.Errorf("%w: aggregator %s (%s): no result after %d timeouts of a message", ErrAggregator, w.cfg.Control, w.tr.name(), try)
 		}
-		if err := w.tr.send(q, &m); err != nil {
+		switch err := w.tr.send(q, &m); {
+		case errors.Is(err, errNoPlace):
+			// Earlier sends are still unanswered: wait for them.
+		case err != nil:
 			return nil, 0, err
-		}
-		if try > 0 {
+		case try > 0:
 			w.mu.Lock()
 			w.stats.Resent++
 			w.mu.Unlock()

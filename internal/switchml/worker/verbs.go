@@ -144,6 +144,10 @@ const generations = 4
 // any more (see place).
 const resendPlaces = 8
 
+// patience is how many timeouts in a row a message waits with every
+// resend place awaited before those of its own are given up as lost.
+const patience = 2 * resendPlaces
+
 // layout places results and send buffers in the region: the result of
 // queue pair q's message number m, sent the first time, at
 // resultOff(m % generations, q); the results of its resends at
@@ -199,12 +203,11 @@ const (
 	sendDepth = 64
 )
 
-// placed is a result place that sends of a message named and whose reply
-// has not been accounted for.
+// placed is a result place that a send of a message named and whose
+// reply has not been accounted for.
 type placed struct {
 	off   int    // the place's offset in the region
 	count uint64 // the message's number (qp.count)
-	sends int    // the sends that named it and may still be answered
 }
 
 // sentPlaces is what a queue pair's receive side knows of its sends: the
@@ -212,6 +215,7 @@ type placed struct {
 type sentPlaces struct {
 	pending []placed
 	last    uint64
+	waits   int // resends of the current message refused in a row
 }
 
 // verbsLink is the verbs transport: Window UC queue pairs on one device,
@@ -336,16 +340,19 @@ func (l *verbsLink) send(q *qp, m *message) error {
 	w := l.w
 	w.mu.Lock()
 	err := l.err
+	va := m.va
+	if err == nil && len(m.payload) > 0 {
+		var ok bool
+		if va, ok = l.place(q, m); !ok {
+			err = errNoPlace
+		}
+	}
 	drop := err == nil && w.cfg.DropSend > 0 && w.rng.Float64() < w.cfg.DropSend
 	if drop {
 		w.stats.Dropped += uint64(m.n)
 	} else if err == nil {
 		w.stats.PacketsSent += uint64(m.n)
 		w.stats.BytesSent += uint64(len(m.payload))
-	}
-	va := m.va
-	if err == nil && len(m.payload) > 0 {
-		va = l.place(q, m)
 	}
 	w.mu.Unlock()
 	if err != nil || drop {
@@ -372,37 +379,38 @@ func (l *verbsLink) send(q *qp, m *message) error {
 // resend place that no reply can still come to, filled with the canary
 // now, so that each place receives at most one write: under load the
 // aggregator answers a resend of the previous message long after this
-// message went out. When every resend place is still awaited, the resend
-// names this message's latest awaited place again, without the canary:
-// every reply to it is this message's result, so the bytes there are
-// right whichever write lands, and the entry counts the sends that named
-// it.
-func (l *verbsLink) place(q *qp, m *message) uint64 {
+// message went out. When every resend place may still receive a reply,
+// there is none to name and place returns false: the resend waits, so a
+// queue pair resending into an aggregator's backlog has at most
+// resendPlaces resends of a message unanswered. (A place is given up once
+// a later send's reply has come. The aggregator answers the sends made
+// before a message completed with one reply, to the latest; a place named
+// twice would leave a count of replies to expect that they never meet.)
+// After patience refusals in a row the message's own resend places are
+// given up as lost (their replies, say the one that completed the
+// message, dropped on the way), and it resends again.
+func (l *verbsLink) place(q *qp, m *message) (uint64, bool) {
 	sp := &l.sent[q.idx]
 	if sp.last != q.count {
-		sp.last = q.count
-		off := int(m.va - RegionVA)
-		sp.pending = append(sp.pending, placed{off: off, count: q.count, sends: 1})
-		return m.va
+		sp.last, sp.waits = q.count, 0
+		sp.pending = append(sp.pending, placed{off: int(m.va - RegionVA), count: q.count})
+		return m.va, true
+	}
+	first := l.lay.resultOff(generations, q.idx)
+	if sp.waits >= patience {
+		sp.pending = slices.DeleteFunc(sp.pending, func(p placed) bool { return p.count == q.count && p.off >= first })
 	}
 	for k := range resendPlaces {
 		off := l.lay.resultOff(generations+k, q.idx)
 		if !slices.ContainsFunc(sp.pending, func(p placed) bool { return p.off == off }) {
 			fillCanary(l.mem[off:off+len(m.payload)], l.canary)
-			sp.pending = append(sp.pending, placed{off: off, count: q.count, sends: 1})
-			return RegionVA + uint64(off)
+			sp.pending = append(sp.pending, placed{off: off, count: q.count})
+			sp.waits = 0
+			return RegionVA + uint64(off), true
 		}
 	}
-	for i := len(sp.pending) - 1; i >= 0; i-- {
-		if p := &sp.pending[i]; p.count == q.count {
-			p.sends++
-			return RegionVA + uint64(p.off)
-		}
-	}
-	// Not reached: if none of this message's places is awaited, attribute
-	// gave up every older place when it matched this message's last one,
-	// so no place is awaited and the loop above found a free one.
-	return m.va
+	sp.waits++
+	return 0, false
 }
 
 // poll takes completions until ctx ends, sleeping on the completion
@@ -528,10 +536,7 @@ func (l *verbsLink) attribute(q *qp, e ibv.WC) (int, bool) {
 		if isCanary(l.mem[end-slot:end], l.canary) {
 			continue
 		}
-		sp.pending = sp.pending[i:]
-		if sp.pending[0].sends--; sp.pending[0].sends <= 0 {
-			sp.pending = sp.pending[1:]
-		}
+		sp.pending = sp.pending[i+1:]
 		if q.want == 0 || p.count != q.count || q.wantSize == 0 || int(e.ByteLen) != q.wantSize || e.Flags&ibv.WCWithImm == 0 {
 			return 0, false
 		}

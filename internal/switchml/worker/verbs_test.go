@@ -151,12 +151,17 @@ func (r *attributeRig) next(size int) *message {
 	return m
 }
 
-// send sends m (again) and returns the offset its reply is written to.
+// send sends m (again) and returns the offset its reply is written to,
+// or -1 if the transport refused to resend it (no free place).
 func (r *attributeRig) send(m *message) int {
 	if len(m.payload) == 0 {
 		return int(m.va - RegionVA)
 	}
-	return int(r.l.place(r.q, m) - RegionVA)
+	va, ok := r.l.place(r.q, m)
+	if !ok {
+		return -1
+	}
+	return int(va - RegionVA)
 }
 
 // write writes n bytes of a reply of fill bytes at off, as the device
@@ -257,7 +262,9 @@ func TestVerbsAttribute(t *testing.T) {
 	})
 	// Under load the aggregator answers resends of the previous message
 	// long after the queue pair moved on and resent the current one many
-	// times: no place is named again while a reply may still come to it.
+	// times: no place is named again while a reply may still come to it,
+	// and a resend with no free place waits instead; the messages after
+	// take their first reply.
 	t.Run("second replies late, more resends than places", func(t *testing.T) {
 		r := newAttributeRig(t, 1)
 		m1 := r.next(n)
@@ -268,13 +275,20 @@ func TestVerbsAttribute(t *testing.T) {
 		r.write(int(m1.va-RegionVA), n, 1)
 		whole(t, r.complete(n), 1)
 		m2 := r.next(n)
-		last := int(m2.va - RegionVA)
+		last, refused := int(m2.va-RegionVA), 0
 		for range resendPlaces + 2 {
 			off := r.send(m2)
+			if off < 0 {
+				refused++
+				continue
+			}
 			if slices.Contains(late, off) {
 				t.Fatalf("a resend of message 2 names %d, where a reply to message 1 may still land", off)
 			}
 			last = off
+		}
+		if want := resendPlaces + 2 - (resendPlaces - len(late)); refused != want {
+			t.Fatalf("%d resends of message 2 refused, want %d (the resend places not awaiting message 1)", refused, want)
 		}
 		for _, off := range late {
 			r.write(off, n, 1)
@@ -284,6 +298,35 @@ func TestVerbsAttribute(t *testing.T) {
 		}
 		r.write(last, n, 2)
 		whole(t, r.complete(n), 2)
+		for k := byte(3); k < 6; k++ {
+			m := r.next(n)
+			off := r.send(m)
+			r.write(off, n, k)
+			whole(t, r.complete(n), k)
+		}
+	})
+	// Every resend went out before the message completed, and the one
+	// reply, to the latest, was lost: after patience refusals the
+	// message's own resend places are given up and it resends again.
+	t.Run("the completing reply lost", func(t *testing.T) {
+		r := newAttributeRig(t, 1)
+		m := r.next(n)
+		for k := range resendPlaces {
+			if r.send(m) < 0 {
+				t.Fatalf("resend %d refused with free places", k)
+			}
+		}
+		for k := range patience {
+			if off := r.send(m); off >= 0 {
+				t.Fatalf("resend %d named %d while every place awaits a reply", resendPlaces+k, off)
+			}
+		}
+		off := r.send(m)
+		if off < 0 {
+			t.Fatalf("still refused after %d refusals", patience)
+		}
+		r.write(off, n, 7)
+		whole(t, r.complete(n), 7)
 	})
 	t.Run("a multi-packet reply cut short", func(t *testing.T) {
 		r := newAttributeRig(t, 4)

@@ -53,7 +53,10 @@
 // place of its own, filled with a canary before the send and not named
 // again while a reply may still come to it; completions come in the order
 // of the writes, and a completion is the write of the oldest-sent place
-// that no longer holds the canary and has not been accounted for. It is the current message's
+// that no longer holds the canary and has not been accounted for. A resend
+// with no free place waits another timeout instead (at most a few
+// resends of a message are unanswered at once, which also spares an
+// aggregator that is behind). It is the current message's
 // result only if that place is one of the current message's sends (not
 // merely because the current place changed: it may be half written while
 // a second reply to an earlier message completes).
