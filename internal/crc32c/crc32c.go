@@ -25,15 +25,15 @@ const MinPart = 2 << 20
 func Checksum(b []byte) uint32 {
 	parts := min(runtime.GOMAXPROCS(0), len(b)/MinPart)
 	if parts < 2 {
-		return crc32.Checksum(b, table)
+		return Update(0, b)
 	}
 	crcs := make([]uint32, parts)
 	bound := func(i int) int { return len(b) * i / parts }
 	var wg sync.WaitGroup
 	for i := 1; i < parts; i++ {
-		wg.Go(func() { crcs[i] = crc32.Checksum(b[bound(i):bound(i+1)], table) })
+		wg.Go(func() { crcs[i] = Update(0, b[bound(i):bound(i+1)]) })
 	}
-	crcs[0] = crc32.Checksum(b[:bound(1)], table)
+	crcs[0] = Update(0, b[:bound(1)])
 	wg.Wait()
 	crc := crcs[0]
 	for i := 1; i < parts; i++ {

@@ -78,13 +78,19 @@ func BenchmarkChecksum(b *testing.B) {
 	for _, c := range []struct {
 		name string
 		f    func([]byte) uint32
-	}{{"hash-crc32", func(p []byte) uint32 { return crc32.Checksum(p, table) }}, {"parallel", Checksum}} {
-		b.Run(fmt.Sprintf("%s/16MiB", c.name), func(b *testing.B) {
-			b.SetBytes(int64(len(buf)))
-			for b.Loop() {
-				c.f(buf)
-			}
-		})
+	}{
+		{"hash-crc32", func(p []byte) uint32 { return crc32.Checksum(p, table) }},
+		{"update", func(p []byte) uint32 { return Update(0, p) }},
+		{"parallel", Checksum},
+	} {
+		for _, n := range []int{64 << 10, len(buf)} {
+			b.Run(fmt.Sprintf("%s/%dKiB", c.name, n>>10), func(b *testing.B) {
+				b.SetBytes(int64(n))
+				for b.Loop() {
+					c.f(buf[:n])
+				}
+			})
+		}
 	}
 }
 
