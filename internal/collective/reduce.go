@@ -115,7 +115,7 @@ func kernelFor(dt tensor.DType) (kernel, error) {
 	case tensor.Uint64:
 		return kernel{addTo[uint64], divInt[uint64]}, nil
 	case tensor.Float32:
-		return kernel{addTo[float32], divFloat[float32]}, nil
+		return kernel{addF32, divF32}, nil
 	case tensor.Float64:
 		return kernel{addTo[float64], divFloat[float64]}, nil
 	case tensor.Complex64:

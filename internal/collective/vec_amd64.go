@@ -1,0 +1,20 @@
+package collective
+
+import "golang.org/x/sys/cpu"
+
+// hasVec reports whether this CPU runs the AVX2 float32 kernels.
+var hasVec = cpu.X86.HasAVX2
+
+// addF32AVX2 adds src into dst, n elements, n a multiple of 32.
+//
+//go:noescape
+func addF32AVX2(dst, src *float32, n int)
+
+// divF32AVX2 divides n elements of d by div, n a multiple of 32.
+//
+//go:noescape
+func divF32AVX2(d *float32, n int, div float32)
+
+func addF32Vec(d, s []float32) { addF32AVX2(&d[0], &s[0], len(d)) }
+
+func divF32Vec(d []float32, div float32) { divF32AVX2(&d[0], len(d), div) }

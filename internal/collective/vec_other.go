@@ -1,0 +1,11 @@
+//go:build !amd64
+
+package collective
+
+// hasVec is false: the vector float32 kernels have only an amd64
+// implementation.
+const hasVec = false
+
+func addF32Vec(d, s []float32) { panic("collective: no vector kernel on this architecture") }
+
+func divF32Vec(d []float32, div float32) { panic("collective: no vector kernel on this architecture") }
