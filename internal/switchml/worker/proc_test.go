@@ -268,6 +268,10 @@ func job(t *testing.T, n int, drop, aggDrop float64, link bool) [][]byte {
 			if !strings.Contains(string(b), "Resent:0 ") {
 				resent.Add(1)
 			}
+			if strings.Contains(string(b), "RoundTrips:0 ") {
+				errs[r] = fmt.Errorf("worker %d measured no round trip, so it never learned a timeout: %s", r, b)
+				return
+			}
 			outs[r], errs[r] = os.ReadFile(out)
 		}()
 	}

@@ -81,9 +81,10 @@ func (w *Worker) exchange(ctx context.Context, q *qp, payload []byte, imm uint32
 	t := time.NewTimer(0)
 	defer t.Stop()
 	<-t.C
+	start := time.Now()
 	for try := 0; ; try++ {
-		if try > w.cfg.Retries {
-			return nil, 0, fmt.Errorf("%w: aggregator %s (%s): no result after %d timeouts of a message", ErrAggregator, w.cfg.Control, w.tr.name(), try)
+		if try > w.cfg.Retries || try > 0 && time.Since(start) > w.cfg.GiveUp {
+			return nil, 0, fmt.Errorf("%w: aggregator %s (%s): no result after %d timeouts of a message (%v)", ErrAggregator, w.cfg.Control, w.tr.name(), try, time.Since(start).Round(time.Millisecond))
 		}
 		switch err := w.tr.send(q, &m); {
 		case errors.Is(err, errNoPlace):
@@ -95,18 +96,27 @@ func (w *Worker) exchange(ctx context.Context, q *qp, payload []byte, imm uint32
 			w.stats.Resent++
 			w.mu.Unlock()
 		}
-		t.Reset(w.cfg.Timeout)
+		w.mu.Lock()
+		wait := w.resend.wait(try)
+		w.mu.Unlock()
+		t.Reset(wait)
 		select {
 		case r := <-q.result:
 			if r.va != m.va {
 				continue
 			}
 			w.mu.Lock()
+			if try == 0 {
+				w.resend.sample(time.Since(start))
+			}
 			w.stats.Messages++
 			w.stats.BytesReceived += uint64(len(r.buf))
 			w.mu.Unlock()
 			return r.buf, r.imm, nil
 		case <-t.C:
+			w.mu.Lock()
+			w.resend.timedOut(time.Now())
+			w.mu.Unlock()
 		case <-ctx.Done():
 			return nil, 0, fmt.Errorf("switchml: AllReduce through aggregator %s: %w", w.cfg.Control, context.Cause(ctx))
 		case <-w.dead:

@@ -117,6 +117,11 @@ const (
 	DefaultWindow    = 8
 	DefaultTimeout   = 50 * time.Millisecond
 	DefaultRetries   = 200
+	// DefaultMinTimeout is the floor of the learned resend timeout (its
+	// ceiling is Config.Timeout unless MaxTimeout says otherwise);
+	// DefaultGiveUp bounds a message's wait for its result.
+	DefaultMinTimeout = time.Millisecond
+	DefaultGiveUp     = 10 * time.Second
 	// DefaultCloseTimeout bounds Close's wait for the other workers.
 	DefaultCloseTimeout = time.Second
 )
@@ -156,10 +161,17 @@ type Config struct {
 	// Window is the number of queue pairs (DefaultWindow).
 	Window int
 	// Timeout is how long a message waits for its result before it is
-	// resent (DefaultTimeout); Retries bounds the resends of one message
-	// (DefaultRetries).
-	Timeout time.Duration
-	Retries int
+	// resent until the worker has measured a round trip (DefaultTimeout).
+	// From then on the timeout is learned as TCP's is, from the messages
+	// answered on their first send (the smoothed round trip plus four
+	// mean deviations, doubled after timeouts until the next such
+	// answer), within [MinTimeout, MaxTimeout] (DefaultMinTimeout, and
+	// Timeout when zero, so that it only ever shortens the wait); each
+	// resend of a message doubles its next wait, up to MaxTimeout. A
+	// message fails after Retries resends (DefaultRetries) or GiveUp
+	// without a result (DefaultGiveUp), whichever comes first.
+	Timeout, MinTimeout, MaxTimeout, GiveUp time.Duration
+	Retries                                 int
 	// CloseTimeout bounds how long Close waits for the other workers to
 	// leave too (DefaultCloseTimeout when zero).
 	CloseTimeout time.Duration
@@ -172,8 +184,12 @@ type Config struct {
 
 // Stats counts a worker's traffic.
 type Stats struct {
-	Messages      uint64 // messages completed
-	Resent        uint64 // messages resent after a timeout
+	Messages   uint64 // messages completed
+	Resent     uint64 // messages resent after a timeout
+	RoundTrips uint64 // round trips measured (messages answered on their first send)
+	// Timeout is the resend timeout learned so far (Config.Timeout before
+	// the first round trip).
+	Timeout       time.Duration
 	PacketsSent   uint64
 	BytesSent     uint64 // payload bytes sent (RDMA payload, no headers)
 	BytesReceived uint64 // payload bytes of results taken
@@ -193,6 +209,7 @@ type Worker struct {
 	opMu    sync.Mutex // one AllReduce at a time
 	mu      sync.Mutex
 	stats   Stats
+	resend  resendTimer // under mu
 	rng     *rand.Rand
 	dead    chan struct{} // closed when the control connection ends
 	deadErr error
@@ -254,6 +271,15 @@ func New(ctx context.Context, cfg Config) (*Worker, error) {
 	if cfg.Retries == 0 {
 		cfg.Retries = DefaultRetries
 	}
+	if cfg.MinTimeout == 0 {
+		cfg.MinTimeout = min(DefaultMinTimeout, cfg.Timeout)
+	}
+	if cfg.MaxTimeout == 0 {
+		cfg.MaxTimeout = cfg.Timeout
+	}
+	if cfg.GiveUp == 0 {
+		cfg.GiveUp = DefaultGiveUp
+	}
 	if cfg.CloseTimeout <= 0 {
 		cfg.CloseTimeout = DefaultCloseTimeout
 	}
@@ -270,11 +296,14 @@ func New(ctx context.Context, cfg Config) (*Worker, error) {
 		return nil, fmt.Errorf("%w: %d slots per message, want 1..4", ErrConfig, cfg.MsgSlots)
 	case cfg.Window < 1 || cfg.Window > 255:
 		return nil, fmt.Errorf("%w: window of %d, want 1..255", ErrConfig, cfg.Window)
+	case cfg.Timeout < 0 || cfg.MinTimeout < 0 || cfg.MinTimeout > cfg.MaxTimeout || cfg.GiveUp < 0:
+		return nil, fmt.Errorf("%w: timeouts %v, min %v, max %v, give up after %v", ErrConfig, cfg.Timeout, cfg.MinTimeout, cfg.MaxTimeout, cfg.GiveUp)
 	case cfg.Workers < 1 || cfg.Rank < 0 || cfg.Rank >= cfg.Workers:
 		return nil, fmt.Errorf("%w: rank %d of %d", ErrConfig, cfg.Rank, cfg.Workers)
 	}
 	w := &Worker{cfg: cfg, slotEl: cfg.SlotBytes / 4,
-		msgB: cfg.SlotBytes * cfg.MsgSlots, dead: make(chan struct{}), quit: make(chan struct{}),
+		resend: resendTimer{initial: cfg.Timeout, min: cfg.MinTimeout, max: cfg.MaxTimeout},
+		msgB:   cfg.SlotBytes * cfg.MsgSlots, dead: make(chan struct{}), quit: make(chan struct{}),
 		rng: rand.New(rand.NewPCG(cfg.Seed, uint64(cfg.Rank)))}
 	var err error
 	if cfg.Verbs != nil {
@@ -425,5 +454,7 @@ func (w *Worker) Close() error {
 func (w *Worker) Stats() Stats {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	return w.stats
+	st := w.stats
+	st.RoundTrips, st.Timeout = w.resend.samples, w.resend.timeout()
+	return st
 }
