@@ -342,12 +342,22 @@ func failingCollective(ctx context.Context, g *Group, op string, in, out *tensor
 // deadlines, naming that rank: the rank tells its ring successor, and the
 // failure goes round the ring. Three processes, simulated GPUs (there is
 // no GPU here), onnode.
+//
+// The "switchml" case runs the AllReduce through an aggregator (in this
+// process, over UDP): rank 1 abandons the aggregator's job, which ends it
+// for the others at once, rather than after their messages' 10 s wait
+// for a result (worker.Config.GiveUp), whose error would name no rank.
 func TestCollectivesGPUPinnedPoolFull(t *testing.T) {
 	const victim = 1
-	for _, op := range []string{"allreduce", "allreduce-staged", "allgather"} {
+	for _, op := range []string{"allreduce", "allreduce-staged", "allgather", "switchml"} {
 		t.Run(op, func(t *testing.T) {
+			extra := []string{"GDRLINK_PROVIDER=onnode", "GDRLINK_TEST_COLLOP=" + op}
+			if op == "switchml" {
+				_, env := startAggregator(t, "", 3)
+				extra = append(env, "GDRLINK_TEST_COLLOP=allreduce")
+			}
 			j := startJob(t, "gpu-pinned-full", 3, "127.0.0.1", func(int) []string { return nil }, func(r int) []string {
-				env := []string{"GDRLINK_TEST_SIMGPU=1", "GDRLINK_PROVIDER=onnode", "GDRLINK_TEST_COLLOP=" + op}
+				env := append([]string{"GDRLINK_TEST_SIMGPU=1"}, extra...)
 				if r == victim {
 					env = append(env, "GDRLINK_POOL_LIMIT=64MiB")
 				}
@@ -365,6 +375,14 @@ func TestCollectivesGPUPinnedPoolFull(t *testing.T) {
 			}
 			if !strings.Contains(reps[victim].Failure, "pinned host copy") {
 				t.Errorf("rank %d: %q does not say the pinned copy failed", victim, reps[victim].Failure)
+			}
+			if op != "switchml" {
+				return
+			}
+			for r, rep := range reps {
+				if r != victim && !strings.Contains(rep.Failure, "abandoned") {
+					t.Errorf("rank %d: %q does not say rank %d abandoned", r, rep.Failure, victim)
+				}
 			}
 		})
 	}

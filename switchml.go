@@ -82,13 +82,26 @@ func (s *switchML) AllGather(ctx context.Context, seq uint64, in, out *tensor.Te
 	return s.ring.AllGather(ctx, seq, in, out)
 }
 
-// Abandon tells the other ranks of a Broadcast or AllGather, which run
-// on the ring, that this rank's call failed before it began. An AllReduce
-// is not told: the other ranks' messages wait at the aggregator until
-// their deadline.
+// Abandon tells the other ranks that this rank's call failed before it
+// began. A Broadcast or AllGather runs on the ring, which tells them. An
+// AllReduce gives the aggregator's job up (worker.Abandon, setting it up
+// first if this is the first call): the aggregator ends the job and the
+// other ranks' AllReduce fails at once naming this rank, instead of
+// waiting there for messages that will not come. (The group's
+// collectives end with the failed call, collective.ErrBroken, so no new
+// job is set up.)
 func (s *switchML) Abandon(ctx context.Context, seq uint64, op string, m tensor.Meta, cause error) error {
 	if op == "allreduce" {
-		return &collective.RankError{Op: op, Rank: s.g.Rank(), Err: fmt.Errorf("rank %d: %w", s.g.Rank(), cause)}
+		err := &collective.RankError{Op: op, Rank: s.g.Rank(), Err: fmt.Errorf("rank %d: %w", s.g.Rank(), cause)}
+		w, werr := s.worker(ctx)
+		if werr != nil {
+			s.g.log.Warn("switchml: the other ranks are not told of an abandoned AllReduce: no job", "rank", s.g.Rank(), "err", werr)
+			return err
+		}
+		if werr := w.Abandon(fmt.Sprintf("rank %d: %v", s.g.Rank(), cause)); werr != nil {
+			s.g.log.Warn("switchml: telling the aggregator of an abandoned AllReduce", "rank", s.g.Rank(), "err", werr)
+		}
+		return err
 	}
 	if a, ok := s.ring.(abandoner); ok {
 		return a.Abandon(ctx, seq, op, m, cause)
@@ -273,6 +286,11 @@ func (s *switchML) AllReduce(ctx context.Context, seq uint64, t *tensor.Tensor, 
 		Transfers: int(st.Messages - st0.Messages), Bytes: rep.Received}}
 	rep.Took = time.Since(start)
 	var left *worker.LeftError
+	if errors.As(err, &left) && left.Abandoned {
+		// Another rank gave this call up (Abandon): name it; it is not
+		// lost.
+		return rep, &collective.RankError{Op: name, Rank: left.Rank, Err: fmt.Errorf("switchml AllReduce: %w", err)}
+	}
 	if errors.As(err, &left) {
 		// Another rank is gone: name it, as the ring does.
 		return rep, &collective.RankError{Op: name, Rank: left.Rank, Err: fmt.Errorf("switchml AllReduce: %w: %w", verbsio.ErrPeerLost, err)}

@@ -13,6 +13,7 @@ import (
 	"net/netip"
 	"os"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -553,6 +554,58 @@ func FuzzAssignment(f *testing.F) {
 			return
 		}
 		if out := s.Append(nil); !bytes.Equal(out, b) || len(out) != s.Len() {
+			t.Fatalf("re-appended %x, parsed %x", out, b)
+		}
+	})
+}
+
+// TestLeaveCodec: Leave round-trips and refuses truncation and trailing
+// bytes; an Ended with Abandoned carries one trailing byte, one without
+// none (as before Leave existed), and any other trailing byte is refused.
+func TestLeaveCodec(t *testing.T) {
+	l := Leave{Why: "pinned host copy: alloc: pool exhausted"}
+	b := l.Append(nil)
+	if l2, err := ParseLeave(b); err != nil || l2 != l {
+		t.Fatalf("%v: %+v", err, l2)
+	}
+	for i := range len(b) {
+		if _, err := ParseLeave(b[:i]); !errors.Is(err, ErrMessage) {
+			t.Fatalf("leave cut at %d: %v", i, err)
+		}
+	}
+	if _, err := ParseLeave(append(b, 0)); !errors.Is(err, ErrMessage) {
+		t.Fatalf("leave with a byte more: %v", err)
+	}
+	if long := (&Leave{Why: strings.Repeat("x", 5000)}).Append(nil); len(long) != 3+maxWhy {
+		t.Fatalf("a long reason appended as %d bytes, want %d", len(long), 3+maxWhy)
+	}
+	plain := (&Ended{Rank: 2, Why: "EOF"}).Append(nil)
+	ab := (&Ended{Rank: 2, Why: "EOF", Abandoned: true}).Append(nil)
+	if len(ab) != len(plain)+1 {
+		t.Fatalf("abandoned Ended %x, plain %x: want one byte more", ab, plain)
+	}
+	if e, err := ParseEnded(ab); err != nil || !e.Abandoned || e.Why != "EOF" || e.Rank != 2 {
+		t.Fatalf("abandoned Ended parsed as %+v, %v", e, err)
+	}
+	if e, err := ParseEnded(plain); err != nil || e.Abandoned {
+		t.Fatalf("plain Ended parsed as %+v, %v", e, err)
+	}
+	for _, bad := range []byte{0, 2, 0xff} {
+		if _, err := ParseEnded(append(slices.Clip(plain), bad)); !errors.Is(err, ErrMessage) {
+			t.Fatalf("Ended with trailing byte %#x: %v", bad, err)
+		}
+	}
+}
+
+// FuzzLeave: what parses re-appends to the same bytes.
+func FuzzLeave(f *testing.F) {
+	f.Add((&Leave{Why: "pool exhausted"}).Append(nil))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		l, err := ParseLeave(b)
+		if err != nil {
+			return
+		}
+		if out := l.Append(nil); !bytes.Equal(out, b) {
 			t.Fatalf("re-appended %x, parsed %x", out, b)
 		}
 	})

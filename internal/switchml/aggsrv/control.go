@@ -184,11 +184,14 @@ func (r *reader) u32() uint32 { return binary.BigEndian.Uint32(r.bytes(4)) }
 
 // Ended is the aggregator's last message on a running job's control
 // connection: the job ended because the worker of rank Rank left (its
-// control connection ended, by Close or by its process dying). The
-// aggregator then closes every connection of the job.
+// control connection ended, by Close or by its process dying, or it sent
+// a Leave). The aggregator then closes every connection of the job.
 type Ended struct {
 	Rank int    // the worker that left, 0..31
-	Why  string // how its connection ended (at most 1024 bytes)
+	Why  string // how its connection ended, or its Leave's reason (at most 1024 bytes)
+	// Abandoned: the worker left with a Leave, giving up a call it could
+	// not take part in; it is alive, and may set the job up again.
+	Abandoned bool
 }
 
 // maxWhy bounds Ended.Why.
@@ -202,8 +205,17 @@ func (e *Ended) Append(b []byte) []byte {
 	}
 	b = append(b, controlVersion, byte(e.Rank))
 	b = binary.BigEndian.AppendUint16(b, uint16(len(why)))
-	return append(b, why...)
+	b = append(b, why...)
+	if e.Abandoned {
+		// A trailing flag byte, absent otherwise, so that an Ended of a
+		// worker that did not abandon reads as before.
+		b = append(b, endedAbandoned)
+	}
+	return b
 }
+
+// endedAbandoned is Ended's optional trailing byte: the worker abandoned.
+const endedAbandoned = 1
 
 // ParseEnded decodes an Ended message's body.
 func ParseEnded(b []byte) (Ended, error) {
@@ -218,11 +230,57 @@ func ParseEnded(b []byte) (Ended, error) {
 		return e, fmt.Errorf("%w: reason of %d bytes", ErrMessage, n)
 	}
 	e.Why = string(r.bytes(n))
+	if r.err == nil && len(r.b) == 1 && r.b[0] == endedAbandoned {
+		e.Abandoned = true
+		r.b = r.b[1:]
+	}
 	if r.err != nil || len(r.b) != 0 || e.Rank >= agg.MaxWorkers {
 		return e, fmt.Errorf("%w: end notice of %d bytes (%d left over, rank %d)", ErrMessage, len(b), len(r.b), e.Rank)
 	}
 	return e, nil
 }
+
+// Leave is the one message a worker may send on its control connection
+// once its job runs, just before it closes it: it gives up the job
+// because it cannot take part in a call (its tensor could not be staged,
+// say), and says why. The aggregator ends the job as when a connection
+// closes, and its Ended notice to the other workers says Abandoned, with
+// this reason.
+type Leave struct {
+	Why string // at most 1024 bytes
+}
+
+// Append appends the message's body to b.
+func (l *Leave) Append(b []byte) []byte {
+	why := l.Why
+	if len(why) > maxWhy {
+		why = why[:maxWhy]
+	}
+	b = append(b, controlVersion)
+	b = binary.BigEndian.AppendUint16(b, uint16(len(why)))
+	return append(b, why...)
+}
+
+// ParseLeave decodes a Leave message's body.
+func ParseLeave(b []byte) (Leave, error) {
+	var l Leave
+	r := reader{b: b}
+	if v := r.u8(); v != controlVersion {
+		return l, fmt.Errorf("%w: version %d", ErrMessage, v)
+	}
+	n := int(r.u16())
+	if n > maxWhy {
+		return l, fmt.Errorf("%w: reason of %d bytes", ErrMessage, n)
+	}
+	l.Why = string(r.bytes(n))
+	if r.err != nil || len(r.b) != 0 {
+		return l, fmt.Errorf("%w: leave of %d bytes (%d left over)", ErrMessage, len(b), len(r.b))
+	}
+	return l, nil
+}
+
+// WriteMessage writes one length-prefixed control message body to w.
+func WriteMessage(w io.Writer, body []byte) error { return writeMessage(w, body) }
 
 // ReadMessage reads one length-prefixed control message body from r.
 func ReadMessage(r io.Reader) ([]byte, error) { return readMessage(r) }

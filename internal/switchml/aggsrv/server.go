@@ -494,13 +494,25 @@ func (s *Server) control(c net.Conn) {
 		s.end(j, m, err)
 		return
 	}
-	// The job runs while every worker's connection stays open.
-	_, err = io.Copy(io.Discard, c)
-	if err == nil {
+	// The job runs while every worker's connection stays open; a worker
+	// that leaves on purpose may say why first (Leave).
+	body, err = readMessage(c)
+	switch {
+	case errors.Is(err, io.ErrUnexpectedEOF):
 		err = io.EOF
+	case err == nil:
+		var l Leave
+		if l, err = ParseLeave(body); err == nil {
+			err = &leaveError{why: l.Why}
+		}
 	}
 	s.end(j, m, err)
 }
+
+// leaveError is why a job ended when a worker sent a Leave.
+type leaveError struct{ why string }
+
+func (e *leaveError) Error() string { return e.why }
 
 // join adds an announce to its job, and sets the job up when it is the
 // last one awaited.
@@ -641,7 +653,8 @@ func (s *Server) end(j *job, gone *member, why error) {
 		delete(s.jobs, j.id)
 		s.logf("switchml job ended", "job", j.name, "left", gone.ann.Rank, "why", why)
 	}
-	notice := (&Ended{Rank: gone.ann.Rank, Why: fmt.Sprint(why)}).Append(nil)
+	var left *leaveError
+	notice := (&Ended{Rank: gone.ann.Rank, Why: fmt.Sprint(why), Abandoned: errors.As(why, &left)}).Append(nil)
 	for _, m := range j.members {
 		if m != gone && j.running {
 			// A bounded write: the connection's buffer takes it, or the

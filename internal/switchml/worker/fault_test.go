@@ -106,6 +106,63 @@ func TestDeadWorker(t *testing.T) {
 	}
 }
 
+// TestAbandon: a worker that abandons the job while the other waits in
+// AllReduce fails that AllReduce at once with a LeftError naming it, its
+// reason and Abandoned; the job's name can be set up again at once, and
+// the new job all-reduces.
+func TestAbandon(t *testing.T) {
+	key, s, control, port, dataPort := server(t)
+	defer s.Close()
+	ws := pair(t, key, control, port, dataPort)
+	done := make(chan error, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		done <- ws[0].AllReduceFloat32(ctx, make([]float32, 5000))
+	}()
+	time.Sleep(200 * time.Millisecond)
+	start := time.Now()
+	if err := ws[1].Abandon("pinned pool exhausted"); err != nil {
+		t.Fatalf("Abandon: %v", err)
+	}
+	if err := ws[1].Abandon("again"); !errors.Is(err, ErrClosed) {
+		t.Fatalf("a second Abandon: %v, want ErrClosed", err)
+	}
+	select {
+	case err := <-done:
+		var left *LeftError
+		if !errors.As(err, &left) || left.Rank != 1 || !left.Abandoned || left.Why != "pinned pool exhausted" {
+			t.Fatalf("AllReduce with the other worker abandoning: %v, want a LeftError naming rank 1, abandoned, with its reason", err)
+		}
+		t.Logf("after %v: %v", time.Since(start).Round(time.Millisecond), err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("AllReduce still pending 10 s after the other worker abandoned")
+	}
+	ws[0].Close()
+
+	ws = pair(t, key, control, port, dataPort)
+	defer ws[0].Close()
+	defer ws[1].Close()
+	errs := make(chan error, 2)
+	for r := range 2 {
+		go func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			x := []int32{int32(r + 1), 10}
+			err := ws[r].AllReduceInt32(ctx, x)
+			if err == nil && (x[0] != 3 || x[1] != 20) {
+				err = fmt.Errorf("rank %d: %v, want [3 20]", r, x)
+			}
+			errs <- err
+		}()
+	}
+	for range 2 {
+		if err := <-errs; err != nil {
+			t.Fatalf("the job set up again: %v", err)
+		}
+	}
+}
+
 // server runs an aggregator in this process.
 func server(t *testing.T) (jobauth.Key, *aggsrv.Server, string, int, int) {
 	key, _, err := jobauth.Generate()

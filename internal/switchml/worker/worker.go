@@ -93,17 +93,24 @@ var (
 )
 
 // LeftError says which worker left the job: the aggregator, seeing its
-// control connection end (Close, or its process died), ended the job and
-// named it to the others. It matches ErrWorker.
+// control connection end (Close, or its process died) or its Abandon,
+// ended the job and named it to the others. It matches ErrWorker.
 type LeftError struct {
 	Rank       int    // the worker that left
 	Job        string // the job's name
 	Aggregator string // the aggregator's control endpoint
-	Why        string // how its connection ended, as the aggregator saw it
+	Why        string // how its connection ended as the aggregator saw it, or why it abandoned
+	// Abandoned: the worker gave the job up with Abandon, because it
+	// could not take part in a call; it is alive, and a new job of the
+	// same name may be set up with it.
+	Abandoned bool
 }
 
 // Error names the rank.
 func (e *LeftError) Error() string {
+	if e.Abandoned {
+		return fmt.Sprintf("%v: rank %d abandoned job %q, ended by the aggregator %s: %s", ErrWorker, e.Rank, e.Job, e.Aggregator, e.Why)
+	}
 	return fmt.Sprintf("%v: rank %d left job %q (the aggregator %s saw its connection end: %s)", ErrWorker, e.Rank, e.Job, e.Aggregator, e.Why)
 }
 
@@ -402,7 +409,7 @@ func (w *Worker) watch() {
 	if rerr == nil {
 		var e aggsrv.Ended
 		if e, err = aggsrv.ParseEnded(b); err == nil {
-			err = &LeftError{Rank: e.Rank, Job: w.cfg.Job, Aggregator: w.cfg.Control, Why: e.Why}
+			err = &LeftError{Rank: e.Rank, Job: w.cfg.Job, Aggregator: w.cfg.Control, Why: e.Why, Abandoned: e.Abandoned}
 		} else {
 			err = fmt.Errorf("%w: aggregator %s: %w", ErrAggregator, w.cfg.Control, err)
 		}
@@ -446,6 +453,36 @@ func (w *Worker) Close() error {
 	}
 	w.opMu.Unlock()
 	err := errors.Join(w.ctl.Close(), w.tr.close())
+	w.wg.Wait()
+	return err
+}
+
+// Abandon gives the job up because this worker cannot take part in a
+// call (its tensor could not be staged, say): it tells the aggregator why
+// (aggsrv.Leave) and leaves. The aggregator ends the job, and every other
+// worker's pending and next AllReduce fail at once with a *LeftError
+// naming this rank, Abandoned set and why given, instead of waiting at the
+// aggregator for messages that will not come. Unlike Close it does not
+// first wait for the others: the job is over for all, and a new one of
+// the same name may be set up. A call pending on this worker fails with
+// ErrClosed.
+func (w *Worker) Abandon(why string) error {
+	w.mu.Lock()
+	if w.closed {
+		w.mu.Unlock()
+		return ErrClosed
+	}
+	w.closed = true
+	close(w.quit)
+	w.mu.Unlock()
+	w.opMu.Lock()
+	w.ctl.SetWriteDeadline(time.Now().Add(w.cfg.CloseTimeout))
+	werr := aggsrv.WriteMessage(w.ctl, (&aggsrv.Leave{Why: why}).Append(nil))
+	w.opMu.Unlock()
+	if werr != nil {
+		werr = fmt.Errorf("%w: aggregator %s: telling it this worker abandons: %w", ErrAggregator, w.cfg.Control, werr)
+	}
+	err := errors.Join(werr, w.ctl.Close(), w.tr.close())
 	w.wg.Wait()
 	return err
 }
