@@ -67,7 +67,9 @@ func (g *Group) AllReduce(ctx context.Context, t *tensor.Tensor, op ReduceOp) (c
 // same type and shape on every rank. Calls are ordered and fail as AllReduce's are.
 func (g *Group) Broadcast(ctx context.Context, t *tensor.Tensor, root int) (collective.Report, error) {
 	return g.collective(ctx, "broadcast", func(b coll.Backend, seq uint64) (collective.Report, error) {
-		return g.onHost(ctx, callOf(b, seq, "broadcast", t), []stageArg{{t, g.Rank() == root, g.Rank() != root}}, func(h []*tensor.Tensor) (collective.Report, error) {
+		id := callOf(b, seq, "broadcast", t)
+		id.root = root
+		return g.onHost(ctx, id, []stageArg{{t, g.Rank() == root, g.Rank() != root}}, func(h []*tensor.Tensor) (collective.Report, error) {
 			return b.Broadcast(ctx, seq, h[0], root)
 		})
 	})

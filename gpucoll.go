@@ -236,6 +236,7 @@ type callID struct {
 	seq  uint64
 	op   string
 	meta tensor.Meta
+	root int // a Broadcast's
 }
 
 func callOf(b coll.Backend, seq uint64, op string, t *tensor.Tensor) callID {
@@ -249,7 +250,7 @@ func callOf(b coll.Backend, seq uint64, op string, t *tensor.Tensor) callID {
 // abandoner is a backend that can fail a call on this rank before it
 // begins and tell the other ranks (coll.Ring.Abandon).
 type abandoner interface {
-	Abandon(ctx context.Context, seq uint64, op string, m tensor.Meta, cause error) error
+	Abandon(ctx context.Context, seq uint64, op string, m tensor.Meta, root int, cause error) error
 }
 
 // abandon is the error of a call whose GPU tensor could not be staged
@@ -263,7 +264,7 @@ func (id callID) abandon(ctx context.Context, cause error) error {
 		return err
 	}
 	if a, ok := id.b.(abandoner); ok {
-		return a.Abandon(ctx, id.seq, id.op, id.meta, err)
+		return a.Abandon(ctx, id.seq, id.op, id.meta, id.root, err)
 	}
 	return err
 }

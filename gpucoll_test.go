@@ -327,6 +327,22 @@ func gpuPinnedFullJob(ctx context.Context, g *Group, rep *childReport) error {
 // failingCollective runs op (see gpuPinnedFullJob), which must fail
 // before its 60 s deadline, and records the failure in rep.
 func failingCollective(ctx context.Context, g *Group, op string, in, out *tensor.Tensor, rep *childReport) error {
+	if op == "broadcast" {
+		// From rank 0: rank 0 completes (rank 1 takes its piece), the
+		// others fail.
+		if g.Rank() == 0 {
+			actx, cancel := context.WithTimeout(ctx, 60*time.Second)
+			defer cancel()
+			start := time.Now()
+			_, err := g.Broadcast(actx, in, 0)
+			rep.FailMS, rep.FailRank = float64(time.Since(start).Milliseconds()), -1
+			return err
+		}
+		return failingCall(ctx, rep, "broadcast succeeded after rank 0", func(ctx context.Context) error {
+			_, err := g.Broadcast(ctx, in, 0)
+			return err
+		})
+	}
 	if op != "allgather" {
 		return failingAllReduce(ctx, g, in, rep, op+" succeeded on a rank with a full pinned pool")
 	}
@@ -343,13 +359,17 @@ func failingCollective(ctx context.Context, g *Group, op string, in, out *tensor
 // failure goes round the ring. Three processes, simulated GPUs (there is
 // no GPU here), onnode.
 //
+// The "broadcast" case (from rank 0): rank 1 takes rank 0's pieces and
+// drops them, so rank 0's call completes rather than waiting for its
+// deadline; rank 2 fails naming rank 1.
+//
 // The "switchml" case runs the AllReduce through an aggregator (in this
-// process, over UDP): rank 1 abandons the aggregator's job, which ends it
-// for the others at once, rather than after their messages' 10 s wait
-// for a result (worker.Config.GiveUp), whose error would name no rank.
+// process, over UDP): rank 1 sets the aggregator's job up and abandons
+// it, which ends it for the others at once, rather than at their
+// deadlines.
 func TestCollectivesGPUPinnedPoolFull(t *testing.T) {
 	const victim = 1
-	for _, op := range []string{"allreduce", "allreduce-staged", "allgather", "switchml"} {
+	for _, op := range []string{"allreduce", "allreduce-staged", "allgather", "broadcast", "switchml"} {
 		t.Run(op, func(t *testing.T) {
 			extra := []string{"GDRLINK_PROVIDER=onnode", "GDRLINK_TEST_COLLOP=" + op}
 			if op == "switchml" {
@@ -366,6 +386,13 @@ func TestCollectivesGPUPinnedPoolFull(t *testing.T) {
 			reps := j.wait(2 * time.Minute)
 			for r, rep := range reps {
 				t.Logf("rank %d failed after %.0f ms: %s", r, rep.FailMS, rep.Failure)
+				if op == "broadcast" && r == 0 {
+					// The root: its call completed (in FailMS).
+					if rep.Failure != "" || rep.FailMS > 10000 {
+						t.Errorf("root: %q after %.0f ms, want its Broadcast complete within seconds", rep.Failure, rep.FailMS)
+					}
+					continue
+				}
 				if rep.FailRank != victim {
 					t.Errorf("rank %d: failure names rank %d, want %d", r, rep.FailRank, victim)
 				}

@@ -90,7 +90,7 @@ func (s *switchML) AllGather(ctx context.Context, seq uint64, in, out *tensor.Te
 // waiting there for messages that will not come. (The group's
 // collectives end with the failed call, collective.ErrBroken, so no new
 // job is set up.)
-func (s *switchML) Abandon(ctx context.Context, seq uint64, op string, m tensor.Meta, cause error) error {
+func (s *switchML) Abandon(ctx context.Context, seq uint64, op string, m tensor.Meta, root int, cause error) error {
 	if op == "allreduce" {
 		err := &collective.RankError{Op: op, Rank: s.g.Rank(), Err: fmt.Errorf("rank %d: %w", s.g.Rank(), cause)}
 		w, werr := s.worker(ctx)
@@ -104,7 +104,7 @@ func (s *switchML) Abandon(ctx context.Context, seq uint64, op string, m tensor.
 		return err
 	}
 	if a, ok := s.ring.(abandoner); ok {
-		return a.Abandon(ctx, seq, op, m, cause)
+		return a.Abandon(ctx, seq, op, m, root, cause)
 	}
 	return &collective.RankError{Op: op, Rank: s.g.Rank(), Err: fmt.Errorf("rank %d: %w", s.g.Rank(), cause)}
 }

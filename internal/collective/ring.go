@@ -218,13 +218,19 @@ func (r *Ring) AllGather(ctx context.Context, seq uint64, in, out *tensor.Tensor
 // for, and passes the failure on round the ring as any failed call
 // does. op is the collective ("allreduce", "broadcast" or "allgather")
 // and m the meta-data of its tensor (AllGather's output), which fix the
-// steps and segments. It returns the *collective.RankError the call
-// fails with. A Broadcast abandoned by a rank other than the root holds
-// its predecessor until that rank's deadline: nothing goes back up the
-// ring.
-func (r *Ring) Abandon(ctx context.Context, seq uint64, op string, m tensor.Meta, cause error) error {
+// steps and segments; root is a Broadcast's root. It returns the
+// *collective.RankError the call fails with.
+//
+// A Broadcast abandoned by a rank other than the root would also hold its
+// predecessor, whose pieces nobody asks for, until that rank's deadline:
+// so this rank takes them and drops them, in the background, until ctx's
+// deadline (or drainLimit when it has none). The ranks from the root up
+// to the predecessor then complete the call (each has the root's tensor
+// and passed it on), and the ranks after this one fail naming it.
+func (r *Ring) Abandon(ctx context.Context, seq uint64, op string, m tensor.Meta, root int, cause error) error {
 	x := &run{r: r, op: op, seq: seq, n: r.tr.Size(), rank: r.tr.Rank(), esize: int64(m.DType.Size())}
 	x.nextRank = (x.rank + 1) % x.n
+	x.prevRank = (x.rank + x.n - 1) % x.n
 	err := &collective.RankError{Op: op, Rank: x.rank, Err: fmt.Errorf("rank %d: %w", x.rank, cause)}
 	if x.n == 1 || x.esize <= 0 {
 		return err
@@ -251,8 +257,45 @@ func (r *Ring) Abandon(ctx context.Context, seq uint64, op string, m tensor.Meta
 		return err
 	}
 	x.setLanes()
+	if op == "broadcast" && root != x.rank {
+		x.drainPredecessor(ctx)
+	}
 	x.tellSuccessor(ctx, err)
 	return err
+}
+
+// drainLimit bounds how long an abandoned Broadcast without a deadline
+// takes its predecessor's pieces (Abandon).
+const drainLimit = time.Minute
+
+// drainPredecessor receives, in the background, the piece of every lane
+// that the predecessor sends this rank in a Broadcast, and drops it; it
+// stops at ctx's deadline (drainLimit without one), or when the link
+// fails.
+func (x *run) drainPredecessor(ctx context.Context) {
+	deadline, ok := ctx.Deadline()
+	if !ok {
+		deadline = time.Now().Add(drainLimit)
+	}
+	dctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), deadline)
+	go func() {
+		defer cancel()
+		prev, err := x.r.tr.Link(dctx, x.prevRank)
+		if err != nil {
+			return
+		}
+		var left sync.WaitGroup
+		left.Add(x.lanes)
+		for k := range x.lanes {
+			prev.RecvFunc(dctx, x.key(k), x.step(0), func(t *tensor.Tensor, _ rendezvous.Transfer, err error) {
+				if err == nil {
+					_ = t.Release()
+				}
+				left.Done()
+			})
+		}
+		left.Wait()
+	}()
 }
 
 // span is a range of elements.

@@ -365,7 +365,7 @@ func TestAbandon(t *testing.T) {
 					if op == "allgather" {
 						m = out.Meta()
 					}
-					return b.Abandon(ctx, 0, op, m, cause)
+					return b.Abandon(ctx, 0, op, m, quitter, cause)
 				}
 				var err error
 				switch op {
@@ -395,16 +395,50 @@ func TestAbandon(t *testing.T) {
 }
 
 // TestBroadcastSuccessorAbandons: a Broadcast root whose successor
-// abandoned the call (and never asks for its piece) fails at its own
-// deadline, naming itself, rather than waiting for ever.
+// abandoned the call completes it: the successor takes the root's pieces
+// and drops them (before, the root waited for its deadline), and the rank
+// after the successor fails naming it. Four lanes.
 func TestBroadcastSuccessorAbandons(t *testing.T) {
+	const size, root, quitter = 3, 0, 1
+	cause := errors.New("abandoned")
+	start := time.Now()
+	errs := runRanks(t, size, []RingOption{WithSegment(64)}, func(r int, b *Ring) error {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		x := newTensor(tensor.Int32, 256)
+		if r == quitter {
+			return b.Abandon(ctx, 0, "broadcast", x.Meta(), root, cause)
+		}
+		_, err := b.Broadcast(ctx, 0, x, root)
+		return err
+	})
+	if d := time.Since(start); d > 10*time.Second {
+		t.Errorf("the ranks took %v", d)
+	}
+	if errs[root] != nil {
+		t.Errorf("root: %v, want its Broadcast complete (its successor took its pieces)", errs[root])
+	}
+	var re *collective.RankError
+	if !errors.As(errs[2], &re) || re.Rank != quitter {
+		t.Errorf("rank 2: %v, want a RankError naming rank %d", errs[2], quitter)
+	}
+	if !errors.Is(errs[quitter], cause) {
+		t.Errorf("rank %d: %v does not wrap its cause", quitter, errs[quitter])
+	}
+}
+
+// TestBroadcastSuccessorSilent: a Broadcast root whose successor never
+// asks for its pieces (it makes no call at all) fails at its own
+// deadline, naming itself, rather than waiting for ever.
+func TestBroadcastSuccessorSilent(t *testing.T) {
 	const size, root = 2, 0
 	errs := runRanks(t, size, nil, func(r int, b *Ring) error {
 		ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 		defer cancel()
 		x := newTensor(tensor.Int32, 64)
 		if r != root {
-			return b.Abandon(ctx, 0, "broadcast", x.Meta(), errors.New("abandoned"))
+			<-ctx.Done()
+			return nil
 		}
 		_, err := b.Broadcast(ctx, 0, x, root)
 		return err
