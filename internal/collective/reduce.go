@@ -125,7 +125,7 @@ func kernelFor(dt tensor.DType) (kernel, error) {
 	case tensor.Float16:
 		return kernel{func(d, s []byte) { addHalf(halfF16, d, s) }, func(b []byte, n int) { divHalf(halfF16, b, n) }}, nil
 	case tensor.BFloat16:
-		return kernel{func(d, s []byte) { addHalf(halfBF16, d, s) }, func(b []byte, n int) { divHalf(halfBF16, b, n) }}, nil
+		return kernel{addBF16, func(b []byte, n int) { divHalf(halfBF16, b, n) }}, nil
 	}
 	return kernel{}, fmt.Errorf("%w: %s tensors cannot be reduced", ErrBadArgument, dt)
 }

@@ -38,13 +38,45 @@ func divF32(b []byte, n int) {
 	}
 }
 
+// addBF16 adds bfloat16s: dst[i] = bf16(f32(dst[i]) + f32(src[i])),
+// rounded to nearest even, with AVX2 where the CPU has it. A NaN operand
+// gives its quiet form, dst's when both are NaN (as the CPU's float32
+// addition with dst first does; addHalf's operand order is the
+// compiler's), so the vector and scalar paths give the same bits.
+func addBF16(dst, src []byte) {
+	d, s := as[uint16](dst), as[uint16](src)
+	s = s[:len(d)]
+	n := len(d) &^ (bf16Block - 1)
+	if hasVec && n > 0 && !partlyOverlap(d, s) {
+		addBF16Vec(d[:n], s[:n])
+		d, s = d[n:], s[n:]
+	}
+	for i := range d {
+		d[i] = addBF16One(d[i], s[i])
+	}
+}
+
+// addBF16One is addBF16 of one element.
+func addBF16One(d, s uint16) uint16 {
+	switch {
+	case d&0x7fff > 0x7f80:
+		return d | 0x40
+	case s&0x7fff > 0x7f80:
+		return s | 0x40
+	}
+	return f32ToBF16(bf16ToF32(d) + bf16ToF32(s))
+}
+
+// bf16Block is the elements addBF16's vector kernel takes at a time.
+const bf16Block = 16
+
 // partlyOverlap reports whether d and s share memory without being the
 // same slice: there the scalar loop's element-by-element order matters.
-func partlyOverlap(d, s []float32) bool {
+func partlyOverlap[T float32 | uint16](d, s []T) bool {
 	if len(d) == 0 {
 		return false
 	}
 	dp, sp := uintptr(unsafe.Pointer(&d[0])), uintptr(unsafe.Pointer(&s[0]))
-	size := uintptr(len(d)) * 4
+	size := uintptr(len(d)) * unsafe.Sizeof(d[0])
 	return dp != sp && dp < sp+size && sp < dp+size
 }

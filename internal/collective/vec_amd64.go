@@ -15,6 +15,14 @@ func addF32AVX2(dst, src *float32, n int)
 //go:noescape
 func divF32AVX2(d *float32, n int, div float32)
 
+// addBF16AVX2 adds src into dst as bfloat16s, n elements, n a multiple
+// of 16.
+//
+//go:noescape
+func addBF16AVX2(dst, src *uint16, n int)
+
+func addBF16Vec(d, s []uint16) { addBF16AVX2(&d[0], &s[0], len(d)) }
+
 func addF32Vec(d, s []float32) { addF32AVX2(&d[0], &s[0], len(d)) }
 
 func divF32Vec(d []float32, div float32) { divF32AVX2(&d[0], len(d), div) }

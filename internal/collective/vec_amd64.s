@@ -63,3 +63,62 @@ dloop:
 ddone:
 	VZEROUPPER
 	RET
+
+// func addBF16AVX2(dst, src *uint16, n int)
+//
+// dst[i] = bf16(f32(dst[i]) + f32(src[i])) for i < n, n a multiple of 16,
+// as addBF16One does: widen by a shift, add in float32 (dst the first
+// operand, so a NaN dst wins), round to nearest even by adding 0x7fff plus
+// the kept half's low bit. A NaN sum needs no case of its own: the CPU
+// returns a NaN operand made quiet, or its default NaN, whose low 16 bits
+// are zero (a widened bfloat16's are), so the rounding carries nothing
+// and keeps the quiet upper half, as f32ToBF16's NaN case gives.
+TEXT ·addBF16AVX2(SB), NOSPLIT, $0-24
+	MOVQ dst+0(FP), DI
+	MOVQ src+8(FP), SI
+	MOVQ n+16(FP), CX
+	SHRQ $4, CX
+	JZ   bdone
+	MOVL $1, AX
+	VMOVD AX, X15
+	VPBROADCASTD X15, Y15 // 1
+	MOVL $0x7fff, AX
+	VMOVD AX, X14
+	VPBROADCASTD X14, Y14 // rounding bias
+
+bloop:
+	// Elements 0..7 into Y4.
+	VPMOVZXWD 0(DI), Y0
+	VPMOVZXWD 0(SI), Y1
+	VPSLLD    $16, Y0, Y0
+	VPSLLD    $16, Y1, Y1
+	VADDPS    Y1, Y0, Y0
+	VPSRLD    $16, Y0, Y2
+	VPAND     Y15, Y2, Y3
+	VPADDD    Y14, Y0, Y4
+	VPADDD    Y3, Y4, Y4
+	VPSRLD    $16, Y4, Y4
+	// Elements 8..15 into Y7.
+	VPMOVZXWD 16(DI), Y0
+	VPMOVZXWD 16(SI), Y1
+	VPSLLD    $16, Y0, Y0
+	VPSLLD    $16, Y1, Y1
+	VADDPS    Y1, Y0, Y0
+	VPSRLD    $16, Y0, Y2
+	VPAND     Y15, Y2, Y3
+	VPADDD    Y14, Y0, Y7
+	VPADDD    Y3, Y7, Y7
+	VPSRLD    $16, Y7, Y7
+	// Pack to 16 words: VPACKUSDW interleaves the 128-bit lanes,
+	// VPERMQ puts them back in order.
+	VPACKUSDW Y7, Y4, Y8
+	VPERMQ    $0xD8, Y8, Y8
+	VMOVDQU   Y8, 0(DI)
+	ADDQ      $32, DI
+	ADDQ      $32, SI
+	DECQ      CX
+	JNZ       bloop
+
+bdone:
+	VZEROUPPER
+	RET

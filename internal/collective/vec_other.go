@@ -9,3 +9,5 @@ const hasVec = false
 func addF32Vec(d, s []float32) { panic("collective: no vector kernel on this architecture") }
 
 func divF32Vec(d []float32, div float32) { panic("collective: no vector kernel on this architecture") }
+
+func addBF16Vec(d, s []uint16) { panic("collective: no vector kernel on this architecture") }

@@ -103,3 +103,106 @@ func BenchmarkAddFloat32(b *testing.B) {
 		}
 	}
 }
+
+func u16Bytes(v []uint16) []byte {
+	return unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(v))), 2*len(v))
+}
+
+// randomBF16s returns n bfloat16s: random bits (NaNs with payloads,
+// infinities, subnormals and the largest finite values among them), and
+// pairs whose sum rounds at a tie.
+func randomBF16s(rng *rand.Rand, n int) []uint16 {
+	special := []uint16{0, 0x8000, 0x7f80, 0xff80, 0x7fc1, 0xff81, 0x7f81, 0x0001, 0x7f7f, 0xff7f, 0x3f80, 0x3f81}
+	v := make([]uint16, n)
+	for i := range v {
+		if rng.IntN(8) == 0 {
+			v[i] = special[rng.IntN(len(special))]
+		} else {
+			v[i] = uint16(rng.Uint32())
+		}
+	}
+	return v
+}
+
+// TestVectorBF16: addBF16 gives the bits of a float64 reference (the
+// sum of two bfloat16s is exact in float64, then rounded to float32 and
+// to bfloat16 as the kernels do; a NaN gives dst's, else src's, quiet)
+// for every length around the vector block, every start alignment,
+// random values with specials, and every pair of two exponent bands
+// exhaustively (ties, carries into the exponent, overflow to infinity);
+// and addHalf's bits wherever the two are not both NaN.
+func TestVectorBF16(t *testing.T) {
+	if !hasVec {
+		t.Log("this CPU (or GOARCH) has no AVX2: addBF16 runs the scalar loop only")
+	}
+	check := func(what string, a, b []uint16) {
+		t.Helper()
+		half := append([]uint16(nil), a...)
+		addHalf(halfBF16, u16Bytes(half), u16Bytes(b))
+		got := append([]uint16(nil), a...)
+		addBF16(u16Bytes(got), u16Bytes(b))
+		for i := range got {
+			if want := refAddBF16(a[i], b[i]); got[i] != want {
+				t.Fatalf("%s: element %d: %#04x + %#04x is %#04x, want %#04x", what, i, a[i], b[i], got[i], want)
+			}
+			if isNaNBF16(a[i]) && isNaNBF16(b[i]) {
+				continue
+			}
+			if got[i] != half[i] {
+				t.Fatalf("%s: element %d: %#04x + %#04x is %#04x, addHalf's %#04x", what, i, a[i], b[i], got[i], half[i])
+			}
+		}
+	}
+	rng := rand.New(rand.NewPCG(5, 6))
+	for n := 0; n <= 100; n++ {
+		for _, off := range []int{0, 1, 5} {
+			a, b := randomBF16s(rng, n+off), randomBF16s(rng, n+off)
+			check(fmt.Sprintf("%d elements at offset %d", n, off), a[off:], b[off:])
+		}
+	}
+	// Every bfloat16 with the exponent of 1.0 and near the top, added to
+	// every other of its band: 2 x 256 x 256 sums.
+	for _, hi := range []uint16{0x3f80, 0x7f00} {
+		var a, b []uint16
+		for x := range 256 {
+			for y := range 256 {
+				a = append(a, hi|uint16(x&0x7f)|uint16(x&0x80)<<8)
+				b = append(b, hi|uint16(y&0x7f)|uint16(y&0x80)<<8)
+			}
+		}
+		check(fmt.Sprintf("band %#04x", hi), a, b)
+	}
+}
+
+func isNaNBF16(h uint16) bool { return h&0x7fff > 0x7f80 }
+
+// refAddBF16 is the reference of TestVectorBF16.
+func refAddBF16(d, s uint16) uint16 {
+	switch {
+	case isNaNBF16(d):
+		return d | 0x40
+	case isNaNBF16(s):
+		return s | 0x40
+	}
+	sum := float32(float64(bf16ToF32(d)) + float64(bf16ToF32(s)))
+	return f32ToBF16(sum)
+}
+
+// BenchmarkAddBF16: the ring's bfloat16 add, the scalar loop against the
+// vector kernel, on 256 Ki elements (512 KiB), same run.
+func BenchmarkAddBF16(b *testing.B) {
+	n := 256 << 10
+	rng := rand.New(rand.NewPCG(7, 8))
+	d, s := u16Bytes(randomBF16s(rng, n)), u16Bytes(randomBF16s(rng, n))
+	for _, k := range []struct {
+		name string
+		f    func(d, s []byte)
+	}{{"scalar", func(d, s []byte) { addHalf(halfBF16, d, s) }}, {"vector", addBF16}} {
+		b.Run(k.name, func(b *testing.B) {
+			b.SetBytes(int64(2 * n))
+			for b.Loop() {
+				k.f(d, s)
+			}
+		})
+	}
+}
