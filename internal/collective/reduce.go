@@ -71,16 +71,6 @@ var (
 	halfBF16 = half{bf16ToF32, f32ToBF16}
 )
 
-// addHalf adds 16-bit floats through float32, rounding each sum to
-// nearest even.
-func addHalf(h half, dst, src []byte) {
-	d, s := as[uint16](dst), as[uint16](src)
-	s = s[:len(d)]
-	for i := range d {
-		d[i] = h.from(h.to(d[i]) + h.to(s[i]))
-	}
-}
-
 func divHalf(h half, b []byte, n int) {
 	d := as[uint16](b)
 	for i := range d {
@@ -123,7 +113,7 @@ func kernelFor(dt tensor.DType) (kernel, error) {
 	case tensor.Complex128:
 		return kernel{addTo[complex128], divComplex[complex128]}, nil
 	case tensor.Float16:
-		return kernel{func(d, s []byte) { addHalf(halfF16, d, s) }, func(b []byte, n int) { divHalf(halfF16, b, n) }}, nil
+		return kernel{addF16, func(b []byte, n int) { divHalf(halfF16, b, n) }}, nil
 	case tensor.BFloat16:
 		return kernel{addBF16, func(b []byte, n int) { divHalf(halfBF16, b, n) }}, nil
 	}

@@ -67,6 +67,38 @@ func addBF16One(d, s uint16) uint16 {
 	return f32ToBF16(bf16ToF32(d) + bf16ToF32(s))
 }
 
+// addF16 adds IEEE halves: dst[i] = f16(f32(dst[i]) + f32(src[i])),
+// rounded to nearest even, with AVX2 and F16C where the CPU has them. A
+// NaN operand gives the quiet NaN of dst's sign when dst is NaN, else of
+// src's (f32ToF16 keeps no payload), so the vector and scalar paths give
+// the same bits.
+func addF16(dst, src []byte) {
+	d, s := as[uint16](dst), as[uint16](src)
+	s = s[:len(d)]
+	n := len(d) &^ (f16Block - 1)
+	if hasF16 && n > 0 && !partlyOverlap(d, s) {
+		addF16Vec(d[:n], s[:n])
+		d, s = d[n:], s[n:]
+	}
+	for i := range d {
+		d[i] = addF16One(d[i], s[i])
+	}
+}
+
+// f16Block is the elements addF16's vector kernel takes at a time.
+const f16Block = 8
+
+// addF16One is addF16 of one element.
+func addF16One(d, s uint16) uint16 {
+	switch {
+	case d&0x7fff > 0x7c00:
+		return d&0x8000 | 0x7e00
+	case s&0x7fff > 0x7c00:
+		return s&0x8000 | 0x7e00
+	}
+	return f32ToF16(f16ToF32(d) + f16ToF32(s))
+}
+
 // bf16Block is the elements addBF16's vector kernel takes at a time.
 const bf16Block = 16
 

@@ -2,8 +2,12 @@ package collective
 
 import "golang.org/x/sys/cpu"
 
-// hasVec reports whether this CPU runs the AVX2 float32 kernels.
-var hasVec = cpu.X86.HasAVX2
+// hasVec reports whether this CPU runs the AVX2 float32 and bfloat16
+// kernels; hasF16 whether it also runs the float16 one (F16C).
+var (
+	hasVec = cpu.X86.HasAVX2
+	hasF16 = cpu.X86.HasAVX2 && cpu.X86.HasF16C
+)
 
 // addF32AVX2 adds src into dst, n elements, n a multiple of 32.
 //
@@ -20,6 +24,14 @@ func divF32AVX2(d *float32, n int, div float32)
 //
 //go:noescape
 func addBF16AVX2(dst, src *uint16, n int)
+
+// addF16F16C adds src into dst as IEEE halves, n elements, n a multiple
+// of 8.
+//
+//go:noescape
+func addF16F16C(dst, src *uint16, n int)
+
+func addF16Vec(d, s []uint16) { addF16F16C(&d[0], &s[0], len(d)) }
 
 func addBF16Vec(d, s []uint16) { addBF16AVX2(&d[0], &s[0], len(d)) }
 

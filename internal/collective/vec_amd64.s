@@ -122,3 +122,48 @@ bloop:
 bdone:
 	VZEROUPPER
 	RET
+
+// func addF16F16C(dst, src *uint16, n int)
+//
+// dst[i] = f16(f32(dst[i]) + f32(src[i])) for i < n, n a multiple of 8,
+// as addF16One does: widen exactly (VCVTPH2PS), add in float32 with dst
+// first, make a NaN sum the canonical quiet NaN of its sign (f32ToF16
+// keeps no payload), and round to nearest even (VCVTPS2PH, mode 0),
+// overflowing to infinity.
+TEXT ·addF16F16C(SB), NOSPLIT, $0-24
+	MOVQ dst+0(FP), DI
+	MOVQ src+8(FP), SI
+	MOVQ n+16(FP), CX
+	SHRQ $3, CX
+	JZ   hdone
+	MOVL $0x7fffffff, AX
+	VMOVD AX, X13
+	VPBROADCASTD X13, Y13 // all but the sign
+	MOVL $0x7f800000, AX
+	VMOVD AX, X12
+	VPBROADCASTD X12, Y12 // infinity
+	MOVL $0x80000000, AX
+	VMOVD AX, X14
+	VPBROADCASTD X14, Y14 // the sign
+	MOVL $0x7fc00000, AX
+	VMOVD AX, X11
+	VPBROADCASTD X11, Y11 // the quiet NaN
+
+hloop:
+	VCVTPH2PS 0(DI), Y0
+	VCVTPH2PS 0(SI), Y1
+	VADDPS    Y1, Y0, Y0
+	VPAND     Y13, Y0, Y5
+	VPCMPGTD  Y12, Y5, Y5
+	VPAND     Y14, Y0, Y6
+	VPOR      Y11, Y6, Y6
+	VPBLENDVB Y5, Y6, Y0, Y0
+	VCVTPS2PH $0, Y0, 0(DI)
+	ADDQ      $16, DI
+	ADDQ      $16, SI
+	DECQ      CX
+	JNZ       hloop
+
+hdone:
+	VZEROUPPER
+	RET

@@ -2,12 +2,17 @@
 
 package collective
 
-// hasVec is false: the vector float32 kernels have only an amd64
+// hasVec and hasF16 are false: the vector kernels have only an amd64
 // implementation.
-const hasVec = false
+const (
+	hasVec = false
+	hasF16 = false
+)
 
 func addF32Vec(d, s []float32) { panic("collective: no vector kernel on this architecture") }
 
 func divF32Vec(d []float32, div float32) { panic("collective: no vector kernel on this architecture") }
 
 func addBF16Vec(d, s []uint16) { panic("collective: no vector kernel on this architecture") }
+
+func addF16Vec(d, s []uint16) { panic("collective: no vector kernel on this architecture") }

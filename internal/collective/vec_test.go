@@ -104,6 +104,17 @@ func BenchmarkAddFloat32(b *testing.B) {
 	}
 }
 
+// addHalf adds 16-bit floats through float32, rounding each sum to
+// nearest even: the kernel of both half types before addF16 and addBF16,
+// a reference for their tests.
+func addHalf(h half, dst, src []byte) {
+	d, s := as[uint16](dst), as[uint16](src)
+	s = s[:len(d)]
+	for i := range d {
+		d[i] = h.from(h.to(d[i]) + h.to(s[i]))
+	}
+}
+
 func u16Bytes(v []uint16) []byte {
 	return unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(v))), 2*len(v))
 }
@@ -198,6 +209,106 @@ func BenchmarkAddBF16(b *testing.B) {
 		name string
 		f    func(d, s []byte)
 	}{{"scalar", func(d, s []byte) { addHalf(halfBF16, d, s) }}, {"vector", addBF16}} {
+		b.Run(k.name, func(b *testing.B) {
+			b.SetBytes(int64(2 * n))
+			for b.Loop() {
+				k.f(d, s)
+			}
+		})
+	}
+}
+
+// randomF16s returns n IEEE halves: random bits (NaNs with payloads,
+// infinities, subnormals and the largest finite values among them).
+func randomF16s(rng *rand.Rand, n int) []uint16 {
+	special := []uint16{0, 0x8000, 0x7c00, 0xfc00, 0x7e01, 0xfd01, 0x7c01, 0x0001, 0x8001, 0x03ff, 0x7bff, 0xfbff, 0x3c00, 0x3c01}
+	v := make([]uint16, n)
+	for i := range v {
+		if rng.IntN(8) == 0 {
+			v[i] = special[rng.IntN(len(special))]
+		} else {
+			v[i] = uint16(rng.Uint32())
+		}
+	}
+	return v
+}
+
+func isNaNF16(h uint16) bool { return h&0x7fff > 0x7c00 }
+
+// refAddF16 is the reference of TestVectorF16: the sum of two halves is
+// exact in float64; rounded to float32 as the kernels add, then to a half
+// by f32ToF16; a NaN gives the quiet NaN of dst's sign, else src's.
+func refAddF16(d, s uint16) uint16 {
+	switch {
+	case isNaNF16(d):
+		return d&0x8000 | 0x7e00
+	case isNaNF16(s):
+		return s&0x8000 | 0x7e00
+	}
+	return f32ToF16(float32(float64(f16ToF32(d)) + float64(f16ToF32(s))))
+}
+
+// TestVectorF16: addF16 gives the reference's bits (and addHalf's
+// wherever the two are not both NaN) for every length around the vector
+// block, every start alignment, random values with specials, every half
+// added to a few others, and every pair of two exponent bands (ties,
+// subnormal sums, overflow to infinity).
+func TestVectorF16(t *testing.T) {
+	if !hasF16 {
+		t.Log("this CPU (or GOARCH) has no AVX2 with F16C: addF16 runs the scalar loop only")
+	}
+	check := func(what string, a, b []uint16) {
+		t.Helper()
+		half := append([]uint16(nil), a...)
+		addHalf(halfF16, u16Bytes(half), u16Bytes(b))
+		got := append([]uint16(nil), a...)
+		addF16(u16Bytes(got), u16Bytes(b))
+		for i := range got {
+			if want := refAddF16(a[i], b[i]); got[i] != want {
+				t.Fatalf("%s: element %d: %#04x + %#04x is %#04x, want %#04x", what, i, a[i], b[i], got[i], want)
+			}
+			if !(isNaNF16(a[i]) && isNaNF16(b[i])) && got[i] != half[i] {
+				t.Fatalf("%s: element %d: %#04x + %#04x is %#04x, addHalf's %#04x", what, i, a[i], b[i], got[i], half[i])
+			}
+		}
+	}
+	rng := rand.New(rand.NewPCG(9, 10))
+	for n := 0; n <= 60; n++ {
+		for _, off := range []int{0, 1, 3} {
+			a, b := randomF16s(rng, n+off), randomF16s(rng, n+off)
+			check(fmt.Sprintf("%d elements at offset %d", n, off), a[off:], b[off:])
+		}
+	}
+	for _, other := range []uint16{0, 0x8000, 0x3c00, 0x0001, 0x7bff, 0xfbff, 0x7c00} {
+		a, b := make([]uint16, 1<<16), make([]uint16, 1<<16)
+		for i := range a {
+			a[i], b[i] = uint16(i), other
+		}
+		check(fmt.Sprintf("every half + %#04x", other), a, b)
+		check(fmt.Sprintf("%#04x + every half", other), b, a)
+	}
+	for _, hi := range []uint16{0x0000, 0x3c00, 0x7800} {
+		var a, b []uint16
+		for x := range 2048 {
+			for y := 0; y < 2048; y += 7 {
+				a = append(a, hi|uint16(x&0x3ff)|uint16(x&0x400)<<5)
+				b = append(b, hi|uint16(y&0x3ff)|uint16(y&0x400)<<5)
+			}
+		}
+		check(fmt.Sprintf("band %#04x", hi), a, b)
+	}
+}
+
+// BenchmarkAddF16: the ring's float16 add, the scalar loop against the
+// vector kernel, on 256 Ki elements (512 KiB), same run.
+func BenchmarkAddF16(b *testing.B) {
+	n := 256 << 10
+	rng := rand.New(rand.NewPCG(7, 8))
+	d, s := u16Bytes(randomF16s(rng, n)), u16Bytes(randomF16s(rng, n))
+	for _, k := range []struct {
+		name string
+		f    func(d, s []byte)
+	}{{"scalar", func(d, s []byte) { addHalf(halfF16, d, s) }}, {"vector", addF16}} {
 		b.Run(k.name, func(b *testing.B) {
 			b.SetBytes(int64(2 * n))
 			for b.Loop() {
