@@ -107,7 +107,7 @@ func kernelFor(dt tensor.DType) (kernel, error) {
 	case tensor.Float32:
 		return kernel{addF32, divF32}, nil
 	case tensor.Float64:
-		return kernel{addTo[float64], divFloat[float64]}, nil
+		return kernel{addF64, divFloat[float64]}, nil
 	case tensor.Complex64:
 		return kernel{addTo[complex64], divComplex[complex64]}, nil
 	case tensor.Complex128:

@@ -22,6 +22,23 @@ func addF32(dst, src []byte) {
 	}
 }
 
+// addF64 is addF32 for float64 (16 elements a vector step).
+func addF64(dst, src []byte) {
+	d, s := as[float64](dst), as[float64](src)
+	s = s[:len(d)]
+	n := len(d) &^ (f64Block - 1)
+	if hasVec && n > 0 && !partlyOverlap(d, s) {
+		addF64Vec(d[:n], s[:n])
+		d, s = d[n:], s[n:]
+	}
+	for i := range d {
+		d[i] += s[i]
+	}
+}
+
+// f64Block is the elements addF64's vector kernel takes at a time.
+const f64Block = 16
+
 // divF32 divides every element by n, with AVX2 where the CPU has it
 // (division, not a multiply by the reciprocal, so the same bits as the
 // scalar loop).
@@ -104,7 +121,7 @@ const bf16Block = 16
 
 // partlyOverlap reports whether d and s share memory without being the
 // same slice: there the scalar loop's element-by-element order matters.
-func partlyOverlap[T float32 | uint16](d, s []T) bool {
+func partlyOverlap[T float32 | float64 | uint16](d, s []T) bool {
 	if len(d) == 0 {
 		return false
 	}

@@ -35,6 +35,13 @@ func addF16Vec(d, s []uint16) { addF16F16C(&d[0], &s[0], len(d)) }
 
 func addBF16Vec(d, s []uint16) { addBF16AVX2(&d[0], &s[0], len(d)) }
 
+// addF64AVX2 adds src into dst, n elements, n a multiple of 16.
+//
+//go:noescape
+func addF64AVX2(dst, src *float64, n int)
+
+func addF64Vec(d, s []float64) { addF64AVX2(&d[0], &s[0], len(d)) }
+
 func addF32Vec(d, s []float32) { addF32AVX2(&d[0], &s[0], len(d)) }
 
 func divF32Vec(d []float32, div float32) { divF32AVX2(&d[0], len(d), div) }

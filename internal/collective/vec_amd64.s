@@ -167,3 +167,36 @@ hloop:
 hdone:
 	VZEROUPPER
 	RET
+
+// func addF64AVX2(dst, src *float64, n int)
+//
+// dst[i] = dst[i] + src[i] for i < n, n a multiple of 16: four 4-double
+// YMM adds an iteration, dst the first operand as in the scalar loop.
+TEXT ·addF64AVX2(SB), NOSPLIT, $0-24
+	MOVQ dst+0(FP), DI
+	MOVQ src+8(FP), SI
+	MOVQ n+16(FP), CX
+	SHRQ $4, CX
+	JZ   fdone
+
+floop:
+	VMOVUPD 0(DI), Y0
+	VMOVUPD 32(DI), Y1
+	VMOVUPD 64(DI), Y2
+	VMOVUPD 96(DI), Y3
+	VADDPD  0(SI), Y0, Y0
+	VADDPD  32(SI), Y1, Y1
+	VADDPD  64(SI), Y2, Y2
+	VADDPD  96(SI), Y3, Y3
+	VMOVUPD Y0, 0(DI)
+	VMOVUPD Y1, 32(DI)
+	VMOVUPD Y2, 64(DI)
+	VMOVUPD Y3, 96(DI)
+	ADDQ    $128, DI
+	ADDQ    $128, SI
+	DECQ    CX
+	JNZ     floop
+
+fdone:
+	VZEROUPPER
+	RET

@@ -16,3 +16,5 @@ func divF32Vec(d []float32, div float32) { panic("collective: no vector kernel o
 func addBF16Vec(d, s []uint16) { panic("collective: no vector kernel on this architecture") }
 
 func addF16Vec(d, s []uint16) { panic("collective: no vector kernel on this architecture") }
+
+func addF64Vec(d, s []float64) { panic("collective: no vector kernel on this architecture") }
