@@ -76,3 +76,21 @@ func TestResendTimer(t *testing.T) {
 		t.Fatalf("%d samples counted, want 403", r.samples)
 	}
 }
+
+// TestTimeoutDefaults: the UDP transport learns its timeout between 1 ms
+// and the configured one; the verbs transport keeps the configured one
+// (see New); a configured floor is kept either way.
+func TestTimeoutDefaults(t *testing.T) {
+	udp := Config{}.withDefaults()
+	if udp.Timeout != DefaultTimeout || udp.MinTimeout != DefaultMinTimeout || udp.MaxTimeout != DefaultTimeout || udp.GiveUp != DefaultGiveUp {
+		t.Errorf("udp defaults: timeout %v in [%v, %v], give up after %v", udp.Timeout, udp.MinTimeout, udp.MaxTimeout, udp.GiveUp)
+	}
+	verbs := Config{Verbs: &Verbs{Device: "rxe0"}, Timeout: 80 * time.Millisecond}.withDefaults()
+	if verbs.MinTimeout != 80*time.Millisecond || verbs.MaxTimeout != 80*time.Millisecond {
+		t.Errorf("verbs defaults: timeout in [%v, %v], want fixed at 80ms", verbs.MinTimeout, verbs.MaxTimeout)
+	}
+	set := Config{Verbs: &Verbs{Device: "rxe0"}, MinTimeout: 5 * time.Millisecond}.withDefaults()
+	if set.MinTimeout != 5*time.Millisecond {
+		t.Errorf("verbs with a floor of 5ms: %v", set.MinTimeout)
+	}
+}

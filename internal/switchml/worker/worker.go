@@ -173,7 +173,9 @@ type Config struct {
 	// answered on their first send (the smoothed round trip plus four
 	// mean deviations, doubled after timeouts until the next such
 	// answer), within [MinTimeout, MaxTimeout] (DefaultMinTimeout, and
-	// Timeout when zero, so that it only ever shortens the wait); each
+	// Timeout when zero, so that it only ever shortens the wait; with
+	// Verbs, MinTimeout is Timeout when zero: the verbs transport keeps
+	// the configured timeout, see New); each
 	// resend of a message doubles its next wait, up to MaxTimeout. A
 	// message fails after Retries resends (DefaultRetries) or GiveUp
 	// without a result (DefaultGiveUp), whichever comes first.
@@ -259,10 +261,9 @@ type reply struct {
 
 const psnMask = 1<<24 - 1
 
-// New sets a worker up with the aggregator: it binds the data socket,
-// announces the queue pairs and waits for the aggregator's. It returns when
-// every worker of the job has announced, or fails.
-func New(ctx context.Context, cfg Config) (*Worker, error) {
+// withDefaults fills in the zero fields of c with their defaults.
+func (c Config) withDefaults() Config {
+	cfg := c
 	if cfg.SlotBytes == 0 {
 		cfg.SlotBytes = DefaultSlotBytes
 	}
@@ -280,6 +281,16 @@ func New(ctx context.Context, cfg Config) (*Worker, error) {
 	}
 	if cfg.MinTimeout == 0 {
 		cfg.MinTimeout = min(DefaultMinTimeout, cfg.Timeout)
+		if cfg.Verbs != nil {
+			// The verbs transport keeps the configured timeout: a
+			// shorter one resends more, and a message whose resend
+			// places are all awaited gives its own up after patience
+			// waits, which a reply that is only late (an aggregator
+			// far behind) can then land in after the place was named
+			// again. With the learned timeout an 8-rank job in the
+			// Soft-RoCE guest took another message's result.
+			cfg.MinTimeout = cfg.Timeout
+		}
 	}
 	if cfg.MaxTimeout == 0 {
 		cfg.MaxTimeout = cfg.Timeout
@@ -296,6 +307,14 @@ func New(ctx context.Context, cfg Config) (*Worker, error) {
 	if cfg.DataPort == 0 {
 		cfg.DataPort = rocev2.Port
 	}
+	return cfg
+}
+
+// New sets a worker up with the aggregator: it binds the data socket,
+// announces the queue pairs and waits for the aggregator's. It returns when
+// every worker of the job has announced, or fails.
+func New(ctx context.Context, cfg Config) (*Worker, error) {
+	cfg = cfg.withDefaults()
 	switch {
 	case cfg.SlotBytes != 256 && cfg.SlotBytes != 1024:
 		return nil, fmt.Errorf("%w: %d-byte slots, want 256 or 1024", ErrConfig, cfg.SlotBytes)
