@@ -144,10 +144,6 @@ const generations = 4
 // any more (see place).
 const resendPlaces = 8
 
-// patience is how many timeouts in a row a message waits with every
-// resend place awaited before those of its own are given up as lost.
-const patience = 2 * resendPlaces
-
 // layout places results and send buffers in the region: the result of
 // queue pair q's message number m, sent the first time, at
 // resultOff(m % generations, q); the results of its resends at
@@ -215,7 +211,6 @@ type placed struct {
 type sentPlaces struct {
 	pending []placed
 	last    uint64
-	waits   int // resends of the current message refused in a row
 }
 
 // verbsLink is the verbs transport: Window UC queue pairs on one device,
@@ -384,32 +379,27 @@ func (l *verbsLink) send(q *qp, m *message) error {
 // queue pair resending into an aggregator's backlog has at most
 // resendPlaces resends of a message unanswered. (A place is given up once
 // a later send's reply has come. The aggregator answers the sends made
-// before a message completed with one reply, to the latest; a place named
-// twice would leave a count of replies to expect that they never meet.)
-// After patience refusals in a row the message's own resend places are
-// given up as lost (their replies, say the one that completed the
-// message, dropped on the way), and it resends again.
+// before a message completed with one reply, to the latest.) A place is
+// never named again while a reply may still come to it, however long the
+// wait: a late reply would land after the next message named it, and be
+// taken for that message's result. So a message whose every place awaits
+// a reply that was lost (the one that completed it, say, after all its
+// resends went out) resends no more, and fails after Config.GiveUp.
 func (l *verbsLink) place(q *qp, m *message) (uint64, bool) {
 	sp := &l.sent[q.idx]
 	if sp.last != q.count {
-		sp.last, sp.waits = q.count, 0
+		sp.last = q.count
 		sp.pending = append(sp.pending, placed{off: int(m.va - RegionVA), count: q.count})
 		return m.va, true
-	}
-	first := l.lay.resultOff(generations, q.idx)
-	if sp.waits >= patience {
-		sp.pending = slices.DeleteFunc(sp.pending, func(p placed) bool { return p.count == q.count && p.off >= first })
 	}
 	for k := range resendPlaces {
 		off := l.lay.resultOff(generations+k, q.idx)
 		if !slices.ContainsFunc(sp.pending, func(p placed) bool { return p.off == off }) {
 			fillCanary(l.mem[off:off+len(m.payload)], l.canary)
 			sp.pending = append(sp.pending, placed{off: off, count: q.count})
-			sp.waits = 0
 			return RegionVA + uint64(off), true
 		}
 	}
-	sp.waits++
 	return 0, false
 }
 

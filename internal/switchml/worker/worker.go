@@ -282,13 +282,14 @@ func (c Config) withDefaults() Config {
 	if cfg.MinTimeout == 0 {
 		cfg.MinTimeout = min(DefaultMinTimeout, cfg.Timeout)
 		if cfg.Verbs != nil {
-			// The verbs transport keeps the configured timeout: a
-			// shorter one resends more, and a message whose resend
-			// places are all awaited gives its own up after patience
-			// waits, which a reply that is only late (an aggregator
-			// far behind) can then land in after the place was named
-			// again. With the learned timeout an 8-rank job in the
-			// Soft-RoCE guest took another message's result.
+			// The verbs transport keeps the configured timeout. A
+			// shorter one resends more into an aggregator that is
+			// behind, each resend holding one of a queue pair's
+			// places until a later reply comes, and it showed no
+			// clear gain in the Soft-RoCE guest. (The 8-rank job
+			// that took another message's result with it did so
+			// through places given up and named again, which verbs.go
+			// no longer does.)
 			cfg.MinTimeout = cfg.Timeout
 		}
 	}
