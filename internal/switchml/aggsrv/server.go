@@ -136,6 +136,12 @@ type member struct {
 	conn net.Conn
 	ann  Announce
 	eps  []agg.Endpoint
+	// wmu orders what goes to the worker: its Assignment first, then an
+	// Ended notice. assigned says the Assignment went; ended is a notice
+	// that came before it, written right after it.
+	wmu      sync.Mutex
+	assigned bool
+	ended    []byte
 }
 
 // New makes a server; Serve runs it.
@@ -490,7 +496,18 @@ func (s *Server) control(c net.Conn) {
 		}
 	}
 	c.SetDeadline(time.Time{})
-	if err := writeMessage(c, as.Append(nil)); err != nil || j.err != "" {
+	m.wmu.Lock()
+	err = writeMessage(c, as.Append(nil))
+	m.assigned = true
+	if err == nil && m.ended != nil {
+		// Another worker left as soon as its Assignment came.
+		c.SetWriteDeadline(time.Now().Add(time.Second))
+		writeMessage(c, m.ended)
+		m.wmu.Unlock()
+		return
+	}
+	m.wmu.Unlock()
+	if err != nil || j.err != "" {
 		s.end(j, m, err)
 		return
 	}
@@ -656,12 +673,21 @@ func (s *Server) end(j *job, gone *member, why error) {
 	var left *leaveError
 	notice := (&Ended{Rank: gone.ann.Rank, Why: fmt.Sprint(why), Abandoned: errors.As(why, &left)}).Append(nil)
 	for _, m := range j.members {
+		m.wmu.Lock()
+		if m != gone && j.running && !m.assigned {
+			// Its Assignment has not gone yet: the notice follows it,
+			// and its connection closes after that.
+			m.ended = notice
+			m.wmu.Unlock()
+			continue
+		}
 		if m != gone && j.running {
 			// A bounded write: the connection's buffer takes it, or the
 			// worker is gone too.
 			m.conn.SetWriteDeadline(time.Now().Add(time.Second))
 			writeMessage(m.conn, notice)
 		}
+		m.wmu.Unlock()
 		m.conn.Close()
 	}
 }
