@@ -7,6 +7,7 @@ import (
 	"hash/crc32"
 	"os"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -509,5 +510,50 @@ func TestRingFull(t *testing.T) {
 	}
 	if c := p.one("crc", "crc %d 0 %d", rkey, k*size); c[0] != strconv.FormatUint(uint64(crc32.ChecksumIEEE(n.mems[src.RKey()].b)), 10) {
 		t.Fatal("payloads differ")
+	}
+}
+
+// TestFailedWriteTakesArrivalsFirst: a write that fails at this side
+// (StatusRemoteAccess) moves the queue pair to the error state, but what
+// the peer published before (here a write with immediate, as a peer's BYE
+// SEND before it closes the region the write fails on) completes its
+// posted receive first, as a NIC completes what arrived before its queue
+// pair failed; only the receives after it are flushed.
+func TestFailedWriteTakesArrivalsFirst(t *testing.T) {
+	n, p := pair(t, MechAuto)
+	dst, err := n.register("memfd", 1<<16, rw, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	src, err := n.register("anon", 1<<16, verbsio.AccessLocalWrite, 0x22)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := n.qp.PostRecv([]verbsio.RecvWR{{WRID: 41}, {WRID: 42}}); err != nil {
+		t.Fatal(err)
+	}
+	f := p.one("mr", "reg anon %d %d 0", 1<<16, verbsio.AccessLocalWrite)
+	prk := atoi(t, f[1])
+	// The peer's write with immediate is published in this side's ring;
+	// nothing here polls it yet.
+	if got := p.do("writeimm %d 0 64 %d %d %d", prk, dst.Addr(), dst.RKey(), 0xbeef); len(got) != 1 || !strings.HasPrefix(got[0], "comp 1 0 ") {
+		t.Fatalf("peer's write with immediate: %q", got)
+	}
+	f = p.one("mr", "reg memfd %d %d %d", 1<<16, rw, guard)
+	addr, rkey := atoi(t, f[0]), atoi(t, f[1])
+	err = n.qp.PostSend([]verbsio.SendWR{{WRID: 9, Op: verbsio.OpWrite, Signaled: true, RemoteAddr: addr, RKey: uint32(rkey) ^ 1<<slotBits,
+		SG: []verbsio.SGE{{Addr: src.Addr(), Length: 64, LKey: src.LKey()}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := waitOne(t, n.scq, 5*time.Second); c.Status != verbsio.StatusRemoteAccess {
+		t.Fatalf("write with a wrong key: %+v, want a remote access error", c)
+	}
+	first := waitOne(t, n.rcq, 5*time.Second)
+	if first.WRID != 41 || first.Status != verbsio.StatusSuccess || first.Op != verbsio.OpRecvImm || first.Imm != 0xbeef {
+		t.Fatalf("the receive the peer's write arrived for: %+v, want WRID 41 completed with immediate 0xbeef", first)
+	}
+	if second := waitOne(t, n.rcq, 5*time.Second); second.WRID != 42 || second.Status == verbsio.StatusSuccess {
+		t.Fatalf("the receive after it: %+v, want WRID 42 flushed", second)
 	}
 }

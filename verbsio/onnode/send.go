@@ -111,7 +111,11 @@ func sgLen(sg []verbsio.SGE) uint64 {
 }
 
 // sendFail moves the queue pair to the error state after a failed work
-// request and tells the peer, whose posted receives are flushed.
+// request and tells the peer, whose posted receives are flushed. What the
+// peer published in the incoming ring before the failure is taken first,
+// as a NIC completes the messages that arrived before its queue pair
+// failed: the peer's BYE, say, sent before it closed the region this
+// write failed on.
 func (q *qp) sendFail(st verbsio.Status, err error) {
 	q.lossReported.Store(true) // the send queue has reported its failure
 	if err == nil {
@@ -121,6 +125,7 @@ func (q *qp) sendFail(st verbsio.Status, err error) {
 		q.produce(recError, 0, uint32(st), 0, nil, 0, false)
 	}
 	q.consMu.Lock()
+	q.drainLocked()
 	q.failLocked(verbsio.StatusFlushed, err)
 	q.consMu.Unlock()
 }
