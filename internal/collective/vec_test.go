@@ -156,11 +156,10 @@ func u16Bytes(v []uint16) []byte {
 	return unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(v))), 2*len(v))
 }
 
-// randomBF16s returns n bfloat16s: random bits (NaNs with payloads,
+// randomHalves returns n 16-bit floats: random bits (NaNs with payloads,
 // infinities, subnormals and the largest finite values among them), and
-// pairs whose sum rounds at a tie.
-func randomBF16s(rng *rand.Rand, n int) []uint16 {
-	special := []uint16{0, 0x8000, 0x7f80, 0xff80, 0x7fc1, 0xff81, 0x7f81, 0x0001, 0x7f7f, 0xff7f, 0x3f80, 0x3f81}
+// one in eight from special.
+func randomHalves(rng *rand.Rand, n int, special []uint16) []uint16 {
 	v := make([]uint16, n)
 	for i := range v {
 		if rng.IntN(8) == 0 {
@@ -171,6 +170,14 @@ func randomBF16s(rng *rand.Rand, n int) []uint16 {
 	}
 	return v
 }
+
+// specialBF16 and specialF16 are zeros, infinities, NaNs (quiet and
+// signaling, with payloads), the smallest subnormal, the largest finite
+// values and 1 and the next value up, of each half type.
+var (
+	specialBF16 = []uint16{0, 0x8000, 0x7f80, 0xff80, 0x7fc1, 0xff81, 0x7f81, 0x0001, 0x7f7f, 0xff7f, 0x3f80, 0x3f81}
+	specialF16  = []uint16{0, 0x8000, 0x7c00, 0xfc00, 0x7e01, 0xfd01, 0x7c01, 0x0001, 0x8001, 0x03ff, 0x7bff, 0xfbff, 0x3c00, 0x3c01}
+)
 
 // TestVectorBF16: addBF16 gives the bits of a float64 reference (the
 // sum of two bfloat16s is exact in float64, then rounded to float32 and
@@ -204,7 +211,7 @@ func TestVectorBF16(t *testing.T) {
 	rng := rand.New(rand.NewPCG(5, 6))
 	for n := 0; n <= 100; n++ {
 		for _, off := range []int{0, 1, 5} {
-			a, b := randomBF16s(rng, n+off), randomBF16s(rng, n+off)
+			a, b := randomHalves(rng, n+off, specialBF16), randomHalves(rng, n+off, specialBF16)
 			check(fmt.Sprintf("%d elements at offset %d", n, off), a[off:], b[off:])
 		}
 	}
@@ -241,7 +248,7 @@ func refAddBF16(d, s uint16) uint16 {
 func BenchmarkAddBF16(b *testing.B) {
 	n := 256 << 10
 	rng := rand.New(rand.NewPCG(7, 8))
-	d, s := u16Bytes(randomBF16s(rng, n)), u16Bytes(randomBF16s(rng, n))
+	d, s := u16Bytes(randomHalves(rng, n, specialBF16)), u16Bytes(randomHalves(rng, n, specialBF16))
 	for _, k := range []struct {
 		name string
 		f    func(d, s []byte)
@@ -253,21 +260,6 @@ func BenchmarkAddBF16(b *testing.B) {
 			}
 		})
 	}
-}
-
-// randomF16s returns n IEEE halves: random bits (NaNs with payloads,
-// infinities, subnormals and the largest finite values among them).
-func randomF16s(rng *rand.Rand, n int) []uint16 {
-	special := []uint16{0, 0x8000, 0x7c00, 0xfc00, 0x7e01, 0xfd01, 0x7c01, 0x0001, 0x8001, 0x03ff, 0x7bff, 0xfbff, 0x3c00, 0x3c01}
-	v := make([]uint16, n)
-	for i := range v {
-		if rng.IntN(8) == 0 {
-			v[i] = special[rng.IntN(len(special))]
-		} else {
-			v[i] = uint16(rng.Uint32())
-		}
-	}
-	return v
 }
 
 func isNaNF16(h uint16) bool { return h&0x7fff > 0x7c00 }
@@ -312,7 +304,7 @@ func TestVectorF16(t *testing.T) {
 	rng := rand.New(rand.NewPCG(9, 10))
 	for n := 0; n <= 60; n++ {
 		for _, off := range []int{0, 1, 3} {
-			a, b := randomF16s(rng, n+off), randomF16s(rng, n+off)
+			a, b := randomHalves(rng, n+off, specialF16), randomHalves(rng, n+off, specialF16)
 			check(fmt.Sprintf("%d elements at offset %d", n, off), a[off:], b[off:])
 		}
 	}
@@ -341,7 +333,7 @@ func TestVectorF16(t *testing.T) {
 func BenchmarkAddF16(b *testing.B) {
 	n := 256 << 10
 	rng := rand.New(rand.NewPCG(7, 8))
-	d, s := u16Bytes(randomF16s(rng, n)), u16Bytes(randomF16s(rng, n))
+	d, s := u16Bytes(randomHalves(rng, n, specialF16)), u16Bytes(randomHalves(rng, n, specialF16))
 	for _, k := range []struct {
 		name string
 		f    func(d, s []byte)
