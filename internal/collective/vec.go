@@ -6,17 +6,25 @@ import "unsafe"
 // of a slice goes through the scalar loop.
 const vecBlock = 32
 
+// vecHead runs vec, when ok, on the longest head of d and s that is a
+// multiple of block elements (unless the two overlap in part, where the
+// scalar loop's order matters), and returns what is left for the scalar
+// loop.
+func vecHead[T float32 | float64 | uint16](d, s []T, block int, ok bool, vec func(d, s []T)) ([]T, []T) {
+	n := len(d) &^ (block - 1)
+	if !ok || n == 0 || partlyOverlap(d, s) {
+		return d, s
+	}
+	vec(d[:n], s[:n])
+	return d[n:], s[n:]
+}
+
 // addF32 adds src into dst (dst[i] += src[i]), with AVX2 where the CPU
 // has it: the same IEEE 754 single-precision additions in the same
 // operand order as the scalar loop, so the same bits, NaNs included.
 func addF32(dst, src []byte) {
 	d, s := as[float32](dst), as[float32](src)
-	s = s[:len(d)]
-	n := len(d) &^ (vecBlock - 1)
-	if hasVec && n > 0 && !partlyOverlap(d, s) {
-		addF32Vec(d[:n], s[:n])
-		d, s = d[n:], s[n:]
-	}
+	d, s = vecHead(d, s[:len(d)], vecBlock, hasVec, addF32Vec)
 	for i := range d {
 		d[i] += s[i]
 	}
@@ -25,12 +33,7 @@ func addF32(dst, src []byte) {
 // addF64 is addF32 for float64 (16 elements a vector step).
 func addF64(dst, src []byte) {
 	d, s := as[float64](dst), as[float64](src)
-	s = s[:len(d)]
-	n := len(d) &^ (f64Block - 1)
-	if hasVec && n > 0 && !partlyOverlap(d, s) {
-		addF64Vec(d[:n], s[:n])
-		d, s = d[n:], s[n:]
-	}
+	d, s = vecHead(d, s[:len(d)], f64Block, hasVec, addF64Vec)
 	for i := range d {
 		d[i] += s[i]
 	}
@@ -62,12 +65,7 @@ func divF32(b []byte, n int) {
 // compiler's), so the vector and scalar paths give the same bits.
 func addBF16(dst, src []byte) {
 	d, s := as[uint16](dst), as[uint16](src)
-	s = s[:len(d)]
-	n := len(d) &^ (bf16Block - 1)
-	if hasVec && n > 0 && !partlyOverlap(d, s) {
-		addBF16Vec(d[:n], s[:n])
-		d, s = d[n:], s[n:]
-	}
+	d, s = vecHead(d, s[:len(d)], bf16Block, hasVec, addBF16Vec)
 	for i := range d {
 		d[i] = addBF16One(d[i], s[i])
 	}
@@ -91,12 +89,7 @@ func addBF16One(d, s uint16) uint16 {
 // the same bits.
 func addF16(dst, src []byte) {
 	d, s := as[uint16](dst), as[uint16](src)
-	s = s[:len(d)]
-	n := len(d) &^ (f16Block - 1)
-	if hasF16 && n > 0 && !partlyOverlap(d, s) {
-		addF16Vec(d[:n], s[:n])
-		d, s = d[n:], s[n:]
-	}
+	d, s = vecHead(d, s[:len(d)], f16Block, hasF16, addF16Vec)
 	for i := range d {
 		d[i] = addF16One(d[i], s[i])
 	}

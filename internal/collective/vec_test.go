@@ -179,6 +179,25 @@ var (
 	specialF16  = []uint16{0, 0x8000, 0x7c00, 0xfc00, 0x7e01, 0xfd01, 0x7c01, 0x0001, 0x8001, 0x03ff, 0x7bff, 0xfbff, 0x3c00, 0x3c01}
 )
 
+// checkHalfAdd checks that add (addBF16 or addF16) of b into a gives
+// ref's bits for every element, and addHalf's with h wherever the two
+// operands are not both NaN.
+func checkHalfAdd(t *testing.T, what string, a, b []uint16, add func(d, s []byte), ref func(d, s uint16) uint16, h half, isNaN func(uint16) bool) {
+	t.Helper()
+	viaHalf := append([]uint16(nil), a...)
+	addHalf(h, u16Bytes(viaHalf), u16Bytes(b))
+	got := append([]uint16(nil), a...)
+	add(u16Bytes(got), u16Bytes(b))
+	for i := range got {
+		if want := ref(a[i], b[i]); got[i] != want {
+			t.Fatalf("%s: element %d: %#04x + %#04x is %#04x, want %#04x", what, i, a[i], b[i], got[i], want)
+		}
+		if !(isNaN(a[i]) && isNaN(b[i])) && got[i] != viaHalf[i] {
+			t.Fatalf("%s: element %d: %#04x + %#04x is %#04x, addHalf's %#04x", what, i, a[i], b[i], got[i], viaHalf[i])
+		}
+	}
+}
+
 // TestVectorBF16: addBF16 gives the bits of a float64 reference (the
 // sum of two bfloat16s is exact in float64, then rounded to float32 and
 // to bfloat16 as the kernels do; a NaN gives dst's, else src's, quiet)
@@ -192,21 +211,7 @@ func TestVectorBF16(t *testing.T) {
 	}
 	check := func(what string, a, b []uint16) {
 		t.Helper()
-		half := append([]uint16(nil), a...)
-		addHalf(halfBF16, u16Bytes(half), u16Bytes(b))
-		got := append([]uint16(nil), a...)
-		addBF16(u16Bytes(got), u16Bytes(b))
-		for i := range got {
-			if want := refAddBF16(a[i], b[i]); got[i] != want {
-				t.Fatalf("%s: element %d: %#04x + %#04x is %#04x, want %#04x", what, i, a[i], b[i], got[i], want)
-			}
-			if isNaNBF16(a[i]) && isNaNBF16(b[i]) {
-				continue
-			}
-			if got[i] != half[i] {
-				t.Fatalf("%s: element %d: %#04x + %#04x is %#04x, addHalf's %#04x", what, i, a[i], b[i], got[i], half[i])
-			}
-		}
+		checkHalfAdd(t, what, a, b, addBF16, refAddBF16, halfBF16, isNaNBF16)
 	}
 	rng := rand.New(rand.NewPCG(5, 6))
 	for n := 0; n <= 100; n++ {
@@ -288,18 +293,7 @@ func TestVectorF16(t *testing.T) {
 	}
 	check := func(what string, a, b []uint16) {
 		t.Helper()
-		half := append([]uint16(nil), a...)
-		addHalf(halfF16, u16Bytes(half), u16Bytes(b))
-		got := append([]uint16(nil), a...)
-		addF16(u16Bytes(got), u16Bytes(b))
-		for i := range got {
-			if want := refAddF16(a[i], b[i]); got[i] != want {
-				t.Fatalf("%s: element %d: %#04x + %#04x is %#04x, want %#04x", what, i, a[i], b[i], got[i], want)
-			}
-			if !(isNaNF16(a[i]) && isNaNF16(b[i])) && got[i] != half[i] {
-				t.Fatalf("%s: element %d: %#04x + %#04x is %#04x, addHalf's %#04x", what, i, a[i], b[i], got[i], half[i])
-			}
-		}
+		checkHalfAdd(t, what, a, b, addF16, refAddF16, halfF16, isNaNF16)
 	}
 	rng := rand.New(rand.NewPCG(9, 10))
 	for n := 0; n <= 60; n++ {

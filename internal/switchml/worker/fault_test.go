@@ -87,12 +87,7 @@ func TestDeadWorker(t *testing.T) {
 	defer s.Close()
 	ws := pair(t, key, control, port, dataPort)
 	defer ws[0].Close()
-	done := make(chan error, 1)
-	go func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-		defer cancel()
-		done <- ws[0].AllReduceFloat32(ctx, make([]float32, 5000))
-	}()
+	done := pendingAllReduce(ws[0])
 	time.Sleep(200 * time.Millisecond)
 	ws[1].Close()
 	select {
@@ -114,12 +109,7 @@ func TestAbandon(t *testing.T) {
 	key, s, control, port, dataPort := server(t)
 	defer s.Close()
 	ws := pair(t, key, control, port, dataPort)
-	done := make(chan error, 1)
-	go func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-		defer cancel()
-		done <- ws[0].AllReduceFloat32(ctx, make([]float32, 5000))
-	}()
+	done := pendingAllReduce(ws[0])
 	time.Sleep(200 * time.Millisecond)
 	start := time.Now()
 	if err := ws[1].Abandon("pinned pool exhausted"); err != nil {
@@ -161,6 +151,18 @@ func TestAbandon(t *testing.T) {
 			t.Fatalf("the job set up again: %v", err)
 		}
 	}
+}
+
+// pendingAllReduce starts an AllReduce on w alone (20 s deadline), which
+// stays pending until the job ends; its error comes on the channel.
+func pendingAllReduce(w *Worker) <-chan error {
+	done := make(chan error, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		done <- w.AllReduceFloat32(ctx, make([]float32, 5000))
+	}()
+	return done
 }
 
 // server runs an aggregator in this process.

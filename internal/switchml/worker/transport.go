@@ -86,17 +86,15 @@ func (w *Worker) exchange(ctx context.Context, q *qp, payload []byte, imm uint32
 		if try > w.cfg.Retries || try > 0 && time.Since(start) > w.cfg.GiveUp {
 			return nil, 0, fmt.Errorf("%w: aggregator %s (%s): no result after %d timeouts of a message (%v)", ErrAggregator, w.cfg.Control, w.tr.name(), try, time.Since(start).Round(time.Millisecond))
 		}
-		switch err := w.tr.send(q, &m); {
-		case errors.Is(err, errNoPlace):
-			// Earlier sends are still unanswered: wait for them.
-		case err != nil:
+		// errNoPlace: earlier sends are still unanswered; wait for them.
+		err := w.tr.send(q, &m)
+		if err != nil && !errors.Is(err, errNoPlace) {
 			return nil, 0, err
-		case try > 0:
-			w.mu.Lock()
-			w.stats.Resent++
-			w.mu.Unlock()
 		}
 		w.mu.Lock()
+		if err == nil && try > 0 {
+			w.stats.Resent++
+		}
 		wait := w.resend.wait(try)
 		w.mu.Unlock()
 		t.Reset(wait)

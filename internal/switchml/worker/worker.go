@@ -454,14 +454,9 @@ func (w *Worker) watch() {
 // waits at most CloseTimeout for that; a call pending when Close starts
 // fails with ErrClosed at once.
 func (w *Worker) Close() error {
-	w.mu.Lock()
-	if w.closed {
-		w.mu.Unlock()
+	if !w.markClosed() {
 		return nil
 	}
-	w.closed = true
-	close(w.quit) // a pending AllReduce fails with ErrClosed now
-	w.mu.Unlock()
 	w.opMu.Lock()
 	w.mu.Lock()
 	broken := w.broken
@@ -487,14 +482,9 @@ func (w *Worker) Close() error {
 // the same name may be set up. A call pending on this worker fails with
 // ErrClosed.
 func (w *Worker) Abandon(why string) error {
-	w.mu.Lock()
-	if w.closed {
-		w.mu.Unlock()
+	if !w.markClosed() {
 		return ErrClosed
 	}
-	w.closed = true
-	close(w.quit)
-	w.mu.Unlock()
 	w.opMu.Lock()
 	w.ctl.SetWriteDeadline(time.Now().Add(w.cfg.CloseTimeout))
 	werr := aggsrv.WriteMessage(w.ctl, (&aggsrv.Leave{Why: why}).Append(nil))
@@ -505,6 +495,19 @@ func (w *Worker) Abandon(why string) error {
 	err := errors.Join(werr, w.ctl.Close(), w.tr.close())
 	w.wg.Wait()
 	return err
+}
+
+// markClosed marks the worker closed, so that a pending AllReduce fails
+// with ErrClosed now; false if it was already.
+func (w *Worker) markClosed() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.closed {
+		return false
+	}
+	w.closed = true
+	close(w.quit)
+	return true
 }
 
 // Stats returns the counters.
