@@ -138,7 +138,7 @@ func (rv *receiver) onPullLocked(r *request, m *wire.Message, ds *deliveries) {
 	}
 	if r.cancelled {
 		rv.pullConfirmLocked(r.idx, wire.ConfirmBad)
-		rv.forgetLocked(r)
+		rv.forgetLocked(r, ds)
 		return
 	}
 	rv.revokeLocked(r, 0)
@@ -194,7 +194,7 @@ func (rv *receiver) pulled(r *request, err error) {
 			r.buf = nil
 		}
 	case r.cancelled:
-		rv.forgetLocked(r)
+		rv.forgetLocked(r, &ds)
 	case err != nil:
 		rv.finishLocked(r, nil, fmt.Errorf("%w: %q step %d from %s: %w", ErrPullFailed, r.key.name, r.key.step, c.peer, err), &ds)
 	default:

@@ -101,6 +101,11 @@ type request struct {
 	grant0 [1]verbsio.Grant // grants' room for the usual one
 	// tries counts the writes of the tensor that arrived corrupted.
 	tries int
+	// into is the caller's tensor the result is asked into (Into), and
+	// held the error of such a request cancelled while the peer may
+	// still write it: its callback waits for the request's end.
+	into *tensor.Tensor
+	held error
 	// pull: the request offered to pull the tensor (wire.ReqPull);
 	// pulling: the Puller is copying it into buf, which is freed only
 	// once the copy is over.
@@ -119,6 +124,33 @@ type RecvOption func(*request)
 // (PathDirectGPU, with no flush: nothing here can make one); otherwise Recv
 // fails with ErrNoPath.
 func OnDevice(dev tensor.Device) RecvOption { return func(r *request) { r.dev = dev } }
+
+// Into asks for the result to be written straight into t, a host tensor in
+// the channel's registered memory: the callback's tensor then shares t's
+// memory (its Release gives nothing back) and has the sender's meta-data,
+// which fits t's bytes. Where the peer cannot be granted t's bytes alone
+// (the provider gives no grants, or t is not registered memory) or the
+// tensor sent does not fit t, the result lands in a tensor of its own as
+// without Into; compare the result's Addr with t's to tell.
+//
+// The peer writes t only while the receive is pending: a receive that
+// ctx cancels reports so only once the peer can no longer write t (it
+// answered the cancel, its write arrived, or the channel ended), and a
+// failed one only after its grant was revoked.
+func Into(t *tensor.Tensor) RecvOption { return func(r *request) { r.into = t } }
+
+// lent is a caller's memory lent to one request (Into): freeing it gives
+// nothing back.
+type lent struct {
+	b    []byte
+	addr uintptr
+}
+
+func (l *lent) Bytes() []byte         { return l.b }
+func (l *lent) Addr() uintptr         { return l.addr }
+func (l *lent) Len() int              { return len(l.b) }
+func (l *lent) Device() tensor.Device { return tensor.Host }
+func (l *lent) Free() error           { return nil }
 
 // Recv asks the peer for the tensor sent under key and step and waits for
 // it, or for ctx to end (the request is then withdrawn and the error wraps
@@ -201,6 +233,9 @@ func (rv *receiver) recv(ctx context.Context, key string, step int64, cb func(*t
 	}
 	m := wire.Message{Type: wire.TypeRequest, Step: step}
 	meta, cached := rv.cache[key]
+	if r.into != nil && r.dev == tensor.Host {
+		meta, cached = r.into.Meta(), true
+	}
 	if cached {
 		if err := rv.allocResultLocked(r, meta); err != nil && refusalCode(err) == 0 {
 			err = c.resultErrLocked(r.key, meta, err)
@@ -417,6 +452,9 @@ func (rv *receiver) allocResultLocked(r *request, meta tensor.Meta) error {
 		// lets the next one be written with no re-request.
 		size += size/4 + 64
 	}
+	if r.into != nil && r.path == PathDirect && rv.lendLocked(r, meta) {
+		return nil
+	}
 	var buf tensor.Buffer
 	var err error
 	if r.path == PathDirectGPU && c.opts.proxy != nil {
@@ -459,6 +497,34 @@ func (rv *receiver) allocResultLocked(r *request, meta tensor.Meta) error {
 	return nil
 }
 
+// lendLocked makes the caller's tensor (Into) r's result buffer for meta,
+// with a grant of its bytes alone to the peer; false where it cannot be
+// (the result then gets a buffer of its own).
+func (rv *receiver) lendLocked(r *request, meta tensor.Meta) bool {
+	c := rv.c
+	im := r.into.Meta()
+	b, err := r.into.Bytes()
+	if err != nil || r.into.Device() != tensor.Host || meta.DType == tensor.String || meta.DType != im.DType || meta.ByteSize > im.ByteSize || len(b) == 0 {
+		return false
+	}
+	l := &lent{b: b[:im.ByteSize:im.ByteSize], addr: r.into.Addr()}
+	mr, ok := c.mem.Region(l.addr, l.Len())
+	if !ok {
+		return false
+	}
+	if _, ok := mr.(verbsio.Granter); !ok {
+		return false // the peer could write the whole region
+	}
+	r.buf = l
+	if err := rv.grantLocked(r, mr); err != nil || len(r.grants) == 0 {
+		c.log.Debug("rendezvous: no grant of the tensor given to receive into, the result gets its own", "key", r.key.name, "step", r.key.step, "err", err)
+		rv.revokeLocked(r, 0)
+		r.buf = nil
+		return false
+	}
+	return true
+}
+
 // cancel withdraws r if it has not completed, and reports whether it did.
 func (rv *receiver) cancel(r *request, cause error) bool {
 	c := rv.c
@@ -471,19 +537,30 @@ func (rv *receiver) cancel(r *request, cause error) bool {
 	cb := r.cb
 	r.cb = nil
 	delete(rv.byKey, r.key)
+	tr := Transfer{Key: r.key.name, Step: r.key.step, Peer: c.peer, Provider: c.provider, Device: c.devName, Took: time.Since(r.start)}
+	err := fmt.Errorf("%w: %q step %d from %s: %w", ErrCancelled, r.key.name, r.key.step, tr.Peer, cause)
 	if c.state == stateConnected {
 		m := wire.Message{Type: wire.TypeCancel, Req: r.idx}
 		c.enqueueLocked(&m)
 		c.flushLocked()
+		if _, ok := r.buf.(*lent); ok {
+			// The peer may be writing the caller's memory: tell the
+			// caller when it no longer can (forgetLocked, or
+			// finishLocked when the channel ends).
+			r.cb, r.held = cb, err
+			c.mu.Unlock()
+			return true
+		}
 	}
-	tr := Transfer{Key: r.key.name, Step: r.key.step, Peer: c.peer, Provider: c.provider, Device: c.devName, Took: time.Since(r.start)}
 	c.mu.Unlock()
-	cb(nil, tr, fmt.Errorf("%w: %q step %d from %s: %w", ErrCancelled, r.key.name, r.key.step, tr.Peer, cause))
+	cb(nil, tr, err)
 	return true
 }
 
-// forgetLocked removes a finished or withdrawn request and frees its buffer.
-func (rv *receiver) forgetLocked(r *request) {
+// forgetLocked removes a finished or withdrawn request and frees its
+// buffer; a cancelled request whose callback waited for this (cancel)
+// gets it now.
+func (rv *receiver) forgetLocked(r *request, ds *deliveries) {
 	delete(rv.reqs, r.idx)
 	if rv.byKey[r.key] == r {
 		delete(rv.byKey, r.key)
@@ -493,12 +570,21 @@ func (rv *receiver) forgetLocked(r *request) {
 		_ = r.buf.Free()
 		r.buf = nil
 	}
+	if cb, err := r.cb, r.held; cb != nil && err != nil {
+		r.cb = nil
+		c := rv.c
+		tr := Transfer{Key: r.key.name, Step: r.key.step, Peer: c.peer, Provider: c.provider, Device: c.devName, Took: time.Since(r.start)}
+		ds.add(func() { cb(nil, tr, err) })
+	}
 }
 
 // finishLocked completes r with t or err; the callback runs after the lock.
 // A buffer still in r.buf (not handed to t) is freed.
 func (rv *receiver) finishLocked(r *request, t *tensor.Tensor, err error, ds *deliveries) {
 	c := rv.c
+	if r.held != nil {
+		t, err = nil, r.held // cancelled, and now ended (the channel failed)
+	}
 	r.done = true
 	if r.stop != nil {
 		r.stop()
@@ -596,7 +682,7 @@ func (rv *receiver) onMetaLocked(m *wire.Message, ds *deliveries) {
 	}
 	if r.cancelled {
 		if final {
-			rv.forgetLocked(r)
+			rv.forgetLocked(r, ds)
 		}
 		return
 	}
@@ -684,7 +770,7 @@ func (rv *receiver) onErrorLocked(m *wire.Message, ds *deliveries) {
 	}
 	rv.stats.errors.Add(1)
 	if r.cancelled {
-		rv.forgetLocked(r)
+		rv.forgetLocked(r, ds)
 		return
 	}
 	err := fmt.Errorf("%w: %s for %q step %d: %s: %s", remoteErr(m.Code), c.peer, r.key.name, r.key.step, m.Code, m.Text)
@@ -723,7 +809,7 @@ func (rv *receiver) onWriteLocked(imm uint32, ds *deliveries) {
 	rv.revokeLocked(r, 0)
 	if r.cancelled {
 		rv.confirmLocked(r, 0)
-		rv.forgetLocked(r)
+		rv.forgetLocked(r, ds)
 		return
 	}
 	rv.stats.writesIn.Add(1)
