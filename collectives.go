@@ -154,8 +154,8 @@ func (l link) SendError(key string, step int64, err error) error {
 	return l.ch.SendError(key, step, err)
 }
 
-func (l link) RecvFunc(ctx context.Context, key string, step int64, cb func(*tensor.Tensor, rendezvous.Transfer, error)) {
-	l.ch.RecvFunc(ctx, key, step, cb)
+func (l link) RecvFunc(ctx context.Context, key string, step int64, cb func(*tensor.Tensor, rendezvous.Transfer, error), opts ...rendezvous.RecvOption) {
+	l.ch.RecvFunc(ctx, key, step, cb, opts...)
 }
 
 // Abort closes the connection to the peer for good.

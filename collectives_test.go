@@ -177,6 +177,9 @@ func collJob(ctx context.Context, g *Group, rep *childReport) error {
 		if n > 1 && cs.n >= int64(n) && (cr.Backend != "ring" || cr.Sent == 0 || cr.Received == 0 || len(cr.Links) == 0) {
 			return fmt.Errorf("case %d: report %+v", c, cr)
 		}
+		if cr.Placed > 0 {
+			rep.PlacedCalls++
+		}
 		for _, l := range cr.Links {
 			rep.Paths = append(rep.Paths, fmt.Sprintf("%s/%s", l.Provider, l.Path))
 		}
@@ -222,8 +225,13 @@ func collJob(ctx context.Context, g *Group, rep *childReport) error {
 		for i := range w {
 			w[i] = int64(r*1_000_000 + i)
 		}
-		if _, err := g.Broadcast(ctx, t, root); err != nil {
+		br, err := g.Broadcast(ctx, t, root)
+		if err != nil {
 			return err
+		}
+		rep.Copied += br.Received - br.Placed
+		if br.Placed > 0 {
+			rep.PlacedCalls++
 		}
 		for i := range w {
 			if w[i] != int64(root*1_000_000+i) {
@@ -244,8 +252,13 @@ func collJob(ctx context.Context, g *Group, rep *childReport) error {
 	for i := range iv {
 		iv[i] = float64(r) + float64(i)/8
 	}
-	if _, err := g.AllGather(ctx, in, out); err != nil {
+	gr, err := g.AllGather(ctx, in, out)
+	if err != nil {
 		return err
+	}
+	rep.Copied += gr.Received - gr.Placed
+	if gr.Placed > 0 {
+		rep.PlacedCalls++
 	}
 	if err := checkGathered(out, n, len(iv)); err != nil {
 		return err
@@ -285,6 +298,13 @@ func checkCollJob(t *testing.T, reps []childReport, provider string) {
 		for i, d := range rep.Digests {
 			if d != reps[0].Digests[i] {
 				t.Errorf("rank %d: result %d differs from rank 0's (%s, %s)", r, i, d, reps[0].Digests[i])
+			}
+		}
+		if provider == "onnode" || provider == "tcp" {
+			// Both grant the sender a receive's bytes alone, so every
+			// all-gather step, broadcast and AllGather lands in place.
+			if rep.Copied != 0 || rep.PlacedCalls < len(collCases)/2 {
+				t.Errorf("rank %d: %d bytes of broadcasts and allgathers copied, %d calls with bytes placed; want none copied, and most calls with bytes placed", r, rep.Copied, rep.PlacedCalls)
 			}
 		}
 		for _, p := range rep.Paths {

@@ -50,6 +50,11 @@ type childReport struct {
 	Connections map[string]int `json:"connections"`
 	Paths       []string       `json:"paths"`
 	Received    int            `json:"received"`
+	// Copied counts the bytes of Broadcasts and AllGathers that were
+	// received elsewhere and copied into the call's tensor, and
+	// PlacedCalls the collective calls that had bytes written in place.
+	Copied      int64 `json:"copied"`
+	PlacedCalls int   `json:"placed_calls"`
 	Unusable    map[string]string
 	// Scraped is what the child read from its own /metrics (with
 	// GDRLINK_METRICS_ADDR): each sample named "name{label=value,...}" with

@@ -64,6 +64,12 @@ type Report struct {
 	// Sent and Received count the bytes this rank put on the wire and
 	// took in.
 	Sent, Received int64
+	// Placed counts the received bytes the sender wrote straight into
+	// the call's tensor, where the link could grant it (the ring's
+	// all-gather steps, a Broadcast's, an AllGather's); the rest of
+	// Received landed in tensors of their own and was added or copied
+	// from there.
+	Placed int64
 	// Segments is the number of pieces each ring step was cut into, sent
 	// and reduced concurrently.
 	Segments int

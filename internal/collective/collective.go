@@ -104,8 +104,9 @@ type Link interface {
 	// SendError answers the peer's receive of key and step with err.
 	SendError(key string, step int64, err error) error
 	// RecvFunc receives what the peer sends under key and step into a new
-	// registered tensor, and calls cb once with it.
-	RecvFunc(ctx context.Context, key string, step int64, cb func(*tensor.Tensor, rendezvous.Transfer, error))
+	// registered tensor (or, with rendezvous.Into, where it says, when the
+	// link can), and calls cb once with it.
+	RecvFunc(ctx context.Context, key string, step int64, cb func(*tensor.Tensor, rendezvous.Transfer, error), opts ...rendezvous.RecvOption)
 	// Abort closes the connection: sends not written yet are dropped,
 	// and their done runs before Abort returns.
 	Abort() error

@@ -161,7 +161,9 @@ func (l memLink) SendError(key string, step int64, err error) error {
 	return l.put(boxKey{l.me, l.peer, key, step}, func(b *box) { b.serr = err })
 }
 
-func (l memLink) RecvFunc(ctx context.Context, key string, step int64, cb func(*tensor.Tensor, rendezvous.Transfer, error)) {
+// RecvFunc ignores opts: every result is a tensor of its own (rendezvous.Into's
+// fallback).
+func (l memLink) RecvFunc(ctx context.Context, key string, step int64, cb func(*tensor.Tensor, rendezvous.Transfer, error), _ ...rendezvous.RecvOption) {
 	k := boxKey{l.peer, l.me, key, step}
 	if err := ctx.Err(); err != nil {
 		cb(nil, rendezvous.Transfer{}, fmt.Errorf("%w: %w", rendezvous.ErrCancelled, context.Cause(ctx)))

@@ -32,9 +32,15 @@ const (
 // Size()-1 steps in which every rank sends one chunk of the tensor to its
 // successor (rank+1) and receives one from its predecessor, straight into
 // a registered tensor; the chunk sent is a piece of the caller's tensor
-// itself, not a copy. Each chunk is cut into segments (WithSegment, at
-// most WithLanes of them), and each segment goes through the steps on its
-// own, so sending, receiving and reducing overlap.
+// itself, not a copy. A reduce-scatter step's chunk lands in a tensor of
+// its own and is added from there; an all-gather step's (and a
+// Broadcast's or AllGather's) lands in the caller's tensor itself where
+// the link can grant the predecessor those bytes alone
+// (rendezvous.Into), and is copied over otherwise. Each chunk is cut into
+// segments (WithSegment, at most WithLanes of them), and each segment goes
+// through the steps on its own, so sending, receiving and reducing
+// overlap; a segment's steps run on the goroutine that delivers what
+// they wait for (lane).
 //
 // The order of additions is fixed per element, so every rank gets the
 // same bits and a call gives the same bits every time: the tensor's
@@ -343,6 +349,10 @@ type run struct {
 	// c to be loaded.
 	st     Staging
 	loaded [][]func() error
+
+	// co are the lanes' coroutines, and ended counts those running.
+	co    []*lane
+	ended sync.WaitGroup
 }
 
 // ready waits until segment k of chunk c is in the host tensor.
@@ -427,15 +437,15 @@ func (x *run) runLanes(ctx context.Context, lane func(k int) error) error {
 	x.parent = ctx
 	x.ctx, x.cancel = context.WithCancel(ctx)
 	defer x.cancel()
-	var wg sync.WaitGroup
-	for k := range x.lanes {
-		wg.Go(func() {
-			if err := lane(k); err != nil {
-				x.fail(err)
-			}
-		})
-	}
-	wg.Wait()
+	x.startLanes(lane)
+	// A lane waiting for a send's completion also ends with the call.
+	stop := context.AfterFunc(x.ctx, func() {
+		for k := range x.co {
+			x.co[k].resume()
+		}
+	})
+	x.ended.Wait()
+	stop()
 	x.mu.Lock()
 	if x.weakTimer != nil {
 		x.weakTimer.Stop()
@@ -603,6 +613,7 @@ func (x *run) send(k, step int, s span) (<-chan error, error) {
 		}
 		done <- err
 		x.sends.Done()
+		x.co[k].resume()
 	})
 	if err != nil {
 		x.sends.Done()
@@ -623,6 +634,19 @@ type result struct {
 
 // recv asks the predecessor for lane k's step.
 func (x *run) recv(k, step int) chan result {
+	return x.recvInto(k, step, span{})
+}
+
+// recvInto asks the predecessor for lane k's step, to be written straight
+// into span s of the tensor where the link can (rendezvous.Into); an
+// empty s asks for a tensor of its own.
+func (x *run) recvInto(k, step int, s span) chan result {
+	var opts []rendezvous.RecvOption
+	if s.n > 0 {
+		if p, err := piece(x.t, s.off*x.esize, s.n*x.esize); err == nil {
+			opts = append(opts, rendezvous.Into(p))
+		}
+	}
 	ch := make(chan result, 1)
 	x.prev.RecvFunc(x.ctx, x.key(k), x.step(step), func(t *tensor.Tensor, tr rendezvous.Transfer, err error) {
 		if err != nil && x.ctx.Err() == nil {
@@ -631,12 +655,28 @@ func (x *run) recv(k, step int) chan result {
 			x.fail(x.linkErr(x.prevRank, err))
 		}
 		ch <- result{t, tr, err}
-	})
+		x.co[k].resume()
+	}, opts...)
 	return ch
 }
 
+// place puts what was received for span s into the tensor, unless it was
+// written there already (recvInto).
+func (x *run) place(s span, got *tensor.Tensor) {
+	in, _ := got.Bytes()
+	dst := x.bytes(s)
+	if len(in) > 0 && len(dst) > 0 && &in[0] == &dst[0] {
+		x.mu.Lock()
+		x.rep.Placed += int64(len(in))
+		x.mu.Unlock()
+		return
+	}
+	copy(dst, in)
+}
+
 // take waits for a receive and checks what came.
-func (x *run) take(ch chan result, want span) (*tensor.Tensor, error) {
+func (x *run) take(k int, ch chan result, want span) (*tensor.Tensor, error) {
+	x.co[k].await(func() bool { return len(ch) > 0 })
 	res := <-ch
 	if res.err != nil {
 		return nil, x.linkErr(x.prevRank, res.err)
@@ -655,11 +695,12 @@ func (x *run) take(ch chan result, want span) (*tensor.Tensor, error) {
 	return res.t, nil
 }
 
-// drain releases what a receive still brings after a failure.
-func drain(ch chan result) {
+// drain releases what lane k's receive still brings after a failure.
+func (x *run) drain(k int, ch chan result) {
 	if ch == nil {
 		return
 	}
+	x.co[k].await(func() bool { return len(ch) > 0 })
 	if res := <-ch; res.t != nil {
 		_ = res.t.Release()
 	}
@@ -704,7 +745,7 @@ func (x *run) allReduceLane(k int) error {
 			sendC, recvC = x.mod(r-s), x.mod(r-s-1)
 			if s == 0 {
 				if err := x.ready(sendC, k); err != nil {
-					drain(cur)
+					x.drain(k, cur)
 					return err
 				}
 			}
@@ -717,34 +758,37 @@ func (x *run) allReduceLane(k int) error {
 					x.kern.div(x.bytes(x.seg(sendC, k)), n)
 				}
 				if err := x.store(sendC, k); err != nil {
-					drain(cur)
+					x.drain(k, cur)
 					return err
 				}
 			}
 		}
 		done, err := x.send(k, s, x.seg(sendC, k))
 		if err != nil {
-			drain(cur)
+			x.drain(k, cur)
 			return err
 		}
 		if s < n-1 {
 			rsSent[s] = done
 		}
 		var nxt chan result
-		if s+1 < total {
+		if a := s + 1 - (n - 1); a >= 0 && s+1 < total {
+			// An all-gather step: the final chunk lands in place.
+			nxt = x.recvInto(k, s+1, x.seg(x.mod(r-a), k))
+		} else if s+1 < total {
 			nxt = x.recv(k, s+1)
 		}
 		want := x.seg(recvC, k)
-		got, err := x.take(cur, want)
+		got, err := x.take(k, cur, want)
 		if err != nil {
-			drain(nxt)
+			x.drain(k, nxt)
 			return err
 		}
 		in, _ := got.Bytes()
 		if s < n-1 {
 			if err := x.ready(recvC, k); err != nil {
 				_ = got.Release()
-				drain(nxt)
+				x.drain(k, nxt)
 				return err
 			}
 			x.kern.add(x.bytes(want), in)
@@ -752,21 +796,23 @@ func (x *run) allReduceLane(k int) error {
 			// The bytes overwritten went out in reduce-scatter step a;
 			// they have reached the successor (the chunk came round
 			// since), and the send's completion says so here too.
+			sent := rsSent[s-(n-1)]
+			x.co[k].await(func() bool { return len(sent) > 0 || x.ctx.Err() != nil })
 			var err error
 			select {
-			case err = <-rsSent[s-(n-1)]:
-			case <-x.ctx.Done():
+			case err = <-sent:
+			default:
 				err = x.ctx.Err()
 			}
 			if err != nil {
 				_ = got.Release()
-				drain(nxt)
+				x.drain(k, nxt)
 				return x.linkErr(x.nextRank, err)
 			}
-			copy(x.bytes(want), in)
+			x.place(want, got)
 			if err := x.store(recvC, k); err != nil {
 				_ = got.Release()
-				drain(nxt)
+				x.drain(k, nxt)
 				return err
 			}
 		}
@@ -779,24 +825,23 @@ func (x *run) allReduceLane(k int) error {
 // allGatherLane runs segment k of every slot around the ring.
 func (x *run) allGatherLane(k int) error {
 	n, r := x.n, x.rank
-	cur := x.recv(k, 0)
+	cur := x.recvInto(k, 0, x.seg(x.mod(r-1), k))
 	for a := 0; a < n-1; a++ {
 		if _, err := x.send(k, a, x.seg(x.mod(r-a), k)); err != nil {
-			drain(cur)
+			x.drain(k, cur)
 			return err
 		}
 		var nxt chan result
 		if a+1 < n-1 {
-			nxt = x.recv(k, a+1)
+			nxt = x.recvInto(k, a+1, x.seg(x.mod(r-a-2), k))
 		}
 		want := x.seg(x.mod(r-a-1), k)
-		got, err := x.take(cur, want)
+		got, err := x.take(k, cur, want)
 		if err != nil {
-			drain(nxt)
+			x.drain(k, nxt)
 			return err
 		}
-		in, _ := got.Bytes()
-		copy(x.bytes(want), in)
+		x.place(want, got)
 		_ = got.Release()
 		cur = nxt
 	}
@@ -808,12 +853,11 @@ func (x *run) broadcastLane(k int) error {
 	pos := x.mod(x.rank - x.root)
 	s := x.seg(0, k)
 	if pos != 0 {
-		got, err := x.take(x.recv(k, 0), s)
+		got, err := x.take(k, x.recvInto(k, 0, s), s)
 		if err != nil {
 			return err
 		}
-		in, _ := got.Bytes()
-		copy(x.bytes(s), in)
+		x.place(s, got)
 		_ = got.Release()
 	}
 	if pos == x.n-1 {
