@@ -17,10 +17,11 @@ import (
 // WithAggregator (466 and 43); gdr.DecideGPUByBusID, the decision for a
 // GPU known by its CUDA ordinal (467); the on-node GPU path: the
 // rendezvous pull (Puller, PullRef, WithPull, PathPull, ErrPullFailed) and
-// the front door's IPCStats (473 and 44). Raise them only for a
-// capability, and say which here.
+// the front door's IPCStats (473 and 44); receiving into the caller's
+// tensor, rendezvous.Into (474). Raise them only for a capability, and
+// say which here.
 const (
-	maxTotal     = 473
+	maxTotal     = 474
 	maxFrontDoor = 44
 )
 
