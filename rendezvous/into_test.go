@@ -110,6 +110,29 @@ func TestRecvIntoFallsBack(t *testing.T) {
 	})
 }
 
+// errTo is a RecvFunc callback that releases the result and sends the
+// error to res.
+func errTo(res chan<- error) func(*tensor.Tensor, Transfer, error) {
+	return func(t *tensor.Tensor, _ Transfer, err error) {
+		if t != nil {
+			_ = t.Release()
+		}
+		res <- err
+	}
+}
+
+// waitErr waits up to 10 s for what errTo sends; what names the receive.
+func waitErr(t *testing.T, res <-chan error, what string) error {
+	t.Helper()
+	select {
+	case err := <-res:
+		return err
+	case <-time.After(10 * time.Second):
+		t.Fatalf("%s never reported", what)
+		return nil
+	}
+}
+
 // heapBuffer is host memory no channel registered.
 type heapBuffer []byte
 
@@ -136,21 +159,11 @@ func TestRecvIntoCancelled(t *testing.T) {
 
 		cctx, cancel := context.WithCancel(context.Background())
 		res := make(chan error, 1)
-		b.ch.RecvFunc(cctx, "z", 0, func(t *tensor.Tensor, _ Transfer, err error) {
-			if t != nil {
-				_ = t.Release()
-			}
-			res <- err
-		}, Into(dst))
+		b.ch.RecvFunc(cctx, "z", 0, errTo(res), Into(dst))
 		time.Sleep(20 * time.Millisecond) // the request reaches the sender
 		cancel()
-		select {
-		case err := <-res:
-			if !errors.Is(err, ErrCancelled) {
-				t.Fatalf("cancelled receive: %v, want ErrCancelled", err)
-			}
-		case <-time.After(10 * time.Second):
-			t.Fatal("a cancelled receive into a tensor never reported")
+		if err := waitErr(t, res, "a cancelled receive into a tensor"); !errors.Is(err, ErrCancelled) {
+			t.Fatalf("cancelled receive: %v, want ErrCancelled", err)
 		}
 		src, err := makeTensor(a.pool, "float32", tensor.Shape{256}, "z", 0)
 		if err != nil {
@@ -172,23 +185,13 @@ func TestRecvIntoCancelled(t *testing.T) {
 			t.Fatal("the tensor of the cancelled receive was written")
 		}
 
-		b.ch.RecvFunc(ctx, "w", 0, func(t *tensor.Tensor, _ Transfer, err error) {
-			if t != nil {
-				_ = t.Release()
-			}
-			res <- err
-		}, Into(dst))
+		b.ch.RecvFunc(ctx, "w", 0, errTo(res), Into(dst))
 		time.Sleep(20 * time.Millisecond)
 		if err := a.ch.Close(); err != nil {
 			t.Fatal(err)
 		}
-		select {
-		case err := <-res:
-			if err == nil {
-				t.Fatal("a receive whose sender closed its channel succeeded")
-			}
-		case <-time.After(10 * time.Second):
-			t.Fatal("a receive into a tensor never reported its peer's closing")
+		if err := waitErr(t, res, "a receive into a tensor whose sender closed"); err == nil {
+			t.Fatal("a receive whose sender closed its channel succeeded")
 		}
 		if !bytes.Equal(db, before) {
 			t.Fatal("the tensor of the failed receive was written")
@@ -220,12 +223,7 @@ func TestRecvIntoCancelledMidWrite(t *testing.T) {
 		cctx, cancel := context.WithCancel(context.Background())
 		defer cancel()
 		res := make(chan error, 1)
-		b.ch.RecvFunc(cctx, "v", 0, func(t *tensor.Tensor, _ Transfer, err error) {
-			if t != nil {
-				_ = t.Release()
-			}
-			res <- err
-		}, Into(dst))
+		b.ch.RecvFunc(cctx, "v", 0, errTo(res), Into(dst))
 		deadline := time.Now().Add(10 * time.Second)
 		for bytes.Equal(db[:64], first) {
 			if time.Now().After(deadline) {
@@ -233,12 +231,7 @@ func TestRecvIntoCancelledMidWrite(t *testing.T) {
 			}
 		}
 		cancel()
-		var err2 error
-		select {
-		case err2 = <-res:
-		case <-time.After(10 * time.Second):
-			t.Fatal("a receive cancelled mid-write never reported")
-		}
+		err2 := waitErr(t, res, "a receive cancelled mid-write")
 		snap := bytes.Clone(db)
 		time.Sleep(50 * time.Millisecond)
 		if !bytes.Equal(db, snap) {
