@@ -265,10 +265,64 @@ func collJob(ctx context.Context, g *Group, rep *childReport) error {
 	}
 	_ = in.Release()
 	_ = out.Release()
+	if err := recvIntoJob(ctx, g, rep); err != nil {
+		return err
+	}
 	// Zero-copy: every piece went out from the caller's tensor itself,
 	// none through a staging copy.
 	if st := g.Stats().Protocol; st.Staged != 0 {
 		return fmt.Errorf("%d sends were staged", st.Staged)
+	}
+	return nil
+}
+
+// recvIntoJob: rank 0 sends rank 1 a tensor smaller than the one rank 1
+// receives it into (RecvInto); rank 1 checks the front and that the rest
+// is as it was, and counts the transfer as placed or copied.
+func recvIntoJob(ctx context.Context, g *Group, rep *childReport) error {
+	const sent, room = 3000, 4096
+	switch g.Rank() {
+	case 0:
+		src, err := g.NewTensor(tensor.Int32, sent)
+		if err != nil {
+			return err
+		}
+		v, _ := tensor.View[int32](src)
+		for i := range v {
+			v[i] = int32(7*i + 1)
+		}
+		return g.Send(1, "recv-into", 0, src)
+	case 1:
+		dst, err := g.NewTensor(tensor.Int32, room)
+		if err != nil {
+			return err
+		}
+		defer dst.Release()
+		v, _ := tensor.View[int32](dst)
+		for i := range v {
+			v[i] = -1
+		}
+		tr, err := g.RecvInto(ctx, dst, 0, "recv-into", 0)
+		if err != nil {
+			return err
+		}
+		for i := range v {
+			want := int32(-1)
+			if i < sent {
+				want = int32(7*i + 1)
+			}
+			if v[i] != want {
+				return fmt.Errorf("RecvInto: element %d is %d, want %d (%+v)", i, v[i], want, tr)
+			}
+		}
+		if tr.Meta.ByteSize != 4*sent {
+			return fmt.Errorf("RecvInto: transfer says %s came, want %d int32s", tr.Meta, sent)
+		}
+		if tr.Placed {
+			rep.PlacedCalls++
+		} else {
+			rep.Copied += tr.Bytes
+		}
 	}
 	return nil
 }
@@ -304,7 +358,7 @@ func checkCollJob(t *testing.T, reps []childReport, provider string) {
 			// Both grant the sender a receive's bytes alone, so every
 			// all-gather step, broadcast and AllGather lands in place.
 			if rep.Copied != 0 || rep.PlacedCalls < len(collCases)/2 {
-				t.Errorf("rank %d: %d bytes of broadcasts and allgathers copied, %d calls with bytes placed; want none copied, and most calls with bytes placed", r, rep.Copied, rep.PlacedCalls)
+				t.Errorf("rank %d: %d bytes of broadcasts, allgathers and RecvInto copied, %d calls with bytes placed; want none copied, and most calls with bytes placed", r, rep.Copied, rep.PlacedCalls)
 			}
 		}
 		for _, p := range rep.Paths {

@@ -50,7 +50,7 @@ type childReport struct {
 	Connections map[string]int `json:"connections"`
 	Paths       []string       `json:"paths"`
 	Received    int            `json:"received"`
-	// Copied counts the bytes of Broadcasts and AllGathers that were
+	// Copied counts the bytes of Broadcasts, AllGathers and RecvInto that were
 	// received elsewhere and copied into the call's tensor, and
 	// PlacedCalls the collective calls that had bytes written in place.
 	Copied      int64 `json:"copied"`

@@ -447,6 +447,46 @@ func (g *Group) Recv(ctx context.Context, peer int, key string, step int64) (*te
 	return g.RecvOn(ctx, tensor.Host, peer, key, step)
 }
 
+// RecvInto receives the tensor a peer sends under key and step into t, a
+// host tensor of this group's pool, which holds it once RecvInto returns:
+// the peer writes t itself where the connection can grant it t's bytes
+// alone (Transfer.Placed; onnode and tcp can), else the tensor lands in
+// the pool and is copied into t. The tensor sent must have t's element
+// type and at most its byte size (a smaller one fills t's front;
+// Transfer.Meta says what came). ctx bounds the wait; a RecvInto that
+// fails or is cancelled returns only once the peer can no longer write t.
+func (g *Group) RecvInto(ctx context.Context, t *tensor.Tensor, peer int, key string, step int64) (Transfer, error) {
+	tr, err := g.recvInto(ctx, t, peer, key, step)
+	g.metrics.recv(tr, err)
+	return tr, err
+}
+
+func (g *Group) recvInto(ctx context.Context, t *tensor.Tensor, peer int, key string, step int64) (Transfer, error) {
+	if t == nil || t.Device() != tensor.Host {
+		return Transfer{}, fmt.Errorf("gdrlink: %w: RecvInto of %q step %d needs a host tensor", rendezvous.ErrBadTensor, key, step)
+	}
+	p, err := g.peer(peer)
+	if err != nil {
+		return Transfer{}, err
+	}
+	got, tr, err := p.recvFailover(ctx, key, step, rendezvous.Into(t))
+	if err != nil {
+		return tr, err
+	}
+	defer got.Release()
+	if tr.Placed {
+		return tr, nil
+	}
+	gm, tm := got.Meta(), t.Meta()
+	src, serr := got.Bytes()
+	dst, derr := t.Bytes()
+	if serr != nil || derr != nil || gm.DType != tm.DType || gm.ByteSize > tm.ByteSize {
+		return tr, fmt.Errorf("gdrlink: %w: %q step %d from rank %d is %s, which does not fit %s", rendezvous.ErrBadTensor, key, step, peer, gm, tm)
+	}
+	copy(dst, src)
+	return tr, nil
+}
+
 // RecvOn is Recv with the result on dev: host memory, or in a group joined
 // WithGPU its GPU, where the tensor lands in a pinned proxy and is copied
 // to the GPU as its chunks arrive (Transfer.Path is proxy).

@@ -33,11 +33,11 @@ func TestRecvInto(t *testing.T) {
 			if err := a.ch.Send("x", int64(step), src); err != nil {
 				t.Fatal(err)
 			}
-			got, _, err := b.ch.Recv(ctx, "x", int64(step), Into(dst))
+			got, tr, err := b.ch.Recv(ctx, "x", int64(step), Into(dst))
 			if err != nil {
 				t.Fatalf("step %d: %v", step, err)
 			}
-			if got.Addr() != dst.Addr() {
+			if got.Addr() != dst.Addr() || !tr.Placed {
 				t.Fatalf("step %d: result at %#x, want it written into the tensor at %#x", step, got.Addr(), dst.Addr())
 			}
 			if err := checkTensor(got, "float32", shape, "x", int64(step)); err != nil {
@@ -92,11 +92,11 @@ func TestRecvIntoFallsBack(t *testing.T) {
 			if err := a.ch.Send("y", int64(step), src); err != nil {
 				t.Fatal(err)
 			}
-			got, _, err := b.ch.Recv(ctx, "y", int64(step), Into(into))
+			got, tr, err := b.ch.Recv(ctx, "y", int64(step), Into(into))
 			if err != nil {
 				t.Fatalf("step %d: %v", step, err)
 			}
-			if got.Addr() == into.Addr() {
+			if got.Addr() == into.Addr() || tr.Placed {
 				t.Fatalf("step %d: result written into a tensor of %s that cannot take it", step, into.Meta())
 			}
 			if err := checkTensor(got, "float32", tensor.Shape{64}, "y", int64(step)); err != nil {

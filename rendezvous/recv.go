@@ -621,6 +621,9 @@ func (rv *receiver) finishLocked(r *request, t *tensor.Tensor, err error, ds *de
 		if !tr.Meta.IsDead {
 			tr.Bytes = tr.Meta.ByteSize
 		}
+		if r.into != nil && err == nil {
+			tr.Placed = t.Addr() != 0 && t.Addr() == r.into.Addr()
+		}
 	} else if err == nil && r.landing {
 		tr.Meta, tr.Bytes = r.meta, r.meta.ByteSize
 	} else if err == nil {

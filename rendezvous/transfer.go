@@ -68,6 +68,9 @@ type Transfer struct {
 	// Checksummed reports that the bytes were verified against the sender's
 	// CRC-32C.
 	Checksummed bool
+	// Placed reports that the peer wrote the tensor given with Into
+	// itself (the result shares its memory).
+	Placed bool
 	// Chunks is the number of writes a pipelined proxy result came in
 	// (WithProxyChunk), each handed to the proxy as it landed; 0 when the
 	// result came in one write.
@@ -82,7 +85,7 @@ func (t Transfer) logValue() slog.Value {
 		slog.String("key", t.Key), slog.Int64("step", t.Step), slog.String("peer", t.Peer),
 		slog.String("path", t.Path.String()), slog.String("provider", t.Provider), slog.String("device", t.Device),
 		slog.String("meta", t.Meta.String()), slog.Int64("bytes", t.Bytes),
-		slog.Bool("meta_round_trip", t.MetaRoundTrip), slog.Bool("meta_changed", t.MetaChanged), slog.Bool("checksummed", t.Checksummed), slog.Int("chunks", t.Chunks),
+		slog.Bool("meta_round_trip", t.MetaRoundTrip), slog.Bool("meta_changed", t.MetaChanged), slog.Bool("checksummed", t.Checksummed), slog.Bool("placed", t.Placed), slog.Int("chunks", t.Chunks),
 		slog.Duration("took", t.Took))
 }
 

@@ -18,11 +18,11 @@ import (
 // GPU known by its CUDA ordinal (467); the on-node GPU path: the
 // rendezvous pull (Puller, PullRef, WithPull, PathPull, ErrPullFailed) and
 // the front door's IPCStats (473 and 44); receiving into the caller's
-// tensor, rendezvous.Into (474). Raise them only for a capability, and
-// say which here.
+// tensor, rendezvous.Into and the front door's RecvInto (475 and 45).
+// Raise them only for a capability, and say which here.
 const (
-	maxTotal     = 474
-	maxFrontDoor = 44
+	maxTotal     = 475
+	maxFrontDoor = 45
 )
 
 // TestPublicSurface prints the exported identifiers per public package
