@@ -537,7 +537,7 @@ func (rv *receiver) cancel(r *request, cause error) bool {
 	cb := r.cb
 	r.cb = nil
 	delete(rv.byKey, r.key)
-	tr := Transfer{Key: r.key.name, Step: r.key.step, Peer: c.peer, Provider: c.provider, Device: c.devName, Took: time.Since(r.start)}
+	tr := rv.resultless(r)
 	err := fmt.Errorf("%w: %q step %d from %s: %w", ErrCancelled, r.key.name, r.key.step, tr.Peer, cause)
 	if c.state == stateConnected {
 		m := wire.Message{Type: wire.TypeCancel, Req: r.idx}
@@ -572,10 +572,15 @@ func (rv *receiver) forgetLocked(r *request, ds *deliveries) {
 	}
 	if cb, err := r.cb, r.held; cb != nil && err != nil {
 		r.cb = nil
-		c := rv.c
-		tr := Transfer{Key: r.key.name, Step: r.key.step, Peer: c.peer, Provider: c.provider, Device: c.devName, Took: time.Since(r.start)}
+		tr := rv.resultless(r)
 		ds.add(func() { cb(nil, tr, err) })
 	}
+}
+
+// resultless is the Transfer of r ended without a result.
+func (rv *receiver) resultless(r *request) Transfer {
+	c := rv.c
+	return Transfer{Key: r.key.name, Step: r.key.step, Peer: c.peer, Provider: c.provider, Device: c.devName, Took: time.Since(r.start)}
 }
 
 // finishLocked completes r with t or err; the callback runs after the lock.
