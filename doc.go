@@ -47,6 +47,13 @@
 // result through the pinned proxy, serialized for string tensors, none for
 // dead and empty ones) and over which provider.
 //
+// RecvInto receives into a tensor the rank already has (a layer's input
+// buffer): the request carries its address, and the peer, granted those
+// bytes alone, writes them itself (tr.Placed) where the provider gives
+// such grants; elsewhere the result is copied into it.
+//
+//	tr, err = g.RecvInto(ctx, in, 0, "layer0/out", step) // rank 1
+//
 // # Collectives
 //
 // AllReduce (Sum, Average), Broadcast and AllGather work in place on pool
