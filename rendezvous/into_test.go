@@ -171,11 +171,14 @@ func TestRecvIntoCancelled(t *testing.T) {
 		cctx, cancel := context.WithCancel(context.Background())
 		res := make(chan error, 1)
 		b.ch.RecvFunc(cctx, "z", 0, errTo(res), Into(dst))
-		time.Sleep(20 * time.Millisecond) // the request reaches the sender
+		waitParked(t, a.ch, 1) // the request reached the sender
 		cancel()
 		if err := waitErr(t, res, "a cancelled receive into a tensor"); !errors.Is(err, ErrCancelled) {
 			t.Fatalf("cancelled receive: %v, want ErrCancelled", err)
 		}
+		// Without grants the cancel reports at once: the Send below
+		// must not find the withdrawn request still there.
+		waitParked(t, a.ch, 0)
 		src, err := makeTensor(a.pool, "float32", tensor.Shape{256}, "z", 0)
 		if err != nil {
 			t.Fatal(err)
@@ -197,7 +200,7 @@ func TestRecvIntoCancelled(t *testing.T) {
 		}
 
 		b.ch.RecvFunc(ctx, "w", 0, errTo(res), Into(dst))
-		time.Sleep(20 * time.Millisecond)
+		waitParked(t, a.ch, 1)
 		if err := a.ch.Close(); err != nil {
 			t.Fatal(err)
 		}
