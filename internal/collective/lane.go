@@ -8,10 +8,10 @@ import (
 // A lane is one segment's way through a call's steps, run as a coroutine
 // (iter.Pull): it runs on whichever goroutine delivers what it waits for
 // (the completion goroutine of a link, as a rule), until it must wait
-// again. A step's receive thus wakes no goroutine of its own, and a call
-// keeps one thread busy per rank, not a completion goroutine and a lane
-// goroutine that take turns through the scheduler (on a host with as many
-// ranks as cores, each such turn waits for a core).
+// again. A step's receive thus wakes no goroutine of its own: the step
+// runs on the thread that took its completion, not on a lane goroutine
+// the scheduler must wake and place (on a host with as many ranks as
+// cores, each such hand-off waits for a core).
 type lane struct {
 	mu sync.Mutex
 	// running: a goroutine runs the coroutine now; pending: something
