@@ -1,6 +1,7 @@
 package worker
 
 import (
+	"slices"
 	"testing"
 	"time"
 )
@@ -78,16 +79,26 @@ func TestResendTimer(t *testing.T) {
 }
 
 // TestTimeoutDefaults: the UDP transport learns its timeout between 1 ms
-// and the configured one; the verbs transport keeps the configured one
-// (see New); a configured floor is kept either way.
+// and the configured one; the verbs transport starts from the configured
+// one and backs off to DefaultVerbsBackoff of them (see New); a configured
+// floor is kept either way.
 func TestTimeoutDefaults(t *testing.T) {
 	udp := Config{}.withDefaults()
 	if udp.Timeout != DefaultTimeout || udp.MinTimeout != DefaultMinTimeout || udp.MaxTimeout != DefaultTimeout || udp.GiveUp != DefaultGiveUp {
 		t.Errorf("udp defaults: timeout %v in [%v, %v], give up after %v", udp.Timeout, udp.MinTimeout, udp.MaxTimeout, udp.GiveUp)
 	}
 	verbs := Config{Verbs: &Verbs{Device: "rxe0"}, Timeout: 80 * time.Millisecond}.withDefaults()
-	if verbs.MinTimeout != 80*time.Millisecond || verbs.MaxTimeout != 80*time.Millisecond {
-		t.Errorf("verbs defaults: timeout in [%v, %v], want fixed at 80ms", verbs.MinTimeout, verbs.MaxTimeout)
+	if verbs.MinTimeout != 80*time.Millisecond || verbs.MaxTimeout != 640*time.Millisecond {
+		t.Errorf("verbs defaults: timeout in [%v, %v], want [80ms, 640ms]", verbs.MinTimeout, verbs.MaxTimeout)
+	}
+	r := resendTimer{initial: verbs.Timeout, min: verbs.MinTimeout, max: verbs.MaxTimeout}
+	var waits []time.Duration
+	for try := range 5 {
+		waits = append(waits, r.wait(try))
+	}
+	const ms = time.Millisecond
+	if want := []time.Duration{80 * ms, 160 * ms, 320 * ms, 640 * ms, 640 * ms}; !slices.Equal(waits, want) {
+		t.Errorf("verbs waits after each send of a message: %v, want %v", waits, want)
 	}
 	set := Config{Verbs: &Verbs{Device: "rxe0"}, MinTimeout: 5 * time.Millisecond}.withDefaults()
 	if set.MinTimeout != 5*time.Millisecond {

@@ -36,8 +36,8 @@ type transport interface {
 }
 
 // errNoPlace means a transport did not resend a message: every place a
-// reply to the resend could land in may still receive a reply to an
-// earlier send (verbsLink.place). The message waits one more timeout.
+// reply to the resend could land in may still receive a reply to another
+// message's send (verbsLink.place). The message waits one more timeout.
 var errNoPlace = errors.New("switchml: every result place awaits a reply")
 
 // message is one message of a queue pair, as sent.
@@ -86,7 +86,8 @@ func (w *Worker) exchange(ctx context.Context, q *qp, payload []byte, imm uint32
 		if try > w.cfg.Retries || try > 0 && time.Since(start) > w.cfg.GiveUp {
 			return nil, 0, fmt.Errorf("%w: aggregator %s (%s): no result after %d timeouts of a message (%v)", ErrAggregator, w.cfg.Control, w.tr.name(), try, time.Since(start).Round(time.Millisecond))
 		}
-		// errNoPlace: earlier sends are still unanswered; wait for them.
+		// errNoPlace: other messages' sends are still unanswered;
+		// wait for them.
 		err := w.tr.send(q, &m)
 		if err != nil && !errors.Is(err, errNoPlace) {
 			return nil, 0, err

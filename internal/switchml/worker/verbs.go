@@ -372,19 +372,28 @@ func (l *verbsLink) send(q *qp, m *message) error {
 // held) and returns its address. The first send names the message's own
 // place (m.va, which expect filled with the canary). A resend names a
 // resend place that no reply can still come to, filled with the canary
-// now, so that each place receives at most one write: under load the
-// aggregator answers a resend of the previous message long after this
-// message went out. When every resend place may still receive a reply,
-// there is none to name and place returns false: the resend waits, so a
-// queue pair resending into an aggregator's backlog has at most
-// resendPlaces resends of a message unanswered. (A place is given up once
-// a later send's reply has come. The aggregator answers the sends made
-// before a message completed with one reply, to the latest.) A place is
-// never named again while a reply may still come to it, however long the
-// wait: a late reply would land after the next message named it, and be
-// taken for that message's result. So a message whose every place awaits
-// a reply that was lost (the one that completed it, say, after all its
-// resends went out) resends no more, and fails after Config.GiveUp.
+// now, so that each place receives at most one write of another message:
+// under load the aggregator answers a resend of the previous message long
+// after this message went out. A place is free again once a reply to a
+// later send has come (the aggregator answers the sends made before a
+// message completed with one reply, to the latest).
+//
+// When every resend place may still receive a reply, the resend names
+// again the place of this message that it named longest ago, one whose
+// every pending send is of this message, without filling it again: any
+// reply that lands there, to either naming, carries this message's
+// result, byte for byte the same, so a late one cannot spoil it, and the
+// place stays awaited (one entry per naming) until the replies to all its
+// namings are accounted for. Without that, a message whose places all
+// awaited a reply that was lost (the one that completed it, sent to the
+// latest place after every resend had gone out) could not resend, and
+// failed after Config.GiveUp. A place awaited by another message's send
+// is never named: a late reply there would be taken for this message's
+// result. An entry left after its place was taken (the reply to its
+// naming lost) may take the completion of a later write instead, which
+// then counts as stale and that message is resent: a delay, never a
+// wrong result (attribute). place returns false only when no place of
+// this message is awaited either, which the first send rules out.
 func (l *verbsLink) place(q *qp, m *message) (uint64, bool) {
 	sp := &l.sent[q.idx]
 	if sp.last != q.count {
@@ -400,7 +409,27 @@ func (l *verbsLink) place(q *qp, m *message) (uint64, bool) {
 			return RegionVA + uint64(off), true
 		}
 	}
-	return 0, false
+	// Every resend place is awaited: name again this message's place
+	// whose latest naming is the oldest.
+	lastNamed := map[int]int{} // place: index of its latest entry
+	other := map[int]bool{}    // places awaited by another message's send
+	for i, p := range sp.pending {
+		if p.count != q.count {
+			other[p.off] = true
+		}
+		lastNamed[p.off] = i
+	}
+	best, bestAt := -1, len(sp.pending)
+	for off, i := range lastNamed {
+		if !other[off] && i < bestAt {
+			best, bestAt = off, i
+		}
+	}
+	if best < 0 {
+		return 0, false
+	}
+	sp.pending = append(sp.pending, placed{off: best, count: q.count})
+	return RegionVA + uint64(best), true
 }
 
 // poll takes completions until ctx ends, sleeping on the completion

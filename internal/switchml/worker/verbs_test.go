@@ -183,6 +183,30 @@ func (r *attributeRig) complete(n int) []byte {
 	return append([]byte{}, r.l.mem[off:off+r.q.wantSize]...)
 }
 
+// resendUntilTaken sends m's reply (fill bytes) to the place its latest
+// send named, as the aggregator would, and resends it until the reply is
+// taken, at most tries times: each completion taken must be m's whole
+// result, never another write's.
+func (r *attributeRig) resendUntilTaken(m *message, n int, fill byte, tries int) {
+	r.t.Helper()
+	off := int(m.va - RegionVA)
+	for range tries {
+		r.write(off, n, fill)
+		if got := r.complete(n); got != nil {
+			for i, b := range got {
+				if b != fill {
+					r.t.Fatalf("result byte %d is %#x, want %#x", i, b, fill)
+				}
+			}
+			return
+		}
+		if off = r.send(m); off < 0 {
+			r.t.Fatal("a resend was refused")
+		}
+	}
+	r.t.Fatalf("message of %#x not taken after %d sends", fill, tries)
+}
+
 // TestVerbsAttribute: a completion is taken as the current message's
 // result only once that result is whole in its place; second replies to
 // resends of earlier messages, which write places of their own, are
@@ -262,9 +286,11 @@ func TestVerbsAttribute(t *testing.T) {
 	})
 	// Under load the aggregator answers resends of the previous message
 	// long after the queue pair moved on and resent the current one many
-	// times: no place is named again while a reply may still come to it,
-	// and a resend with no free place waits instead; the messages after
-	// take their first reply.
+	// times: no place awaited by the previous message is named, a resend
+	// with no free place names one of its own message's places again,
+	// and the messages after take a reply (the first, or, where a place
+	// named twice kept an entry that took a completion as stale, the
+	// next resend's).
 	t.Run("second replies late, more resends than places", func(t *testing.T) {
 		r := newAttributeRig(t, 1)
 		m1 := r.next(n)
@@ -275,20 +301,21 @@ func TestVerbsAttribute(t *testing.T) {
 		r.write(int(m1.va-RegionVA), n, 1)
 		whole(t, r.complete(n), 1)
 		m2 := r.next(n)
-		last, refused := int(m2.va-RegionVA), 0
-		for range resendPlaces + 2 {
+		own := []int{int(m2.va - RegionVA)}
+		last := own[0]
+		for k := range resendPlaces + 2 {
 			off := r.send(m2)
 			if off < 0 {
-				refused++
-				continue
+				t.Fatalf("resend %d of message 2 refused: it has places of its own", k)
 			}
 			if slices.Contains(late, off) {
 				t.Fatalf("a resend of message 2 names %d, where a reply to message 1 may still land", off)
 			}
+			if k >= resendPlaces-len(late) && !slices.Contains(own, off) {
+				t.Fatalf("resend %d of message 2 names %d with no free place: not one of its own (%v)", k, off, own)
+			}
+			own = append(own, off)
 			last = off
-		}
-		if want := resendPlaces + 2 - (resendPlaces - len(late)); refused != want {
-			t.Fatalf("%d resends of message 2 refused, want %d (the resend places not awaiting message 1)", refused, want)
 		}
 		for _, off := range late {
 			r.write(off, n, 1)
@@ -299,44 +326,71 @@ func TestVerbsAttribute(t *testing.T) {
 		r.write(last, n, 2)
 		whole(t, r.complete(n), 2)
 		for k := byte(3); k < 6; k++ {
-			m := r.next(n)
-			off := r.send(m)
-			r.write(off, n, k)
-			whole(t, r.complete(n), k)
+			r.resendUntilTaken(r.next(n), n, k, 2)
 		}
 	})
-	// Every place awaits a reply for a long time (an aggregator far
-	// behind): the message is refused resends however long it waits, and
-	// never names a place a reply can still come to. (Giving its own
-	// places up after some waits named one twice: a late reply to the
-	// first naming then landed after the next message named it again,
-	// and was taken for that message's result.) When the late reply to
-	// the last resend comes, it is taken, and the next message has every
-	// place again.
+	// Every resend place awaits a reply for a long time (an aggregator
+	// far behind, or the reply that completed the message lost): the
+	// resends name the message's own places again, in turn, never a
+	// place of another message, and the reply to any naming is taken.
+	// (Giving places up instead, and filling them again, let a late
+	// reply to the first naming land after the next message named the
+	// place, and be taken for that message's result: see the next case.)
 	t.Run("every place awaited for long", func(t *testing.T) {
+		for _, lost := range []bool{false, true} {
+			r := newAttributeRig(t, 1)
+			m := r.next(n)
+			offs := []int{int(m.va - RegionVA)}
+			for range resendPlaces {
+				offs = append(offs, r.send(m))
+			}
+			var renamed []int
+			for k := range 3 * len(offs) {
+				off := r.send(m)
+				if !slices.Contains(offs, off) {
+					t.Fatalf("resend %d named %d, not one of the message's places %v", len(offs)+k, off, offs)
+				}
+				renamed = append(renamed, off)
+			}
+			if want := append(slices.Clone(offs), offs...); !slices.Equal(renamed[:len(want)], want) {
+				t.Fatalf("renamed %v, want the places in the order they were named, %v", renamed[:len(want)], want)
+			}
+			// The reply to the latest send lands (lost: every reply
+			// before it was lost); else a late one to the first.
+			at := offs[0]
+			if lost {
+				at = renamed[len(renamed)-1]
+			}
+			r.write(at, n, 7)
+			whole(t, r.complete(n), 7)
+			// The message after takes a reply, perhaps after
+			// resends: the entries left of message 1 take
+			// completions as stale, never as its result.
+			r.resendUntilTaken(r.next(n), n, 8, 3*len(offs)+2)
+		}
+	})
+	// A place awaited by the previous message's resend is never named by
+	// the current message, however many of its own it names again; the
+	// late reply there is dropped.
+	t.Run("renaming never takes another message's place", func(t *testing.T) {
 		r := newAttributeRig(t, 1)
-		m := r.next(n)
-		var offs []int
-		for k := range resendPlaces {
-			off := r.send(m)
-			if off < 0 {
-				t.Fatalf("resend %d refused with free places", k)
-			}
-			offs = append(offs, off)
-		}
-		for k := range 100 {
-			if off := r.send(m); off >= 0 {
-				t.Fatalf("resend %d named %d while every place awaits a reply", resendPlaces+k, off)
+		m1 := r.next(n)
+		r.send(m1)
+		tail := r.send(m1) // resends after the completing reply
+		r.write(int(m1.va-RegionVA), n, 1)
+		whole(t, r.complete(n), 1)
+		m2 := r.next(n)
+		for k := range 4 * resendPlaces {
+			if off := r.send(m2); off == tail || off < 0 {
+				t.Fatalf("resend %d of message 2: %d (message 1's late reply may land at %d)", k, off, tail)
 			}
 		}
-		r.write(offs[len(offs)-1], n, 7)
-		whole(t, r.complete(n), 7)
-		m = r.next(n)
-		for k := range resendPlaces {
-			if r.send(m) < 0 {
-				t.Fatalf("the next message's resend %d refused", k)
-			}
+		r.write(tail, n, 1)
+		if r.complete(n) != nil {
+			t.Fatal("took message 1's late reply as message 2's result")
 		}
+		r.write(int(m2.va-RegionVA), n, 2)
+		whole(t, r.complete(n), 2)
 	})
 	t.Run("a multi-packet reply cut short", func(t *testing.T) {
 		r := newAttributeRig(t, 4)

@@ -51,12 +51,12 @@
 // transport reads the address in the reply. A verbs completion does not
 // carry it, so the verbs transport gives every send, resends included, a
 // place of its own, filled with a canary before the send and not named
-// again while a reply may still come to it; completions come in the order
-// of the writes, and a completion is the write of the oldest-sent place
-// that no longer holds the canary and has not been accounted for. A resend
-// with no free place waits another timeout instead (at most a few
-// resends of a message are unanswered at once, which also spares an
-// aggregator that is behind). It is the current message's
+// again by another message while a reply may still come to it;
+// completions come in the order of the writes, and a completion is the
+// write of the oldest-sent place that no longer holds the canary and has
+// not been accounted for. A resend with no free place names again one of
+// its own message's places, whose replies all carry the same result. It
+// is the current message's
 // result only if that place is one of the current message's sends (not
 // merely because the current place changed: it may be half written while
 // a second reply to an earlier message completes).
@@ -131,6 +131,9 @@ const (
 	DefaultGiveUp     = 10 * time.Second
 	// DefaultCloseTimeout bounds Close's wait for the other workers.
 	DefaultCloseTimeout = time.Second
+	// DefaultVerbsBackoff is MaxTimeout, in timeouts, for a verbs worker
+	// whose MaxTimeout is zero.
+	DefaultVerbsBackoff = 8
 )
 
 // Config configures a worker.
@@ -174,8 +177,9 @@ type Config struct {
 	// mean deviations, doubled after timeouts until the next such
 	// answer), within [MinTimeout, MaxTimeout] (DefaultMinTimeout, and
 	// Timeout when zero, so that it only ever shortens the wait; with
-	// Verbs, MinTimeout is Timeout when zero: the verbs transport keeps
-	// the configured timeout, see New); each
+	// Verbs, MinTimeout is Timeout and MaxTimeout DefaultVerbsBackoff
+	// timeouts when zero: the verbs transport keeps the configured
+	// timeout and backs off from it, see New); each
 	// resend of a message doubles its next wait, up to MaxTimeout. A
 	// message fails after Retries resends (DefaultRetries) or GiveUp
 	// without a result (DefaultGiveUp), whichever comes first.
@@ -295,6 +299,14 @@ func (c Config) withDefaults() Config {
 	}
 	if cfg.MaxTimeout == 0 {
 		cfg.MaxTimeout = cfg.Timeout
+		if cfg.Verbs != nil {
+			// The verbs transport's timeout is not learned down, so
+			// its resends back off instead: a message's waits double
+			// up to eight timeouts, and an aggregator that is behind
+			// (eight workers in an emulated guest) gets a few resends
+			// of each message, not one every timeout.
+			cfg.MaxTimeout = DefaultVerbsBackoff * cfg.Timeout
+		}
 	}
 	if cfg.GiveUp == 0 {
 		cfg.GiveUp = DefaultGiveUp
