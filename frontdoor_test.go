@@ -82,6 +82,13 @@ type childReport struct {
 	FailMS   float64 `json:"fail_ms,omitempty"`
 	// IPC is Stats.IPC as the ipc jobs saw it.
 	IPC IPCStats `json:"ipc"`
+	// CPUs, Unbound, MaxProcs and ThreadCPUs are the bind job's:
+	// Stats.CPUs and Stats.Unbound, GOMAXPROCS, and the distinct
+	// affinity masks of the process's threads.
+	CPUs       []int   `json:"cpus,omitempty"`
+	Unbound    string  `json:"unbound,omitempty"`
+	MaxProcs   int     `json:"max_procs,omitempty"`
+	ThreadCPUs [][]int `json:"thread_cpus,omitempty"`
 }
 
 // errExitNow ends a job without the final barrier (a peer is dead): the
@@ -122,6 +129,8 @@ func runChild(job string) error {
 	switch job {
 	case "pair":
 		err = pairJob(ctx, g, &rep)
+	case "bind":
+		err = bindJob(ctx, g, &rep)
 	case "ring":
 		err = ringJob(ctx, g, &rep)
 	case "gpu":

@@ -76,6 +76,10 @@ type Group struct {
 	src    alloc.Source
 	budget *alloc.Budget
 	gpu    *gpuSide // nil without WithGPU
+	// cpus are the CPUs this process was bound to (WithCPUBinding), nil
+	// when not; unbound says why a binding asked for was not made.
+	cpus    []int
+	unbound string
 
 	metrics    *metrics
 	metricsSrv *metricsServer // nil without WithMetricsAddr
@@ -278,6 +282,11 @@ func (g *Group) setup(ctx context.Context) error {
 		cands, _ := hostcard.Candidates(g.me, g.cards[r], g.cfg.provider)
 		for _, c := range cands {
 			need[c] = true
+		}
+	}
+	if g.cfg.bind {
+		if err := g.bindCPUs(); err != nil {
+			return err
 		}
 	}
 	vc := verbsio.Config{}
@@ -569,13 +578,19 @@ type Stats struct {
 	// IPC counts the on-node GPU path (a group joined WithGPU whose GPU
 	// has one): the handle cache, the pulls and the pairs' states.
 	IPC IPCStats
+	// CPUs are the CPUs every thread of this process was bound to at Join
+	// (WithCPUBinding); nil when it was not bound.
+	CPUs []int
+	// Unbound says why a binding asked for was not made (more ranks on
+	// this host than CPUs, say); empty otherwise.
+	Unbound string
 }
 
 // Stats reports the group's connections, protocol counters, pool, the
 // pool's registrations and the transport's retransmits.
 func (g *Group) Stats() Stats {
 	s := Stats{Rank: g.Rank(), Size: g.Size(), Join: g.joinDur, Connections: map[string]int{}, Unusable: map[string]string{},
-		Retransmits: map[string]uint64{}}
+		Retransmits: map[string]uint64{}, CPUs: slices.Clone(g.cpus), Unbound: g.unbound}
 	for n, err := range g.unusable {
 		s.Unusable[n] = err.Error()
 	}

@@ -70,6 +70,8 @@ type config struct {
 	jobID, jobIDSource string
 	jobKey             jobauth.Key
 	insecure           bool
+	// bind binds each rank of a host to CPUs of its own (GDRLINK_BIND).
+	bind bool
 	// openGPU opens the GPU (openCUDA unless a test gives a simulated one).
 	openGPU func(ordinal int) (proxy.Device, alloc.Visitor, error)
 	// bar1 reads the BAR1 aperture of the GPU at a PCI address (nvml.BAR1
@@ -293,6 +295,21 @@ func WithInsecure(on bool) Option {
 	return func(c *config) error { c.insecure = on; return nil }
 }
 
+// WithCPUBinding binds the ranks of a host to CPUs of their own
+// (GDRLINK_BIND=cores, or none; default none), as mpirun binds each rank
+// to a core when there are enough: the CPUs this process may run on (its
+// affinity mask, as the launcher left it) are cut into equal contiguous
+// shares, one per rank of the job on this host in rank order, and every
+// thread of this process is bound to its share at Join. Unless the
+// GOMAXPROCS variable is set, GOMAXPROCS becomes the share's size. With
+// more ranks on the host than CPUs no rank is bound (Stats.Unbound says
+// so), as with mpirun. A process with threads of its own that must run
+// elsewhere should leave it off: the binding covers every thread the
+// process has at Join, and those its threads start later inherit it.
+func WithCPUBinding(on bool) Option {
+	return func(c *config) error { c.bind = on; return nil }
+}
+
 // fromEnv reads the variables behind the options. Rank, size and root are
 // left to the bootstrap's reading of the launchers unless given.
 func fromEnv(lookup func(string) (string, bool)) (config, error) {
@@ -330,6 +347,13 @@ func fromEnv(lookup func(string) (string, bool)) (config, error) {
 			return c, fmt.Errorf("%w: GDRLINK_PEER_TIMEOUT=%q is not a positive duration of at most %v", verbsio.ErrBadConfig, v, verbsio.MaxPeerTimeout)
 		}
 		c.peerTimeout = d
+	}
+	switch v := get("GDRLINK_BIND"); v {
+	case "", "none":
+	case "cores":
+		c.bind = true
+	default:
+		return c, fmt.Errorf("%w: GDRLINK_BIND=%q, want cores or none", verbsio.ErrBadConfig, v)
 	}
 	if v := get("GDRLINK_GPU"); v != "" {
 		n, err := strconv.Atoi(v)

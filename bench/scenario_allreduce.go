@@ -60,6 +60,7 @@ const (
 	setAllReduceMPI       = "allreduce.mpi"       // "off" skips the Open MPI baseline
 	setAllReduceSwitchML  = "allreduce.switchml"  // "on" or "udp" adds switchml rows of software workers (UDP) through an aggregator in this process; "verbs" of workers on a Soft-RoCE device through an aggregator process in a network namespace (root, rdma_rxe); "udp,verbs" both
 	setAllReduceGPU       = "allreduce.gpu"       // "on" adds ring rows of tensors on GPU 0 (every worker shares it)
+	setAllReduceBind      = "allreduce.bind"      // "cores" (default) binds each ring worker to cores of its own where there is a core per worker, as mpirun binds MPI's ranks; "none" leaves them floating
 )
 
 // allReduceRow is what rank 0 of a job prints for one size: the median
@@ -98,6 +99,15 @@ func runAllReduce(ctx context.Context, env *Env) error {
 		providers = strings.Split(v, ",")
 	}
 	reps := max(env.Reps, 1)
+	var bind ringBind
+	switch v := env.Args[setAllReduceBind]; v {
+	case "", "cores":
+		bind = ringBind{env: "GDRLINK_BIND=cores", note: "; each worker bound to cores of its own where the host has a core per worker, as mpirun binds MPI's ranks (allreduce.bind=cores)"}
+	case "none":
+		bind = ringBind{env: "GDRLINK_BIND=none", note: "; workers not bound to cores (allreduce.bind=none), while mpirun binds MPI's ranks where the host has a core per rank"}
+	default:
+		return fmt.Errorf("%w: -set %s=%s: want cores or none", errUsage, setAllReduceBind, v)
+	}
 	if env.Args[setAllReduceGPU] == "on" {
 		dev, err := proxy.NewCUDADevice(0)
 		if err != nil {
@@ -153,7 +163,7 @@ func runAllReduce(ctx context.Context, env *Env) error {
 		// the switchml rows' baseline.
 		ringRate, ringName := map[int64]float64{}, ""
 		for _, prov := range providers {
-			rows, err := runRingAllReduce(ctx, prov, w, sizes, reps, false, false, nil)
+			rows, err := runRingAllReduce(ctx, prov, w, sizes, reps, ringRun{bind: bind.env})
 			if err != nil {
 				return fmt.Errorf("%d workers on %s: %w", w, prov, err)
 			}
@@ -163,7 +173,7 @@ func runAllReduce(ctx context.Context, env *Env) error {
 				if sec, ok := base[row.Size]; ok {
 					b, name = rateGBs(row.Size, time.Duration(sec*float64(time.Second))), "mpi-allreduce"
 				}
-				note := fmt.Sprintf("%d worker processes, float32 sum, median of %d; received over %s%s", w, reps, row.Links, baseNote)
+				note := fmt.Sprintf("%d worker processes, float32 sum, median of %d; received over %s%s%s", w, reps, row.Links, bind.note, baseNote)
 				r := newResult("allreduce", fmt.Sprintf("ring/%s/%dw", prov, w), row.Size, rateGBs(row.Size, d), "GB/s", b, name)
 				r.Note = note
 				env.Emit(r)
@@ -176,7 +186,7 @@ func runAllReduce(ctx context.Context, env *Env) error {
 			}
 		}
 		if env.Args[setAllReduceGPU] == "on" {
-			rows, err := runRingAllReduce(ctx, providers[0], w, sizes, reps, false, true, nil)
+			rows, err := runRingAllReduce(ctx, providers[0], w, sizes, reps, ringRun{gpu: true, bind: bind.env})
 			if err != nil {
 				return fmt.Errorf("%d workers on GPU 0: %w", w, err)
 			}
@@ -194,10 +204,10 @@ func runAllReduce(ctx context.Context, env *Env) error {
 			var err error
 			case_, where := "switchml", "a software aggregator (aggsrv, in the bench process) at a UDP port of its own on loopback"
 			if mode == "verbs" {
-				rows, err = runRingAllReduce(ctx, "tcp", w, sizes, reps, false, false, rxe)
+				rows, err = runRingAllReduce(ctx, "tcp", w, sizes, reps, ringRun{rxe: rxe})
 				case_, where = "switchml-verbs", fmt.Sprintf("a software aggregator process in network namespace %s, reached over veth from Soft-RoCE device %s (UC queue pairs)", rxe.NS, rxe.Dev)
 			} else {
-				rows, err = runRingAllReduce(ctx, "tcp", w, sizes, reps, true, false, nil)
+				rows, err = runRingAllReduce(ctx, "tcp", w, sizes, reps, ringRun{aggregator: true})
 			}
 			if err != nil {
 				return fmt.Errorf("%d workers through the aggregator (%s): %w", w, mode, err)
@@ -222,13 +232,29 @@ func runAllReduce(ctx context.Context, env *Env) error {
 	return nil
 }
 
+// ringBind is the allreduce.bind setting: the ring workers' GDRLINK_BIND
+// and what the rows' notes say of it.
+type ringBind struct{ env, note string }
+
+// ringRun says how runRingAllReduce runs a job.
+type ringRun struct {
+	// aggregator: the job's AllReduce goes through a SwitchML aggregator
+	// run in this process.
+	aggregator bool
+	// gpu: the ranks reduce tensors on GPU 0.
+	gpu bool
+	// rxe: the job's AllReduce goes through an aggregator process in
+	// rxe's namespace, the ranks' SwitchML queue pairs on its Soft-RoCE
+	// device.
+	rxe *roceveth.Link
+	// bind is the ranks' GDRLINK_BIND=... (empty: not set).
+	bind string
+}
+
 // runRingAllReduce runs a job of w processes of this binary over provider
 // and returns rank 0's rows.
-// With aggregator, the job's AllReduce goes through a SwitchML aggregator
-// run in this process. With gpu, the ranks reduce tensors on GPU 0. With
-// rxe, the job's AllReduce goes through an aggregator process in rxe's
-// namespace, the ranks' SwitchML queue pairs on its Soft-RoCE device.
-func runRingAllReduce(ctx context.Context, provider string, w int, sizes []int64, reps int, aggregator, gpu bool, rxe *roceveth.Link) ([]allReduceRow, error) {
+func runRingAllReduce(ctx context.Context, provider string, w int, sizes []int64, reps int, run ringRun) ([]allReduceRow, error) {
+	aggregator, gpu, rxe := run.aggregator, run.gpu, run.rxe
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
@@ -277,6 +303,9 @@ func runRingAllReduce(ctx context.Context, provider string, w int, sizes []int64
 		c.Env = append(os.Environ(), allReduceRankEnv+"=1", allReduceSizesEnv+"="+strings.Join(ss, ","), allReduceRepsEnv+"="+strconv.Itoa(reps),
 			"GDRLINK_RANK="+strconv.Itoa(r), "GDRLINK_SIZE="+strconv.Itoa(w), "GDRLINK_ROOT="+root, "GDRLINK_PROVIDER="+provider, "GDRLINK_JOB_KEY="+key)
 		c.Env = append(c.Env, extra...)
+		if run.bind != "" {
+			c.Env = append(c.Env, run.bind)
+		}
 		if gpu {
 			c.Env = append(c.Env, allReduceGPUEnv+"=1")
 		}

@@ -18,11 +18,13 @@ import (
 // GPU known by its CUDA ordinal (467); the on-node GPU path: the
 // rendezvous pull (Puller, PullRef, WithPull, PathPull, ErrPullFailed) and
 // the front door's IPCStats (473 and 44); receiving into the caller's
-// tensor, rendezvous.Into and the front door's RecvInto (475 and 45).
+// tensor, rendezvous.Into and the front door's RecvInto (475 and 45);
+// binding the ranks of a host to CPUs of their own, WithCPUBinding (476
+// and 46).
 // Raise them only for a capability, and say which here.
 const (
-	maxTotal     = 475
-	maxFrontDoor = 45
+	maxTotal     = 476
+	maxFrontDoor = 46
 )
 
 // TestPublicSurface prints the exported identifiers per public package

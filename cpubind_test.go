@@ -1,0 +1,121 @@
+package gdrlink
+
+import (
+	"context"
+	"errors"
+	"runtime"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/gdrlink/gdrlink/internal/cpubind"
+	"github.com/gdrlink/gdrlink/tensor"
+	"github.com/gdrlink/gdrlink/verbsio"
+)
+
+// bindJob all-reduces a small tensor (so the connections and their
+// threads exist), then reports the binding and every thread's mask.
+func bindJob(ctx context.Context, g *Group, rep *childReport) error {
+	t, err := g.NewTensor(tensor.Float32, 4096)
+	if err != nil {
+		return err
+	}
+	defer t.Release()
+	if _, err := g.AllReduce(ctx, t, Sum); err != nil {
+		return err
+	}
+	s := g.Stats()
+	rep.CPUs, rep.Unbound, rep.MaxProcs = s.CPUs, s.Unbound, runtime.GOMAXPROCS(0)
+	masks, err := cpubind.ThreadMasks()
+	if err != nil {
+		return err
+	}
+	for _, m := range masks {
+		if !slices.ContainsFunc(rep.ThreadCPUs, func(x []int) bool { return slices.Equal(x, m) }) {
+			rep.ThreadCPUs = append(rep.ThreadCPUs, m)
+		}
+	}
+	return nil
+}
+
+// TestCPUBinding: with GDRLINK_BIND=cores the ranks of this host get
+// disjoint, equal shares of its CPUs, every thread of each (those started
+// after Join included) runs on its share alone, and GOMAXPROCS is the
+// share's size; with more ranks than CPUs none is bound, and each says
+// why. Without the variable nothing is bound.
+func TestCPUBinding(t *testing.T) {
+	allowed, err := cpubind.Allowed()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(allowed) < 2 {
+		t.Skipf("this process may run on %d CPU: binding two ranks needs two", len(allowed))
+	}
+	run := func(size int, bind string) []childReport {
+		t.Helper()
+		j := startJob(t, "bind", size, "127.0.0.1", func(int) []string { return nil }, func(int) []string {
+			env := []string{"GDRLINK_PROVIDER=onnode", "GOMAXPROCS="}
+			if bind != "" {
+				env = append(env, "GDRLINK_BIND="+bind)
+			}
+			return env
+		})
+		return j.wait(time.Minute)
+	}
+	reps := run(2, "cores")
+	per := len(allowed) / 2
+	seen := map[int]int{}
+	for _, rep := range reps {
+		if len(rep.CPUs) != per || rep.Unbound != "" {
+			t.Fatalf("rank %d: bound to %v (%q), want %d of %v", rep.Rank, rep.CPUs, rep.Unbound, per, allowed)
+		}
+		for _, c := range rep.CPUs {
+			if r, ok := seen[c]; ok {
+				t.Fatalf("CPU %d is both rank %d's and rank %d's", c, r, rep.Rank)
+			}
+			if !slices.Contains(allowed, c) {
+				t.Fatalf("rank %d bound to CPU %d, which this host's ranks may not use (%v)", rep.Rank, c, allowed)
+			}
+			seen[c] = rep.Rank
+		}
+		if len(rep.ThreadCPUs) != 1 || !slices.Equal(rep.ThreadCPUs[0], rep.CPUs) {
+			t.Errorf("rank %d: its threads run on %v, want all on %v", rep.Rank, rep.ThreadCPUs, rep.CPUs)
+		}
+		if rep.MaxProcs != per {
+			t.Errorf("rank %d: GOMAXPROCS %d, want %d", rep.Rank, rep.MaxProcs, per)
+		}
+	}
+	over := run(len(allowed)+1, "cores")
+	for _, rep := range over {
+		if rep.CPUs != nil || rep.Unbound == "" {
+			t.Fatalf("%d ranks on %d CPUs: rank %d bound to %v (%q), want unbound with a reason", len(allowed)+1, len(allowed), rep.Rank, rep.CPUs, rep.Unbound)
+		}
+		if len(rep.ThreadCPUs) != 1 || !slices.Equal(rep.ThreadCPUs[0], allowed) {
+			t.Errorf("rank %d, unbound: threads on %v, want %v", rep.Rank, rep.ThreadCPUs, allowed)
+		}
+	}
+	t.Logf("%d ranks on %d CPUs: %s", len(allowed)+1, len(allowed), over[0].Unbound)
+	for _, rep := range run(2, "") {
+		if rep.CPUs != nil || len(rep.ThreadCPUs) != 1 || !slices.Equal(rep.ThreadCPUs[0], allowed) {
+			t.Errorf("no binding asked: rank %d bound to %v, threads on %v", rep.Rank, rep.CPUs, rep.ThreadCPUs)
+		}
+	}
+}
+
+// TestCPUBindingConfig: GDRLINK_BIND takes cores or none, and names what
+// it wants otherwise.
+func TestCPUBindingConfig(t *testing.T) {
+	for v, want := range map[string]bool{"cores": true, "none": false, "": false} {
+		c, err := fromEnv(func(k string) (string, bool) { return map[string]string{"GDRLINK_BIND": v}[k], k == "GDRLINK_BIND" })
+		if err != nil || c.bind != want {
+			t.Errorf("GDRLINK_BIND=%s: %v, %v; want %v", v, c.bind, err, want)
+		}
+	}
+	_, err := fromEnv(func(k string) (string, bool) {
+		return map[string]string{"GDRLINK_BIND": "socket"}[k], k == "GDRLINK_BIND"
+	})
+	if !errors.Is(err, verbsio.ErrBadConfig) || !strings.Contains(err.Error(), `GDRLINK_BIND="socket", want cores or none`) {
+		t.Errorf("GDRLINK_BIND=socket: %v, want ErrBadConfig naming cores and none", err)
+	}
+}
