@@ -106,15 +106,21 @@ func TestCPUBinding(t *testing.T) {
 // TestCPUBindingConfig: GDRLINK_BIND takes cores or none, and names what
 // it wants otherwise.
 func TestCPUBindingConfig(t *testing.T) {
+	bind := func(v string) func(string) (string, bool) {
+		return func(k string) (string, bool) {
+			if k != "GDRLINK_BIND" {
+				return "", false
+			}
+			return v, true
+		}
+	}
 	for v, want := range map[string]bool{"cores": true, "none": false, "": false} {
-		c, err := fromEnv(func(k string) (string, bool) { return map[string]string{"GDRLINK_BIND": v}[k], k == "GDRLINK_BIND" })
+		c, err := fromEnv(bind(v))
 		if err != nil || c.bind != want {
 			t.Errorf("GDRLINK_BIND=%s: %v, %v; want %v", v, c.bind, err, want)
 		}
 	}
-	_, err := fromEnv(func(k string) (string, bool) {
-		return map[string]string{"GDRLINK_BIND": "socket"}[k], k == "GDRLINK_BIND"
-	})
+	_, err := fromEnv(bind("socket"))
 	if !errors.Is(err, verbsio.ErrBadConfig) || !strings.Contains(err.Error(), `GDRLINK_BIND="socket", want cores or none`) {
 		t.Errorf("GDRLINK_BIND=socket: %v, want ErrBadConfig naming cores and none", err)
 	}

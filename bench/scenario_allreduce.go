@@ -254,7 +254,6 @@ type ringRun struct {
 // runRingAllReduce runs a job of w processes of this binary over provider
 // and returns rank 0's rows.
 func runRingAllReduce(ctx context.Context, provider string, w int, sizes []int64, reps int, run ringRun) ([]allReduceRow, error) {
-	aggregator, gpu, rxe := run.aggregator, run.gpu, run.rxe
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
@@ -275,7 +274,7 @@ func runRingAllReduce(ctx context.Context, provider string, w int, sizes []int64
 		return nil, err
 	}
 	var extra []string
-	if aggregator {
+	if run.aggregator {
 		a, err := startAggregator(key, w)
 		if err != nil {
 			return nil, fmt.Errorf("aggregator: %w", err)
@@ -283,10 +282,10 @@ func runRingAllReduce(ctx context.Context, provider string, w int, sizes []int64
 		defer a.close()
 		extra = a.env
 	}
-	if rxe != nil {
-		a, err := startRXEAggregator(ctx, rxe, self, key)
+	if run.rxe != nil {
+		a, err := startRXEAggregator(ctx, run.rxe, self, key)
 		if err != nil {
-			return nil, fmt.Errorf("aggregator in %s: %w", rxe.NS, err)
+			return nil, fmt.Errorf("aggregator in %s: %w", run.rxe.NS, err)
 		}
 		defer a.close()
 		extra = a.env
@@ -306,7 +305,7 @@ func runRingAllReduce(ctx context.Context, provider string, w int, sizes []int64
 		if run.bind != "" {
 			c.Env = append(c.Env, run.bind)
 		}
-		if gpu {
+		if run.gpu {
 			c.Env = append(c.Env, allReduceGPUEnv+"=1")
 		}
 		if r == 0 {

@@ -393,7 +393,8 @@ func (l *verbsLink) send(q *qp, m *message) error {
 // naming lost) may take the completion of a later write instead, which
 // then counts as stale and that message is resent: a delay, never a
 // wrong result (attribute). place returns false only when no place of
-// this message is awaited either, which the first send rules out.
+// this message is awaited either: the first send's entry stays until a
+// completion is taken as this message's.
 func (l *verbsLink) place(q *qp, m *message) (uint64, bool) {
 	sp := &l.sent[q.idx]
 	if sp.last != q.count {
