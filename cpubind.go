@@ -16,20 +16,11 @@ import (
 // unbound, and Stats.Unbound says why; an error is one binding could not
 // be made.
 func (g *Group) bindCPUs() error {
-	index, count := 0, 0
-	for r, c := range g.cards {
-		if c.Host == "" {
-			g.unbound = fmt.Sprintf("rank %d's host is not known", r)
-			g.log.Warn("gdrlink: CPU binding skipped", "rank", g.Rank(), "why", g.unbound)
-			return nil
-		}
-		if c.Host != g.me.Host {
-			continue
-		}
-		if r == g.Rank() {
-			index = count
-		}
-		count++
+	index, count, why := g.localRanks()
+	if why != "" {
+		g.unbound = why
+		g.log.Warn("gdrlink: CPU binding skipped", "rank", g.Rank(), "why", g.unbound)
+		return nil
 	}
 	allowed, err := cpubind.Allowed()
 	if err != nil {
@@ -54,4 +45,56 @@ func (g *Group) bindCPUs() error {
 	}
 	g.log.Info("gdrlink: bound to CPUs", "rank", g.Rank(), "cpus", cpus, "of", allowed, "local_rank", index, "local_ranks", count, "threads", threads)
 	return nil
+}
+
+// localRanks says which of the job's ranks on this host this one is
+// (index, in rank order) and how many there are (count), from the host
+// cards; why says why that is not known (a rank whose card is missing: a
+// rejoin some peer did not answer).
+func (g *Group) localRanks() (index, count int, why string) {
+	for r, c := range g.cards {
+		if c.Host == "" {
+			return 0, 0, fmt.Sprintf("rank %d's host is not known", r)
+		}
+		if c.Host != g.me.Host {
+			continue
+		}
+		if r == g.Rank() {
+			index = count
+		}
+		count++
+	}
+	return index, count, ""
+}
+
+// yieldCPUs says whether this process's completion queues yield their CPU
+// between polls (verbsio.Config.Yield): as GDRLINK_YIELD says, and by
+// default (auto) where this host runs more ranks of the job than this
+// process may use CPUs, where a poller would hold the CPU that the rank it
+// waits for needs. asked is what the caller's verbs configuration says,
+// which auto keeps when it is set.
+func (g *Group) yieldCPUs(asked bool) (bool, string, error) {
+	switch g.cfg.yield {
+	case "on":
+		return true, "GDRLINK_YIELD=on", nil
+	case "off":
+		return false, "", nil
+	}
+	if asked {
+		return true, "the verbs configuration asks it", nil
+	}
+	_, count, why := g.localRanks()
+	if why != "" || g.cpus != nil {
+		// Unknown, or bound to CPUs of its own (Allowed is now the
+		// share), which takes a CPU per rank.
+		return false, "", nil
+	}
+	allowed, err := cpubind.Allowed()
+	if err != nil {
+		return false, "", err
+	}
+	if count > len(allowed) {
+		return true, fmt.Sprintf("%d ranks on this host, %d CPUs", count, len(allowed)), nil
+	}
+	return false, "", nil
 }

@@ -3,6 +3,7 @@ package gdrlink
 import (
 	"context"
 	"errors"
+	"fmt"
 	"runtime"
 	"slices"
 	"strings"
@@ -26,7 +27,7 @@ func bindJob(ctx context.Context, g *Group, rep *childReport) error {
 		return err
 	}
 	s := g.Stats()
-	rep.CPUs, rep.Unbound, rep.MaxProcs = s.CPUs, s.Unbound, runtime.GOMAXPROCS(0)
+	rep.CPUs, rep.Unbound, rep.Yield, rep.MaxProcs = s.CPUs, s.Unbound, s.Yield, runtime.GOMAXPROCS(0)
 	masks, err := cpubind.ThreadMasks()
 	if err != nil {
 		return err
@@ -43,7 +44,9 @@ func bindJob(ctx context.Context, g *Group, rep *childReport) error {
 // disjoint, equal shares of its CPUs, every thread of each (those started
 // after Join included) runs on its share alone, and GOMAXPROCS is the
 // share's size; with more ranks than CPUs none is bound, and each says
-// why. Without the variable nothing is bound.
+// why. Without the variable nothing is bound. Polls yield the CPU
+// (Stats.Yield) where there are more ranks than CPUs, bound or not, and
+// nowhere else unless GDRLINK_YIELD says so.
 func TestCPUBinding(t *testing.T) {
 	allowed, err := cpubind.Allowed()
 	if err != nil {
@@ -52,16 +55,24 @@ func TestCPUBinding(t *testing.T) {
 	if len(allowed) < 2 {
 		t.Skipf("this process may run on %d CPU: binding two ranks needs two", len(allowed))
 	}
-	run := func(size int, bind string) []childReport {
+	run := func(size int, bind string, more ...string) []childReport {
 		t.Helper()
 		j := startJob(t, "bind", size, "127.0.0.1", func(int) []string { return nil }, func(int) []string {
-			env := []string{"GDRLINK_PROVIDER=onnode", "GOMAXPROCS="}
+			env := append([]string{"GDRLINK_PROVIDER=onnode", "GOMAXPROCS=", "GDRLINK_YIELD="}, more...)
 			if bind != "" {
 				env = append(env, "GDRLINK_BIND="+bind)
 			}
 			return env
 		})
 		return j.wait(time.Minute)
+	}
+	yields := func(what string, reps []childReport, want bool) {
+		t.Helper()
+		for _, rep := range reps {
+			if rep.Yield != want {
+				t.Errorf("%s: rank %d's polls yield the CPU: %v, want %v", what, rep.Rank, rep.Yield, want)
+			}
+		}
 	}
 	reps := run(2, "cores")
 	per := len(allowed) / 2
@@ -86,7 +97,9 @@ func TestCPUBinding(t *testing.T) {
 			t.Errorf("rank %d: GOMAXPROCS %d, want %d", rep.Rank, rep.MaxProcs, per)
 		}
 	}
+	yields("2 ranks bound", reps, false)
 	over := run(len(allowed)+1, "cores")
+	yields(fmt.Sprintf("%d ranks on %d CPUs", len(allowed)+1, len(allowed)), over, true)
 	for _, rep := range over {
 		if rep.CPUs != nil || rep.Unbound == "" {
 			t.Fatalf("%d ranks on %d CPUs: rank %d bound to %v (%q), want unbound with a reason", len(allowed)+1, len(allowed), rep.Rank, rep.CPUs, rep.Unbound)
@@ -96,11 +109,15 @@ func TestCPUBinding(t *testing.T) {
 		}
 	}
 	t.Logf("%d ranks on %d CPUs: %s", len(allowed)+1, len(allowed), over[0].Unbound)
-	for _, rep := range run(2, "") {
+	floating := run(2, "")
+	for _, rep := range floating {
 		if rep.CPUs != nil || len(rep.ThreadCPUs) != 1 || !slices.Equal(rep.ThreadCPUs[0], allowed) {
 			t.Errorf("no binding asked: rank %d bound to %v, threads on %v", rep.Rank, rep.CPUs, rep.ThreadCPUs)
 		}
 	}
+	yields("2 ranks floating", floating, false)
+	yields("GDRLINK_YIELD=on", run(2, "", "GDRLINK_YIELD=on"), true)
+	yields("GDRLINK_YIELD=off", run(len(allowed)+1, "", "GDRLINK_YIELD=off"), false)
 }
 
 // TestCPUBindingConfig: GDRLINK_BIND takes cores or none, and names what
@@ -123,5 +140,22 @@ func TestCPUBindingConfig(t *testing.T) {
 	_, err := fromEnv(bind("socket"))
 	if !errors.Is(err, verbsio.ErrBadConfig) || !strings.Contains(err.Error(), `GDRLINK_BIND="socket", want cores or none`) {
 		t.Errorf("GDRLINK_BIND=socket: %v, want ErrBadConfig naming cores and none", err)
+	}
+	yield := func(v string) func(string) (string, bool) {
+		return func(k string) (string, bool) {
+			if k != "GDRLINK_YIELD" {
+				return "", false
+			}
+			return v, true
+		}
+	}
+	for _, v := range []string{"", "auto", "on", "off"} {
+		if c, err := fromEnv(yield(v)); err != nil || c.yield != v {
+			t.Errorf("GDRLINK_YIELD=%s: %q, %v", v, c.yield, err)
+		}
+	}
+	_, err = fromEnv(yield("always"))
+	if !errors.Is(err, verbsio.ErrBadConfig) || !strings.Contains(err.Error(), `GDRLINK_YIELD="always", want auto, on or off`) {
+		t.Errorf("GDRLINK_YIELD=always: %v, want ErrBadConfig naming auto, on and off", err)
 	}
 }

@@ -80,6 +80,9 @@ type Group struct {
 	// when not; unbound says why a binding asked for was not made.
 	cpus    []int
 	unbound string
+	// yield says whether the devices' completion queues yield their CPU
+	// between polls (verbsio.Config.Yield).
+	yield bool
 
 	metrics    *metrics
 	metricsSrv *metricsServer // nil without WithMetricsAddr
@@ -296,6 +299,13 @@ func (g *Group) setup(ctx context.Context) error {
 		return err
 	}
 	vc.JobKey, vc.Insecure = g.cfg.jobKey.Bytes(), g.cfg.insecure
+	var why string
+	if vc.Yield, why, err = g.yieldCPUs(vc.Yield); err != nil {
+		return err
+	}
+	if g.yield = vc.Yield; g.yield {
+		g.log.Info("gdrlink: polls yield the CPU", "rank", g.Rank(), "why", why)
+	}
 	if vc.Logger == nil {
 		vc.Logger = g.log // the providers' refusals
 	}
@@ -584,13 +594,17 @@ type Stats struct {
 	// Unbound says why a binding asked for was not made (more ranks on
 	// this host than CPUs, say); empty otherwise.
 	Unbound string
+	// Yield says whether this process's completion queues yield their
+	// CPU between polls (GDRLINK_YIELD; by default where this host runs
+	// more ranks of the job than this process may use CPUs).
+	Yield bool
 }
 
 // Stats reports the group's connections, protocol counters, pool, the
 // pool's registrations and the transport's retransmits.
 func (g *Group) Stats() Stats {
 	s := Stats{Rank: g.Rank(), Size: g.Size(), Join: g.joinDur, Connections: map[string]int{}, Unusable: map[string]string{},
-		Retransmits: map[string]uint64{}, CPUs: slices.Clone(g.cpus), Unbound: g.unbound}
+		Retransmits: map[string]uint64{}, CPUs: slices.Clone(g.cpus), Unbound: g.unbound, Yield: g.yield}
 	for n, err := range g.unusable {
 		s.Unusable[n] = err.Error()
 	}

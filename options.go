@@ -72,6 +72,8 @@ type config struct {
 	insecure           bool
 	// bind binds each rank of a host to CPUs of its own (GDRLINK_BIND).
 	bind bool
+	// yield is GDRLINK_YIELD: "auto" (or ""), "on" or "off".
+	yield string
 	// openGPU opens the GPU (openCUDA unless a test gives a simulated one).
 	openGPU func(ordinal int) (proxy.Device, alloc.Visitor, error)
 	// bar1 reads the BAR1 aperture of the GPU at a PCI address (nvml.BAR1
@@ -354,6 +356,12 @@ func fromEnv(lookup func(string) (string, bool)) (config, error) {
 		c.bind = true
 	default:
 		return c, fmt.Errorf("%w: GDRLINK_BIND=%q, want cores or none", verbsio.ErrBadConfig, v)
+	}
+	switch v := get("GDRLINK_YIELD"); v {
+	case "", "auto", "on", "off":
+		c.yield = v
+	default:
+		return c, fmt.Errorf("%w: GDRLINK_YIELD=%q, want auto, on or off", verbsio.ErrBadConfig, v)
 	}
 	if v := get("GDRLINK_GPU"); v != "" {
 		n, err := strconv.Atoi(v)

@@ -72,6 +72,9 @@ type allReduceRow struct {
 	Sent     int64   `json:"sent"`
 	Received int64   `json:"received"`
 	Links    string  `json:"links"`
+	// Yield says that rank 0's polls yielded the CPU (gdrlink.Stats.Yield:
+	// more workers than CPUs, by default).
+	Yield bool `json:"yield,omitempty"`
 	// Stage is the median time of the copies between the GPU tensor and
 	// its pinned host copy (the GPU rows).
 	Stage float64 `json:"stage,omitempty"`
@@ -173,7 +176,11 @@ func runAllReduce(ctx context.Context, env *Env) error {
 				if sec, ok := base[row.Size]; ok {
 					b, name = rateGBs(row.Size, time.Duration(sec*float64(time.Second))), "mpi-allreduce"
 				}
-				note := fmt.Sprintf("%d worker processes, float32 sum, median of %d; received over %s%s%s", w, reps, row.Links, bind.note, baseNote)
+				yield := ""
+				if row.Yield {
+					yield = "; polls yield the CPU (GDRLINK_YIELD=auto: more workers than CPUs)"
+				}
+				note := fmt.Sprintf("%d worker processes, float32 sum, median of %d; received over %s%s%s%s", w, reps, row.Links, bind.note, yield, baseNote)
 				r := newResult("allreduce", fmt.Sprintf("ring/%s/%dw", prov, w), row.Size, rateGBs(row.Size, d), "GB/s", b, name)
 				r.Note = note
 				env.Emit(r)
@@ -439,6 +446,7 @@ func allReduceRank(ctx context.Context) error {
 			}
 			row.Links = strings.Join(links, ",")
 		}
+		row.Yield = g.Stats().Yield
 		_ = t.Release()
 		row.Seconds = median(times)
 		if fill != nil {

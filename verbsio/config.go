@@ -62,6 +62,13 @@ type Config struct {
 	// Insecure lets a provider without a JobKey listen beyond loopback
 	// (GDRLINK_INSECURE=1).
 	Insecure bool
+	// Yield makes completion queues give up their thread's CPU between
+	// polls (sched_yield(2)) while they poll, for hosts with more runnable
+	// threads than CPUs: there the thread a completion needs may be
+	// waiting for the very CPU a poller holds. The front door sets it where
+	// its host runs more ranks of the job than this process may use CPUs
+	// (GDRLINK_YIELD=auto, the default; on or off force it).
+	Yield bool
 	// Logger receives what providers log: the connections they refuse
 	// (at Warn, at most a line a second per listener, with how many went
 	// unlogged). nil logs to slog.Default().

@@ -33,6 +33,11 @@ type Bounds struct {
 	// Min is the shortest poll of a wait (a completion already on its
 	// way); it is also the poll of a queue whose waits run long.
 	Min time.Duration
+	// Yield makes waits give up their thread's CPU between polls
+	// (YieldCPU), not only their goroutine's processor: for hosts with
+	// more runnable threads than CPUs. It changes how a wait polls, not
+	// for how long.
+	Yield bool
 }
 
 // The default bounds: a wait polls between DefaultMin and DefaultMax.
@@ -48,6 +53,7 @@ type Policy struct {
 	budget atomic.Int64 // ns
 	wake   atomic.Int64 // ns, a moving average
 	waits  atomic.Uint32
+	yields atomic.Uint64
 }
 
 // probeEvery: one wait in so many polls for the whole cap.
@@ -70,6 +76,17 @@ func New(b Bounds) *Policy {
 // two sleeping peers pays the wake-up twice.
 func (p *Policy) cap() time.Duration {
 	return min(max(16*time.Duration(p.wake.Load()), p.b.Min), p.b.Max)
+}
+
+// Yields says whether waits yield their thread's CPU between polls
+// (Bounds.Yield).
+func (p *Policy) Yields() bool { return p.b.Yield }
+
+// Yield is what a wait that yields (Yields) does between two polls:
+// YieldCPU, counted (Stats.Yields).
+func (p *Policy) Yield() {
+	p.yields.Add(1)
+	YieldCPU()
 }
 
 // Budget is how long the next wait polls before it sleeps.
@@ -122,9 +139,11 @@ type Stats struct {
 	Budget time.Duration
 	// Wake is what a wake-up from sleep costs, a moving average.
 	Wake time.Duration
+	// Yields counts the CPU yields of the policy's waits (Yield).
+	Yields uint64
 }
 
 // Stats returns the current estimates.
 func (p *Policy) Stats() Stats {
-	return Stats{Budget: min(time.Duration(p.budget.Load()), p.cap()), Wake: time.Duration(p.wake.Load())}
+	return Stats{Budget: min(time.Duration(p.budget.Load()), p.cap()), Wake: time.Duration(p.wake.Load()), Yields: p.yields.Load()}
 }

@@ -110,3 +110,19 @@ func ExamplePolicy() {
 	// quick answers: 42µs
 	// after two long waits: 11µs
 }
+
+// A policy yields only where its bounds say so, and counts each yield.
+func TestPolicyYield(t *testing.T) {
+	if New(Bounds{Max: DefaultMax}).Yields() {
+		t.Fatal("a policy without Bounds.Yield yields")
+	}
+	p := New(Bounds{Max: DefaultMax, Yield: true})
+	if !p.Yields() {
+		t.Fatal("a policy with Bounds.Yield does not yield")
+	}
+	p.Yield()
+	p.Yield()
+	if n := p.Stats().Yields; n != 2 {
+		t.Fatalf("Stats().Yields = %d after two yields", n)
+	}
+}

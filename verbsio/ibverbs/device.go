@@ -283,7 +283,7 @@ func (d *device) CreateCQ(depth int) (verbsio.CompletionQueue, error) {
 	}
 	spin := max(d.p.o.spin, 0)
 	return &cq{d: d, q: q, qps: map[uint32]*qpRef{}, scratch: make([]ibv.WC, 64),
-		spin: adaptspin.New(adaptspin.Bounds{Max: spin, Min: min(spin, adaptspin.DefaultMin)})}, nil
+		spin: adaptspin.New(adaptspin.Bounds{Max: spin, Min: min(spin, adaptspin.DefaultMin), Yield: d.cfg.Yield})}, nil
 }
 
 type pd struct {
@@ -680,7 +680,8 @@ func (w cqWaiter) Arm() error                                 { return wrap(w.c.
 func (w cqWaiter) WaitEvent(ctx context.Context) error        { return w.c.q.WaitEvent(ctx) }
 
 // spinWait is a Wait: it polls w for as long as p's budget, with pauses of
-// 1, 2, 4, then 8 us between polls (so a long poll still makes only a
+// 1, 2, 4, then 8 us between polls, yielding the CPU in them where
+// verbsio.Config.Yield says to (so a long poll still makes only a
 // handful of calls into libibverbs; a completion due within it, a
 // ping-pong's answer, is found without a wake-up's latency), then arms the
 // completion channel and sleeps on it. What each wait took teaches p.
@@ -701,7 +702,11 @@ func spinWait(ctx context.Context, p *adaptspin.Policy, w waiter, out []verbsio.
 			break
 		}
 		for time.Since(start) < next {
-			runtime.Gosched()
+			if p.Yields() {
+				p.Yield()
+			} else {
+				runtime.Gosched()
+			}
 		}
 		pause = min(2*pause, 8*time.Microsecond)
 	}

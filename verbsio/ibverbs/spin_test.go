@@ -102,3 +102,20 @@ func TestSpinWaitNoSpinAndTimeout(t *testing.T) {
 		t.Fatalf("wait past its context: %v, want ErrTimeout", err)
 	}
 }
+
+// With Bounds.Yield (Config.Yield) the pauses between polls give up the
+// CPU (sched_yield); without it they never do.
+func TestSpinWaitYields(t *testing.T) {
+	out := make([]verbsio.Completion, 1)
+	for _, yield := range []bool{false, true} {
+		p := adaptspin.New(adaptspin.Bounds{Max: 200 * time.Microsecond, Min: 2 * time.Microsecond, Yield: yield})
+		f := &fakeWaiter{due: time.Now().Add(100 * time.Microsecond)}
+		if n, err := spinWait(context.Background(), p, f, out); n != 1 || err != nil {
+			t.Fatalf("spinWait: %d, %v", n, err)
+		}
+		got := p.Stats().Yields
+		if yield && got == 0 || !yield && got != 0 {
+			t.Errorf("Yield %v: %d CPU yields while polling for an answer 100 us out", yield, got)
+		}
+	}
+}

@@ -44,7 +44,7 @@ type cq struct {
 
 func newCQ(d *device, depth int) *cq {
 	c := &cq{dev: d, depth: depth, notify: make(chan struct{}, 1),
-		spin: adaptspin.New(adaptspin.Bounds{Max: d.opts.Spin, Min: min(d.opts.Spin, adaptspin.DefaultMin)})}
+		spin: adaptspin.New(adaptspin.Bounds{Max: d.opts.Spin, Min: min(d.opts.Spin, adaptspin.DefaultMin), Yield: d.cfg.Yield})}
 	return c
 }
 
@@ -135,8 +135,9 @@ func (c *cq) isClosed() bool { return c.gone.Load() }
 
 // Wait implements verbsio.CompletionQueue: it polls for as long as the
 // queue's spin policy says (at most Options.Spin, learned from its own
-// waits: internal/adaptspin), then sleeps until a completion arrives or ctx
-// ends. While it polls, the peers of the attached queue pairs see so
+// waits: internal/adaptspin), yielding the CPU between polls where
+// verbsio.Config.Yield says to, then sleeps until a completion arrives or
+// ctx ends. While it polls, the peers of the attached queue pairs see so
 // (offPoll) and do not signal their SENDs.
 func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 	if len(out) == 0 {
@@ -172,6 +173,7 @@ func (c *cq) poll(in bool) {
 
 func (c *cq) wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 	budget := c.spin.Budget()
+	yield := c.spin.Yields()
 	start := time.Now()
 	for i := 0; ; i++ {
 		n, err := c.Poll(out)
@@ -179,14 +181,19 @@ func (c *cq) wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 			c.spin.Polled(time.Since(start))
 			return n, err
 		}
-		if i&63 == 63 {
+		if yield {
+			c.spin.Yield()
+		}
+		if i&63 == 63 || yield {
 			if err := ctx.Err(); err != nil {
 				return 0, fmt.Errorf("%w: waiting for completions: %w", verbsio.ErrTimeout, err)
 			}
 			if time.Since(start) >= budget {
 				break
 			}
-			runtime.Gosched()
+			if !yield {
+				runtime.Gosched()
+			}
 		}
 	}
 	for {

@@ -557,3 +557,28 @@ func TestFailedWriteTakesArrivalsFirst(t *testing.T) {
 		t.Fatalf("the receive after it: %+v, want WRID 42 flushed", second)
 	}
 }
+
+// TestWaitYields: with Config.Yield a Wait gives up its CPU between the
+// polls of its spin (sched_yield), without it not once; either way it
+// ends with its context.
+func TestWaitYields(t *testing.T) {
+	for _, yield := range []bool{false, true} {
+		n, err := newNodeConfig(verbsio.Config{Yield: yield}, Options{Spin: defaultSpin})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(n.close)
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+		var c [4]verbsio.Completion
+		k, err := n.rcq.Wait(ctx, c[:])
+		cancel()
+		if k != 0 || !errors.Is(err, verbsio.ErrTimeout) {
+			t.Fatalf("Yield %v: Wait on nothing gave %d, %v", yield, k, err)
+		}
+		got := n.rcq.(*cq).spin.Stats().Yields
+		if yield && got == 0 || !yield && got != 0 {
+			t.Errorf("Config.Yield %v: the Wait yielded its CPU %d times", yield, got)
+		}
+		t.Logf("Config.Yield %v: %d yields in a Wait on nothing", yield, got)
+	}
+}

@@ -36,7 +36,7 @@ type cq struct {
 }
 
 func newCQ(d *device, depth int) *cq {
-	c := &cq{dev: d, spin: adaptspin.New(adaptspin.Bounds{Max: max(d.opt.Spin, 0), Min: min(max(d.opt.Spin, 0), adaptspin.DefaultMin)}), q: make([]verbsio.Completion, 0, min(depth, 4096)), notify: make(chan struct{}, 1), done: make(chan struct{})}
+	c := &cq{dev: d, spin: adaptspin.New(adaptspin.Bounds{Max: max(d.opt.Spin, 0), Min: min(max(d.opt.Spin, 0), adaptspin.DefaultMin), Yield: d.cfg.Yield}), q: make([]verbsio.Completion, 0, min(depth, 4096)), notify: make(chan struct{}, 1), done: make(chan struct{})}
 	return c
 }
 
@@ -103,7 +103,8 @@ func (c *cq) progress() bool {
 }
 
 // Wait polls, reading the lanes itself, for as long as the queue's spin
-// policy says, then sleeps until a completion arrives, ctx ends or the
+// policy says (yielding the CPU between polls where verbsio.Config.Yield
+// says to), then sleeps until a completion arrives, ctx ends or the
 // queue closes.
 func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 	if len(out) == 0 {
@@ -111,6 +112,7 @@ func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 	}
 	start := time.Now()
 	budget := c.spin.Budget()
+	yield := c.spin.Yields()
 	for i := 0; ; i++ {
 		n, err := c.Poll(out)
 		if n > 0 || err != nil {
@@ -120,7 +122,7 @@ func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 		if c.progress() {
 			continue
 		}
-		if i&7 == 7 {
+		if i&7 == 7 || yield {
 			if err := ctx.Err(); err != nil {
 				return 0, err
 			}
@@ -128,7 +130,11 @@ func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 				break
 			}
 		}
-		runtime.Gosched()
+		if yield {
+			c.spin.Yield()
+		} else {
+			runtime.Gosched()
+		}
 	}
 	for {
 		c.sleepers.Add(1)
