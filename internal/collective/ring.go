@@ -329,7 +329,7 @@ type run struct {
 	parent context.Context
 	ctx    context.Context
 	cancel context.CancelFunc
-	sends  sync.WaitGroup
+	sends  sendCount
 
 	// steps is the number of steps of each lane: those the successor
 	// may wait for.
@@ -486,8 +486,10 @@ func (x *run) tellSuccessor(ctx context.Context, err error) {
 // failed before it began, and it told only its successor) cannot hold
 // this rank past its deadline.
 func (x *run) waitSends() error {
-	done := make(chan struct{})
-	go func() { x.sends.Wait(); close(done) }()
+	done := x.sends.idle()
+	if done == nil {
+		return nil
+	}
 	select {
 	case <-done:
 		return nil
@@ -583,8 +585,10 @@ func (x *run) abort(err error) {
 			}
 		}
 	}
-	done := make(chan struct{})
-	go func() { x.sends.Wait(); close(done) }()
+	done := x.sends.idle()
+	if done == nil {
+		return
+	}
 	select {
 	case <-done:
 		return
@@ -601,7 +605,7 @@ func (x *run) send(k, step int, s span) (<-chan error, error) {
 		return nil, &collective.RankError{Op: x.op, Rank: x.rank, Err: err}
 	}
 	done := make(chan error, 1)
-	x.sends.Add(1)
+	x.sends.add()
 	n := s.n * x.esize
 	err = x.next.SendFunc(x.key(k), x.step(step), p, func(err error) {
 		if err == nil {
@@ -612,11 +616,11 @@ func (x *run) send(k, step int, s span) (<-chan error, error) {
 			x.fail(x.linkErr(x.nextRank, err))
 		}
 		done <- err
-		x.sends.Done()
+		x.sends.done()
 		x.co[k].resume()
 	})
 	if err != nil {
-		x.sends.Done()
+		x.sends.done()
 		return nil, x.linkErr(x.nextRank, err)
 	}
 	x.mu.Lock()
@@ -865,4 +869,43 @@ func (x *run) broadcastLane(k int) error {
 	}
 	_, err := x.send(k, 0, s)
 	return err
+}
+
+// sendCount counts a call's sends out, for the waits that need them all
+// ended (waitSends, abort) without a goroutine of their own.
+type sendCount struct {
+	mu sync.Mutex
+	n  int
+	// zero is closed when n drops to 0; made by the first idle that
+	// finds sends out.
+	zero chan struct{}
+}
+
+func (c *sendCount) add() {
+	c.mu.Lock()
+	c.n++
+	c.mu.Unlock()
+}
+
+func (c *sendCount) done() {
+	c.mu.Lock()
+	if c.n--; c.n == 0 && c.zero != nil {
+		close(c.zero)
+		c.zero = nil
+	}
+	c.mu.Unlock()
+}
+
+// idle returns nil when no send is out, else a channel closed when none
+// is.
+func (c *sendCount) idle() <-chan struct{} {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.n == 0 {
+		return nil
+	}
+	if c.zero == nil {
+		c.zero = make(chan struct{})
+	}
+	return c.zero
 }
