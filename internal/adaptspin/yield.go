@@ -21,7 +21,7 @@ import (
 // leave, so it does not hand the processor to another thread (which it
 // would wake, one more runnable thread on a host that has too many) when
 // the kernel runs others for longer than the runtime's 20 µs (four ranks
-// on two cores took half as long over a 1 MiB AllReduce than with a
+// on two cores took half as long over a 1 MiB AllReduce as with a
 // plain system call: README, Collectives).
 func YieldCPU() {
 	_, _, _ = unix.RawSyscall(unix.SYS_SCHED_YIELD, 0, 0, 0)
