@@ -108,14 +108,15 @@ func TestSpinWaitNoSpinAndTimeout(t *testing.T) {
 func TestSpinWaitYields(t *testing.T) {
 	out := make([]verbsio.Completion, 1)
 	for _, yield := range []bool{false, true} {
-		p := adaptspin.New(adaptspin.Bounds{Max: 200 * time.Microsecond, Min: 2 * time.Microsecond, Yield: yield})
-		f := &fakeWaiter{due: time.Now().Add(100 * time.Microsecond)}
+		// Due well within the poll, even on an emulated CPU.
+		p := adaptspin.New(adaptspin.Bounds{Max: 50 * time.Millisecond, Min: 2 * time.Microsecond, Yield: yield})
+		f := &fakeWaiter{due: time.Now().Add(5 * time.Millisecond)}
 		if n, err := spinWait(context.Background(), p, f, out); n != 1 || err != nil {
 			t.Fatalf("spinWait: %d, %v", n, err)
 		}
 		got := p.Stats().Yields
 		if yield && got == 0 || !yield && got != 0 {
-			t.Errorf("Yield %v: %d CPU yields while polling for an answer 100 us out", yield, got)
+			t.Errorf("Yield %v: %d CPU yields while polling for an answer 5 ms out (slept %v)", yield, got, f.slept)
 		}
 	}
 }
