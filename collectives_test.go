@@ -12,6 +12,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -181,7 +182,7 @@ func collJob(ctx context.Context, g *Group, rep *childReport) error {
 			rep.PlacedCalls++
 		}
 		for _, l := range cr.Links {
-			rep.Paths = append(rep.Paths, fmt.Sprintf("%s/%s", l.Provider, l.Path))
+			rep.Paths = append(rep.Paths, fmt.Sprintf("%d:%s/%s", l.Peer, l.Provider, l.Path))
 		}
 		rep.Digests = append(rep.Digests, digest(t))
 		_ = t.Release()
@@ -363,6 +364,7 @@ func checkCollJob(t *testing.T, reps []childReport, provider string) {
 		}
 		for _, p := range rep.Paths {
 			// none: an empty piece (a tensor of fewer elements than ranks).
+			_, p, _ = strings.Cut(p, ":")
 			if p != provider+"/direct" && p != provider+"/none" {
 				t.Errorf("rank %d: a collective's bytes came by %s, want %s/direct", r, p, provider)
 				break
@@ -431,23 +433,27 @@ func TestAllReduceAcrossNamespaces(t *testing.T) {
 	}, func(int) []string { return []string{"GDRLINK_JOB_KEY=" + key} })
 	reps := j.wait(3 * time.Minute)
 	for i := range reps {
-		// Across the namespaces tcp, or ibverbs where both see a device.
-		var across []string
-		for _, p := range reps[i].Paths {
-			if p != "onnode/direct" && p != "onnode/none" {
-				across = append(across, p)
+		// Across the namespaces tcp, or ibverbs where both see a device;
+		// within one onnode. Ranks receive from their predecessor round
+		// the ring (0 from 3 and 2 from 1 across the namespaces, 1 and 3
+		// within one), and by halving from partners at distances 2
+		// (across) and 1 (within).
+		var across int
+		for _, e := range reps[i].Paths {
+			peer, p, _ := strings.Cut(e, ":")
+			q, _ := strconv.Atoi(peer)
+			switch crosses := (q >= size/2) != (i >= size/2); {
+			case crosses && p != "tcp/direct" && p != "ibverbs/direct" && p != "tcp/none" && p != "ibverbs/none":
+				t.Errorf("rank %d: bytes from rank %d, across the namespaces, came by %s", i, q, p)
+			case !crosses && p != "onnode/direct" && p != "onnode/none":
+				t.Errorf("rank %d: bytes from rank %d, in its namespace, came by %s", i, q, p)
+			case crosses:
+				across++
 			}
 		}
 		reps[i].Paths = nil
-		// Ranks receive from their predecessor: 0 from 3 and 2 from 1
-		// across the namespaces, 1 and 3 within one.
-		if crosses := i%2 == 0; crosses != (len(across) > 0) {
-			t.Errorf("rank %d: links across the namespaces %v, want some: %v", i, across, crosses)
-		}
-		for _, p := range across {
-			if p != "tcp/direct" && p != "ibverbs/direct" && p != "tcp/none" && p != "ibverbs/none" {
-				t.Errorf("rank %d: bytes came by %s", i, p)
-			}
+		if across == 0 {
+			t.Errorf("rank %d: no bytes came across the namespaces", i)
 		}
 	}
 	checkCollJob(t, reps, "")

@@ -75,6 +75,8 @@ type allReduceRow struct {
 	// Yield says that rank 0's polls yielded the CPU (gdrlink.Stats.Yield:
 	// more workers than CPUs, by default).
 	Yield bool `json:"yield,omitempty"`
+	// Algorithm is rank 0's last call's collective.Report.Algorithm.
+	Algorithm string `json:"algorithm,omitempty"`
 	// Stage is the median time of the copies between the GPU tensor and
 	// its pinned host copy (the GPU rows).
 	Stage float64 `json:"stage,omitempty"`
@@ -179,6 +181,9 @@ func runAllReduce(ctx context.Context, env *Env) error {
 				yield := ""
 				if row.Yield {
 					yield = "; polls yield the CPU (GDRLINK_YIELD=auto: more workers than CPUs)"
+				}
+				if row.Algorithm == "halving" {
+					yield += "; by recursive halving and doubling (a tensor of one segment per chunk on a power-of-two number of workers)"
 				}
 				note := fmt.Sprintf("%d worker processes, float32 sum, median of %d; received over %s%s%s%s", w, reps, row.Links, bind.note, yield, baseNote)
 				r := newResult("allreduce", fmt.Sprintf("ring/%s/%dw", prov, w), row.Size, rateGBs(row.Size, d), "GB/s", b, name)
@@ -439,7 +444,7 @@ func allReduceRank(ctx context.Context) error {
 			}
 			times[i] = time.Since(start).Seconds()
 			stage[i] = rep.StageTook.Seconds()
-			row.Sent, row.Received = rep.Sent, rep.Received
+			row.Sent, row.Received, row.Algorithm = rep.Sent, rep.Received, rep.Algorithm
 			var links []string
 			for _, l := range rep.Links {
 				links = append(links, l.Provider+"/"+l.Path.String())

@@ -73,6 +73,10 @@ type Report struct {
 	// Segments is the number of pieces each ring step was cut into, sent
 	// and reduced concurrently.
 	Segments int
+	// Algorithm is how the ring backend's AllReduce went: "ring" round
+	// the ring, or "halving" (recursive halving, then doubling, between
+	// partners); empty for the other calls and backends.
+	Algorithm string
 	// Links says how the received bytes came, by neighbour, provider,
 	// device and path (as Transfer reports a Recv).
 	Links []LinkUse

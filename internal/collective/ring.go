@@ -52,6 +52,12 @@ const (
 // all-gather copies those bits, unchanged, to every other rank. 16-bit
 // floats are added in float32 and rounded to nearest even after each
 // addition.
+//
+// On a power-of-two number of ranks, 4 or more, an AllReduce whose chunks
+// are one segment each (tensors up to Size() segments) goes by recursive
+// halving and doubling instead (halving.go): the same bytes in
+// 2·log2(Size()) steps, each an exchange with one partner, and its own
+// fixed order of additions (Report.Algorithm says which ran).
 type Ring struct {
 	tr      Transport
 	segment int64
@@ -149,9 +155,10 @@ func (r *Ring) allReduce(ctx context.Context, seq uint64, t *tensor.Tensor, op O
 		return x.finish(nil)
 	}
 	x.steps = 2 * (n - 1)
+	x.setLanes()
+	x.setHalving()
 	if st != nil {
 		x.st = st
-		x.setLanes()
 		x.loaded = make([][]func() error, n)
 		for i := range n {
 			c := x.mod(x.rank - i) // the order the steps first touch them
@@ -162,7 +169,13 @@ func (r *Ring) allReduce(ctx context.Context, seq uint64, t *tensor.Tensor, op O
 			}
 		}
 	}
-	return x.finish(x.runLanes(ctx, x.allReduceLane))
+	lane := x.allReduceLane
+	x.rep.Algorithm = "ring"
+	if x.halving {
+		lane = x.halvingLane
+		x.rep.Algorithm = "halving"
+	}
+	return x.finish(x.runLanes(ctx, lane))
 }
 
 // Broadcast copies root's t to every rank's t, down the ring from root:
@@ -250,6 +263,8 @@ func (r *Ring) Abandon(ctx context.Context, seq uint64, op string, m tensor.Meta
 			x.chunks[c] = span{lo, hi - lo}
 		}
 		x.steps = 2 * (x.n - 1)
+		x.setLanes()
+		x.setHalving()
 	case "broadcast":
 		x.chunks, x.steps = []span{{0, elems}}, 1
 	case "allgather":
@@ -353,6 +368,13 @@ type run struct {
 	// co are the lanes' coroutines, and ended counts those running.
 	co    []*lane
 	ended sync.WaitGroup
+
+	// halving: the AllReduce goes by recursive halving and doubling
+	// (halving.go); peers[s] is step s's partner, links[s] the link to
+	// it.
+	halving bool
+	peers   []int
+	links   []Link
 }
 
 // ready waits until segment k of chunk c is in the host tensor.
@@ -427,12 +449,8 @@ func (x *run) runLanes(ctx context.Context, lane func(k int) error) error {
 		x.tellSuccessor(ctx, err)
 		return err
 	}
-	var err error
-	if x.next, err = x.r.tr.Link(ctx, x.nextRank); err != nil {
-		return x.linkFailed(ctx, x.nextRank, err)
-	}
-	if x.prev, err = x.r.tr.Link(ctx, x.prevRank); err != nil {
-		return x.linkFailed(ctx, x.prevRank, err)
+	if err := x.connect(ctx); err != nil {
+		return err
 	}
 	x.parent = ctx
 	x.ctx, x.cancel = context.WithCancel(ctx)
@@ -470,6 +488,10 @@ func (x *run) runLanes(ctx context.Context, lane func(k int) error) error {
 func (x *run) tellSuccessor(ctx context.Context, err error) {
 	tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), abortGrace)
 	defer cancel()
+	if x.halving {
+		x.tellPartners(tctx, err)
+		return
+	}
 	next, lerr := x.r.tr.Link(tctx, x.nextRank)
 	if lerr != nil {
 		return
@@ -479,6 +501,22 @@ func (x *run) tellSuccessor(ctx context.Context, err error) {
 			_ = next.SendError(x.key(k), x.step(s), abortText(x.rank, err))
 		}
 	}
+}
+
+// connect gets the links the call's lanes use: to the neighbours, or to
+// the partners of a halving call.
+func (x *run) connect(ctx context.Context) error {
+	if x.halving {
+		return x.connectPartners(ctx)
+	}
+	var err error
+	if x.next, err = x.r.tr.Link(ctx, x.nextRank); err != nil {
+		return x.linkFailed(ctx, x.nextRank, err)
+	}
+	if x.prev, err = x.r.tr.Link(ctx, x.prevRank); err != nil {
+		return x.linkFailed(ctx, x.prevRank, err)
+	}
+	return nil
 }
 
 // waitSends waits until the successor has taken every piece offered it,
@@ -494,7 +532,11 @@ func (x *run) waitSends() error {
 	case <-done:
 		return nil
 	case <-x.parent.Done():
-		return &collective.RankError{Op: x.op, Rank: x.rank, Err: fmt.Errorf("rank %d: waiting for rank %d to take its pieces: %w", x.rank, x.nextRank, context.Cause(x.parent))}
+		who := fmt.Sprintf("rank %d", x.nextRank)
+		if x.halving {
+			who = fmt.Sprintf("its partners %v", x.peers)
+		}
+		return &collective.RankError{Op: x.op, Rank: x.rank, Err: fmt.Errorf("rank %d: waiting for %s to take its pieces: %w", x.rank, who, context.Cause(x.parent))}
 	}
 }
 
@@ -502,15 +544,21 @@ func (x *run) waitSends() error {
 // of the ring's size, at most its lanes, at most the smallest chunk's
 // elements.
 func (x *run) setLanes() {
+	x.lanes = lanesFor(x.chunks, x.esize, x.r.segment, x.r.lanes)
+}
+
+// lanesFor is setLanes' choice for chunks of elements of esize bytes,
+// segments of segment bytes and at most most lanes.
+func lanesFor(chunks []span, esize, segment int64, most int) int {
 	biggest := int64(0)
 	smallest := int64(-1)
-	for _, c := range x.chunks {
-		biggest = max(biggest, c.n*x.esize)
+	for _, c := range chunks {
+		biggest = max(biggest, c.n*esize)
 		if smallest < 0 || c.n < smallest {
 			smallest = c.n
 		}
 	}
-	x.lanes = int(min(int64(x.r.lanes), max(1, (biggest+x.r.segment-1)/x.r.segment), max(1, smallest)))
+	return int(min(int64(most), max(1, (biggest+segment-1)/segment), max(1, smallest)))
 }
 
 // linkFailed is the error of a link to peer that could not be had.
@@ -578,7 +626,13 @@ func (x *run) abort(err error) {
 	if errors.As(err, &re) && re.Rank >= 0 {
 		rank = re.Rank
 	}
-	if x.nextRank != rank {
+	if x.halving {
+		for s := x.sentUpTo[0]; s < x.steps; s++ {
+			if x.peers[s] != rank {
+				_ = x.links[s].SendError(x.key(0), x.step(s), abortText(rank, err))
+			}
+		}
+	} else if x.nextRank != rank {
 		for k := range x.lanes {
 			for s := x.sentUpTo[k]; s < x.steps; s++ {
 				_ = x.next.SendError(x.key(k), x.step(s), abortText(rank, err))
@@ -594,12 +648,21 @@ func (x *run) abort(err error) {
 		return
 	case <-time.After(abortGrace):
 	}
-	_ = x.next.Abort()
+	if x.halving {
+		x.abortPartners()
+	} else {
+		_ = x.next.Abort()
+	}
 	<-done
 }
 
 // send offers span s of the tensor to the successor as lane k's step.
 func (x *run) send(k, step int, s span) (<-chan error, error) {
+	return x.sendTo(x.next, x.nextRank, k, step, s)
+}
+
+// sendTo offers span s of the tensor to peer, over l, as lane k's step.
+func (x *run) sendTo(l Link, peer, k, step int, s span) (<-chan error, error) {
 	p, err := piece(x.t, s.off*x.esize, s.n*x.esize)
 	if err != nil {
 		return nil, &collective.RankError{Op: x.op, Rank: x.rank, Err: err}
@@ -607,13 +670,13 @@ func (x *run) send(k, step int, s span) (<-chan error, error) {
 	done := make(chan error, 1)
 	x.sends.add()
 	n := s.n * x.esize
-	err = x.next.SendFunc(x.key(k), x.step(step), p, func(err error) {
+	err = l.SendFunc(x.key(k), x.step(step), p, func(err error) {
 		if err == nil {
 			x.mu.Lock()
 			x.rep.Sent += n
 			x.mu.Unlock()
 		} else {
-			x.fail(x.linkErr(x.nextRank, err))
+			x.fail(x.linkErr(peer, err))
 		}
 		done <- err
 		x.sends.done()
@@ -621,7 +684,7 @@ func (x *run) send(k, step int, s span) (<-chan error, error) {
 	})
 	if err != nil {
 		x.sends.done()
-		return nil, x.linkErr(x.nextRank, err)
+		return nil, x.linkErr(peer, err)
 	}
 	x.mu.Lock()
 	x.sentUpTo[k] = step + 1
@@ -645,6 +708,11 @@ func (x *run) recv(k, step int) chan result {
 // into span s of the tensor where the link can (rendezvous.Into); an
 // empty s asks for a tensor of its own.
 func (x *run) recvInto(k, step int, s span) chan result {
+	return x.recvFrom(x.prev, x.prevRank, k, step, s)
+}
+
+// recvFrom asks peer, over l, for lane k's step, as recvInto does.
+func (x *run) recvFrom(l Link, peer, k, step int, s span) chan result {
 	var opts []rendezvous.RecvOption
 	if s.n > 0 {
 		if p, err := piece(x.t, s.off*x.esize, s.n*x.esize); err == nil {
@@ -652,11 +720,11 @@ func (x *run) recvInto(k, step int, s span) chan result {
 		}
 	}
 	ch := make(chan result, 1)
-	x.prev.RecvFunc(x.ctx, x.key(k), x.step(step), func(t *tensor.Tensor, tr rendezvous.Transfer, err error) {
+	l.RecvFunc(x.ctx, x.key(k), x.step(step), func(t *tensor.Tensor, tr rendezvous.Transfer, err error) {
 		if err != nil && x.ctx.Err() == nil {
 			// Stop every lane now, not when this one gets here: it may
 			// be waiting on something the failure holds up.
-			x.fail(x.linkErr(x.prevRank, err))
+			x.fail(x.linkErr(peer, err))
 		}
 		ch <- result{t, tr, err}
 		x.co[k].resume()
@@ -680,21 +748,26 @@ func (x *run) place(s span, got *tensor.Tensor) {
 
 // take waits for a receive and checks what came.
 func (x *run) take(k int, ch chan result, want span) (*tensor.Tensor, error) {
+	return x.takeFrom(x.prevRank, k, ch, want)
+}
+
+// takeFrom waits for a receive from peer and checks what came.
+func (x *run) takeFrom(peer, k int, ch chan result, want span) (*tensor.Tensor, error) {
 	x.co[k].await(func() bool { return len(ch) > 0 })
 	res := <-ch
 	if res.err != nil {
-		return nil, x.linkErr(x.prevRank, res.err)
+		return nil, x.linkErr(peer, res.err)
 	}
 	x.mu.Lock()
-	addLink(&x.rep, x.prevRank, res.tr)
+	addLink(&x.rep, peer, res.tr)
 	x.mu.Unlock()
 	b, err := res.t.Bytes()
 	if err == nil && (res.t.Meta().DType != x.t.Meta().DType || int64(len(b)) != want.n*x.esize) {
-		err = fmt.Errorf("%w: rank %d sent %s for %d elements of %s", rendezvous.ErrProtocol, x.prevRank, res.t.Meta(), want.n, x.t.Meta().DType)
+		err = fmt.Errorf("%w: rank %d sent %s for %d elements of %s", rendezvous.ErrProtocol, peer, res.t.Meta(), want.n, x.t.Meta().DType)
 	}
 	if err != nil {
 		_ = res.t.Release()
-		return nil, &collective.RankError{Op: x.op, Rank: x.prevRank, Err: err}
+		return nil, &collective.RankError{Op: x.op, Rank: peer, Err: err}
 	}
 	return res.t, nil
 }

@@ -47,11 +47,48 @@ var shapes = []struct {
 	{70001, []RingOption{WithSegment(4096), WithLanes(5)}},
 }
 
+// halvingSums is the halving AllReduce's sums of in (size ranks, a power
+// of two), done step by step as halving.go documents: at distance d each
+// rank adds its partner's (rank^d) partial sums into the half of its
+// block that holds its own chunk; element i's sum is then its chunk's
+// owner's.
+func halvingSums(in [][]float32, size int) []float32 {
+	n := int64(len(in[0]))
+	vals := make([][]float32, size)
+	for r := range vals {
+		vals[r] = append([]float32(nil), in[r]...)
+	}
+	lo := make([]int, size)
+	for d := size / 2; d >= 1; d /= 2 {
+		next := make([][]float32, size)
+		for r := range size {
+			next[r] = append([]float32(nil), vals[r]...)
+			keep := lo[r]
+			if r&d != 0 {
+				keep += d
+			}
+			for i := range n {
+				if c := chunkOf(i, n, size); c >= keep && c < keep+d {
+					next[r][i] = vals[r][i] + vals[r^d][i]
+				}
+			}
+			lo[r] = keep
+		}
+		vals = next
+	}
+	out := make([]float32, n)
+	for i := range n {
+		out[i] = vals[chunkOf(i, n, size)][i]
+	}
+	return out
+}
+
 // TestAllReduceFloat32Order: random float32s, whose sums round, come out
-// as the documented fold from rank c for chunk c, bit for bit, on every
-// rank.
+// as the documented order, bit for bit, on every rank: the fold from rank
+// c for chunk c round the ring, or the halving tree where the call goes
+// by halving (4 ranks, one lane), whose report says which.
 func TestAllReduceFloat32Order(t *testing.T) {
-	for size := 1; size <= 6; size++ {
+	for _, size := range []int{1, 2, 3, 4, 5, 6, 8} {
 		for _, sh := range shapes {
 			for _, op := range []Op{Sum, Average} {
 				t.Run(fmt.Sprintf("%d-ranks-%d-%s", size, sh.n, op), func(t *testing.T) {
@@ -63,17 +100,32 @@ func TestAllReduceFloat32Order(t *testing.T) {
 							in[r][i] = float32(rng.NormFloat64() * math.Pow(10, float64(rng.IntN(6))))
 						}
 					}
+					ring := NewRing(nil, sh.opts...)
+					chunks := make([]span, size)
+					for c := range size {
+						chunks[c] = span{sh.n * int64(c) / int64(size), sh.n*int64(c+1)/int64(size) - sh.n*int64(c)/int64(size)}
+					}
+					algo := "ring"
+					if size >= 4 && size&(size-1) == 0 && lanesFor(chunks, 4, ring.segment, ring.lanes) == 1 {
+						algo = "halving"
+					}
 					want := make([]float32, sh.n)
-					for i := range want {
-						c := chunkOf(int64(i), sh.n, size)
-						v := in[c][i]
-						for s := 1; s < size; s++ {
-							v += in[(c+s)%size][i]
+					if algo == "halving" {
+						want = halvingSums(in, size)
+					} else {
+						for i := range want {
+							c := chunkOf(int64(i), sh.n, size)
+							v := in[c][i]
+							for s := 1; s < size; s++ {
+								v += in[(c+s)%size][i]
+							}
+							want[i] = v
 						}
-						if op == Average {
-							v /= float32(size)
+					}
+					if op == Average {
+						for i := range want {
+							want[i] /= float32(size)
 						}
-						want[i] = v
 					}
 					got := make([][]float32, size)
 					errs := runRanks(t, size, sh.opts, func(r int, b *Ring) error {
@@ -81,8 +133,8 @@ func TestAllReduceFloat32Order(t *testing.T) {
 						v, _ := tensor.View[float32](x)
 						copy(v, in[r])
 						rep, err := b.AllReduce(context.Background(), 7, x, op)
-						if err == nil && size > 1 && sh.n >= int64(size) && (rep.Received == 0 || rep.Sent == 0 || rep.Backend != "ring") {
-							err = fmt.Errorf("report %+v", rep)
+						if err == nil && size > 1 && sh.n >= int64(size) && (rep.Received == 0 || rep.Sent == 0 || rep.Backend != "ring" || rep.Algorithm != algo) {
+							err = fmt.Errorf("report %+v, want algorithm %s", rep, algo)
 						}
 						got[r] = v
 						return err
@@ -287,7 +339,11 @@ func TestBroadcastAndAllGather(t *testing.T) {
 // rank's AllReduce with a RankError naming it, whether it was a
 // neighbour or heard of along the ring.
 func TestDeadRankNamed(t *testing.T) {
-	const size, dead = 5, 2
+	t.Run("ring", func(t *testing.T) { testDeadRankNamed(t, 5, 2, []RingOption{WithSegment(4096)}) })
+	t.Run("halving", func(t *testing.T) { testDeadRankNamed(t, 8, 2, nil) })
+}
+
+func testDeadRankNamed(t *testing.T, size, dead int, opts []RingOption) {
 	j := newMemJob(size)
 	errs := make([]error, size)
 	var wg sync.WaitGroup
@@ -299,7 +355,7 @@ func TestDeadRankNamed(t *testing.T) {
 		}
 		wg.Go(func() {
 			x := newTensor(tensor.Float32, 100000)
-			_, errs[r] = NewRing(memTransport{j, r}, WithSegment(4096)).AllReduce(ctx, 0, x, Sum)
+			_, errs[r] = NewRing(memTransport{j, r}, opts...).AllReduce(ctx, 0, x, Sum)
 		})
 	}
 	time.Sleep(50 * time.Millisecond)
@@ -315,15 +371,29 @@ func TestDeadRankNamed(t *testing.T) {
 			t.Errorf("rank %d: %v, want a RankError naming rank %d", r, err, dead)
 		}
 	}
-	if !errors.Is(errs[dead+1], verbsio.ErrPeerLost) {
-		t.Errorf("rank %d (successor of the dead one): %v, want ErrPeerLost", dead+1, errs[dead+1])
+	// The rank that talks to the dead one first: its successor round the
+	// ring, its first partner by halving.
+	first := dead + 1
+	if opts == nil {
+		first = dead ^ (size / 2)
+	}
+	if !errors.Is(errs[first], verbsio.ErrPeerLost) {
+		t.Errorf("rank %d (the dead one's first peer): %v, want ErrPeerLost", first, errs[first])
 	}
 }
 
 // TestDeadlineNamesSelf: a rank whose context ends fails with a RankError
 // naming itself, and the others, told along the ring, name it too.
 func TestDeadlineNamesSelf(t *testing.T) {
-	const size, late = 3, 1
+	for _, size := range []int{3, 4} {
+		t.Run(fmt.Sprintf("%d-ranks", size), func(t *testing.T) { testDeadlineNamesSelf(t, size) })
+	}
+}
+
+// testDeadlineNamesSelf is TestDeadlineNamesSelf on size ranks: round the
+// ring on 3, by halving on 4.
+func testDeadlineNamesSelf(t *testing.T, size int) {
+	const late = 1
 	errs := runRanks(t, size, nil, func(r int, b *Ring) error {
 		d := 20 * time.Second
 		if r == late {
@@ -352,10 +422,15 @@ func TestDeadlineNamesSelf(t *testing.T) {
 func TestAbandon(t *testing.T) {
 	const size, quitter = 4, 2
 	cause := errors.New("no room to stage the tensor")
-	for _, op := range []string{"allreduce", "broadcast", "allgather"} {
+	for _, op := range []string{"allreduce", "broadcast", "allgather", "allreduce-halving"} {
 		t.Run(op, func(t *testing.T) {
+			opts := []RingOption{WithSegment(256)}
+			if op == "allreduce-halving" {
+				// One segment: the call goes by halving on 4 ranks.
+				op, opts = "allreduce", nil
+			}
 			start := time.Now()
-			errs := runRanks(t, size, []RingOption{WithSegment(256)}, func(r int, b *Ring) error {
+			errs := runRanks(t, size, opts, func(r int, b *Ring) error {
 				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 				defer cancel()
 				in := newTensor(tensor.Float32, 1000)
