@@ -196,15 +196,7 @@ func (x *run) halvingLane(k int) error {
 			// The bytes overwritten went to the partner in the
 			// reduce-scatter step of the same distance; its completion
 			// says they have left.
-			sent := rsSent[2*m-1-s]
-			x.co[k].await(func() bool { return len(sent) > 0 || x.ctx.Err() != nil })
-			var err error
-			select {
-			case err = <-sent:
-			default:
-				err = x.ctx.Err()
-			}
-			if err != nil {
+			if err := x.awaitSent(k, rsSent[2*m-1-s]); err != nil {
 				_ = got.Release()
 				x.drain(k, nxt)
 				return x.linkErr(x.peers[s], err)

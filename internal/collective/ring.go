@@ -873,15 +873,7 @@ func (x *run) allReduceLane(k int) error {
 			// The bytes overwritten went out in reduce-scatter step a;
 			// they have reached the successor (the chunk came round
 			// since), and the send's completion says so here too.
-			sent := rsSent[s-(n-1)]
-			x.co[k].await(func() bool { return len(sent) > 0 || x.ctx.Err() != nil })
-			var err error
-			select {
-			case err = <-sent:
-			default:
-				err = x.ctx.Err()
-			}
-			if err != nil {
+			if err := x.awaitSent(k, rsSent[s-(n-1)]); err != nil {
 				_ = got.Release()
 				x.drain(k, nxt)
 				return x.linkErr(x.nextRank, err)
@@ -897,6 +889,18 @@ func (x *run) allReduceLane(k int) error {
 		cur = nxt
 	}
 	return nil
+}
+
+// awaitSent waits in lane k for a send's completion (sent, from send)
+// and returns its error, or the call's end.
+func (x *run) awaitSent(k int, sent <-chan error) error {
+	x.co[k].await(func() bool { return len(sent) > 0 || x.ctx.Err() != nil })
+	select {
+	case err := <-sent:
+		return err
+	default:
+		return x.ctx.Err()
+	}
 }
 
 // allGatherLane runs segment k of every slot around the ring.
