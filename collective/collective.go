@@ -75,7 +75,8 @@ type Report struct {
 	Segments int
 	// Algorithm is how the ring backend's AllReduce went: "ring" round
 	// the ring, or "halving" (recursive halving, then doubling, between
-	// partners); empty for the other calls and backends.
+	// partners); empty for the other calls and backends, and for a job
+	// of one rank.
 	Algorithm string
 	// Links says how the received bytes came, by neighbour, provider,
 	// device and path (as Transfer reports a Recv).
