@@ -178,14 +178,14 @@ func runAllReduce(ctx context.Context, env *Env) error {
 				if sec, ok := base[row.Size]; ok {
 					b, name = rateGBs(row.Size, time.Duration(sec*float64(time.Second))), "mpi-allreduce"
 				}
-				yield := ""
+				how := ""
 				if row.Yield {
-					yield = "; polls yield the CPU (GDRLINK_YIELD=auto: more workers than CPUs)"
+					how = "; polls yield the CPU (GDRLINK_YIELD=auto: more workers than CPUs)"
 				}
 				if row.Algorithm == "halving" {
-					yield += "; by recursive halving and doubling (a tensor of one segment per chunk on a power-of-two number of workers)"
+					how += "; by recursive halving and doubling (a tensor of one segment per chunk on a power-of-two number of workers)"
 				}
-				note := fmt.Sprintf("%d worker processes, float32 sum, median of %d; received over %s%s%s%s", w, reps, row.Links, bind.note, yield, baseNote)
+				note := fmt.Sprintf("%d worker processes, float32 sum, median of %d; received over %s%s%s%s", w, reps, row.Links, bind.note, how, baseNote)
 				r := newResult("allreduce", fmt.Sprintf("ring/%s/%dw", prov, w), row.Size, rateGBs(row.Size, d), "GB/s", b, name)
 				r.Note = note
 				env.Emit(r)

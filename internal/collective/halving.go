@@ -60,26 +60,17 @@ func (x *run) chunkRange(lo, d int) span {
 	return span{a.off, b.off + b.n - a.off}
 }
 
-// connectPartners gets the link to every step's partner.
+// connectPartners gets the link to every step's partner: the
+// reduce-scatter's are distinct, and the all-gather retraces them.
 func (x *run) connectPartners(ctx context.Context) error {
+	m := x.steps / 2
 	x.links = make([]Link, x.steps)
-	for s, p := range x.peers {
-		if s > 0 && x.links[s] == nil {
-			for t := range s {
-				if x.peers[t] == p {
-					x.links[s] = x.links[t]
-					break
-				}
-			}
-		}
-		if x.links[s] != nil {
-			continue
-		}
-		l, err := x.r.tr.Link(ctx, p)
+	for s := range m {
+		l, err := x.r.tr.Link(ctx, x.peers[s])
 		if err != nil {
-			return x.linkFailed(ctx, p, err)
+			return x.linkFailed(ctx, x.peers[s], err)
 		}
-		x.links[s] = l
+		x.links[s], x.links[2*m-1-s] = l, l
 	}
 	return nil
 }
@@ -88,18 +79,14 @@ func (x *run) connectPartners(ctx context.Context) error {
 // this rank's piece, that this rank's call failed with err before it
 // began (those whose link is there within ctx).
 func (x *run) tellPartners(ctx context.Context, err error) {
-	links := map[int]Link{}
-	for s, p := range x.peers {
-		l, ok := links[p]
-		if !ok {
-			var lerr error
-			if l, lerr = x.r.tr.Link(ctx, p); lerr != nil {
-				l = nil
-			}
-			links[p] = l
+	m := x.steps / 2
+	for s := range m {
+		l, lerr := x.r.tr.Link(ctx, x.peers[s])
+		if lerr != nil {
+			continue
 		}
-		if l != nil {
-			_ = l.SendError(x.key(0), x.step(s), abortText(x.rank, err))
+		for _, t := range []int{s, 2*m - 1 - s} {
+			_ = l.SendError(x.key(0), x.step(t), abortText(x.rank, err))
 		}
 	}
 }
@@ -107,12 +94,8 @@ func (x *run) tellPartners(ctx context.Context, err error) {
 // abortPartners closes the links to the partners, dropping the sends
 // that none of them asked for.
 func (x *run) abortPartners() {
-	done := map[Link]bool{}
-	for _, l := range x.links {
-		if l != nil && !done[l] {
-			done[l] = true
-			_ = l.Abort()
-		}
+	for _, l := range x.links[:x.steps/2] {
+		_ = l.Abort()
 	}
 }
 
@@ -120,13 +103,17 @@ func (x *run) abortPartners() {
 func (x *run) halvingLane(k int) error {
 	n, r, m := x.n, x.rank, x.steps/2
 	rsSent := make([]<-chan error, m)
-	// lo is the first chunk of the block of d chunks this rank works on.
+	// lo is the first chunk of the block this rank holds: 2d chunks
+	// before a reduce-scatter step of distance d, d before an all-gather
+	// step's.
 	lo := 0
 	cur := x.recvFrom(x.links[0], x.peers[0], k, 0, span{})
 	for s := range x.steps {
 		d := x.distance(s)
 		var give, want span
-		var wantLo int
+		// wantLo is the first chunk of want; nextLo the first of the
+		// block this rank holds after the step.
+		var wantLo, nextLo int
 		if s < m {
 			// Keep the half of the block [lo, lo+2d) that holds chunk
 			// r; give the partner the other.
@@ -141,6 +128,7 @@ func (x *run) halvingLane(k int) error {
 				}
 			}
 			give, want, wantLo = x.chunkRange(giveLo, d), x.chunkRange(keepLo, d), keepLo
+			nextLo = keepLo
 		} else {
 			if s == m {
 				// This rank's own chunk is final.
@@ -153,6 +141,7 @@ func (x *run) halvingLane(k int) error {
 				}
 			}
 			give, want, wantLo = x.chunkRange(lo, d), x.chunkRange(lo^d, d), lo^d
+			nextLo = min(lo, wantLo)
 		}
 		done, err := x.sendTo(x.links[s], x.peers[s], k, s, give)
 		if err != nil {
@@ -170,11 +159,7 @@ func (x *run) halvingLane(k int) error {
 		default:
 			// An all-gather step: the partner's block lands in place.
 			nd := x.distance(s + 1)
-			nlo := wantLo &^ (nd - 1)
-			if s+1 > m {
-				nlo = min(lo, wantLo) &^ (nd - 1)
-			}
-			nxt = x.recvFrom(x.links[s+1], x.peers[s+1], k, s+1, x.chunkRange(nlo^nd, nd))
+			nxt = x.recvFrom(x.links[s+1], x.peers[s+1], k, s+1, x.chunkRange(nextLo^nd, nd))
 		}
 		got, err := x.takeFrom(x.peers[s], k, cur, want)
 		if err != nil {
@@ -191,7 +176,6 @@ func (x *run) halvingLane(k int) error {
 				}
 			}
 			x.kern.add(x.bytes(want), in)
-			lo = wantLo
 		} else {
 			// The bytes overwritten went to the partner in the
 			// reduce-scatter step of the same distance; its completion
@@ -209,10 +193,9 @@ func (x *run) halvingLane(k int) error {
 					return err
 				}
 			}
-			lo = min(lo, wantLo)
 		}
 		_ = got.Release()
-		cur = nxt
+		lo, cur = nextLo, nxt
 	}
 	return nil
 }
