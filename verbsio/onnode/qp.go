@@ -133,8 +133,12 @@ type qp struct {
 	peerCtr     []byte
 	vmErr       error
 
-	sendMu   sync.Mutex // sends, the outgoing ring's tail, file maps
-	tail     uint64
+	sendMu sync.Mutex // sends, the outgoing ring's tail, file maps
+	tail   uint64
+	// head is the peer's offHead as last read: the peer only moves it
+	// forward, so the room it leaves is at least what it says, and the
+	// ring's shared line is read again only when that room runs out.
+	head     uint64
 	fileMaps map[uint32]*fileMap
 	fdResp   chan fdAnswer
 	sendSeq  uint32
@@ -454,6 +458,7 @@ func (q *qp) attachPeer(conn *net.UnixConn, h hello, fds []int) error {
 	}
 	q.out = newRing(ringMem)
 	q.tail = load64(ringMem, offTail)
+	q.head = load64(ringMem, offHead)
 	if q.peerTable, err = unix.Mmap(fds[2], 0, tableBytes, unix.PROT_READ, unix.MAP_SHARED); err != nil {
 		return fmt.Errorf("%w: onnode mapping peer region table: %w", verbsio.ErrNotSupported, err)
 	}

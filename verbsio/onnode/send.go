@@ -94,8 +94,11 @@ func (q *qp) PostSend(wrs []verbsio.SendWR) error {
 			q.sendFail(st, err)
 			return nil
 		}
-		if w.Op != verbsio.OpSend {
-			ps = append(ps, pendingComp{c: verbsio.Completion{WRID: w.WRID, Op: w.Op, QP: q}, signaled: w.Signaled})
+		// An unsignaled success produces no completion, and holds none
+		// back (only SENDs awaiting their acknowledgement do): it is not
+		// queued.
+		if w.Op != verbsio.OpSend && w.Signaled {
+			ps = append(ps, pendingComp{c: verbsio.Completion{WRID: w.WRID, Op: w.Op, QP: q}, signaled: true})
 		}
 	}
 	q.enqueue(ps)
@@ -168,10 +171,18 @@ func (q *qp) exec(w *verbsio.SendWR) (verbsio.Status, error) {
 		if n == 0 {
 			return verbsio.StatusSuccess, nil
 		}
-		return q.remoteCopy(false, segs, w.RemoteAddr, w.RKey, n)
+		st, held, err := q.remoteCopy(false, segs, w.RemoteAddr, w.RKey, n)
+		unhold(held)
+		return st, err
 	}
 	if n > 0 {
-		if st, err := q.remoteCopy(true, segs, w.RemoteAddr, w.RKey, n); st != verbsio.StatusSuccess {
+		// The peer's region stays held until the immediate is published:
+		// the hold's release is an atomic instruction, which would wait
+		// for the copy's stores to reach the peer's cache before the
+		// record's could start on theirs.
+		st, held, err := q.remoteCopy(true, segs, w.RemoteAddr, w.RKey, n)
+		defer unhold(held)
+		if st != verbsio.StatusSuccess {
 			return st, err
 		}
 	}
@@ -215,14 +226,16 @@ func (q *qp) produce(kind, flags uint8, imm, n uint32, segs [][]byte, from int, 
 	size := uint64(recordSize(plen))
 	var since time.Time
 	for {
-		head := atomic.LoadUint64(u64(r.mem, offHead))
-		used := q.tail - head
-		if used > ringData {
-			return verbsio.StatusRemoteOperation, fmt.Errorf("%w: onnode peer ring head %d, tail %d", verbsio.ErrBadFrame, head, q.tail)
-		}
-		free := ringData - used
 		off := q.tail & (ringData - 1)
 		toEnd := ringData - off
+		if free := ringData - (q.tail - q.head); free < min(size, toEnd) {
+			// Out of room by the head last read: read it again.
+			q.head = atomic.LoadUint64(u64(r.mem, offHead))
+			if q.tail-q.head > ringData {
+				return verbsio.StatusRemoteOperation, fmt.Errorf("%w: onnode peer ring head %d, tail %d", verbsio.ErrBadFrame, q.head, q.tail)
+			}
+		}
+		free := ringData - (q.tail - q.head)
 		if size > toEnd && free >= toEnd {
 			putRecordHeader(r.data[off:off], uint32(toEnd), recPad, 0, 0, 0)
 			q.tail += toEnd
@@ -295,10 +308,22 @@ func (q *qp) signal() {
 
 // remoteCopy writes segs into (or reads them from) the peer's region rkey at
 // addr, after checking the key, the bounds and the access in the peer's
-// table. The peer cannot release the region while the copy runs.
-func (q *qp) remoteCopy(write bool, segs [][]byte, addr uint64, rkey uint32, n int) (verbsio.Status, error) {
+// table. The peer cannot release the region while the copy runs: after a
+// success the region is still held, and the caller releases it with
+// unhold(held) when it no longer needs it.
+func (q *qp) remoteCopy(write bool, segs [][]byte, addr uint64, rkey uint32, n int) (verbsio.Status, *uint64, error) {
 	e, held, ok := readEntry(q.peerTable, q.peerCtr, int(rkey&(tableSlots-1)), true)
-	defer unhold(held)
+	st, err := q.copyEntry(write, e, ok, segs, addr, rkey, n)
+	if st != verbsio.StatusSuccess {
+		unhold(held)
+		return st, nil, err
+	}
+	return st, held, nil
+}
+
+// copyEntry is remoteCopy after the table read: e is the region's entry
+// (ok false: unreadable).
+func (q *qp) copyEntry(write bool, e entry, ok bool, segs [][]byte, addr uint64, rkey uint32, n int) (verbsio.Status, error) {
 	need := verbsio.AccessRemoteRead
 	if write {
 		need = verbsio.AccessRemoteWrite
