@@ -115,8 +115,9 @@ type xferSide struct {
 	posted   int // since the last signaled one
 	// fence is a region of the peer that drain's zero-length write names
 	// (a write must name a valid key on every provider, empty or not).
-	fence xferRegion
-	comps []verbsio.Completion
+	fence  xferRegion
+	comps  []verbsio.Completion
+	repost [1]verbsio.RecvWR // waitImm's receive, posted again
 }
 
 func openXferSide(provider string) (*xferSide, error) {
@@ -287,10 +288,14 @@ func (s *xferSide) writes(ctx context.Context, src verbsio.MemoryRegion, dst xfe
 	return s.drain(ctx)
 }
 
-// writeImm sends size bytes of the ping region with an immediate.
+// writeImm sends size bytes of the ping region with an immediate, into the
+// start of dst. The bytes sent are the second half of the region, which
+// the peer never writes, as a sender's tensor is not the one it receives
+// into (a source the peer has just written would cost every copy a cache
+// miss).
 func (s *xferSide) writeImm(ctx context.Context, dst xferRegion, size int) error {
 	wr := [1]verbsio.SendWR{{Op: verbsio.OpWriteImm, Imm: uint32(size), RemoteAddr: dst.Addr, RKey: dst.RKey,
-		SG: []verbsio.SGE{{Addr: s.ping.Addr(), Length: uint32(size), LKey: s.ping.LKey()}}}}
+		SG: []verbsio.SGE{{Addr: s.ping.Addr() + xferPingMem/2, Length: uint32(size), LKey: s.ping.LKey()}}}}
 	if err := s.post(ctx, wr[:]); err != nil {
 		return err
 	}
@@ -301,18 +306,19 @@ func (s *xferSide) writeImm(ctx context.Context, dst xferRegion, size int) error
 }
 
 // waitImm waits for one receive completion and posts its receive again.
+// ctx carries the deadline: a ping-pong round's, made once per round (a
+// context per wait would cost a timer's start and stop on every message,
+// a quarter of a microsecond here).
 func (s *xferSide) waitImm(ctx context.Context) error {
-	var c [1]verbsio.Completion
-	wctx, cancel := context.WithTimeout(ctx, xferWait)
-	_, err := s.rcq.Wait(wctx, c[:])
-	cancel()
-	if err != nil {
+	c := s.comps[:1]
+	if _, err := s.rcq.Wait(ctx, c); err != nil {
 		return fmt.Errorf("waiting for an immediate: %w", err)
 	}
 	if c[0].Status != verbsio.StatusSuccess {
 		return fmt.Errorf("receive: %w", c[0].Status.Err())
 	}
-	return s.qp.PostRecv([]verbsio.RecvWR{{WRID: c[0].WRID}})
+	s.repost[0] = verbsio.RecvWR{WRID: c[0].WRID}
+	return s.qp.PostRecv(s.repost[:])
 }
 
 // runXferPeer is the peer process: it serves commands on stdin.
@@ -367,11 +373,13 @@ func runXferPeer(provider string) int {
 				err = s.postRecvs(xferRecvs)
 			}
 		case "pong":
+			rctx, cancel := context.WithTimeout(ctx, xferWait)
 			for i := 0; i < c.Count && err == nil; i++ {
-				if err = s.waitImm(ctx); err == nil {
-					err = s.writeImm(ctx, parentPing, c.Size)
+				if err = s.waitImm(rctx); err == nil {
+					err = s.writeImm(rctx, parentPing, c.Size)
 				}
 			}
+			cancel()
 			if err == nil {
 				err = s.drain(ctx)
 			}
@@ -777,6 +785,8 @@ func (p *xferPeer) pingPong(ctx context.Context, s *xferSide, size, count int) (
 		return nil, err
 	}
 	rtts := make([]float64, 0, count)
+	ctx, cancel := context.WithTimeout(ctx, xferWait)
+	defer cancel()
 	for range count {
 		t := time.Now()
 		if err := s.writeImm(ctx, p.hello.Ping, size); err != nil {
