@@ -302,12 +302,12 @@ func runHelper(in io.Reader, out io.Writer) int {
 				say("%s", fmtCompletion(buf[0]))
 			}
 			cancel()
-		case "pong": // pong lkey raddr rkey size count: answer each immediate with one
+		case "pong": // pong lkey raddr rkey size count: answer each immediate with one, from the second half of region lkey
 			src := n.mrs[uint32(arg(1))]
 			recvs := make([]verbsio.RecvWR, 64)
 			err := n.qp.PostRecv(recvs)
 			wr := []verbsio.SendWR{{Op: verbsio.OpWriteImm, RemoteAddr: uint64(arg(2)), RKey: uint32(arg(3)),
-				SG: []verbsio.SGE{{Addr: src.Addr(), Length: uint32(arg(4)), LKey: src.LKey()}}}}
+				SG: []verbsio.SGE{{Addr: src.Addr() + uintptr(src.Len()/2), Length: uint32(arg(4)), LKey: src.LKey()}}}}
 			var c [1]verbsio.Completion
 			for i := 0; i < int(arg(5)) && err == nil; i++ {
 				if _, err = n.rcq.Wait(context.Background(), c[:]); err == nil {
