@@ -113,9 +113,9 @@ func (c *cq) Poll(out []verbsio.Completion) (int, error) {
 	}
 	drained := false
 	for _, q := range c.qps.Load() {
-		if q.drainIfReady() {
-			drained = true
-		}
+		k, ok := q.drainIfReady(out[n:])
+		n += k
+		drained = drained || ok
 	}
 	for _, q := range c.sendQPs.Load() {
 		if q.pollAcks() {

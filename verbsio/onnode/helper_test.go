@@ -302,6 +302,25 @@ func runHelper(in io.Reader, out io.Writer) int {
 				say("%s", fmtCompletion(buf[0]))
 			}
 			cancel()
+		case "burst": // burst lrkey len raddr rkey count: writes with immediates 0..count-1, the last signaled
+			mr := n.mrs[uint32(arg(1))]
+			count := int(arg(5))
+			var err error
+			for i := 0; i < count && err == nil; i++ {
+				err = n.qp.PostSend([]verbsio.SendWR{{WRID: uint64(i), Op: verbsio.OpWriteImm, Imm: uint32(i), Signaled: i == count-1,
+					RemoteAddr: uint64(arg(3)), RKey: uint32(arg(4)), SG: []verbsio.SGE{{Addr: mr.Addr(), Length: uint32(arg(2)), LKey: mr.LKey()}}}})
+			}
+			if err == nil {
+				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				buf := make([]verbsio.Completion, 1)
+				if _, err = n.scq.Wait(ctx, buf); err == nil && buf[0].Status != verbsio.StatusSuccess {
+					err = buf[0].Status.Err()
+				}
+				cancel()
+			}
+			if err != nil {
+				say("err %v", err)
+			}
 		case "pong": // pong lkey raddr rkey size count: answer each immediate with one, from the second half of region lkey
 			src := n.mrs[uint32(arg(1))]
 			recvs := make([]verbsio.RecvWR, 64)

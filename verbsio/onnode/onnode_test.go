@@ -582,3 +582,52 @@ func TestWaitYields(t *testing.T) {
 		t.Logf("Config.Yield %v: %d yields in a Wait on nothing", yield, got)
 	}
 }
+
+// TestReceiveCompletionOrder: a burst of writes with immediate completes
+// in order and exactly once, whether a Wait takes a completion straight
+// from the ring or from the queue (takes of 1 to 3 completions leave the
+// rest of a drained batch queued, and a sleeping Wait leaves the draining
+// to the queue pair's progress goroutine).
+func TestReceiveCompletionOrder(t *testing.T) {
+	n, p := pair(t, MechAuto)
+	dst, err := n.register("memfd", 4096, rw, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := p.one("mr", "reg memfd 4096 %d 0", rw)
+	const count = 20000
+	recvs := make([]verbsio.RecvWR, 64)
+	if err := n.qp.PostRecv(recvs); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan []string, 1)
+	go func() { done <- p.do("burst %s 8 %d %d %d", f[1], dst.Addr(), dst.RKey(), count) }()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var buf [3]verbsio.Completion
+	next := uint32(0)
+	for i := 0; next < count; i++ {
+		k, err := n.rcq.Wait(ctx, buf[:1+i%3])
+		if err != nil {
+			t.Fatalf("after %d of %d immediates: %v", next, count, err)
+		}
+		for _, c := range buf[:k] {
+			if c.Status != verbsio.StatusSuccess || c.Imm != next {
+				t.Fatalf("completion %d: %+v, want immediate %d", next, c, next)
+			}
+			next++
+		}
+		if err := n.qp.PostRecv(recvs[:k]); err != nil {
+			t.Fatal(err)
+		}
+		if i%1000 == 999 {
+			time.Sleep(2 * time.Millisecond) // the peer runs ahead; the Wait after this one sleeps less often
+		}
+	}
+	if got := <-done; len(got) != 0 {
+		t.Fatalf("peer: %q", got)
+	}
+	if k, _ := n.rcq.Poll(buf[:]); k != 0 {
+		t.Fatalf("%d completions after the last: %+v", k, buf[:k])
+	}
+}

@@ -156,11 +156,16 @@ type qp struct {
 
 	acks []uint32 // receiver side: SENDs to acknowledge (seq, top bit: failed)
 
-	consMu    sync.Mutex // the incoming ring, receives, arrivals
-	recvs     []postedRecv
-	arrivals  []arrival
-	backlog   int
-	compBuf   []verbsio.Completion
+	consMu   sync.Mutex // the incoming ring, receives, arrivals
+	recvs    []postedRecv
+	arrivals []arrival
+	backlog  int
+	compBuf  []verbsio.Completion
+	// direct is where a polling Wait takes this queue pair's receive
+	// completions without the completion queue (drainIfReady); directN
+	// counts those put there.
+	direct    []verbsio.Completion
+	directN   int
 	closeOnce sync.Once
 	// connMu is held by Connect from start to end, so that Close (which
 	// ends a Connect in progress through done) releases nothing a
@@ -672,17 +677,21 @@ func (q *qp) failLocked(st verbsio.Status, err error) {
 }
 
 // drainIfReady drains the incoming ring if it holds records and nobody else
-// is draining it; it reports whether it did.
-func (q *qp) drainIfReady() bool {
+// is draining it; it reports whether it did. The completions go into out
+// (n of them) while the completion queue holds none, since none of this
+// queue pair's can then be ahead of them; the rest to the queue.
+func (q *qp) drainIfReady(out []verbsio.Completion) (n int, drained bool) {
 	if !q.consMu.TryLock() {
-		return false
+		return 0, false
 	}
 	defer q.consMu.Unlock()
 	if q.State() != verbsio.QPReady || load64(q.in.mem, offHead) == atomic.LoadUint64(u64(q.in.mem, offTail)) {
-		return false
+		return 0, false
 	}
+	q.direct, q.directN = out, 0
 	q.drainLocked()
-	return true
+	n, q.direct = q.directN, nil
+	return n, true
 }
 
 // drainLocked consumes every published record. The caller holds consMu.
@@ -720,8 +729,15 @@ func (q *qp) drainLocked() {
 }
 
 func (q *qp) flushComps() {
-	if len(q.compBuf) > 0 {
-		q.recvCQ.push(q.compBuf...)
+	if cs := q.compBuf; len(cs) > 0 {
+		if len(q.direct) > q.directN && !q.recvCQ.pending() {
+			k := copy(q.direct[q.directN:], cs)
+			q.directN += k
+			cs = cs[k:]
+		}
+		if len(cs) > 0 {
+			q.recvCQ.push(cs...)
+		}
 	}
 	q.compBuf = q.compBuf[:0]
 	if len(q.acks) == 0 {
