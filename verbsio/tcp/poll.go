@@ -8,7 +8,9 @@ import (
 	"os"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"syscall"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -77,16 +79,20 @@ func (l *lane) init(c net.Conn) {
 		}
 	}
 	l.dropFn = func(fd uintptr) {
-		k, _, errno := unix.Syscall6(unix.SYS_RECVFROM, fd, 0, uintptr(l.n), unix.MSG_TRUNC|unix.MSG_DONTWAIT, 0, 0)
+		k, _, errno := unix.RawSyscall6(unix.SYS_RECVFROM, fd, 0, uintptr(l.n), unix.MSG_TRUNC|unix.MSG_DONTWAIT, 0, 0)
 		l.n, l.errno = int(k), errno
 	}
 }
 
 // recvPeek copies the queued bytes of fd into b without taking them and
 // without waiting. Unlike unix.Recvfrom it asks for no source address, so
-// it allocates nothing.
+// it allocates nothing. It is a raw system call, as are the other calls
+// that cannot block (MSG_DONTWAIT): the runtime then does not hand this
+// thread's processor to another thread while the call runs, a hand-off
+// that on a host with few cores costs more than the call itself
+// (adaptspin.YieldCPU says the same of sched_yield).
 func recvPeek(fd uintptr, b []byte) (int, syscall.Errno) {
-	n, _, errno := unix.Syscall6(unix.SYS_RECVFROM, fd, uintptr(unsafe.Pointer(unsafe.SliceData(b))), uintptr(len(b)), unix.MSG_PEEK|unix.MSG_DONTWAIT, 0, 0)
+	n, _, errno := unix.RawSyscall6(unix.SYS_RECVFROM, fd, uintptr(unsafe.Pointer(unsafe.SliceData(b))), uintptr(len(b)), unix.MSG_PEEK|unix.MSG_DONTWAIT, 0, 0)
 	return int(n), errno
 }
 
@@ -214,12 +220,80 @@ type inLane struct {
 	resp *responder
 	t    *transfer // the lane goroutine's
 	tw   *transfer // the waiter's
+	// ackTimer sends the responses the waiter held back when nobody
+	// else has within ackHold (armed says it is set). When it had to,
+	// the waiter holds none back for the next ackPrompt requests
+	// (prompt counts them down; under rd): the caller goes idle after
+	// its completions, and a sender waiting for one would wait for the
+	// timer, which the runtime may run a millisecond late.
+	ackTimer *time.Timer
+	armed    atomic.Bool
+	prompt   int
+	timed    atomic.Uint64 // flushes the timer made (tests)
 }
+
+// ackHold bounds how long a response the waiter held back waits for a
+// write to carry it: a caller that neither waits nor posts again still
+// acknowledges within it (or the runtime's timer resolution). ackPrompt
+// is how many requests are then answered at once.
+const (
+	ackHold   = 200 * time.Microsecond
+	ackPrompt = 256
+)
 
 func newInLane(c net.Conn, src srcKey) *inLane {
 	l := &inLane{src: src, resp: newResponder(c), t: &transfer{c: c}, tw: &transfer{c: c, raw: true}}
 	l.init(c)
+	l.ackTimer = time.AfterFunc(time.Hour, l.flushHeld)
+	l.ackTimer.Stop()
 	return l
+}
+
+// owe arms the lane's timer for the responses the waiter holds back.
+// Callers hold l.rd.
+func (l *inLane) owe() {
+	if len(l.resp.pending) > 0 && !l.armed.Swap(true) {
+		l.ackTimer.Reset(ackHold)
+	}
+}
+
+// flushHeld is the timer's: it sends what is held back, or, when another
+// reader holds the lane, looks again later (that reader's answers carry
+// them sooner).
+func (l *inLane) flushHeld() {
+	if !l.rd.TryLock() {
+		l.ackTimer.Reset(ackHold)
+		return
+	}
+	defer l.rd.Unlock()
+	l.armed.Store(false)
+	if l.err == nil && len(l.resp.pending) > 0 {
+		l.prompt = ackPrompt
+		l.timed.Add(1)
+		if err := l.resp.flush(); err != nil {
+			l.fail(err)
+		}
+	}
+}
+
+// flushOwed sends the responses the waiter held back on q's inbound
+// lanes that nobody reads now: PostSend's, after its own frames.
+func (q *qp) flushOwed() {
+	ls := q.inLanes.Load()
+	if ls == nil {
+		return
+	}
+	for _, l := range *ls {
+		if l.rc == nil || !l.rd.TryLock() {
+			continue
+		}
+		if l.err == nil && len(l.resp.pending) > 0 {
+			if err := l.resp.flush(); err != nil {
+				l.fail(err)
+			}
+		}
+		l.rd.Unlock()
+	}
 }
 
 // pollIn applies the frames of l that are queued whole and need no wait;
@@ -229,6 +303,15 @@ func (q *qp) pollIn(l *inLane) bool {
 		return false
 	}
 	defer l.rd.Unlock()
+	if l.err == nil && len(l.resp.pending) > 0 {
+		// Held back by the last look (answer): out now, as nothing of
+		// the caller's waits on it.
+		if err := l.resp.flush(); err != nil {
+			l.fail(err)
+			return true
+		}
+	}
+	defer l.owe()
 	did := false
 	for range 16 {
 		if l.err != nil {
@@ -245,10 +328,11 @@ func (q *qp) pollIn(l *inLane) bool {
 			// Off the socket first, so that the responder's look
 			// for a following request does not find this one.
 			if err = l.drop(end); err == nil {
-				l.resp.peeked, l.resp.more = true, more
+				l.resp.peeked, l.resp.more, l.resp.hold = true, more, l.prompt == 0
+				l.prompt = max(l.prompt-1, 0)
 				l.br.Reset(l.pb[headerLen:end])
 				err = q.serveFrame(l, &l.br, f, l.tw)
-				l.resp.peeked = false
+				l.resp.peeked, l.resp.hold = false, false
 			}
 		} else {
 			r := rawReader{l.rc}

@@ -63,3 +63,52 @@ func TestWaiterTakesFrames(t *testing.T) {
 		t.Fatalf("no request of %d was applied by the polling waiter", n)
 	}
 }
+
+// TestHeldAckSent: the polling waiter holds a request's acknowledgement
+// back, so that its caller has the completion before the acknowledgement's
+// write; when the caller then neither waits nor posts again, the
+// acknowledgement still reaches the peer (the lane's timer sends it after
+// ackHold, and the lane answers the next ackPrompt requests at once). Each
+// round's Wait is the last call on the queue pair until the peer has its
+// acknowledgement.
+func TestHeldAckSent(t *testing.T) {
+	tg := newTarget(t, verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite)
+	c := tg.dial(t)
+	base := tg.base()
+	const rounds = 40
+	var worst time.Duration
+	for i := range rounds {
+		if err := tg.qp.PostRecv([]verbsio.RecvWR{{WRID: uint64(i)}}); err != nil {
+			t.Fatal(err)
+		}
+		waited := make(chan error, 1)
+		go func() {
+			out := make([]verbsio.Completion, 1)
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			_, err := tg.cq.Wait(ctx, out)
+			waited <- err
+		}()
+		runtime.Gosched() // the Wait polls (mostly) when the request comes
+		start := time.Now()
+		c.SetReadDeadline(start.Add(5 * time.Second))
+		r := exchange(t, c, header{op: opWriteImm, flags: flagLast, token: uint64(i + 1), raddr: base, rkey: tg.mr.RKey(), imm: uint32(i), total: 8}, make([]byte, 8))
+		wantAck(t, "write with immediate", r)
+		worst = max(worst, time.Since(start))
+		if err := <-waited; err != nil {
+			t.Fatalf("round %d: Wait: %v", i, err)
+		}
+	}
+	polled := tg.qp.polledFrames.Load()
+	var timed uint64
+	for _, l := range *tg.qp.inLanes.Load() {
+		timed += l.timed.Load()
+	}
+	t.Logf("%d of %d requests applied by the polling waiter, %d acknowledged by the timer; slowest acknowledgement %v", polled, rounds, timed, worst)
+	if polled == 0 {
+		t.Fatalf("no request of %d was applied by the polling waiter", rounds)
+	}
+	if timed == 0 {
+		t.Fatal("the waiter held no acknowledgement back (none went out by the timer)")
+	}
+}

@@ -442,6 +442,7 @@ func (q *qp) PostSend(wrs []verbsio.SendWR) error {
 			q.sending = true
 			q.mu.Unlock()
 			rest, err := q.sendInline(batch)
+			q.flushOwed()
 			q.mu.Lock()
 			switch {
 			case err != nil:
@@ -1062,6 +1063,14 @@ func (q *qp) takeRecv() (*rwr, error) {
 	}
 }
 
+// recvPosted reports whether takeRecv would return a receive at once. The
+// caller holds recvMu, so no other taker can take it meanwhile.
+func (q *qp) recvPosted() bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return len(q.rq) > 0 || q.state == verbsio.QPError || q.state == verbsio.QPClosed
+}
+
 // finishRecv completes the taken receive r with c (or puts it back when c
 // is nil); a receive flushed meanwhile is left alone.
 func (q *qp) finishRecv(r *rwr, c *verbsio.Completion) {
@@ -1118,6 +1127,7 @@ func (q *qp) serve(l *inLane) {
 		}
 		l.rd.Unlock()
 	}
+	l.ackTimer.Stop()
 	c := l.c
 	q.dev.closeLane(c)
 	q.mu.Lock()
@@ -1173,6 +1183,8 @@ type responder struct {
 	// whether the next one was queued behind it (so no SIOCINQ is needed
 	// to decide whether to hold this response back).
 	peeked, more bool
+	// hold: the waiter holds the response back (answer).
+	hold bool
 	// sawNext: the last look (SIOCINQ) found a whole request header
 	// queued, so the lane's goroutine reads on without looking again.
 	sawNext bool
@@ -1205,7 +1217,12 @@ func (r *responder) requestWaiting() bool {
 
 func (r *responder) answer(h header) error {
 	r.pending = h.Append(r.pending)
-	waiting := r.more
+	// The waiter holds every response back (up to the most pending): it
+	// is about to hand a completion to its caller, and the
+	// acknowledgement's write would come first. It goes out at the
+	// waiter's next look at the lane, the queue pair's next PostSend,
+	// the lane goroutine's next answer, or after ackHold (inLane.owe).
+	waiting := r.more || r.hold
 	if !r.peeked {
 		waiting = r.requestWaiting()
 		r.sawNext = waiting
@@ -1246,10 +1263,16 @@ func discard(c io.Reader, n uint32) error {
 func (q *qp) serveWrite(c io.Reader, f header, resp *responder, t *transfer) error {
 	var r *rwr
 	if f.op == opWriteImm && f.flags&flagLast != 0 {
-		if err := resp.flush(); err != nil {
-			return err
-		}
 		q.recvMu.Lock()
+		if !q.recvPosted() {
+			// The wait for a receive may be long: the responses held
+			// back go out first.
+			q.recvMu.Unlock()
+			if err := resp.flush(); err != nil {
+				return err
+			}
+			q.recvMu.Lock()
+		}
 		defer q.recvMu.Unlock()
 		var err error
 		if r, err = q.takeRecv(); err != nil {
