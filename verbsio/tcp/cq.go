@@ -91,11 +91,15 @@ func (c *cq) Poll(out []verbsio.Completion) (int, error) {
 	return n, nil
 }
 
-// progress reads the lanes of the attached queue pairs once.
-func (c *cq) progress() bool {
+// progress reads the lanes of the attached queue pairs once: the inbound
+// ones always, the outbound ones (acknowledgements, which complete
+// sends) when this is the queue pair's send queue or acks says to. A
+// look at a lane is a system call: a receive queue's waiter that read
+// the outbound lanes at every turn would see its requests later.
+func (c *cq) progress(acks bool) bool {
 	did := false
 	for _, q := range c.qps.Load() {
-		if q.poll() {
+		if q.poll(acks || q.scq == c) {
 			did = true
 		}
 	}
@@ -119,7 +123,7 @@ func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 			c.spin.Polled(time.Since(start))
 			return n, err
 		}
-		if c.progress() {
+		if c.progress(i&7 == 0) {
 			continue
 		}
 		if i&7 == 7 || yield {

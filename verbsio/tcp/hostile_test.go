@@ -50,7 +50,7 @@ func (tg *target) poller(t testing.TB) {
 				return
 			default:
 			}
-			tg.qp.poll()
+			tg.qp.poll(true)
 			time.Sleep(20 * time.Microsecond)
 		}
 	}()

@@ -407,8 +407,9 @@ func (q *qp) pollOut(l *outLane) bool {
 	return took > 0
 }
 
-// poll is the waiter's turn at every lane of q.
-func (q *qp) poll() bool {
+// poll is the waiter's turn at the inbound lanes of q, and at its outbound
+// lanes when out is set.
+func (q *qp) poll(out bool) bool {
 	did := false
 	if ls := q.inLanes.Load(); ls != nil {
 		for _, l := range *ls {
@@ -417,7 +418,7 @@ func (q *qp) poll() bool {
 			}
 		}
 	}
-	if ls := q.outLanes.Load(); ls != nil {
+	if ls := q.outLanes.Load(); out && ls != nil {
 		for _, l := range *ls {
 			if q.pollOut(l) {
 				did = true
