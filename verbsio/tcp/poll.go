@@ -35,9 +35,15 @@ type lane struct {
 	// err is why the waiter gave the lane up (under rd); the goroutine
 	// reports it.
 	err error
-	hb  [headerLen]byte // the waiter's header buffer (under rd)
-	pb  [peekMax]byte   // the waiter's peek buffer (under rd)
-	br  bytes.Reader    // reads a frame applied from pb (under rd)
+	hb  [headerLen]byte   // the waiter's header buffer (under rd)
+	pb  [2 * peekMax]byte // the waiter's peek buffer (under rd)
+	br  bytes.Reader      // reads a frame applied from pb (under rd)
+	// applied counts the bytes at the head of the socket that the
+	// waiter has applied and not yet dropped (under rd): it drops them
+	// when a look finds nothing new, so that the drop's system call is
+	// not between a request's arrival and its completion. Whoever reads
+	// the socket itself drops them first (skipApplied).
+	applied int
 
 	// The functions handed to rc.Control, made once in init so that a
 	// poll allocates nothing (a closure passed to an interface method
@@ -53,6 +59,39 @@ type lane struct {
 	wbufs   net.Buffers
 	wn      int
 	werr    error
+	iov     [maxIovecs]unix.Iovec
+}
+
+// maxIovecs is the most buffers one writev(2) of writeRaw takes; it
+// writes the rest in the next.
+const maxIovecs = 64
+
+// writev writes a prefix of wbufs to fd, a non-blocking socket, into wn
+// and werr. It is a raw system call, as recvPeek is: it cannot block, and
+// the thread keeps its processor.
+func (l *lane) writev(fd uintptr) {
+	k := 0
+	for _, b := range l.wbufs {
+		if k == len(l.iov) {
+			break
+		}
+		if len(b) > 0 {
+			l.iov[k].Base = unsafe.SliceData(b)
+			l.iov[k].SetLen(len(b))
+			k++
+		}
+	}
+	l.wn, l.werr = 0, nil
+	if k == 0 {
+		return
+	}
+	n, _, errno := unix.RawSyscall(unix.SYS_WRITEV, fd, uintptr(unsafe.Pointer(&l.iov[0])), uintptr(k))
+	clear(l.iov[:k]) // no buffer stays reachable from the lane
+	if errno != 0 {
+		l.werr = errno
+		return
+	}
+	l.wn = int(n)
 }
 
 func (l *lane) init(c net.Conn) {
@@ -64,7 +103,7 @@ func (l *lane) init(c net.Conn) {
 	l.peekFn = func(fd uintptr) {
 		l.queued = 0
 		l.n, l.errno = recvPeek(fd, l.pb[:])
-		if l.errno != 0 || l.n < headerLen {
+		if l.errno != 0 || l.n < l.applied+headerLen {
 			l.n = 0
 			return
 		}
@@ -72,7 +111,7 @@ func (l *lane) init(c net.Conn) {
 			l.queued, _ = unix.IoctlGetInt(int(fd), unix.SIOCINQ)
 		}
 	}
-	l.writeFn = func(fd uintptr) { l.wn, l.werr = unix.Writev(int(fd), l.wbufs) }
+	l.writeFn = l.writev
 	l.peekOutFn = func(fd uintptr) {
 		if l.n, l.errno = recvPeek(fd, l.pb[:]); l.errno != 0 {
 			l.n = 0
@@ -148,9 +187,10 @@ func (l *lane) take() {
 // larger payload is read from the socket straight into its region.
 const peekMax = headerLen + 4096
 
-// peek looks at the next frame without taking it. ok is false when no
-// whole header is queued; whole says the frame's payload is queued too,
-// more that bytes of a following frame are.
+// peek looks at the next frame without taking it: the first after the
+// bytes already applied, at pb[l.applied:]. ok is false when no whole
+// header is queued; whole says the frame's payload is queued too, more
+// that bytes of a following frame are.
 func (l *lane) peek() (h header, whole, more, ok bool, err error) {
 	l.n, l.queued = 0, 0
 	l.rc.Control(l.peekFn)
@@ -158,12 +198,23 @@ func (l *lane) peek() (h header, whole, more, ok bool, err error) {
 	if n == 0 {
 		return header{}, false, false, false, nil
 	}
-	if h, err = parseHeader(l.pb[:headerLen]); err != nil {
+	if h, err = parseHeader(l.pb[l.applied : l.applied+headerLen]); err != nil {
 		return h, false, false, false, err
 	}
 	queued = max(queued, n)
-	end := headerLen + int(h.length)
+	end := l.applied + headerLen + int(h.length)
 	return h, queued >= end, queued > end, true, nil
+}
+
+// skipApplied drops the bytes the waiter applied and left in the socket.
+// Callers hold l.rd.
+func (l *lane) skipApplied() error {
+	if l.applied == 0 {
+		return nil
+	}
+	err := l.drop(l.applied)
+	l.applied = 0
+	return err
 }
 
 // drop takes n bytes already peeked off the socket without copying them.
@@ -318,23 +369,41 @@ func (q *qp) pollIn(l *inLane) bool {
 			return did
 		}
 		f, whole, more, ok, _ := l.peek()
-		if !ok || !whole || !q.quick(f) {
+		if !ok {
+			// Nothing new: what was applied leaves the socket now,
+			// while nobody waits on it.
+			if err := l.skipApplied(); err != nil {
+				l.fail(err)
+			}
+			return did
+		}
+		if !whole || !q.quick(f) {
+			// For the lane's goroutine, which reads the socket.
+			if err := l.skipApplied(); err != nil {
+				l.fail(err)
+			}
 			return did
 		}
 		did = true
 		q.polledFrames.Add(1)
 		var err error
-		if end := headerLen + int(f.length); end <= len(l.pb) {
-			// Off the socket first, so that the responder's look
-			// for a following request does not find this one.
-			if err = l.drop(end); err == nil {
-				l.resp.peeked, l.resp.more, l.resp.hold = true, more, l.prompt == 0
-				l.prompt = max(l.prompt-1, 0)
-				l.br.Reset(l.pb[headerLen:end])
-				err = q.serveFrame(l, &l.br, f, l.tw)
-				l.resp.peeked, l.resp.hold = false, false
+		if end := l.applied + headerLen + int(f.length); end <= len(l.pb) {
+			// Applied from the peeked bytes and left in the socket
+			// (applied): the responder holds its answer back or knows
+			// from more whether a request follows, so it does not look
+			// at the socket.
+			l.resp.peeked, l.resp.more, l.resp.hold = true, more, l.prompt == 0
+			l.prompt = max(l.prompt-1, 0)
+			l.br.Reset(l.pb[l.applied+headerLen : end])
+			err = q.serveFrame(l, &l.br, f, l.tw)
+			l.resp.peeked, l.resp.hold = false, false
+			l.applied = end
+			if err == nil && !more {
+				// Nothing behind it yet: the caller takes its
+				// completion now; the next look drops it.
+				return true
 			}
-		} else {
+		} else if err = l.skipApplied(); err == nil {
 			r := rawReader{l.rc}
 			if _, err = io.ReadFull(r, l.hb[:]); err == nil {
 				err = q.serveFrame(l, r, f, l.tw)

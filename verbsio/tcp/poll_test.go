@@ -3,7 +3,11 @@ package tcp
 import (
 	"bytes"
 	"context"
+	"errors"
+	"fmt"
+	"io"
 	"runtime"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -125,4 +129,160 @@ func (tg *target) timedFlushes() uint64 {
 		}
 	}
 	return n
+}
+
+// TestWaiterLeavesToGoroutine: requests the polling waiter applies stay in
+// the socket until it next finds nothing new (lane.applied), and a request
+// it cannot apply (a read) goes to the lane's goroutine, which must first
+// take those off. Bursts mixing both on one lane, sent in one write, are
+// answered in order, each exactly once, with the right bytes.
+func TestWaiterLeavesToGoroutine(t *testing.T) {
+	tg := newTarget(t, verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite|verbsio.AccessRemoteRead)
+	c := tg.dial(t)
+	base := tg.base()
+	const bursts = 50
+	stop := make(chan struct{})
+	waited := make(chan error, 1)
+	var taken atomic.Int64
+	go func() {
+		out := make([]verbsio.Completion, 4)
+		last := uint32(0)
+		for {
+			ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+			k, err := tg.cq.Wait(ctx, out)
+			cancel()
+			for _, cp := range out[:k] {
+				if cp.Status != verbsio.StatusSuccess || cp.Imm <= last || uint64(cp.Imm) != cp.WRID {
+					waited <- fmt.Errorf("completion %+v after immediate %d", cp, last)
+					return
+				}
+				last = cp.Imm
+			}
+			taken.Add(int64(k))
+			select {
+			case <-stop:
+				waited <- nil
+				return
+			default:
+			}
+			if err != nil && !errors.Is(err, context.DeadlineExceeded) {
+				waited <- err
+				return
+			}
+		}
+	}()
+	token := uint64(0)
+	imms := 0
+	for b := range bursts {
+		var burst []byte
+		var want []uint64 // tokens; reads are the odd ones out, at want[i] with isRead[i]
+		var isRead []bool
+		for i := range 6 {
+			token++
+			if i == 3 || (b%5 == 0 && i == 0) {
+				burst = append(burst, header{op: opReadReq, token: token, length: 8, raddr: base + 512, rkey: tg.mr.RKey()}.appendTo()...)
+				want, isRead = append(want, token), append(isRead, true)
+				continue
+			}
+			if err := tg.qp.PostRecv([]verbsio.RecvWR{{WRID: token}}); err != nil {
+				t.Fatal(err)
+			}
+			payload := bytes.Repeat([]byte{byte(token)}, 8)
+			burst = append(burst, frame(header{op: opWriteImm, flags: flagLast, token: token, raddr: base + uint64(8*i), rkey: tg.mr.RKey(), imm: uint32(token), total: 8}, payload)...)
+			want, isRead = append(want, token), append(isRead, false)
+			imms++
+		}
+		copy(tg.mem[tg.page+512:], "readback")
+		if _, err := c.Write(burst); err != nil {
+			t.Fatal(err)
+		}
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		for i, tok := range want {
+			r := readResponse(t, c)
+			if r.token != tok {
+				t.Fatalf("burst %d: response %d for token %d, want %d", b, i, r.token, tok)
+			}
+			if !isRead[i] {
+				wantAck(t, "write with immediate", r)
+				continue
+			}
+			if r.op != opReadResp || r.length != 8 {
+				t.Fatalf("burst %d: read %d answered by %s of %d bytes", b, tok, opName(r.op), r.length)
+			}
+			var got [8]byte
+			if _, err := io.ReadFull(c, got[:]); err != nil || string(got[:]) != "readback" {
+				t.Fatalf("burst %d: read %d returned %q (%v)", b, tok, got, err)
+			}
+		}
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for time.Now().Before(deadline) && taken.Load() < int64(imms) {
+		time.Sleep(time.Millisecond)
+	}
+	close(stop)
+	if err := <-waited; err != nil {
+		t.Fatal(err)
+	}
+	n, polled := taken.Load(), tg.qp.polledFrames.Load()
+	t.Logf("%d writes with immediate completed, %d requests applied by the polling waiter", n, polled)
+	if n != int64(imms) {
+		t.Fatalf("%d receive completions, want %d", n, imms)
+	}
+	if polled == 0 {
+		t.Fatal("no request was applied by the polling waiter")
+	}
+}
+
+// TestGoroutineSkipsApplied: a request the polling waiter applied is left
+// in the socket until the next look (lane.applied); when no look comes and
+// the lane's goroutine reads the next request (a read, which the waiter
+// leaves to it), the goroutine takes the applied one off first instead of
+// serving it again.
+func TestGoroutineSkipsApplied(t *testing.T) {
+	tg := newTarget(t, verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite|verbsio.AccessRemoteRead)
+	c := tg.dial(t)
+	base := tg.base()
+	copy(tg.mem[tg.page+512:], "readback")
+	token, left := uint64(0), 0
+	for round := 0; round < 200 && left < 5; round++ {
+		if err := tg.qp.PostRecv([]verbsio.RecvWR{{WRID: uint64(round)}}); err != nil {
+			t.Fatal(err)
+		}
+		before := tg.qp.polledFrames.Load()
+		waited := make(chan error, 1)
+		go func() {
+			out := make([]verbsio.Completion, 1)
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			_, err := tg.cq.Wait(ctx, out)
+			waited <- err
+		}()
+		runtime.Gosched()
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		token++
+		wantAck(t, "write with immediate", exchange(t, c, header{op: opWriteImm, flags: flagLast, token: token, raddr: base, rkey: tg.mr.RKey(), imm: 1, total: 8}, make([]byte, 8)))
+		if err := <-waited; err != nil {
+			t.Fatal(err)
+		}
+		if tg.qp.polledFrames.Load() > before {
+			left++ // the waiter applied it, and nobody has looked since
+		}
+		// Nobody polls now: the goroutine serves the read.
+		token++
+		if _, err := c.Write(header{op: opReadReq, token: token, length: 8, raddr: base + 512, rkey: tg.mr.RKey()}.appendTo()); err != nil {
+			t.Fatal(err)
+		}
+		r := readResponse(t, c)
+		if r.op != opReadResp || r.length != 8 || r.token != token {
+			t.Fatalf("round %d: read %d answered by %s %d of %d bytes", round, token, opName(r.op), r.token, r.length)
+		}
+		var got [8]byte
+		if _, err := io.ReadFull(c, got[:]); err != nil || string(got[:]) != "readback" {
+			t.Fatalf("round %d: read returned %q (%v)", round, got, err)
+		}
+	}
+	t.Logf("%d rounds left a request the waiter applied in the socket", left)
+	if left == 0 {
+		t.Fatal("the polling waiter applied no request")
+	}
 }

@@ -965,6 +965,10 @@ func (q *qp) readResponses(l *outLane) {
 				break
 			}
 			l.take()
+			if err = l.skipApplied(); err != nil {
+				l.rd.Unlock()
+				break
+			}
 		} else {
 			l.rd.Lock()
 		}
@@ -1103,6 +1107,10 @@ func (q *qp) serve(l *inLane) {
 				break
 			}
 			l.take()
+			if err = l.skipApplied(); err != nil {
+				l.rd.Unlock()
+				break
+			}
 		} else {
 			l.rd.Lock()
 		}
