@@ -305,10 +305,12 @@ func (s *xferSide) writeImm(ctx context.Context, dst xferRegion, size int) error
 	return nil
 }
 
-// waitImm waits for one receive completion and posts its receive again.
-// ctx carries the deadline: a ping-pong round's, made once per round (a
-// context per wait would cost a timer's start and stop on every message,
-// a quarter of a microsecond here).
+// waitImm waits for one receive completion; repost1 posts its receive
+// again. ctx carries the deadline: a ping-pong round's, made once per
+// round (a context per wait would cost a timer's start and stop on every
+// message, a quarter of a microsecond here). Each side keeps xferRecvs
+// receives posted, so a ping-pong posts the one it took after its answer
+// has gone, off the round trip, as a pipelined receiver would.
 func (s *xferSide) waitImm(ctx context.Context) error {
 	c := s.comps[:1]
 	if _, err := s.rcq.Wait(ctx, c); err != nil {
@@ -318,8 +320,11 @@ func (s *xferSide) waitImm(ctx context.Context) error {
 		return fmt.Errorf("receive: %w", c[0].Status.Err())
 	}
 	s.repost[0] = verbsio.RecvWR{WRID: c[0].WRID}
-	return s.qp.PostRecv(s.repost[:])
+	return nil
 }
+
+// repost1 posts the receive waitImm took.
+func (s *xferSide) repost1() error { return s.qp.PostRecv(s.repost[:]) }
 
 // runXferPeer is the peer process: it serves commands on stdin.
 func runXferPeer(provider string) int {
@@ -376,7 +381,9 @@ func runXferPeer(provider string) int {
 			rctx, cancel := context.WithTimeout(ctx, xferWait)
 			for i := 0; i < c.Count && err == nil; i++ {
 				if err = s.waitImm(rctx); err == nil {
-					err = s.writeImm(rctx, parentPing, c.Size)
+					if err = s.writeImm(rctx, parentPing, c.Size); err == nil {
+						err = s.repost1()
+					}
 				}
 			}
 			cancel()
@@ -787,15 +794,26 @@ func (p *xferPeer) pingPong(ctx context.Context, s *xferSide, size, count int) (
 	rtts := make([]float64, 0, count)
 	ctx, cancel := context.WithTimeout(ctx, xferWait)
 	defer cancel()
-	for range count {
+	for i := range count {
 		t := time.Now()
 		if err := s.writeImm(ctx, p.hello.Ping, size); err != nil {
 			return nil, fmt.Errorf("ping %d B: %w", size, err)
+		}
+		if i > 0 {
+			// The last answer's receive, posted while this one travels.
+			if err := s.repost1(); err != nil {
+				return nil, fmt.Errorf("ping %d B: %w", size, err)
+			}
 		}
 		if err := s.waitImm(ctx); err != nil {
 			return nil, fmt.Errorf("ping %d B: %w", size, err)
 		}
 		rtts = append(rtts, sinceUS(t))
+	}
+	if count > 0 {
+		if err := s.repost1(); err != nil {
+			return nil, fmt.Errorf("ping %d B: %w", size, err)
+		}
 	}
 	var r xferReply
 	if err := p.read(&r); err != nil || r.Err != "" {
