@@ -11,8 +11,15 @@ import (
 // (after jobauth's handshake when the job has a key) and a one-byte answer;
 // after that the dialing side sends request frames (write, write with
 // immediate, send, read request) and the accepting side answers each with
-// exactly one response frame (ack, nak, read response), in order. All
-// integers are big-endian.
+// exactly one response frame (ack, nak, read response), in order, except
+// that a write, write with immediate or send carrying flagNoAck is answered
+// only when it fails (nak): the next response on the lane, for a later
+// request, says that it succeeded (as the AckReq bit of an InfiniBand
+// request lets a responder coalesce its acknowledgements). All integers
+// are big-endian.
+//
+// Version 2 added flagNoAck; a peer of version 1 is refused at the hello,
+// the endpoint and the first frame alike.
 //
 // Frame header, 40 bytes, followed by Length payload bytes:
 //
@@ -29,7 +36,7 @@ import (
 //	32   4   total: bytes the write with immediate reports to the receiver
 //	36   4   reserved, zero
 const (
-	frameVersion = 1
+	frameVersion = 2
 	headerLen    = 40
 	// maxPayload is the largest payload of one frame, also Caps.MaxMessage.
 	maxPayload = 1 << 30
@@ -49,7 +56,12 @@ const (
 
 // flagLast marks the frame of a write with immediate that completes it at the
 // receiver (a striped write sends its stripes as plain writes first).
-const flagLast = 1
+// flagNoAck, on a write, write with immediate or send, asks for no
+// acknowledgement of its success (see above).
+const (
+	flagLast  = 1
+	flagNoAck = 2
+)
 
 // header is a decoded frame header.
 type header struct {
@@ -108,7 +120,8 @@ func parseHeader(b []byte) (header, error) {
 	if h.length > maxPayload {
 		return bad(fmt.Sprintf("length %d over the limit %d", h.length, maxPayload))
 	}
-	if h.flags&^flagLast != 0 || (h.flags != 0 && h.op != opWriteImm) {
+	if h.flags&^(flagLast|flagNoAck) != 0 || h.flags&flagLast != 0 && h.op != opWriteImm ||
+		h.flags&flagNoAck != 0 && h.op != opWrite && h.op != opWriteImm && h.op != opSend {
 		return bad(fmt.Sprintf("flags %#x", h.flags))
 	}
 	if h.status != 0 && h.op != opNak {

@@ -286,3 +286,108 @@ func TestGoroutineSkipsApplied(t *testing.T) {
 		t.Fatal("the polling waiter applied no request")
 	}
 }
+
+// TestAcksCoalesced: of the unsignaled writes with immediate a sender
+// posts in a row, only one in ackEvery asks for an acknowledgement
+// (flagNoAck on the others), and a later response on the lane completes
+// them. Every receive completes once, in order, every signaled send
+// completes, and most requests went without an acknowledgement of their
+// own.
+func TestAcksCoalesced(t *testing.T) {
+	key := newJobKey(t)
+	a := openAuthSide(t, key, 0x11)
+	z := openAuthSide(t, key, 0x22)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	if errA, errZ := connectBoth(ctx, a, z); errA != nil || errZ != nil {
+		t.Fatalf("Connect: %v, %v", errA, errZ)
+	}
+	const n = 96
+	for i := range n {
+		z.postRecv(t, uint64(i))
+	}
+	got := make(chan error, 1)
+	go func() {
+		buf := make([]verbsio.Completion, 8)
+		next := 0
+		for next < n {
+			k, err := z.cq.Wait(ctx, buf)
+			if err != nil {
+				got <- fmt.Errorf("after %d receives: %w", next, err)
+				return
+			}
+			for _, c := range buf[:k] {
+				if c.Status != verbsio.StatusSuccess || c.Op != verbsio.OpRecvImm || c.Imm != uint32(next) || c.WRID != uint64(next) {
+					got <- fmt.Errorf("receive %d: %+v", next, c)
+					return
+				}
+				next++
+			}
+		}
+		got <- nil
+	}()
+	buf := make([]verbsio.Completion, 4)
+	for i := range n {
+		signaled := i%16 == 15
+		wr := verbsio.SendWR{WRID: uint64(i), Op: verbsio.OpWriteImm, Imm: uint32(i), Signaled: signaled, RemoteAddr: uint64(z.mr.Addr()), RKey: z.mr.RKey(),
+			SG: []verbsio.SGE{{Addr: a.mr.Addr(), Length: 8, LKey: a.mr.LKey()}}}
+		if err := a.qp.PostSend([]verbsio.SendWR{wr}); err != nil {
+			t.Fatalf("post %d: %v", i, err)
+		}
+		if !signaled {
+			continue
+		}
+		k, err := a.cq.Wait(ctx, buf[:1])
+		if err != nil || k != 1 || buf[0].WRID != uint64(i) || buf[0].Status != verbsio.StatusSuccess {
+			t.Fatalf("send completion of %d: %v %+v", i, err, buf[:k])
+		}
+	}
+	if err := <-got; err != nil {
+		t.Fatal(err)
+	}
+	implied := a.qp.impliedAcks.Load()
+	t.Logf("%d of %d writes completed by a later response", implied, n)
+	if implied < n/2 {
+		t.Fatalf("%d of %d writes completed by a later response, want most (one in %d asks for its own)", implied, n, ackEvery)
+	}
+}
+
+// TestNoAckAnswers plays a sender of flagNoAck frames with raw frames: a
+// write that asks for no acknowledgement gets none when it succeeds (the
+// next response, for a later request, stands for it) and a nak when it
+// fails, and the writes land all the same.
+func TestNoAckAnswers(t *testing.T) {
+	tg := newTarget(t, verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite)
+	c := tg.dial(t)
+	base := tg.base()
+	var burst []byte
+	for i := range 3 {
+		burst = append(burst, frame(header{op: opWrite, flags: flagNoAck, token: uint64(i + 1), raddr: base + uint64(8*i), rkey: tg.mr.RKey()}, bytes.Repeat([]byte{byte(0xa0 + i)}, 8))...)
+	}
+	burst = append(burst, frame(header{op: opWrite, token: 4, raddr: base + 24, rkey: tg.mr.RKey()}, bytes.Repeat([]byte{0xa3}, 8))...)
+	if _, err := c.Write(burst); err != nil {
+		t.Fatal(err)
+	}
+	c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if r := readResponse(t, c); r.op != opAck || r.token != 4 {
+		t.Fatalf("first response %s for token %d, want the ack of token 4 alone", opName(r.op), r.token)
+	}
+	for i := range 4 {
+		if m := tg.region()[8*i : 8*i+8]; !bytes.Equal(m, bytes.Repeat([]byte{byte(0xa0 + i)}, 8)) {
+			t.Fatalf("write %d landed as %x", i+1, m)
+		}
+	}
+	// A failing one is answered: a nak for its token.
+	if _, err := c.Write(frame(header{op: opWrite, flags: flagNoAck, token: 5, raddr: base, rkey: tg.mr.RKey() ^ 0x5a5a}, make([]byte, 8))); err != nil {
+		t.Fatal(err)
+	}
+	if r := readResponse(t, c); r.op != opNak || r.token != 5 || r.status != verbsio.StatusRemoteAccess {
+		t.Fatalf("response %s for token %d status %v, want a nak of token 5 (remote access)", opName(r.op), r.token, r.status)
+	}
+	// Nothing else comes.
+	c.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
+	var b [1]byte
+	if k, err := c.Read(b[:]); k != 0 || err == nil {
+		t.Fatalf("an extra response: %d bytes, %v", k, err)
+	}
+}

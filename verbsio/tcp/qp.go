@@ -59,6 +59,7 @@ type qp struct {
 	inLanes      atomic.Pointer[[]*inLane]
 	outLanes     atomic.Pointer[[]*outLane]
 	polledFrames atomic.Int64 // requests a polling waiter applied
+	impliedAcks  atomic.Int64 // requests (flagNoAck) a later response completed
 	// sending: a PostSend or the sequencer is writing to lane 0; rest is
 	// what a PostSend's write left for the sequencer.
 	sending    bool
@@ -171,13 +172,25 @@ type expect struct {
 	read   bool
 	n      uint32
 	stripe bool
+	noAck  bool // sent with flagNoAck: a later response says it succeeded
 }
+
+// ackEvery: of so many requests in a row on a lane that nobody waits for
+// (unsignaled writes, writes with immediate and sends), one asks for an
+// acknowledgement, so that the send queue drains (inlineBatchLocked
+// counts them in flight until it does: half of maxInlineInFlight leaves
+// the next ones room while an acknowledgement travels).
+const ackEvery = maxInlineInFlight / 2
 
 type outLane struct {
 	lane
 	mu   sync.Mutex
 	fifo []expect
-	jobs chan net.Buffers
+	// unacked counts the requests sent with flagNoAck since the
+	// last that asked for an acknowledgement (the sender's: one at a
+	// time, q.sending).
+	unacked int
+	jobs    chan net.Buffers
 }
 
 // popFront drops the first element of the queue s (clearing it). A short
@@ -471,7 +484,7 @@ func (q *qp) PostSend(wrs []verbsio.SendWR) error {
 // with which it still does.
 const (
 	maxInlineBatch    = 64 << 10
-	maxInlineInFlight = 4
+	maxInlineInFlight = 8
 )
 
 // inlineBatchLocked takes the unsent work requests for PostSend to write
@@ -533,6 +546,13 @@ func (q *qp) frames(l *outLane, batch []*swr, hdrs *[]byte, scratch *net.Buffers
 		e := expect{w: w, token: w.token}
 		if w.op == verbsio.OpRead {
 			e.read, e.n = true, uint32(w.n)
+		}
+		if !w.signaled && !e.read && l.unacked < ackEvery-1 {
+			hd.flags |= flagNoAck
+			e.noAck = true
+			l.unacked++
+		} else {
+			l.unacked = 0
 		}
 		l.expect(e)
 		start := len(h)
@@ -1000,7 +1020,19 @@ func (q *qp) readResponses(l *outLane) {
 }
 
 func (q *qp) handleResponse(l *outLane, h header) error {
+	// The requests before it that asked for no acknowledgement succeeded.
+	var few [ackEvery]expect
+	ok := few[:0]
 	l.mu.Lock()
+	for len(l.fifo) > 1 && l.fifo[0].noAck && l.fifo[0].token != h.token {
+		if len(ok) == cap(ok) {
+			// No more than ackEvery-1 go without an acknowledgement.
+			l.mu.Unlock()
+			return fmt.Errorf("%w: response token %d after %d requests without one", verbsio.ErrBadFrame, h.token, len(ok))
+		}
+		ok = append(ok, l.fifo[0])
+		l.fifo = popFront(l.fifo)
+	}
 	if len(l.fifo) == 0 {
 		l.mu.Unlock()
 		return fmt.Errorf("%w: unexpected %s frame", verbsio.ErrBadFrame, opName(h.op))
@@ -1010,6 +1042,10 @@ func (q *qp) handleResponse(l *outLane, h header) error {
 	l.mu.Unlock()
 	if h.token != e.token {
 		return fmt.Errorf("%w: response token %d, want %d", verbsio.ErrBadFrame, h.token, e.token)
+	}
+	q.impliedAcks.Add(int64(len(ok)))
+	for _, d := range ok {
+		q.respond(d, verbsio.StatusSuccess)
 	}
 	switch {
 	case h.op == opAck && !e.read:
@@ -1324,6 +1360,9 @@ func (q *qp) serveWrite(c io.Reader, f header, resp *responder, t *transfer) err
 	}
 	if r != nil {
 		q.finishRecv(r, &verbsio.Completion{Op: verbsio.OpRecvImm, Status: verbsio.StatusSuccess, ByteLen: f.total, Imm: f.imm, HasImm: true})
+	}
+	if f.flags&flagNoAck != 0 {
+		return nil // the next response says so
 	}
 	return resp.answer(header{op: opAck, token: f.token})
 }
