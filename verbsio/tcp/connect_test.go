@@ -1,6 +1,7 @@
 package tcp_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"net"
@@ -78,6 +79,13 @@ func TestConnectBadEndpoint(t *testing.T) {
 	}
 	if err := a.qp.Connect(ctx, verbsio.Endpoint{Provider: "tcp", Data: []byte{1, 2, 3}}); !errors.Is(err, verbsio.ErrBadFrame) {
 		t.Errorf("malformed endpoint: %v, want ErrBadFrame", err)
+	}
+	// The endpoint of a peer of wire version 1 is refused as such.
+	old := a.qp.Endpoint()
+	old.Data = bytes.Clone(old.Data)
+	old.Data[0] = 1
+	if err := a.qp.Connect(ctx, old); !errors.Is(err, verbsio.ErrBadFrame) || !strings.Contains(err.Error(), "version 1") {
+		t.Errorf("endpoint of wire version 1: %v, want ErrBadFrame naming the version", err)
 	}
 	if err := a.qp.PostSend([]verbsio.SendWR{{Op: verbsio.OpWrite}}); !errors.Is(err, verbsio.ErrQPState) {
 		t.Errorf("PostSend before Connect: %v, want ErrQPState", err)

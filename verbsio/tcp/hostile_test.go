@@ -324,6 +324,12 @@ func TestHostileHello(t *testing.T) {
 		{"Garbage", bytes.Repeat([]byte{0xFF}, helloLen), helloMalformed},
 		{"WrongNonce", (&hello{lanes: 1, dstQP: tg.qp.id, dstNonce: tg.qp.nonce + 1}).Append(nil), helloBadNonce},
 		{"NoSuchQP", (&hello{lanes: 1, dstQP: tg.qp.id + 1000, dstNonce: tg.qp.nonce}).Append(nil), helloNoQP},
+		// A peer of wire version 1 (no flagNoAck) is refused before any frame.
+		{"Version1", func() []byte {
+			b := (&hello{lanes: 1, dstQP: tg.qp.id, dstNonce: tg.qp.nonce}).Append(nil)
+			b[4] = 1
+			return b
+		}(), helloMalformed},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c, err := net.Dial("tcp", tg.dev.Info().Address)
