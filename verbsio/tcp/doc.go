@@ -102,10 +102,15 @@
 // write with immediate, the zero-length frame carrying the immediate) goes
 // out only when every stripe is acknowledged, so a completion at the target
 // means every byte before it has landed. Completions come in post order; an
-// unsignaled work request completes only when it fails. The target holds an
-// acknowledgement back while the next request already waits in its socket
-// and sends a burst's acknowledgements in one write (never across a wait
-// for a posted receive). As on a verbs queue
+// unsignaled work request completes only when it fails. Of the unsignaled
+// writes, writes with immediate and sends, only one in four asks the target
+// for an acknowledgement (the others carry flagNoAck: the next response on
+// the lane stands for them, and a failure is still answered). The target
+// holds an acknowledgement back while the next request already waits in
+// its socket and sends a burst's acknowledgements in one write (never
+// across a wait for a posted receive); a completion queue's polling Wait
+// holds back those of the requests it applies until its next look, the
+// queue pair's next post or 200 us. As on a verbs queue
 // pair, the first failure puts the queue pair in the error state: the work
 // requests behind it complete flushed, later posts fail with ErrQPState,
 // and the connections close, so the peer's queue pair fails too.
@@ -137,7 +142,8 @@
 //
 // # Wire format
 //
-// Described in frame.go: on each connection, jobauth's handshake when the
+// Described in frame.go, version 2 (flagNoAck; peers of version 1 are
+// refused at the hello): on each connection, jobauth's handshake when the
 // job has a key, a hello, then 40-byte headers (version, opcode, flags,
 // status, length, token, remote address, rkey, immediate, total) each
 // followed by its payload. Decoding is strict: an
