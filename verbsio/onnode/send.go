@@ -171,18 +171,10 @@ func (q *qp) exec(w *verbsio.SendWR) (verbsio.Status, error) {
 		if n == 0 {
 			return verbsio.StatusSuccess, nil
 		}
-		st, held, err := q.remoteCopy(false, segs, w.RemoteAddr, w.RKey, n)
-		unhold(held)
-		return st, err
+		return q.remoteCopy(false, segs, w.RemoteAddr, w.RKey, n)
 	}
 	if n > 0 {
-		// The peer's region stays held until the immediate is published:
-		// the hold's release is an atomic instruction, which would wait
-		// for the copy's stores to reach the peer's cache before the
-		// record's could start on theirs.
-		st, held, err := q.remoteCopy(true, segs, w.RemoteAddr, w.RKey, n)
-		defer unhold(held)
-		if st != verbsio.StatusSuccess {
+		if st, err := q.remoteCopy(true, segs, w.RemoteAddr, w.RKey, n); st != verbsio.StatusSuccess {
 			return st, err
 		}
 	}
@@ -308,22 +300,10 @@ func (q *qp) signal() {
 
 // remoteCopy writes segs into (or reads them from) the peer's region rkey at
 // addr, after checking the key, the bounds and the access in the peer's
-// table. The peer cannot release the region while the copy runs: after a
-// success the region is still held, and the caller releases it with
-// unhold(held) when it no longer needs it.
-func (q *qp) remoteCopy(write bool, segs [][]byte, addr uint64, rkey uint32, n int) (verbsio.Status, *uint64, error) {
+// table. The peer cannot release the region while the copy runs.
+func (q *qp) remoteCopy(write bool, segs [][]byte, addr uint64, rkey uint32, n int) (verbsio.Status, error) {
 	e, held, ok := readEntry(q.peerTable, q.peerCtr, int(rkey&(tableSlots-1)), true)
-	st, err := q.copyEntry(write, e, ok, segs, addr, rkey, n)
-	if st != verbsio.StatusSuccess {
-		unhold(held)
-		return st, nil, err
-	}
-	return st, held, nil
-}
-
-// copyEntry is remoteCopy after the table read: e is the region's entry
-// (ok false: unreadable).
-func (q *qp) copyEntry(write bool, e entry, ok bool, segs [][]byte, addr uint64, rkey uint32, n int) (verbsio.Status, error) {
+	defer unhold(held)
 	need := verbsio.AccessRemoteRead
 	if write {
 		need = verbsio.AccessRemoteWrite
