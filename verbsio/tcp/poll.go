@@ -38,7 +38,7 @@ type lane struct {
 	hb  [headerLen]byte   // the waiter's header buffer (under rd)
 	pb  [2 * peekMax]byte // the waiter's peek buffer (under rd)
 	br  bytes.Reader      // reads a frame applied from pb (under rd)
-	// applied counts the bytes at the head of the socket that the
+	// applied counts the bytes at the head of an inbound lane that the
 	// waiter has applied and not yet dropped (under rd): it drops them
 	// when a look finds nothing new, so that the drop's system call is
 	// not between a request's arrival and its completion. Whoever reads

@@ -985,10 +985,6 @@ func (q *qp) readResponses(l *outLane) {
 				break
 			}
 			l.take()
-			if err = l.skipApplied(); err != nil {
-				l.rd.Unlock()
-				break
-			}
 		} else {
 			l.rd.Lock()
 		}
