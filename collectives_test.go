@@ -472,6 +472,13 @@ func killJob(ctx context.Context, g *Group, rep *childReport) error {
 	if _, err := g.AllReduce(ctx, t, Sum); err != nil {
 		return err
 	}
+	// Every rank has finished the first call before the victim dies: a
+	// rank's call returns once its own pieces are in and its sends taken,
+	// which may be before a partner's last receive from it is done (the
+	// barrier goes through rank 0 over the bootstrap, not the victim).
+	if err := g.Barrier(ctx); err != nil {
+		return err
+	}
 	if g.Rank() == victim {
 		_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
 		select {}
