@@ -300,6 +300,19 @@ func newInLane(c net.Conn, src srcKey) *inLane {
 	return l
 }
 
+// sendHeld sends the responses held back, if the lane is up and holds
+// any, and reports whether it tried; a failed write gives the lane up.
+// Callers hold l.rd.
+func (l *inLane) sendHeld() bool {
+	if l.err != nil || len(l.resp.pending) == 0 {
+		return false
+	}
+	if err := l.resp.flush(); err != nil {
+		l.fail(err)
+	}
+	return true
+}
+
 // owe arms the lane's timer for the responses the waiter holds back.
 // Callers hold l.rd.
 func (l *inLane) owe() {
@@ -318,12 +331,9 @@ func (l *inLane) flushHeld() {
 	}
 	defer l.rd.Unlock()
 	l.armed.Store(false)
-	if l.err == nil && len(l.resp.pending) > 0 {
+	if l.sendHeld() {
 		l.prompt = ackPrompt
 		l.timed.Add(1)
-		if err := l.resp.flush(); err != nil {
-			l.fail(err)
-		}
 	}
 }
 
@@ -338,11 +348,7 @@ func (q *qp) flushOwed() {
 		if l.rc == nil || !l.rd.TryLock() {
 			continue
 		}
-		if l.err == nil && len(l.resp.pending) > 0 {
-			if err := l.resp.flush(); err != nil {
-				l.fail(err)
-			}
-		}
+		l.sendHeld()
 		l.rd.Unlock()
 	}
 }
@@ -354,13 +360,10 @@ func (q *qp) pollIn(l *inLane) bool {
 		return false
 	}
 	defer l.rd.Unlock()
-	if l.err == nil && len(l.resp.pending) > 0 {
-		// Held back by the last look (answer): out now, as nothing of
-		// the caller's waits on it.
-		if err := l.resp.flush(); err != nil {
-			l.fail(err)
-			return true
-		}
+	// Held back by the last look (answer): out now, as nothing of the
+	// caller's waits on it.
+	if l.sendHeld() && l.err != nil {
+		return true
 	}
 	defer l.owe()
 	did := false
