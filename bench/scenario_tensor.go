@@ -52,6 +52,10 @@ const (
 	tensorRootEnv = "GDRLINK_BENCH_TENSOR_ROOT"
 	tensorMaxEnv  = "GDRLINK_BENCH_TENSOR_MAX"
 
+	// setTensorProviders is the -set key that picks the providers
+	// measured: a comma-separated subset of ibverbs,onnode,tcp.
+	setTensorProviders = "tensor.providers"
+
 	tensorSmall = 4 << 10
 	// tensorWindow is how many small-tensor Recvs (and gRPC calls) are in
 	// flight at once in the rate cases.
@@ -104,6 +108,19 @@ type peerHello struct {
 	GRPC string
 }
 
+// tensorSource is where a side's pools take their memory from: what the
+// front door gives each provider (gdrlink.go), so that the scenario
+// measures what a job gets. On onnode that is shared mappings of memfds,
+// which the peer writes through its own mapping of them (one memcpy);
+// anonymous memory would be written with process_vm_writev, a system call
+// per write. Elsewhere, anonymous memory in transparent huge pages.
+func tensorSource(provider, name string) alloc.Source {
+	if provider == "onnode" {
+		return alloc.NewMemfdSource(name, alloc.MmapOptions{})
+	}
+	return alloc.NewMmapSource(alloc.MmapOptions{HugePages: true})
+}
+
 // openTensorSide opens the provider, a registered pool, a channel and a raw
 // pair, joins the two-process group and connects both.
 func openTensorSide(ctx context.Context, provider string, cfg bootstrap.Config, maxSize int, grpcAddr string) (*tensorSide, peerHello, error) {
@@ -124,13 +141,14 @@ func openTensorSide(ctx context.Context, provider string, cfg bootstrap.Config, 
 	// Arenas big enough that the largest tensor, its result and the fixed
 	// buffer each fit one.
 	arena, maxArena := max(64<<20, 2*maxSize), max(1<<30, 2*maxSize)
-	if s.pool, err = alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}), alloc.WithVisitors(s.reg),
+	if s.pool, err = alloc.New(tensorSource(provider, fmt.Sprint("bench-tensor-rank", cfg.Rank)), alloc.WithVisitors(s.reg),
 		alloc.WithInitialArena(arena), alloc.WithMaxArena(maxArena)); err != nil {
 		return s, ph, err
 	}
 	var mem rendezvous.Memory = rendezvous.PoolMemory(s.reg.RegionOf, s.pool)
 	if cfg.Rank == 0 {
-		if s.grants, err = newGrantSwitch(s.pd, s.reg, s.pool, access, arena, maxArena); err != nil {
+		src := func(name string) alloc.Source { return tensorSource(provider, "bench-tensor-"+name) }
+		if s.grants, err = newGrantSwitch(s.pd, s.reg, s.pool, src, access, arena, maxArena); err != nil {
 			return s, ph, err
 		}
 		mem = s.grants
@@ -299,8 +317,12 @@ func runTensor(ctx context.Context, env *Env) error {
 	for _, s := range sizes {
 		maxSize = max(maxSize, int(s))
 	}
+	providers := []string{"ibverbs", "onnode", "tcp"}
+	if v, ok := env.Args[setTensorProviders]; ok {
+		providers = strings.Split(v, ",")
+	}
 	ran := 0
-	for _, provider := range []string{"ibverbs", "onnode", "tcp"} {
+	for _, provider := range providers {
 		p, err := verbsio.Lookup(provider)
 		if err == nil {
 			_, err = p.Devices()

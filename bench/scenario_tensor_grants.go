@@ -48,11 +48,11 @@ type grantSwitch struct {
 // newGrantSwitch makes the switch over pool (the scenario's, registered
 // by reg's visitor) and the two pools of the grant rows, registered with
 // access on pd.
-func newGrantSwitch(pd verbsio.ProtectionDomain, reg *visitor.MemoryRegistration, pool *alloc.Pool, access verbsio.Access, arena, maxArena int) (*grantSwitch, error) {
+func newGrantSwitch(pd verbsio.ProtectionDomain, reg *visitor.MemoryRegistration, pool *alloc.Pool, src func(name string) alloc.Source, access verbsio.Access, arena, maxArena int) (*grantSwitch, error) {
 	g := &grantSwitch{main: rendezvous.PoolMemory(reg.RegionOf, pool)}
 	newPool := func(name string) (*alloc.Pool, rendezvous.Memory, error) {
 		r := visitor.NewMemoryRegistration(pd, access)
-		p, err := alloc.New(alloc.NewMmapSource(alloc.MmapOptions{}), alloc.WithVisitors(r),
+		p, err := alloc.New(src(name), alloc.WithVisitors(r),
 			alloc.WithInitialArena(arena), alloc.WithMaxArena(maxArena), alloc.WithName(name))
 		if err != nil {
 			return nil, nil, fmt.Errorf("pool for the %s rows: %w", name, err)

@@ -31,7 +31,7 @@ func TestGrantSwitch(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pool.Close()
-	g, err := newGrantSwitch(pd, reg, pool, access, 1<<20, 1<<30)
+	g, err := newGrantSwitch(pd, reg, pool, func(name string) alloc.Source { return tensorSource("tcp", name) }, access, 1<<20, 1<<30)
 	if err != nil {
 		t.Fatal(err)
 	}
