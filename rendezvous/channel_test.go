@@ -299,6 +299,48 @@ func TestChecksumDetectsCorruption(t *testing.T) {
 	})
 }
 
+// TestChecksumOfOfferedBytes: in checksum mode a large tensor's checksum
+// is taken when it is offered (sourceCRC), so a source changed after Send
+// and before the peer asks for it (against Send's contract) arrives as
+// corrupted, while one left alone arrives verified.
+func TestChecksumOfOfferedBytes(t *testing.T) {
+	forEachProvider(t, func(t *testing.T, provider string) {
+		a, b := pair(t, provider, WithChecksum(true))
+		ctx := recvCtx(t)
+		shape := tensor.Shape{eagerCRCMin} // bytes: above the eager threshold
+		for _, key := range []string{"kept", "changed"} {
+			src, err := makeTensor(a.pool, "uint8", shape, key, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			sent := make(chan error, 1)
+			if err := a.ch.SendFunc(key, 0, src, func(err error) { sent <- err }); err != nil {
+				t.Fatal(err)
+			}
+			if key == "changed" {
+				b, _ := src.Bytes()
+				b[len(b)/3] ^= 0x10
+			}
+			got, tr, err := b.ch.Recv(ctx, key, 0)
+			serr := <-sent
+			_ = src.Release()
+			if key == "kept" {
+				if err != nil || !tr.Checksummed || serr != nil {
+					t.Fatalf("unchanged source: Recv %v (checksummed %v), Send %v", err, tr.Checksummed, serr)
+				}
+				if err := checkTensor(got, "uint8", shape, key, 0); err != nil {
+					t.Fatal(err)
+				}
+				_ = got.Release()
+				continue
+			}
+			if !errors.Is(err, ErrChecksum) || !errors.Is(serr, ErrChecksum) {
+				t.Fatalf("source changed after Send: Recv %v, Send %v; want ErrChecksum for both", err, serr)
+			}
+		}
+	})
+}
+
 func TestManyConcurrentRecvs(t *testing.T) {
 	forEachProvider(t, func(t *testing.T, provider string) {
 		a, b := pair(t, provider, WithRing(16))

@@ -134,6 +134,7 @@ type sendEntry struct {
 	stage    tensor.Buffer
 	crc      uint32
 	crcSent  bool
+	crcTaken bool // crc was taken when the tensor was offered (sourceCRC)
 	noCRC    bool // checksum mode, but no host view to take one from
 
 	railPending int
@@ -243,6 +244,7 @@ func (c *Channel) SendError(key string, step int64, err error) error {
 
 func (s *sender) put(k skey, t *tensor.Tensor, serr error, done func(error)) error {
 	c := s.c
+	crc, crcTaken := s.sourceCRC(t)
 	var ds deliveries
 	c.mu.Lock()
 	if c.state != stateConnected {
@@ -259,6 +261,7 @@ func (s *sender) put(k skey, t *tensor.Tensor, serr error, done func(error)) err
 		e = &sendEntry{key: k}
 	}
 	e.t, e.serr, e.done, e.has = t, serr, done, true
+	e.crc, e.crcTaken = crc, crcTaken
 	if e.hasReq {
 		delete(s.sends, k)
 		s.parked--
@@ -271,6 +274,44 @@ func (s *sender) put(k skey, t *tensor.Tensor, serr error, done func(error)) err
 	c.mu.Unlock()
 	ds.run()
 	return nil
+}
+
+// eagerCRCMin is the smallest tensor whose checksum a Send takes as it is
+// offered (sourceCRC); a smaller one's takes less time than the lock it
+// would add, and is taken when the tensor is written.
+const eagerCRCMin = 64 << 10
+
+// sourceCRC takes, in checksum mode, the CRC-32C of a host tensor of at
+// least eagerCRCMin bytes as it is offered, on the caller's goroutine and
+// without the channel's lock: a Send made ahead of the peer's Recv (as
+// producers do) then has its checksum ready when the request comes,
+// instead of taking it between the request and the write, and the
+// completion goroutine is not held up by it. The checksum is of the bytes
+// as they were offered, so a source changed before it is written
+// (against Send's contract) arrives as corrupted instead of passing.
+// ok is false where it is taken later, when the tensor is written: no
+// checksum mode, a small, dead or string tensor (whose bytes are an
+// encoding made then), or one without a host view.
+func (s *sender) sourceCRC(t *tensor.Tensor) (crc uint32, ok bool) {
+	if t == nil {
+		return 0, false
+	}
+	m := t.Meta()
+	if m.IsDead || m.DType == tensor.String || m.ByteSize < eagerCRCMin {
+		return 0, false
+	}
+	c := s.c
+	c.mu.Lock()
+	on := c.checksum && c.state == stateConnected
+	c.mu.Unlock()
+	if !on {
+		return 0, false
+	}
+	b, err := t.Bytes()
+	if err != nil || int64(len(b)) < m.ByteSize {
+		return 0, false
+	}
+	return crc32c.Checksum(b[:m.ByteSize]), true
 }
 
 // inFlightLocked reports whether writes are posted whose arrival is not
@@ -725,7 +766,7 @@ func (s *sender) prepareLocked(e *sendEntry, ds *deliveries) error {
 			e.noCRC = true
 		case e.src == nil:
 			return fmt.Errorf("%w: checksum mode needs a host view of %q step %d", ErrBadTensor, e.key.name, e.key.step)
-		default:
+		case !e.crcTaken:
 			e.crc = crc32c.Checksum(e.src)
 		}
 	}
