@@ -354,6 +354,10 @@ func (c *Channel) Connect(ctx context.Context, peerHello []byte) error {
 	c.peer = peer
 	c.credits = int(m.Ring)
 	c.checksum, c.confirm = checksum, confirm
+	if s, ok := c.qp.(verbsio.WriteChecksummer); ok {
+		// The provider takes each tensor's checksum as it lands.
+		s.ChecksumWrites(checksum)
+	}
 	c.pull = c.opts.puller != nil && !c.opts.firstRelease && m.Flags&wire.HelloPull != 0
 	c.live.peerRing = int(m.Ring)
 	c.mu.Unlock()
@@ -889,7 +893,7 @@ func (c *Channel) handleLocked(wc *verbsio.Completion, ds *deliveries) {
 		}
 		if wc.Op == verbsio.OpRecvImm || wc.HasImm {
 			c.imms++
-			c.rcv.onWriteLocked(wc.Imm, ds)
+			c.rcv.onWriteLocked(wc.Imm, wc, ds)
 		} else {
 			b := c.recvBuf.Bytes()[slot*c.slot:]
 			if int(wc.ByteLen) > c.slot {

@@ -68,7 +68,13 @@
 // the receiver checks the bytes that arrived. It is on by default where
 // bytes cross a network that may change them unnoticed (tcp: a veth pair
 // does not check TCP checksums, and some NIC offloads miss errors) and off
-// elsewhere (DefaultChecksum, WithChecksum). Peers that both offer it in
+// elsewhere (DefaultChecksum, WithChecksum). Neither side's checksum
+// need lie between a request and its result: a Send takes a large host
+// tensor's as it is offered (a source changed after Send, against its
+// contract, then arrives as corrupted), and where the queue pair takes
+// the checksum of a write with immediate as its bytes land
+// (verbsio.WriteChecksummer: tcp, reading its socket), the receiver
+// checks that one instead of reading the result again. Peers that both offer it in
 // their HELLO (wire.HelloConfirm) also confirm: the receiver answers every
 // write it takes in with CONFIRM, and the sender keeps the source until
 // then, so Send's done (and Stats.WritesOut) says delivered only once the

@@ -111,7 +111,7 @@ func feed(c *Channel, b []byte, imm *uint32) {
 	var ds deliveries
 	c.mu.Lock()
 	if imm != nil {
-		c.rcv.onWriteLocked(*imm, &ds)
+		c.rcv.onWriteLocked(*imm, nil, &ds)
 	} else {
 		c.onFramesLocked(b, &ds)
 	}

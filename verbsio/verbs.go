@@ -172,6 +172,12 @@ type Completion struct {
 	Imm uint32
 	// HasImm reports whether Imm is set.
 	HasImm bool
+	// Checksum is the CRC-32C of the ByteLen bytes a write with immediate
+	// put into this side's memory, taken as they landed (valid when
+	// HasChecksum; see WriteChecksummer).
+	Checksum uint32
+	// HasChecksum reports whether Checksum is set.
+	HasChecksum bool
 	// QP is the queue pair the work request belonged to.
 	QP QueuePair
 }

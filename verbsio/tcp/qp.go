@@ -15,6 +15,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/gdrlink/gdrlink/internal/crc32c"
 	"github.com/gdrlink/gdrlink/internal/ctxerr"
 	"github.com/gdrlink/gdrlink/internal/jobauth"
 	"github.com/gdrlink/gdrlink/internal/offheap"
@@ -38,11 +39,14 @@ type qp struct {
 	scq, rcq *cq
 	id       uint32
 	nonce    uint64
-	maxSend  int
-	maxRecv  int
-	maxSGE   int
-	inline   int
-	lanes    int
+	// sumWrites: receive completions of writes with immediate carry the
+	// CRC-32C of their payload (ChecksumWrites).
+	sumWrites atomic.Bool
+	maxSend   int
+	maxRecv   int
+	maxSGE    int
+	inline    int
+	lanes     int
 
 	// recvMu serializes the inbound operations that consume a posted
 	// receive, so receives complete in the order they were posted.
@@ -1335,7 +1339,17 @@ func (q *qp) serveWrite(c io.Reader, f header, resp *responder, t *transfer) err
 		}
 		return resp.nak(f, verbsio.StatusRemoteAccess)
 	}
-	n, err := io.ReadFull(c, dst)
+	// A write with immediate that comes whole in this frame has its
+	// checksum taken as it lands, where the queue pair's user asked.
+	sum := r != nil && f.length == f.total && q.sumWrites.Load()
+	var n int
+	var crc uint32
+	var err error
+	if sum {
+		n, crc, err = readFullCRC(c, dst)
+	} else {
+		n, err = io.ReadFull(c, dst)
+	}
 	if t.end() {
 		// The region closed or the grant was revoked under the write:
 		// what is left of the payload is skipped and the write fails,
@@ -1355,12 +1369,39 @@ func (q *qp) serveWrite(c io.Reader, f header, resp *responder, t *transfer) err
 		return err
 	}
 	if r != nil {
-		q.finishRecv(r, &verbsio.Completion{Op: verbsio.OpRecvImm, Status: verbsio.StatusSuccess, ByteLen: f.total, Imm: f.imm, HasImm: true})
+		wc := verbsio.Completion{Op: verbsio.OpRecvImm, Status: verbsio.StatusSuccess, ByteLen: f.total, Imm: f.imm, HasImm: true}
+		wc.Checksum, wc.HasChecksum = crc, sum
+		q.finishRecv(r, &wc)
 	}
 	if f.flags&flagNoAck != 0 {
 		return nil // the next response says so
 	}
 	return resp.answer(header{op: opAck, token: f.token})
+}
+
+// ChecksumWrites implements verbsio.WriteChecksummer: the receive
+// completion of a write with immediate that came in one frame carries the
+// CRC-32C of its payload, taken piece by piece as it is read from the
+// socket (readFullCRC). A write striped over several lanes has none.
+func (q *qp) ChecksumWrites(on bool) { q.sumWrites.Store(on) }
+
+// crcPiece is how much of a payload readFullCRC reads before it takes
+// the checksum of what it read: small enough that the bytes are still in
+// the cache, large enough that a read takes much at once.
+const crcPiece = 256 << 10
+
+// readFullCRC reads len(dst) bytes from c into dst as io.ReadFull does,
+// and returns the CRC-32C of the n bytes it read.
+func readFullCRC(c io.Reader, dst []byte) (n int, crc uint32, err error) {
+	for n < len(dst) {
+		m, err := io.ReadFull(c, dst[n:min(len(dst), n+crcPiece)])
+		crc = crc32c.Update(crc, dst[n:n+m])
+		n += m
+		if err != nil {
+			return n, crc, err
+		}
+	}
+	return n, crc, nil
 }
 
 func (q *qp) serveSend(c io.Reader, f header, resp *responder) error {
