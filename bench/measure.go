@@ -64,6 +64,35 @@ func timeEach(reps, iters int, fn func() error) (time.Duration, error) {
 	return medianDuration(ds), nil
 }
 
+// timeEachCall is timeEach that also times every call of the timed runs on
+// its own and returns those reps·iters durations, sorted: the distribution
+// that timeEach's mean per call hides (a few calls of a hundred times the
+// typical one move a mean of hundreds).
+func timeEachCall(reps, iters int, fn func() error) (time.Duration, []time.Duration, error) {
+	reps, iters = max(reps, 1), max(iters, 1)
+	calls := make([]time.Duration, 0, reps*iters)
+	d, err := timeEach(reps, iters, func() error {
+		start := time.Now()
+		err := fn()
+		calls = append(calls, time.Since(start))
+		return err
+	})
+	if err != nil {
+		return 0, nil, err
+	}
+	calls = calls[1:] // the untimed warm-up's
+	slices.Sort(calls)
+	return d, calls, nil
+}
+
+// quantile is the q-quantile (0 to 1) of sorted durations, 0 for none.
+func quantile(sorted []time.Duration, q float64) time.Duration {
+	if len(sorted) == 0 {
+		return 0
+	}
+	return sorted[int(q*float64(len(sorted)-1)+0.5)]
+}
+
 // rateGBs is a rate in GB/s (decimal: 1e9 bytes per second) of bytes moved
 // in d; 0 when d is not positive, so a result never holds an infinity.
 func rateGBs(bytes int64, d time.Duration) float64 {

@@ -158,6 +158,26 @@ func TestTimeIt(t *testing.T) {
 	if _, err := timeEach(3, 10, func() error { calls++; return nil }); err != nil || calls != 31 {
 		t.Fatalf("timeEach: %d calls, %v; want 31", calls, err)
 	}
+	calls = 0
+	d, each, err := timeEachCall(2, 5, func() error {
+		calls++
+		if calls == 4 {
+			time.Sleep(20 * time.Millisecond) // one slow call moves the mean, not the median
+		}
+		return nil
+	})
+	if err != nil || calls != 11 || len(each) != 10 {
+		t.Fatalf("timeEachCall: %d calls, %d timed, %v; want 11 and 10", calls, len(each), err)
+	}
+	if !slices.IsSorted(each) || each[9] < 20*time.Millisecond || quantile(each, 0.5) >= time.Millisecond {
+		t.Errorf("timeEachCall's calls %v: want sorted, the slow one last, a fast median", each)
+	}
+	if d < 2*time.Millisecond { // the median of the two runs' means: (20 ms/5 + ~0)/2
+		t.Errorf("timeEachCall mean per call %v, want the slow call in it", d)
+	}
+	if quantile(nil, 0.5) != 0 || quantile(each, 0) != each[0] || quantile(each, 1) != each[9] {
+		t.Errorf("quantile ends wrong")
+	}
 	boom := errors.New("boom")
 	calls = 0
 	if _, err := timeIt(5, func() error {

@@ -404,16 +404,21 @@ func tensorProvider(ctx context.Context, env *Env, provider string, sizes []int6
 	emit(env, provider, "small/vs-grpc", tensorSmall, ours, "tensors/s", grpcRate, "grpc", note)
 	emit(env, provider, "small/vs-copybuf", tensorSmall, ours, "tensors/s", 1/copyLat.Seconds(), "copybuf", note+"; copybuf has one buffer, so one tensor in flight")
 
-	// Small-tensor latency against the raw write.
-	lat, err := m.oursLatency(tensorSmall, reps)
+	// Small-tensor latency against the raw write: the mean per call, and
+	// the median call (a few calls of a hundred times the typical one,
+	// a thread waiting for a core, move the mean).
+	lat, lats, err := m.oursLatencyCalls(tensorSmall, reps)
 	if err != nil {
 		return fmt.Errorf("tensor latency: %w", err)
 	}
-	rawLat, err := m.raw(false, tensorSmall, reps)
+	rawLat, raws, err := m.rawCalls(false, tensorSmall, reps)
 	if err != nil {
 		return fmt.Errorf("raw write latency: %w", err)
 	}
-	emit(env, provider, "small/latency-vs-raw-write", tensorSmall, us(lat), "us", us(rawLat), "raw-write", note+"; raw write = SEND request + write-with-immediate answer on a bare queue pair, neither side waiting for its own send completions; ratio = raw-write time / tensor time, higher is better for us")
+	rawNote := "; raw write = SEND request + write-with-immediate answer on a bare queue pair, neither side waiting for its own send completions; ratio = raw-write time / tensor time, higher is better for us"
+	emit(env, provider, "small/latency-vs-raw-write", tensorSmall, us(lat), "us", us(rawLat), "raw-write", note+rawNote+"; mean per call")
+	emit(env, provider, "small/latency-median-vs-raw-write", tensorSmall, us(quantile(lats, 0.5)), "us", us(quantile(raws, 0.5)), "raw-write",
+		fmt.Sprintf("%s%s; median call of %d, 99th percentile %.1f us against %.1f us", note, rawNote, len(lats), us(quantile(lats, 0.99)), us(quantile(raws, 0.99))))
 
 	for _, size := range sizes {
 		// The tensor path and the raw write are measured in turn, rep
@@ -532,6 +537,13 @@ func (m *tensorMeasure) oursRate(size, n, reps int) (float64, error) {
 // oursLatency is the median time of one Recv of size bytes whose Send is
 // already in (the steady state: meta-data cached, one round trip).
 func (m *tensorMeasure) oursLatency(size, reps int) (time.Duration, error) {
+	d, _, err := m.oursLatencyCalls(size, reps)
+	return d, err
+}
+
+// oursLatencyCalls is oursLatency that also returns every timed Recv's own
+// time, sorted (timeEachCall).
+func (m *tensorMeasure) oursLatencyCalls(size, reps int) (time.Duration, []time.Duration, error) {
 	iters := max(1, min(200, (64<<20)/size))
 	if size > 64<<20 {
 		iters = 1
@@ -540,10 +552,10 @@ func (m *tensorMeasure) oursLatency(size, reps int) (time.Duration, error) {
 	m.seq++
 	key := fmt.Sprintf("lat-%d-%d", size, m.seq)
 	if err := m.command("send %s %d %d", key, total, size); err != nil {
-		return 0, err
+		return 0, nil, err
 	}
 	step := 0
-	return timeEach(reps, iters, func() error {
+	return timeEachCall(reps, iters, func() error {
 		t, _, err := m.s.ch.Recv(m.ctx, key, int64(step))
 		step++
 		if err != nil {
@@ -608,6 +620,13 @@ func (m *tensorMeasure) grpcLatency(size, reps int) (time.Duration, error) {
 // with copies through the fixed buffers (copy-through-buffer), or without
 // (the raw write).
 func (m *tensorMeasure) raw(copies bool, size, reps int) (time.Duration, error) {
+	d, _, err := m.rawCalls(copies, size, reps)
+	return d, err
+}
+
+// rawCalls is raw that also returns every timed ask's own time, sorted
+// (timeEachCall).
+func (m *tensorMeasure) rawCalls(copies bool, size, reps int) (time.Duration, []time.Duration, error) {
 	iters := max(1, min(200, (64<<20)/size))
 	if size > 64<<20 {
 		iters = 1
@@ -618,18 +637,18 @@ func (m *tensorMeasure) raw(copies bool, size, reps int) (time.Duration, error) 
 		mode = "copy"
 	}
 	if err := m.command("answer %s %d %d", mode, total, size); err != nil {
-		return 0, err
+		return 0, nil, err
 	}
 	var dst []byte
 	if copies {
 		blk, err := m.s.pool.Alloc(size)
 		if err != nil {
-			return 0, err
+			return 0, nil, err
 		}
 		defer blk.Free()
 		dst = blk.Bytes()
 	}
-	return timeEach(reps, iters, func() error {
+	return timeEachCall(reps, iters, func() error {
 		if err := m.s.raw.ask(m.ctx); err != nil {
 			return err
 		}

@@ -37,7 +37,7 @@ func TestTensorScenarioQuick(t *testing.T) {
 		}
 		seen[strings.Join(parts[2:], "/")] = true
 	}
-	for _, want := range []string{"small/vs-grpc", "small/vs-copybuf", "small/latency-vs-raw-write", "large/vs-grpc", "large/vs-copybuf", "large/vs-raw-write"} {
+	for _, want := range []string{"small/vs-grpc", "small/vs-copybuf", "small/latency-vs-raw-write", "small/latency-median-vs-raw-write", "large/vs-grpc", "large/vs-copybuf", "large/vs-raw-write"} {
 		if !seen[want] {
 			t.Errorf("no %s result in:\n%s", want, out)
 		}
