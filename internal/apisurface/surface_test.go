@@ -20,10 +20,11 @@ import (
 // the front door's IPCStats (473 and 44); receiving into the caller's
 // tensor, rendezvous.Into and the front door's RecvInto (475 and 45);
 // binding the ranks of a host to CPUs of their own, WithCPUBinding (476
-// and 46).
+// and 46); queue pairs that take the checksum of a write as its bytes land,
+// verbsio.WriteChecksummer (477).
 // Raise them only for a capability, and say which here.
 const (
-	maxTotal     = 476
+	maxTotal     = 477
 	maxFrontDoor = 46
 )
 
