@@ -837,7 +837,7 @@ func (rv *receiver) onWriteLocked(imm uint32, wc *verbsio.Completion, ds *delive
 			// read (device memory, in the provider's default mode): the
 			// tensor is taken unverified.
 		case host != nil:
-			got := uint32(0)
+			var got uint32
 			if wc != nil && wc.HasChecksum && int64(wc.ByteLen) == meta.ByteSize {
 				// The provider took it as the bytes landed: the
 				// write was the whole tensor, in one piece.
