@@ -3,6 +3,7 @@ package rendezvous
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"sync"
 	"sync/atomic"
@@ -26,6 +27,7 @@ import (
 type writeQP struct {
 	stubQP
 	wrs    []verbsio.SendWR
+	posts  [][]verbsio.Opcode // each post's chain
 	fail   error
 	closed atomic.Bool
 }
@@ -34,6 +36,11 @@ func (q *writeQP) PostSend(wrs []verbsio.SendWR) error {
 	if q.fail != nil {
 		return q.fail
 	}
+	var ops []verbsio.Opcode
+	for _, wr := range wrs {
+		ops = append(ops, wr.Op)
+	}
+	q.posts = append(q.posts, ops)
 	for _, wr := range wrs {
 		if wr.WRID&wridKind == wridWrite {
 			q.wrs = append(q.wrs, wr)
@@ -451,4 +458,27 @@ func TestFailedChannelGivesSourceBackOnCompletion(t *testing.T) {
 			t.Fatal("source not given back 10s after its write was posted")
 		}
 	})
+}
+
+// TestControlRidesWithWrite: control frames taken from the queue just
+// ahead of a write (in checksum mode, the CHECKSUM that announces it) go in
+// one post with it, the frames first; without a credit for each and one in
+// reserve, the frames go alone and the write waits.
+func TestControlRidesWithWrite(t *testing.T) {
+	for _, tc := range []struct {
+		credits int
+		want    [][]verbsio.Opcode
+	}{
+		{8, [][]verbsio.Opcode{{verbsio.OpSend, verbsio.OpWriteImm}}},
+		{2, [][]verbsio.Opcode{{verbsio.OpSend}}},
+	} {
+		q := &writeQP{}
+		c, _ := heldChannel(t, q, tc.credits)
+		c.checksum = true
+		sendHeld(t, c, q, 4096)
+		arrive(c, requestFor(4096, 0))
+		if fmt.Sprint(q.posts) != fmt.Sprint(tc.want) {
+			t.Errorf("%d credits: posts %v, want %v", tc.credits, q.posts, tc.want)
+		}
+	}
 }

@@ -1084,13 +1084,21 @@ func (s *sender) writeDoneLocked(seq uint64, ds *deliveries) {
 
 // postWriteLocked posts the write of e: chunks of at most the device's
 // largest message, the last with the request index as immediate. A write
-// the receiver asked for in chunks goes to postChunksLocked.
-func (s *sender) postWriteLocked(e *sendEntry) bool {
+// the receiver asked for in chunks goes to postChunksLocked. lead, when
+// not nil, is a work request posted in the same chain ahead of the write
+// (Channel.writeNextLocked says for which writes); it is posted when
+// postWriteLocked returns true, not when it returns false with the channel
+// up (no room in the send queue), and perhaps when the post failed (the
+// channel is then lost: a provider may post part of a chain).
+func (s *sender) postWriteLocked(e *sendEntry, lead *verbsio.SendWR) bool {
 	c := s.c
 	if e.chunkShift != 0 && e.n > int64(1)<<e.chunkShift {
+		if lead != nil {
+			return false
+		}
 		return s.postChunksLocked(e)
 	}
-	if e.firstChunk == 0 && s.stripeLocked(e) {
+	if lead == nil && e.firstChunk == 0 && s.stripeLocked(e) {
 		return true // the rest is posted when the rails' parts complete
 	}
 	n := e.n
@@ -1099,17 +1107,24 @@ func (s *sender) postWriteLocked(e *sendEntry) bool {
 	}
 	maxMsg := c.maxMsg()
 	chunks := int((n + maxMsg - 1) / maxMsg)
-	if c.sqOut+chunks > c.sqMax {
+	need := chunks
+	if lead != nil {
+		need++
+	}
+	if c.sqOut+need > c.sqMax {
 		return false
 	}
 	seq := s.nextWrite
 	s.nextWrite++
 	// The chain and its SGEs are the sender's, reused under the lock: the
 	// provider copies what it needs before PostSend returns.
-	if cap(s.wrs) < chunks {
-		s.wrs, s.sges = make([]verbsio.SendWR, 0, chunks), make([]verbsio.SGE, chunks)
+	if cap(s.wrs) < need {
+		s.wrs, s.sges = make([]verbsio.SendWR, 0, need), make([]verbsio.SGE, need)
 	}
 	wrs := s.wrs[:0]
+	if lead != nil {
+		wrs = append(wrs, *lead)
+	}
 	for off := int64(0); off < n; off += maxMsg {
 		l := min(maxMsg, n-off)
 		last := off+l == n
