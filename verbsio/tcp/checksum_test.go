@@ -26,7 +26,7 @@ func TestChecksumWrites(t *testing.T) {
 		on    bool
 	}{{"one-lane", 1, true}, {"off", 1, false}, {"striped", 3, true}} {
 		t.Run(tc.name, func(t *testing.T) {
-			a, z := openSumSide(t, tc.lanes), openSumSide(t, tc.lanes)
+			a, z := openLaneSide(t, tc.lanes), openLaneSide(t, tc.lanes)
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
 			errc := make(chan error, 1)
@@ -64,7 +64,7 @@ func TestChecksumWrites(t *testing.T) {
 				if landed := crc32.Checksum(z.mem[off:off+n], castagnoli); landed != want {
 					t.Fatalf("%d bytes: the write landed wrong", n)
 				}
-				striped := tc.lanes > 1 && n >= sumStripeMin
+				striped := tc.lanes > 1 && n >= laneStripeMin
 				switch {
 				case tc.on && !striped && (!c.HasChecksum || c.Checksum != want):
 					t.Errorf("%d bytes: checksum %#x (set %v), want %#x", n, c.Checksum, c.HasChecksum, want)
@@ -80,25 +80,28 @@ func TestChecksumWrites(t *testing.T) {
 }
 
 const (
-	sumWriteBig  = 3<<20 + 5 // larger than the provider's piece, not a multiple of it
-	sumStripeMin = 64 << 10
+	sumWriteBig   = 3<<20 + 5 // larger than the provider's piece, not a multiple of it
+	laneStripeMin = 64 << 10
 )
 
-type sumSide struct {
+// laneSide is one end of a test queue pair: a device of its own with the
+// given lanes (writes of laneStripeMin and more striped over them), a
+// completion queue, and 4 MiB of registered memory.
+type laneSide struct {
 	qp  verbsio.QueuePair
 	cq  verbsio.CompletionQueue
 	mr  verbsio.MemoryRegion
 	mem []byte
 }
 
-func openSumSide(t *testing.T, lanes int) *sumSide {
+func openLaneSide(t *testing.T, lanes int) *laneSide {
 	t.Helper()
-	dev, err := tcp.OpenDevice(verbsio.Config{}, tcp.Options{Lanes: lanes, StripeMin: sumStripeMin})
+	dev, err := tcp.OpenDevice(verbsio.Config{}, tcp.Options{Lanes: lanes, StripeMin: laneStripeMin})
 	if err != nil {
 		t.Fatal(err)
 	}
 	pd, _ := dev.AllocPD()
-	s := &sumSide{}
+	s := &laneSide{}
 	s.cq, _ = dev.CreateCQ(16)
 	if s.qp, err = pd.CreateQP(verbsio.QPConfig{SendCQ: s.cq, RecvCQ: s.cq}); err != nil {
 		t.Fatal(err)

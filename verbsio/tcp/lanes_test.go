@@ -26,44 +26,8 @@ func TestConformanceFourLanes(t *testing.T) {
 // at the receiver only once every stripe landed, with the whole length, and
 // that a send posted after it finds the write's bytes in place.
 func TestStripedWriteImm(t *testing.T) {
-	opt := tcp.Options{Lanes: 3, StripeMin: 64 << 10}
-	type side struct {
-		dev verbsio.Device
-		pd  verbsio.ProtectionDomain
-		cq  verbsio.CompletionQueue
-		qp  verbsio.QueuePair
-		mem []byte
-		mr  verbsio.MemoryRegion
-	}
 	const n = 1<<20 + 3
-	open := func() *side {
-		s := &side{}
-		var err error
-		if s.dev, err = tcp.OpenDevice(verbsio.Config{}, opt); err != nil {
-			t.Fatal(err)
-		}
-		s.pd, _ = s.dev.AllocPD()
-		s.cq, _ = s.dev.CreateCQ(64)
-		if s.qp, err = s.pd.CreateQP(verbsio.QPConfig{SendCQ: s.cq, RecvCQ: s.cq}); err != nil {
-			t.Fatal(err)
-		}
-		if s.mem, err = unix.Mmap(-1, 0, n+4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS); err != nil {
-			t.Fatal(err)
-		}
-		if s.mr, err = s.pd.RegisterMemory(uintptr(unsafe.Pointer(&s.mem[0])), len(s.mem), verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() {
-			s.qp.Close()
-			s.mr.Close()
-			s.cq.Close()
-			s.pd.Close()
-			s.dev.Close()
-			unix.Munmap(s.mem)
-		})
-		return s
-	}
-	a, z := open(), open()
+	a, z := openLaneSide(t, 3), openLaneSide(t, 3) // striped: 3 lanes, stripes from 64 KiB
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	if err := z.qp.PostRecv([]verbsio.RecvWR{{WRID: 1}, {WRID: 2, SG: []verbsio.SGE{{Addr: z.mr.Addr() + n, Length: 64, LKey: z.mr.LKey()}}}}); err != nil {
