@@ -154,6 +154,9 @@ func (q *qp) exec(w *verbsio.SendWR) (verbsio.Status, error) {
 		if w.Op == verbsio.OpRead {
 			need = verbsio.AccessLocalWrite
 		}
+		if w.Op != verbsio.OpSend && total > 0 {
+			q.mapRemoteFile(w.Op != verbsio.OpRead, w.RemoteAddr, w.RKey, int(total))
+		}
 		q.pd.mu.RLock()
 		defer q.pd.mu.RUnlock()
 		for _, s := range w.SG {
@@ -298,35 +301,68 @@ func (q *qp) signal() {
 	unix.Write(q.peerEFD, one[:])
 }
 
-// remoteCopy writes segs into (or reads them from) the peer's region rkey at
-// addr, after checking the key, the bounds and the access in the peer's
-// table. The peer cannot release the region while the copy runs.
-func (q *qp) remoteCopy(write bool, segs [][]byte, addr uint64, rkey uint32, n int) (verbsio.Status, error) {
-	e, held, ok := readEntry(q.peerTable, q.peerCtr, int(rkey&(tableSlots-1)), true)
-	defer unhold(held)
+// remoteTarget checks access to the peer's region rkey at addr for n bytes
+// in the peer's table and returns its entry, with the entry of the region
+// whose file holds those bytes (fe, key fileKey: the region itself, or the
+// granted region of a grant). With hold, the peer cannot release the
+// region until unhold(held).
+func (q *qp) remoteTarget(write bool, addr uint64, rkey uint32, n int, hold bool) (e, fe entry, fileKey uint32, held *uint64, st verbsio.Status, err error) {
+	e, held, ok := readEntry(q.peerTable, q.peerCtr, int(rkey&(tableSlots-1)), hold)
 	need := verbsio.AccessRemoteRead
 	if write {
 		need = verbsio.AccessRemoteWrite
 	}
 	if !ok || e.flags&flagValid == 0 || e.key != rkey || e.access&need != need ||
 		addr < e.addr || addr-e.addr > e.length || uint64(n) > e.length-(addr-e.addr) {
-		return verbsio.StatusRemoteAccess, fmt.Errorf("%w: rkey %#x at %#x+%d (%s)", verbsio.ErrRemoteAccess, rkey, addr, n, need)
+		return e, fe, 0, held, verbsio.StatusRemoteAccess, fmt.Errorf("%w: rkey %#x at %#x+%d (%s)", verbsio.ErrRemoteAccess, rkey, addr, n, need)
 	}
 	if e.flags&flagGranted != 0 {
-		return verbsio.StatusRemoteAccess, fmt.Errorf("%w: rkey %#x: the region admits writes through grants only", verbsio.ErrRemoteAccess, rkey)
+		return e, fe, 0, held, verbsio.StatusRemoteAccess, fmt.Errorf("%w: rkey %#x: the region admits writes through grants only", verbsio.ErrRemoteAccess, rkey)
 	}
 	// A grant: given to our peer queue pair; the file is its region's.
-	fileKey, fe := rkey, e
+	fileKey, fe = rkey, e
 	if e.flags&flagGrant != 0 {
 		if e.qp != q.peerTok {
-			return verbsio.StatusRemoteAccess, fmt.Errorf("%w: rkey %#x: a grant to another queue pair", verbsio.ErrRemoteAccess, rkey)
+			return e, fe, 0, held, verbsio.StatusRemoteAccess, fmt.Errorf("%w: rkey %#x: a grant to another queue pair", verbsio.ErrRemoteAccess, rkey)
 		}
 		fileKey = uint32(e.parent)
 		pe, _, pok := readEntry(q.peerTable, q.peerCtr, int(fileKey&(tableSlots-1)), false)
 		if !pok || pe.flags&flagValid == 0 || pe.key != fileKey || addr < pe.addr || addr-pe.addr > pe.length || uint64(n) > pe.length-(addr-pe.addr) {
-			return verbsio.StatusRemoteAccess, fmt.Errorf("%w: rkey %#x: the granted region is gone", verbsio.ErrRemoteAccess, rkey)
+			return e, fe, 0, held, verbsio.StatusRemoteAccess, fmt.Errorf("%w: rkey %#x: the granted region is gone", verbsio.ErrRemoteAccess, rkey)
 		}
 		fe = pe
+	}
+	return e, fe, fileKey, held, verbsio.StatusSuccess, nil
+}
+
+// mapRemoteFile maps the file of the peer's region that an RDMA WRITE or
+// READ of n bytes at addr through rkey reaches, where it is file-backed and
+// not mapped yet (fileMapFor). exec calls it before it takes the
+// protection domain's lock: the first such access asks the peer for the
+// file and waits for its socket reader's answer, which takes the peer's
+// own lock (pd.fileOf). Two processes each waiting for the other's answer
+// while holding their lock would stall each other, through a Grant or an
+// arriving write that waits for the lock and so holds up the reader, until
+// the request's timeout (fdRequestTimeout). Access is checked again when
+// the copy runs (remoteCopy).
+func (q *qp) mapRemoteFile(write bool, addr uint64, rkey uint32, n int) {
+	if q.mech == MechVM {
+		return
+	}
+	e, fe, fileKey, _, st, _ := q.remoteTarget(write, addr, rkey, n, false)
+	if st == verbsio.StatusSuccess && e.flags&flagFile != 0 && fe.flags&flagFile != 0 {
+		q.fileMapFor(fileKey, fe)
+	}
+}
+
+// remoteCopy writes segs into (or reads them from) the peer's region rkey at
+// addr, after checking the key, the bounds and the access in the peer's
+// table. The peer cannot release the region while the copy runs.
+func (q *qp) remoteCopy(write bool, segs [][]byte, addr uint64, rkey uint32, n int) (verbsio.Status, error) {
+	e, fe, fileKey, held, st, err := q.remoteTarget(write, addr, rkey, n, true)
+	defer unhold(held)
+	if st != verbsio.StatusSuccess {
+		return st, err
 	}
 	if e.flags&flagFile != 0 && fe.flags&flagFile != 0 && q.mech != MechVM {
 		if fm := q.fileMapFor(fileKey, fe); fm != nil {
@@ -341,7 +377,7 @@ func (q *qp) remoteCopy(write bool, segs [][]byte, addr uint64, rkey uint32, n i
 	if q.vmErr != nil {
 		return verbsio.StatusRemoteOperation, q.vmErr
 	}
-	err := q.vmCopy(write, segs, addr, n)
+	err = q.vmCopy(write, segs, addr, n)
 	switch {
 	case err == nil:
 		return verbsio.StatusSuccess, nil
