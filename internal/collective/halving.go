@@ -131,10 +131,8 @@ func (x *run) halvingLane(k int) error {
 			nextLo = keepLo
 		} else {
 			if s == m {
-				// This rank's own chunk is final.
-				if x.avg {
-					x.kern.div(x.bytes(x.chunks[r]), n)
-				}
+				// This rank's own chunk is final (divided by its last
+				// addition, for Average).
 				if err := x.store(r, k); err != nil {
 					x.drain(k, cur)
 					return err
@@ -175,7 +173,13 @@ func (x *run) halvingLane(k int) error {
 					return err
 				}
 			}
-			x.kern.add(x.bytes(want), in)
+			if x.avg && s == m-1 {
+				// The last addition into this rank's own chunk: divide
+				// the sums as they are made.
+				x.kern.addDiv(x.bytes(want), in, n)
+			} else {
+				x.kern.add(x.bytes(want), in)
+			}
 		} else {
 			// The bytes overwritten went to the partner in the
 			// reduce-scatter step of the same distance; its completion

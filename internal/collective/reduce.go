@@ -84,6 +84,22 @@ type kernel struct {
 	div func(b []byte, n int)
 }
 
+// addDivBlock is the bytes addDiv adds and divides at a time: a multiple of
+// every element size, and small enough for the first level of cache.
+const addDivBlock = 16 << 10
+
+// addDiv adds src into dst and divides the sums by n, a block at a time,
+// so that the division reads from the cache what the addition just wrote:
+// the same operations on every element, in the same order, as add over
+// the whole followed by div, so the same bits.
+func (k kernel) addDiv(dst, src []byte, n int) {
+	for off := 0; off < len(dst); off += addDivBlock {
+		end := min(off+addDivBlock, len(dst))
+		k.add(dst[off:end], src[off:end])
+		k.div(dst[off:end], n)
+	}
+}
+
 // kernelFor returns the kernel of dt, or an error for types that do not
 // add (bool, string).
 func kernelFor(dt tensor.DType) (kernel, error) {

@@ -830,10 +830,8 @@ func (x *run) allReduceLane(k int) error {
 			a := s - (n - 1)
 			sendC, recvC = x.mod(r+1-a), x.mod(r-a)
 			if a == 0 {
-				// This rank's own chunk is final.
-				if x.avg {
-					x.kern.div(x.bytes(x.seg(sendC, k)), n)
-				}
+				// This rank's own chunk is final (divided by its last
+				// addition, for Average).
 				if err := x.store(sendC, k); err != nil {
 					x.drain(k, cur)
 					return err
@@ -868,7 +866,13 @@ func (x *run) allReduceLane(k int) error {
 				x.drain(k, nxt)
 				return err
 			}
-			x.kern.add(x.bytes(want), in)
+			if x.avg && s == n-2 {
+				// The last addition into the chunk this rank owns:
+				// divide the sums as they are made.
+				x.kern.addDiv(x.bytes(want), in, n)
+			} else {
+				x.kern.add(x.bytes(want), in)
+			}
 		} else {
 			// The bytes overwritten went out in reduce-scatter step a;
 			// they have reached the successor (the chunk came round

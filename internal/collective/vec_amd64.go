@@ -19,6 +19,11 @@ func addF32AVX2(dst, src *float32, n int)
 //go:noescape
 func divF32AVX2(d *float32, n int, div float32)
 
+// scaleF32AVX2 multiplies n elements of d by f, n a multiple of 32.
+//
+//go:noescape
+func scaleF32AVX2(d *float32, n int, f float32)
+
 // addBF16AVX2 adds src into dst as bfloat16s, n elements, n a multiple
 // of 16.
 //
@@ -45,3 +50,5 @@ func addF64Vec(d, s []float64) { addF64AVX2(&d[0], &s[0], len(d)) }
 func addF32Vec(d, s []float32) { addF32AVX2(&d[0], &s[0], len(d)) }
 
 func divF32Vec(d []float32, div float32) { divF32AVX2(&d[0], len(d), div) }
+
+func scaleF32Vec(d []float32, f float32) { scaleF32AVX2(&d[0], len(d), f) }

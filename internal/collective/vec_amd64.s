@@ -64,6 +64,37 @@ ddone:
 	VZEROUPPER
 	RET
 
+// func scaleF32AVX2(d *float32, n int, f float32)
+//
+// d[i] = d[i] * f for i < n, n a multiple of 32.
+TEXT ·scaleF32AVX2(SB), NOSPLIT, $0-20
+	MOVQ  d+0(FP), DI
+	MOVQ  n+8(FP), CX
+	VBROADCASTSS f+16(FP), Y4
+	SHRQ  $5, CX
+	JZ    sdone
+
+sloop:
+	VMOVUPS 0(DI), Y0
+	VMOVUPS 32(DI), Y1
+	VMOVUPS 64(DI), Y2
+	VMOVUPS 96(DI), Y3
+	VMULPS  Y4, Y0, Y0
+	VMULPS  Y4, Y1, Y1
+	VMULPS  Y4, Y2, Y2
+	VMULPS  Y4, Y3, Y3
+	VMOVUPS Y0, 0(DI)
+	VMOVUPS Y1, 32(DI)
+	VMOVUPS Y2, 64(DI)
+	VMOVUPS Y3, 96(DI)
+	ADDQ    $128, DI
+	DECQ    CX
+	JNZ     sloop
+
+sdone:
+	VZEROUPPER
+	RET
+
 // func addBF16AVX2(dst, src *uint16, n int)
 //
 // dst[i] = bf16(f32(dst[i]) + f32(src[i])) for i < n, n a multiple of 16,

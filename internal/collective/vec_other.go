@@ -13,6 +13,8 @@ func addF32Vec(d, s []float32) { panic("collective: no vector kernel on this arc
 
 func divF32Vec(d []float32, div float32) { panic("collective: no vector kernel on this architecture") }
 
+func scaleF32Vec(d []float32, f float32) { panic("collective: no vector kernel on this architecture") }
+
 func addBF16Vec(d, s []uint16) { panic("collective: no vector kernel on this architecture") }
 
 func addF16Vec(d, s []uint16) { panic("collective: no vector kernel on this architecture") }

@@ -50,7 +50,7 @@ func TestVectorFloat32(t *testing.T) {
 					t.Fatalf("add, %d elements at offset %d: element %d is %#x, want %#x (%v + %v)", n, off, i, math.Float32bits(got[i]), math.Float32bits(want[i]), a[i], b[i])
 				}
 			}
-			for _, ranks := range []int{3, 8} {
+			for _, ranks := range []int{2, 3, 8, 32, 1 << 20} {
 				want := append([]float32(nil), a...)
 				divFloat[float32](f32Bytes(want[off:]), ranks)
 				got := append([]float32(nil), a...)
