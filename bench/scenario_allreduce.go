@@ -185,7 +185,7 @@ func runAllReduce(ctx context.Context, env *Env) error {
 				if row.Algorithm == "halving" {
 					how += "; by recursive halving and doubling (a tensor of one segment per chunk on a power-of-two number of workers)"
 				}
-				note := fmt.Sprintf("%d worker processes, float32 sum, median of %d; received over %s%s%s%s", w, reps, row.Links, bind.note, how, baseNote)
+				note := fmt.Sprintf("%d worker processes, float32 average (MPI_Allreduce: sum, it has no average; ours divides as it makes the last addition), median of %d; received over %s%s%s%s", w, reps, row.Links, bind.note, how, baseNote)
 				r := newResult("allreduce", fmt.Sprintf("ring/%s/%dw", prov, w), row.Size, rateGBs(row.Size, d), "GB/s", b, name)
 				r.Note = note
 				env.Emit(r)
