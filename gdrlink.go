@@ -306,6 +306,7 @@ func (g *Group) setup(ctx context.Context) error {
 	if g.yield = vc.Yield; g.yield {
 		g.log.Info("gdrlink: polls yield the CPU", "rank", g.Rank(), "why", why)
 	}
+	g.boot.SetYield(g.yield)
 	if vc.Logger == nil {
 		vc.Logger = g.log // the providers' refusals
 	}

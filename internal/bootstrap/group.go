@@ -796,6 +796,34 @@ func (g *Group) rankConn(r int) net.Conn {
 	return g.ranks[r]
 }
 
+// SetYield makes the all-gathers (Barrier's) poll their socket for up to
+// gatherYieldSpin, giving up the thread's CPU between looks
+// (adaptspin.Bounds.Yield), or, off, go back to the default short poll
+// that keeps the CPU. For hosts with more runnable threads than CPUs: there
+// the completion queues of the process may keep every Go processor busy
+// polling, and the runtime then looks at the network (a sleeping
+// all-gather's socket) only every 10 ms; and a rank that reached the
+// all-gather first held its CPU from ranks still on their way. The front
+// door calls it once it knows how many ranks share the host.
+func (g *Group) SetYield(on bool) {
+	g.gatherMu.Lock()
+	defer g.gatherMu.Unlock()
+	if g.gatherSpin.Yields() == on {
+		return
+	}
+	b := adaptspin.Bounds{Max: adaptspin.DefaultMax, Min: adaptspin.DefaultMin}
+	if on {
+		b = adaptspin.Bounds{Max: gatherYieldSpin, Min: gatherYieldSpin, Yield: true}
+	}
+	g.gatherSpin = adaptspin.New(b)
+}
+
+// gatherYieldSpin is how long an all-gather polls where polls yield
+// (SetYield): well beyond the completion queues' long polls (5 ms by
+// default, verbsio/onnode), during which nothing else may look at the
+// network for it.
+const gatherYieldSpin = 50 * time.Millisecond
+
 // RootAddr is the root's address (useful when rank 0 listened on port 0).
 func (g *Group) RootAddr() string { return g.addr(0) }
 

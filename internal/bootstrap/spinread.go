@@ -74,7 +74,11 @@ func (r *spinReader) Read(p []byte) (int, error) {
 		if time.Since(start) >= budget {
 			break
 		}
-		runtime.Gosched()
+		if r.spin.Yields() {
+			r.spin.Yield()
+		} else {
+			runtime.Gosched()
+		}
 	}
 	n, err := r.c.Read(p)
 	if n > 0 {

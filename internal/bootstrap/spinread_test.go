@@ -1,6 +1,7 @@
 package bootstrap
 
 import (
+	"context"
 	"errors"
 	"io"
 	"net"
@@ -136,5 +137,60 @@ func TestSpinReaderTeachesPolicy(t *testing.T) {
 	}
 	if got := spin.Stats().Budget; got > 10*time.Microsecond {
 		t.Fatalf("after 12 reads that slept the poll is %v, want near the minimum", got)
+	}
+}
+
+// A spin reader whose policy yields gives up the CPU between its looks at
+// the socket (counted by the policy), and still reads what comes while it
+// polls.
+func TestSpinReaderYields(t *testing.T) {
+	a, b := tcpPair(t)
+	spin := adaptspin.New(adaptspin.Bounds{Max: 5 * time.Second, Min: 5 * time.Second, Yield: true})
+	msg := appendMsg(nil, tGathered, []byte("late"))
+	go func() {
+		time.Sleep(2 * time.Millisecond)
+		a.Write(msg)
+	}()
+	b.SetDeadline(time.Now().Add(10 * time.Second))
+	m, err := readMsg(newSpinReader(b, spin), 1<<10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if string(m.body) != "late" {
+		t.Fatalf("read %q", m.body)
+	}
+	if y := spin.Stats().Yields; y == 0 {
+		t.Fatal("the reader polled 2 ms without yielding the CPU once")
+	}
+}
+
+// SetYield switches the all-gathers' polls to yielding long polls and
+// back; barriers work either way.
+func TestGroupSetYield(t *testing.T) {
+	gs := joinAll(t, 3)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	for _, on := range []bool{true, false, true} {
+		for _, g := range gs {
+			g.SetYield(on)
+			g.gatherMu.Lock()
+			yields, budget := g.gatherSpin.Yields(), g.gatherSpin.Stats().Budget
+			g.gatherMu.Unlock()
+			if yields != on {
+				t.Fatalf("SetYield(%v): the all-gather's polls yield: %v", on, yields)
+			}
+			if on && budget != gatherYieldSpin {
+				t.Fatalf("SetYield(true): polls for %s, want %s", budget, gatherYieldSpin)
+			}
+		}
+		errs := make(chan error, len(gs))
+		for _, g := range gs {
+			go func() { errs <- g.Barrier(ctx) }()
+		}
+		for range gs {
+			if err := <-errs; err != nil {
+				t.Fatalf("barrier with yielding %v: %v", on, err)
+			}
+		}
 	}
 }

@@ -138,7 +138,10 @@ func (c *cq) isClosed() bool { return c.gone.Load() }
 // waits: internal/adaptspin), yielding the CPU between polls where
 // verbsio.Config.Yield says to, then sleeps until a completion arrives or
 // ctx ends. While it polls, the peers of the attached queue pairs see so
-// (offPoll) and do not signal their SENDs.
+// (offPoll) and do not signal their SENDs. Where polls yield, a wait that
+// begins with no more waits on the device than the process has Go
+// processors polls for yieldSpinFactor times Options.Spin instead
+// (device.enterWait).
 func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 	if len(out) == 0 {
 		return 0, nil
@@ -172,30 +175,50 @@ func (c *cq) poll(in bool) {
 }
 
 func (c *cq) wait(ctx context.Context, out []verbsio.Completion) (int, error) {
-	budget := c.spin.Budget()
-	yield := c.spin.Yields()
 	start := time.Now()
+	long := c.dev.enterWait(c.spin.Yields())
+	defer c.dev.leaveWait()
+	if n, done, err := c.spinWait(ctx, out, start, long); done {
+		return n, err
+	}
+	return c.sleepWait(ctx, out, start)
+}
+
+// spinWait polls for the queue's budget, or for long when it is not 0;
+// done says it returns what a poll took, or ctx's end, and not that the
+// budget ran out.
+func (c *cq) spinWait(ctx context.Context, out []verbsio.Completion, start time.Time, long time.Duration) (n int, done bool, err error) {
+	budget := c.spin.Budget()
+	if long > 0 {
+		budget = long
+	}
+	yield := c.spin.Yields()
 	for i := 0; ; i++ {
 		n, err := c.Poll(out)
 		if n > 0 || err != nil {
 			c.spin.Polled(time.Since(start))
-			return n, err
+			return n, true, err
 		}
 		if yield {
 			c.spin.Yield()
 		}
 		if i&63 == 63 || yield {
 			if err := ctx.Err(); err != nil {
-				return 0, fmt.Errorf("%w: waiting for completions: %w", verbsio.ErrTimeout, err)
+				return 0, true, fmt.Errorf("%w: waiting for completions: %w", verbsio.ErrTimeout, err)
 			}
 			if time.Since(start) >= budget {
-				break
+				return 0, false, nil
 			}
 			if !yield {
 				runtime.Gosched()
 			}
 		}
 	}
+}
+
+// sleepWait sleeps until a completion arrives (the peers signal) or ctx
+// ends; start is when the Wait began.
+func (c *cq) sleepWait(ctx context.Context, out []verbsio.Completion, start time.Time) (int, error) {
 	for {
 		c.sleep(true)
 		n, err := c.Poll(out)

@@ -117,8 +117,11 @@
 // Immediates, receive completions and SEND payloads (small control messages,
 // which are copied) travel through a single-producer ring in a memfd that the
 // receiving queue pair owns. A completion queue's Wait spins on the rings of
-// its queue pairs for as long as it learned pays (at most Options.Spin) and then sleeps on an
-// eventfd that the sender signals only when the receiver sleeps. A peer that
+// its queue pairs for as long as it learned pays (at most Options.Spin; on
+// a host with more runnable threads than CPUs, where its polls yield the
+// CPU, 25 times that while the device has no more waits than the process
+// has Go processors) and then sleeps on an eventfd that the sender signals
+// only when the receiver sleeps. A peer that
 // dies closes its end of the unix socket: its queue pairs enter the error
 // state and pending work requests complete with verbsio.StatusRetryExceeded
 // (errors.Is(status.Err(), verbsio.ErrPeerLost)).
