@@ -208,8 +208,8 @@ type device struct {
 // processors: 5 ms by default. There a sleeping wait costs its rank a
 // wake-up that waits for a core, while a poll that yields the CPU between
 // looks costs the other ranks little: a 1 MiB AllReduce of 4 ranks on 2
-// cores (two links each, two waits) took 0.69-0.82 ms with long polls
-// against 1.00-1.16 ms (README, Collectives). With more waits than Go
+// cores (two links each, two waits) took 0.66-0.84 ms with long polls
+// against 0.96-1.24 ms (README, Collectives). With more waits than Go
 // processors they would leave no processor idle, and the runtime then
 // looks at the network (the eventfds that wake sleeping waits, the
 // barrier's socket) only every 10 ms, from its monitor thread: 8 such
