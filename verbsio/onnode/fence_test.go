@@ -1,7 +1,11 @@
 package onnode
 
 import (
+	"bytes"
 	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
 	"syscall"
 	"testing"
 	"time"
@@ -28,6 +32,58 @@ func fencePair(t *testing.T) (*node, *peer) {
 	p := startPeer(t, MechVM)
 	connect(t, n, p, p.one("ep", "ep"))
 	return n, p
+}
+
+// stopPeer stops the helper process (SIGSTOP) until the returned resume
+// is called (SIGCONT), or the test ends.
+func stopPeer(t *testing.T, p *peer) (resume func()) {
+	t.Helper()
+	proc := p.cmd.Process
+	if err := proc.Signal(syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	// The signal stops each of the process's threads as it next runs:
+	// wait until the kernel says every one has (state T), so that nothing
+	// of the peer answers after this returns.
+	for deadline := time.Now().Add(5 * time.Second); !allStopped(t, proc.Pid); time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("helper pid %d not stopped 5 s after SIGSTOP", proc.Pid)
+		}
+	}
+	resumed := false
+	t.Cleanup(func() {
+		if !resumed {
+			proc.Signal(syscall.SIGCONT)
+		}
+	})
+	return func() {
+		t.Helper()
+		if err := proc.Signal(syscall.SIGCONT); err != nil {
+			t.Fatal(err)
+		}
+		resumed = true
+	}
+}
+
+// allStopped reports whether every thread of process pid is stopped
+// (state T in /proc/pid/task/*/stat).
+func allStopped(t *testing.T, pid int) bool {
+	t.Helper()
+	stats, err := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/stat", pid))
+	if err != nil || len(stats) == 0 {
+		t.Fatalf("threads of pid %d: %v", pid, err)
+	}
+	for _, st := range stats {
+		b, err := os.ReadFile(st)
+		if err != nil {
+			return false // a thread that ended
+		}
+		// The state follows the command's closing parenthesis.
+		if i := bytes.LastIndexByte(b, ')'); i < 0 || i+2 >= len(b) || b[i+2] != 'T' {
+			return false
+		}
+	}
+	return true
 }
 
 func slotOf(mr verbsio.MemoryRegion) int { return int(mr.RKey() & (tableSlots - 1)) }
@@ -70,16 +126,7 @@ func TestDeregisterFencesStoppedPeer(t *testing.T) {
 		t.Fatal(err)
 	}
 	p.one("held", "stall %d %d %d %d", old.RKey(), old.Addr(), 4096, 0xab)
-	proc := p.cmd.Process
-	if err := proc.Signal(syscall.SIGSTOP); err != nil {
-		t.Fatal(err)
-	}
-	resumed := false
-	defer func() {
-		if !resumed {
-			proc.Signal(syscall.SIGCONT)
-		}
-	}()
+	resume := stopPeer(t, p)
 
 	closed := make(chan time.Duration, 1)
 	go func() { closed <- closeWithin(t, old) }()
@@ -118,10 +165,7 @@ func TestDeregisterFencesStoppedPeer(t *testing.T) {
 	}
 
 	// The peer runs again and finishes its copy.
-	if err := proc.Signal(syscall.SIGCONT); err != nil {
-		t.Fatal(err)
-	}
-	resumed = true
+	resume()
 	p.one("wrote", "go")
 	untouched(t, n, fresh.RKey(), 0, "the region that took the slot after the fence")
 	untouched(t, n, during.RKey(), 0, "the region registered during the wait")

@@ -3,7 +3,6 @@ package onnode
 import (
 	"hash/crc32"
 	"strconv"
-	"syscall"
 	"testing"
 	"time"
 
@@ -29,16 +28,7 @@ func TestFileRequestHoldsNoLock(t *testing.T) {
 	pattern(n.mems[src.RKey()].b, 5)
 	f := p.one("mr", "reg memfd %d %d %d", size, rw, guard)
 	addr, rkey := atoi(t, f[0]), atoi(t, f[1])
-	proc := p.cmd.Process
-	if err := proc.Signal(syscall.SIGSTOP); err != nil {
-		t.Fatal(err)
-	}
-	resumed := false
-	defer func() {
-		if !resumed {
-			proc.Signal(syscall.SIGCONT)
-		}
-	}()
+	resume := stopPeer(t, p)
 	posted := make(chan error, 1)
 	go func() {
 		posted <- n.qp.PostSend([]verbsio.SendWR{{WRID: 9, Op: verbsio.OpWrite, Signaled: true, RemoteAddr: addr, RKey: uint32(rkey),
@@ -66,10 +56,7 @@ func TestFileRequestHoldsNoLock(t *testing.T) {
 	case <-time.After(fdRequestTimeout / 2):
 		t.Fatalf("registration still waiting %s after it began, behind a write waiting for the stopped peer's file", time.Since(start))
 	}
-	if err := proc.Signal(syscall.SIGCONT); err != nil {
-		t.Fatal(err)
-	}
-	resumed = true
+	resume()
 	if err := <-posted; err != nil {
 		t.Fatal(err)
 	}
