@@ -140,8 +140,8 @@ func (c *cq) isClosed() bool { return c.gone.Load() }
 // ctx ends. While it polls, the peers of the attached queue pairs see so
 // (offPoll) and do not signal their SENDs. Where polls yield, a wait that
 // begins with no more waits on the device than the process has Go
-// processors polls for yieldSpinFactor times Options.Spin instead
-// (device.enterWait).
+// processors polls for adaptspin.LongFactor times Options.Spin instead
+// (adaptspin.Waits).
 func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 	if len(out) == 0 {
 		return 0, nil
@@ -176,8 +176,8 @@ func (c *cq) poll(in bool) {
 
 func (c *cq) wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 	start := time.Now()
-	long := c.dev.enterWait(c.spin.Yields())
-	defer c.dev.leaveWait()
+	long := c.dev.waits.Enter(c.spin.Yields(), c.dev.opts.Spin)
+	defer c.dev.waits.Leave()
 	if n, done, err := c.spinWait(ctx, out, start, long); done {
 		return n, err
 	}

@@ -3,47 +3,12 @@ package onnode
 import (
 	"context"
 	"errors"
-	"runtime"
 	"testing"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/adaptspin"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
-
-// enterWait gives long polls only where polls yield, the spin bound is
-// not 0 and the waits in progress are at most GOMAXPROCS.
-func TestEnterWaitLongPolls(t *testing.T) {
-	d := &device{opts: Options{Spin: 200 * time.Microsecond}}
-	long := yieldSpinFactor * d.opts.Spin
-	if got := d.enterWait(false); got != 0 {
-		t.Fatalf("wait without yielding polls %s long, want its own budget", got)
-	}
-	d.leaveWait()
-	procs := runtime.GOMAXPROCS(0)
-	for i := range procs {
-		if got := d.enterWait(true); got != long {
-			t.Fatalf("wait %d of %d (GOMAXPROCS %d) polls %s, want %s", i+1, procs, procs, got, long)
-		}
-	}
-	if got := d.enterWait(true); got != 0 {
-		t.Fatalf("wait %d with GOMAXPROCS %d polls %s long, want its own budget", procs+1, procs, got)
-	}
-	for range procs + 1 {
-		d.leaveWait()
-	}
-	if n := d.waits.Load(); n != 0 {
-		t.Fatalf("%d waits counted after all left", n)
-	}
-	if got := d.enterWait(true); got != long {
-		t.Fatalf("after the others left, a wait polls %s, want %s", got, long)
-	}
-	d.leaveWait()
-	off := &device{opts: Options{Spin: 0}}
-	if got := off.enterWait(true); got != 0 {
-		t.Fatalf("GDRLINK_ONNODE_SPIN=0: a wait polls %s, want never", got)
-	}
-	off.leaveWait()
-}
 
 // A Wait where polls yield keeps polling past the queue's own budget (it
 // has not gone to sleep well after 4 budgets), and still returns at its
@@ -72,13 +37,13 @@ func TestYieldingWaitPollsLong(t *testing.T) {
 			if !slept {
 				time.Sleep(spin)
 			}
-			if yield && time.Since(deadline.Add(-time.Second)) > yieldSpinFactor*spin/2 {
+			if yield && time.Since(deadline.Add(-time.Second)) > adaptspin.LongFactor*spin/2 {
 				break
 			}
 		}
 		switch {
 		case yield && slept:
-			t.Errorf("a yielding wait went to sleep within half its long poll (%s)", yieldSpinFactor*spin/2)
+			t.Errorf("a yielding wait went to sleep within half its long poll (%s)", adaptspin.LongFactor*spin/2)
 		case !yield && !slept:
 			t.Errorf("a wait that does not yield still polled a second after its budget of %s", spin)
 		}

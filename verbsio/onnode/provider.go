@@ -3,10 +3,8 @@ package onnode
 import (
 	"fmt"
 	"os"
-	"runtime"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/gdrlink/gdrlink/internal/adaptspin"
@@ -85,7 +83,7 @@ type Options struct {
 	// within it each queue learns from its own waits how long to poll
 	// (GDRLINK_ONNODE_SPIN, a Go duration; default 200us). Where polls
 	// yield the CPU (verbsio.Config.Yield) a wait may poll 25 times longer
-	// (yieldSpinFactor); 0 turns polling off in both cases.
+	// (adaptspin.LongFactor); 0 turns polling off in both cases.
 	Spin time.Duration
 	// DeregTimeout bounds how long closing a memory region waits for writes
 	// of peers in flight (default 5s).
@@ -194,42 +192,14 @@ type device struct {
 	// (cfg.Logger), at most a line a second for the whole device.
 	refuseLog *refuselog.Log
 
-	// waits counts the completion queue waits in progress (enterWait).
-	waits atomic.Int32
+	// waits counts the completion queue waits in progress, for their
+	// long polls (adaptspin.Waits).
+	waits adaptspin.Waits
 
 	mu       sync.Mutex
 	children int
 	closed   bool
 }
-
-// yieldSpinFactor is how many times Options.Spin a wait polls where polls
-// yield the CPU (verbsio.Config.Yield: more runnable threads than CPUs)
-// and the device has no more waits in progress than the process has Go
-// processors: 5 ms by default. There a sleeping wait costs its rank a
-// wake-up that waits for a core, while a poll that yields the CPU between
-// looks costs the other ranks little: a 1 MiB AllReduce of 4 ranks on 2
-// cores (two links each, two waits) took 0.66-0.84 ms with long polls
-// against 0.96-1.24 ms (README, Collectives). With more waits than Go
-// processors they would leave no processor idle, and the runtime then
-// looks at the network (the eventfds that wake sleeping waits, the
-// barrier's socket) only every 10 ms, from its monitor thread: 8 such
-// ranks (three links each) took 8-9 ms a call instead of 3.
-const yieldSpinFactor = 25
-
-// enterWait counts a wait in (leaveWait counts it out) and returns how
-// long it polls instead of its queue's own budget: yieldSpinFactor times
-// Options.Spin where polls yield (yield) and the waits in progress, this
-// one included, are at most GOMAXPROCS; else 0.
-func (d *device) enterWait(yield bool) time.Duration {
-	n := d.waits.Add(1)
-	if !yield || d.opts.Spin <= 0 || n > int32(runtime.GOMAXPROCS(0)) {
-		return 0
-	}
-	return yieldSpinFactor * d.opts.Spin
-}
-
-// leaveWait counts a wait out.
-func (d *device) leaveWait() { d.waits.Add(-1) }
 
 // Info implements verbsio.Device.
 func (d *device) Info() verbsio.DeviceInfo { return deviceInfo() }

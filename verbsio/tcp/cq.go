@@ -108,8 +108,9 @@ func (c *cq) progress(acks bool) bool {
 
 // Wait polls, reading the lanes itself, for as long as the queue's spin
 // policy says (yielding the CPU between polls where verbsio.Config.Yield
-// says to), then sleeps until a completion arrives, ctx ends or the
-// queue closes.
+// says to; there, while the device has no more waits than the process has
+// Go processors, for adaptspin.LongFactor times Options.Spin), then sleeps
+// until a completion arrives, ctx ends or the queue closes.
 func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 	if len(out) == 0 {
 		return 0, nil
@@ -117,6 +118,10 @@ func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 	start := time.Now()
 	budget := c.spin.Budget()
 	yield := c.spin.Yields()
+	if long := c.dev.waits.Enter(yield, c.dev.opt.Spin); long > 0 {
+		budget = long
+	}
+	defer c.dev.waits.Leave()
 	for i := 0; ; i++ {
 		n, err := c.Poll(out)
 		if n > 0 || err != nil {

@@ -70,7 +70,9 @@ type Options struct {
 	// Spin is the longest CompletionQueue.Wait polls, reading the lanes
 	// itself, before it sleeps (GDRLINK_TCP_SPIN, a Go duration; there 0
 	// never polls). Within it each queue learns from its own waits how
-	// long to poll. 0 means 200us; negative never polls.
+	// long to poll. 0 means 200us; negative never polls. Where polls
+	// yield the CPU (verbsio.Config.Yield) a wait may poll 25 times longer
+	// (adaptspin.LongFactor).
 	Spin time.Duration
 }
 
@@ -143,6 +145,10 @@ type device struct {
 	host      string
 	userTO    time.Duration
 	keepalive net.KeepAliveConfig
+
+	// waits counts the completion queue waits in progress, for their
+	// long polls (adaptspin.Waits).
+	waits adaptspin.Waits
 
 	mu     sync.Mutex
 	closed bool
