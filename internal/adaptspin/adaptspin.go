@@ -22,6 +22,7 @@
 package adaptspin
 
 import (
+	"runtime"
 	"sync/atomic"
 	"time"
 )
@@ -87,6 +88,16 @@ func (p *Policy) Yields() bool { return p.b.Yield }
 func (p *Policy) Yield() {
 	p.yields.Add(1)
 	YieldCPU()
+}
+
+// Relax is what a polling wait does between two polls: Yield where the
+// policy yields (Yields), else runtime.Gosched.
+func (p *Policy) Relax() {
+	if p.b.Yield {
+		p.Yield()
+		return
+	}
+	runtime.Gosched()
 }
 
 // Budget is how long the next wait polls before it sleeps.

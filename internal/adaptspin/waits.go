@@ -13,8 +13,8 @@ import (
 // its rank a wake-up that waits for a core, while a poll that yields the
 // CPU between looks costs the other ranks little: a 1 MiB AllReduce of 4
 // ranks on 2 cores (two links each, so two waits) took 0.66-0.84 ms on
-// onnode with long polls against 0.96-1.24 ms, and 2.54-2.69 against
-// 2.74-2.94 ms on tcp (README, Collectives). With more waits than Go
+// onnode with long polls against 0.96-1.24 ms, and 1.85-2.69 against
+// 2.18-2.94 ms on tcp (README, Collectives). With more waits than Go
 // processors, polling waits would leave no processor idle, and the runtime
 // then looks at the network (the descriptors that wake sleeping waits, a
 // barrier's socket) only every 10 ms, from its monitor thread: 8 such ranks
@@ -37,6 +37,17 @@ func (w *Waits) Enter(yield bool, spin time.Duration) time.Duration {
 		return 0
 	}
 	return LongFactor * spin
+}
+
+// Budget counts a wait that polls under p in (Leave counts it out) and
+// returns how long it polls: the long poll Enter gives it (p's Yields and
+// Max being the yield and spin bound), else p's own Budget.
+func (w *Waits) Budget(p *Policy) time.Duration {
+	b := p.Budget()
+	if long := w.Enter(p.Yields(), p.b.Max); long > 0 {
+		return long
+	}
+	return b
 }
 
 // Leave counts a wait out.

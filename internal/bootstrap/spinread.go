@@ -3,7 +3,6 @@ package bootstrap
 import (
 	"io"
 	"net"
-	"runtime"
 	"syscall"
 	"time"
 	"unsafe"
@@ -74,11 +73,7 @@ func (r *spinReader) Read(p []byte) (int, error) {
 		if time.Since(start) >= budget {
 			break
 		}
-		if r.spin.Yields() {
-			r.spin.Yield()
-		} else {
-			runtime.Gosched()
-		}
+		r.spin.Relax()
 	}
 	n, err := r.c.Read(p)
 	if n > 0 {

@@ -176,22 +176,17 @@ func (c *cq) poll(in bool) {
 
 func (c *cq) wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 	start := time.Now()
-	long := c.dev.waits.Enter(c.spin.Yields(), c.dev.opts.Spin)
+	budget := c.dev.waits.Budget(c.spin)
 	defer c.dev.waits.Leave()
-	if n, done, err := c.spinWait(ctx, out, start, long); done {
+	if n, done, err := c.spinWait(ctx, out, start, budget); done {
 		return n, err
 	}
 	return c.sleepWait(ctx, out, start)
 }
 
-// spinWait polls for the queue's budget, or for long when it is not 0;
-// done says it returns what a poll took, or ctx's end, and not that the
-// budget ran out.
-func (c *cq) spinWait(ctx context.Context, out []verbsio.Completion, start time.Time, long time.Duration) (n int, done bool, err error) {
-	budget := c.spin.Budget()
-	if long > 0 {
-		budget = long
-	}
+// spinWait polls until budget has passed since start; done says it
+// returns what a poll took, or ctx's end, and not that the budget ran out.
+func (c *cq) spinWait(ctx context.Context, out []verbsio.Completion, start time.Time, budget time.Duration) (n int, done bool, err error) {
 	yield := c.spin.Yields()
 	for i := 0; ; i++ {
 		n, err := c.Poll(out)

@@ -3,7 +3,6 @@ package tcp
 import (
 	"context"
 	"fmt"
-	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -116,12 +115,9 @@ func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 		return 0, nil
 	}
 	start := time.Now()
-	budget := c.spin.Budget()
-	yield := c.spin.Yields()
-	if long := c.dev.waits.Enter(yield, c.dev.opt.Spin); long > 0 {
-		budget = long
-	}
+	budget := c.dev.waits.Budget(c.spin)
 	defer c.dev.waits.Leave()
+	yield := c.spin.Yields()
 	for i := 0; ; i++ {
 		n, err := c.Poll(out)
 		if n > 0 || err != nil {
@@ -139,11 +135,7 @@ func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 				break
 			}
 		}
-		if yield {
-			c.spin.Yield()
-		} else {
-			runtime.Gosched()
-		}
+		c.spin.Relax()
 	}
 	for {
 		c.sleepers.Add(1)
