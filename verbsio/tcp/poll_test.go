@@ -391,3 +391,58 @@ func TestNoAckAnswers(t *testing.T) {
 		t.Fatalf("an extra response: %d bytes, %v", k, err)
 	}
 }
+
+// TestGoroutineLooksAfterWaiter: the lane's goroutine reads on without
+// looking at the socket only when its own last answer saw a request
+// queued (responder.sawNext). A polling waiter that answers a request too
+// large for its peek buffer looks at the socket the same way, then applies
+// the request it saw from the peeked bytes; the goroutine that then takes
+// the lane must look again before it reads, or it waits in the read for a
+// request that was applied already, holding the lane, while the
+// acknowledgements the waiter held back wait behind it for ever. Each
+// round sends, in one write, two writes that fill half the peek buffer
+// each, one that does not fit in what is left, and a write with immediate;
+// all four are acknowledged.
+func TestGoroutineLooksAfterWaiter(t *testing.T) {
+	tg := newTarget(t, verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite)
+	c := tg.dial(t)
+	base := tg.base()
+	token, hazards := uint64(0), 0
+	for round := 0; round < 400 && hazards < 5; round++ {
+		if err := tg.qp.PostRecv([]verbsio.RecvWR{{WRID: uint64(round)}}); err != nil {
+			t.Fatal(err)
+		}
+		before := tg.qp.polledFrames.Load()
+		var burst []byte
+		for _, size := range []int{2048, 2048, 4096} {
+			token++
+			burst = append(burst, frame(header{op: opWrite, token: token, raddr: base + uint64(4096-size), rkey: tg.mr.RKey()}, bytes.Repeat([]byte{byte(token)}, size))...)
+		}
+		token++
+		burst = append(burst, frame(header{op: opWriteImm, flags: flagLast, token: token, raddr: base, rkey: tg.mr.RKey(), imm: uint32(round), total: 8}, make([]byte, 8))...)
+		if _, err := c.Write(burst); err != nil {
+			t.Fatal(err)
+		}
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		for i := range 4 {
+			r := readResponse(t, c)
+			if r.op != opAck || r.token != token-3+uint64(i) {
+				t.Fatalf("round %d: response %d is %s for token %d, want the ack of token %d", round, i, opName(r.op), r.token, token-3+uint64(i))
+			}
+		}
+		out := make([]verbsio.Completion, 1)
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		k, err := tg.cq.Wait(ctx, out)
+		cancel()
+		if err != nil || k != 1 || out[0].WRID != uint64(round) || out[0].Imm != uint32(round) {
+			t.Fatalf("round %d: receive completion %+v, %v", round, out[:k], err)
+		}
+		if tg.qp.polledFrames.Load()-before == 4 {
+			hazards++ // the waiter applied all four
+		}
+	}
+	t.Logf("%d rounds had the waiter apply the whole burst", hazards)
+	if hazards == 0 {
+		t.Fatal("the polling waiter never applied a whole burst")
+	}
+}

@@ -1147,6 +1147,10 @@ func (q *qp) serve(l *inLane) {
 				l.rd.Unlock()
 				break
 			}
+			// A waiter that held the lane may have looked at the
+			// socket (answering a request too large to peek) and then
+			// applied what it saw: this goroutine looks again.
+			l.resp.sawNext = false
 		} else {
 			l.rd.Lock()
 		}
@@ -1231,6 +1235,7 @@ type responder struct {
 	hold bool
 	// sawNext: the last look (SIOCINQ) found a whole request header
 	// queued, so the lane's goroutine reads on without looking again.
+	// Only its own look counts: it clears sawNext when it takes the lane.
 	sawNext bool
 	// inqFn asks for the bytes queued (SIOCINQ) into inq; made once so
 	// that the look allocates nothing.
