@@ -18,7 +18,8 @@
 // halves it when it was not. One wait in 16 polls for the whole cap, so a queue that learned to
 // sleep finds out when polling would pay again. The cap is sixteen wake-ups
 // (within the caller's bounds): a completion later than that costs little
-// more for the sleep.
+// more for the sleep; until a wake-up has been measured, the caller's
+// bound.
 package adaptspin
 
 import (
@@ -61,12 +62,12 @@ type Policy struct {
 const probeEvery = 16
 
 // New returns a policy within b. It starts by polling for the cap, taking
-// a wake-up to cost 20 µs until it has measured one.
+// a wake-up's cost as unknown until it has measured one (Woke): until then
+// the cap is b.Max.
 func New(b Bounds) *Policy {
 	b.Max = max(b.Max, 0)
 	b.Min = min(max(b.Min, 0), b.Max)
 	p := &Policy{b: b}
-	p.wake.Store(int64(20 * time.Microsecond))
 	p.budget.Store(int64(p.cap()))
 	return p
 }
@@ -74,9 +75,16 @@ func New(b Bounds) *Policy {
 // cap is the longest a wait polls now: sixteen wake-ups, within the
 // bounds. A completion that takes longer costs little more for a sleep;
 // one that comes sooner is worth polling for, since a round trip through
-// two sleeping peers pays the wake-up twice.
+// two sleeping peers pays the wake-up twice. While no wake-up has been
+// measured it is the caller's Max: a queue that cannot time its wake-ups
+// (an ibverbs completion channel's) polls for as long as its caller
+// allows, not for sixteen wake-ups of a guessed cost.
 func (p *Policy) cap() time.Duration {
-	return min(max(16*time.Duration(p.wake.Load()), p.b.Min), p.b.Max)
+	w := time.Duration(p.wake.Load())
+	if w == 0 {
+		return p.b.Max
+	}
+	return min(max(16*w, p.b.Min), p.b.Max)
 }
 
 // Yields says whether waits yield their thread's CPU between polls
@@ -140,6 +148,10 @@ func (p *Policy) Slept(d time.Duration) {
 func (p *Policy) Woke(d time.Duration) {
 	if d > 0 {
 		old := p.wake.Load()
+		if old == 0 {
+			p.wake.Store(int64(d)) // the first measure
+			return
+		}
 		p.wake.Store(old + (int64(d)-old)/8)
 	}
 }
@@ -148,7 +160,8 @@ func (p *Policy) Woke(d time.Duration) {
 type Stats struct {
 	// Budget is how long a wait polls now (probes aside).
 	Budget time.Duration
-	// Wake is what a wake-up from sleep costs, a moving average.
+	// Wake is what a wake-up from sleep costs, a moving average; 0
+	// until one has been measured.
 	Wake time.Duration
 	// Yields counts the CPU yields of the policy's waits (Yield).
 	Yields uint64

@@ -126,3 +126,29 @@ func TestPolicyYield(t *testing.T) {
 		t.Fatalf("Stats().Yields = %d after two yields", n)
 	}
 }
+
+// A policy that has measured no wake-up (its queue cannot time one) polls
+// up to its caller's bound: a Max of 5 ms is not cut to sixteen wake-ups
+// of a guessed cost. The first wake-up measured sets the cap.
+func TestUnmeasuredWakeCapsAtMax(t *testing.T) {
+	p := New(Bounds{Max: 5 * time.Millisecond, Min: 2 * us})
+	if got := p.Budget(); got != 5*time.Millisecond {
+		t.Fatalf("first budget %v, want Max 5ms", got)
+	}
+	// A 1 ms answer moves the budget an eighth of the way to 4 ms:
+	// 5 ms - (5 ms - 4.002 ms)/8, not down to a 320 us cap.
+	p.Polled(time.Millisecond)
+	if got := p.Stats().Budget; got != 4875250*time.Nanosecond {
+		t.Fatalf("after a 1ms answer the budget is %v, want 4.87525ms", got)
+	}
+	if w := p.Stats().Wake; w != 0 {
+		t.Fatalf("wake estimate %v before any was measured, want 0", w)
+	}
+	p.Woke(30 * us)
+	if w := p.Stats().Wake; w != 30*us {
+		t.Fatalf("wake estimate %v after one of 30us, want 30us", w)
+	}
+	if got := p.Stats().Budget; got != 480*us {
+		t.Fatalf("budget %v with wake-ups at 30us, want the cap of 16 of them, 480us", got)
+	}
+}
