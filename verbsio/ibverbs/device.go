@@ -45,6 +45,11 @@ type device struct {
 	// refused as unsupported, that Caps().DMABuf is false after all.
 	dmabufRefused atomic.Pointer[string]
 
+	// wake is what a wake-up through the network poller costs here
+	// (wakeCost), measured once.
+	wakeOnce sync.Once
+	wake     time.Duration
+
 	mu       sync.Mutex
 	children int
 	closed   bool
@@ -282,8 +287,32 @@ func (d *device) CreateCQ(depth int) (verbsio.CompletionQueue, error) {
 		return nil, wrap(err)
 	}
 	spin := max(d.p.o.spin, 0)
-	return &cq{d: d, q: q, qps: map[uint32]*qpRef{}, scratch: make([]ibv.WC, 64),
-		spin: adaptspin.New(adaptspin.Bounds{Max: spin, Min: min(spin, adaptspin.DefaultMin), Yield: d.cfg.Yield})}, nil
+	policy := adaptspin.New(adaptspin.Bounds{Max: spin, Min: min(spin, adaptspin.DefaultMin), Yield: d.cfg.Yield})
+	if w := d.wakeCost(); w > 0 {
+		policy.Woke(w)
+	}
+	return &cq{d: d, q: q, qps: map[uint32]*qpRef{}, scratch: make([]ibv.WC, 64), spin: policy}, nil
+}
+
+// wakeProbes is how many wake-ups wakeCost measures (the median counts).
+const wakeProbes = 5
+
+// wakeCost is what a wake-up through the network poller costs on this
+// host, as a completion channel's waiter pays it: measured at the first
+// call (adaptspin.ProbeWake), 0 where it could not be, which leaves the
+// queues' polls capped by WithSpin alone.
+func (d *device) wakeCost() time.Duration {
+	d.wakeOnce.Do(func() {
+		if d.p.o.spin <= 0 {
+			return // the queues never poll
+		}
+		// A probe that fails (no pipe to be had) leaves the cap to
+		// WithSpin, as before the probe existed.
+		if w, err := adaptspin.ProbeWake(wakeProbes); err == nil {
+			d.wake = w
+		}
+	})
+	return d.wake
 }
 
 type pd struct {

@@ -7,7 +7,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/gdrlink/gdrlink/internal/adaptspin"
 	"github.com/gdrlink/gdrlink/internal/ibv"
 	"github.com/gdrlink/gdrlink/tensor"
 	"github.com/gdrlink/gdrlink/verbsio"
@@ -55,15 +54,22 @@ func WithHopLimit(n int) Option { return func(o *options) { o.hopLimit = n } }
 // as the tcp and onnode providers do (internal/adaptspin): as long as the
 // answers come sooner than a wake-up costs (a ping-pong, on an RDMA NIC or
 // an emulated one alike), briefly where they come later or the host is
-// busy. The default is GDRLINK_IBVERBS_SPIN (a Go duration) or 200 us. 0
-// sleeps at once.
+// busy. A queue never polls longer than sixteen wake-ups of its host,
+// which the device measures once, at its first completion queue
+// (adaptspin.ProbeWake: a completion channel's event cannot say when its
+// completion came, so the queue cannot time its own wake-ups): about
+// 0.2 ms on an idle host, the whole cap where a wake-up costs a
+// millisecond (an emulated machine). The default is GDRLINK_IBVERBS_SPIN
+// (a Go duration) or 5 ms. 0 sleeps at once.
 func WithSpin(d time.Duration) Option { return func(o *options) { o.spin, o.spinSet = d, true } }
 
 // spinEnv names the environment variable with the default of WithSpin.
 const spinEnv = "GDRLINK_IBVERBS_SPIN"
 
-// defaultSpin is the default of WithSpin.
-const defaultSpin = adaptspin.DefaultMax
+// defaultSpin is the default of WithSpin: a bound, above the sixteen
+// wake-ups that cap a queue's polls on any host whose wake-ups cost under
+// 0.3 ms.
+const defaultSpin = 5 * time.Millisecond
 
 // provider opens libibverbs devices. The one registered as "ibverbs" has
 // the defaults.

@@ -120,3 +120,32 @@ func TestSpinWaitYields(t *testing.T) {
 		}
 	}
 }
+
+// A device measures a wake-up of its host once, at its first completion
+// queue, and seeds every queue's spin policy with it: the queues' polls are
+// capped at sixteen of them within WithSpin, as tcp's and onnode's queues
+// cap theirs at sixteen wake-ups they time themselves.
+func TestQueuesKnowWakeCost(t *testing.T) {
+	d := openTest(t)
+	var cqs []*cq
+	for range 2 {
+		c, err := d.CreateCQ(8)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		cqs = append(cqs, c.(*cq))
+	}
+	if d.wake <= 0 {
+		t.Fatalf("the device measured no wake-up (%v)", d.wake)
+	}
+	t.Logf("wake-up measured at the first queue: %v; poll cap %v", d.wake, cqs[0].spin.Stats().Budget)
+	for i, c := range cqs {
+		if w := c.spin.Stats().Wake; w != d.wake {
+			t.Fatalf("queue %d's policy takes a wake-up to cost %v, the device measured %v", i, w, d.wake)
+		}
+		if b, want := c.spin.Stats().Budget, min(16*d.wake, d.p.o.spin); b != want {
+			t.Fatalf("queue %d polls up to %v, want sixteen wake-ups within the %v bound, %v", i, b, d.p.o.spin, want)
+		}
+	}
+}
