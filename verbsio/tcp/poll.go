@@ -360,6 +360,11 @@ func (q *qp) pollIn(l *inLane) bool {
 		return false
 	}
 	defer l.rd.Unlock()
+	return q.pollInLocked(l)
+}
+
+// pollInLocked is pollIn once the waiter holds the lane (l.rd).
+func (q *qp) pollInLocked(l *inLane) bool {
 	// Held back by the last look (answer): out now, as nothing of the
 	// caller's waits on it.
 	if l.sendHeld() && l.err != nil {

@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
@@ -400,19 +402,35 @@ func TestNoAckAnswers(t *testing.T) {
 // the lane must look again before it reads, or it waits in the read for a
 // request that was applied already, holding the lane, while the
 // acknowledgements the waiter held back wait behind it for ever. Each
-// round sends, in one write, two writes that fill half the peek buffer
-// each, one that does not fit in what is left, and a write with immediate;
-// all four are acknowledged.
+// round holds the lane while it sends, in one write, two writes that fill
+// half the peek buffer each, one that does not fit in what is left, and a
+// write with immediate; once all are in the socket it plays the waiter
+// (pollInLocked) and lets the lane go to the goroutine, which the bytes'
+// arrival woke. All four must be acknowledged and the receive completed.
 func TestGoroutineLooksAfterWaiter(t *testing.T) {
 	tg := newTarget(t, verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite)
 	c := tg.dial(t)
 	base := tg.base()
-	token, hazards := uint64(0), 0
-	for round := 0; round < 400 && hazards < 5; round++ {
+	var l *inLane
+	for deadline := time.Now().Add(5 * time.Second); l == nil; {
+		if ls := tg.qp.inLanes.Load(); ls != nil && len(*ls) == 1 {
+			l = (*ls)[0]
+		} else if time.Now().After(deadline) {
+			t.Fatal("the dialed lane never joined the queue pair")
+		} else {
+			time.Sleep(time.Millisecond)
+		}
+	}
+	queued := func() int {
+		n := 0
+		l.rc.Control(func(fd uintptr) { n, _ = unix.IoctlGetInt(int(fd), unix.SIOCINQ) })
+		return n
+	}
+	token := uint64(0)
+	for round := range 20 {
 		if err := tg.qp.PostRecv([]verbsio.RecvWR{{WRID: uint64(round)}}); err != nil {
 			t.Fatal(err)
 		}
-		before := tg.qp.polledFrames.Load()
 		var burst []byte
 		for _, size := range []int{2048, 2048, 4096} {
 			token++
@@ -420,8 +438,24 @@ func TestGoroutineLooksAfterWaiter(t *testing.T) {
 		}
 		token++
 		burst = append(burst, frame(header{op: opWriteImm, flags: flagLast, token: token, raddr: base, rkey: tg.mr.RKey(), imm: uint32(round), total: 8}, make([]byte, 8))...)
+		l.rd.Lock() // neither the goroutine nor the target's poller reads now
 		if _, err := c.Write(burst); err != nil {
+			l.rd.Unlock()
 			t.Fatal(err)
+		}
+		for deadline := time.Now().Add(5 * time.Second); queued() < len(burst); {
+			if time.Now().After(deadline) {
+				l.rd.Unlock()
+				t.Fatalf("round %d: %d of the burst's %d bytes in the socket after 5 s", round, queued(), len(burst))
+			}
+			time.Sleep(100 * time.Microsecond)
+		}
+		before := tg.qp.polledFrames.Load()
+		tg.qp.pollInLocked(l)
+		applied := tg.qp.polledFrames.Load() - before
+		l.rd.Unlock()
+		if applied != 4 {
+			t.Fatalf("round %d: the waiter applied %d of the burst's 4 requests", round, applied)
 		}
 		c.SetReadDeadline(time.Now().Add(5 * time.Second))
 		for i := range 4 {
@@ -437,12 +471,5 @@ func TestGoroutineLooksAfterWaiter(t *testing.T) {
 		if err != nil || k != 1 || out[0].WRID != uint64(round) || out[0].Imm != uint32(round) {
 			t.Fatalf("round %d: receive completion %+v, %v", round, out[:k], err)
 		}
-		if tg.qp.polledFrames.Load()-before == 4 {
-			hazards++ // the waiter applied all four
-		}
-	}
-	t.Logf("%d rounds had the waiter apply the whole burst", hazards)
-	if hazards == 0 {
-		t.Fatal("the polling waiter never applied a whole burst")
 	}
 }
