@@ -11,8 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/gdrlink/gdrlink/verbsio"
 )
 
@@ -421,11 +419,6 @@ func TestGoroutineLooksAfterWaiter(t *testing.T) {
 			time.Sleep(time.Millisecond)
 		}
 	}
-	queued := func() int {
-		n := 0
-		l.rc.Control(func(fd uintptr) { n, _ = unix.IoctlGetInt(int(fd), unix.SIOCINQ) })
-		return n
-	}
 	token := uint64(0)
 	for round := range 20 {
 		if err := tg.qp.PostRecv([]verbsio.RecvWR{{WRID: uint64(round)}}); err != nil {
@@ -443,10 +436,10 @@ func TestGoroutineLooksAfterWaiter(t *testing.T) {
 			l.rd.Unlock()
 			t.Fatal(err)
 		}
-		for deadline := time.Now().Add(5 * time.Second); queued() < len(burst); {
+		for deadline := time.Now().Add(5 * time.Second); l.resp.queued() < len(burst); {
 			if time.Now().After(deadline) {
 				l.rd.Unlock()
-				t.Fatalf("round %d: %d of the burst's %d bytes in the socket after 5 s", round, queued(), len(burst))
+				t.Fatalf("round %d: %d of the burst's %d bytes in the socket after 5 s", round, l.resp.queued(), len(burst))
 			}
 			time.Sleep(100 * time.Microsecond)
 		}

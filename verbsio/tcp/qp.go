@@ -1255,13 +1255,17 @@ func newResponder(c net.Conn) *responder {
 }
 
 // requestWaiting reports whether a whole request header is already queued.
-func (r *responder) requestWaiting() bool {
+func (r *responder) requestWaiting() bool { return r.queued() >= headerLen }
+
+// queued is how many bytes wait in the socket (SIOCINQ); 0 for a
+// connection without a descriptor. Callers hold the lane's rd.
+func (r *responder) queued() int {
 	if r.rc == nil {
-		return false
+		return 0
 	}
 	r.inq = 0
 	r.rc.Control(r.inqFn)
-	return r.inq >= headerLen
+	return r.inq
 }
 
 func (r *responder) answer(h header) error {
