@@ -108,7 +108,10 @@ type Group struct {
 
 	// The collectives run one at a time: collMu holds the turn, collSeq
 	// counts the calls made, collErr is the failure that ended them.
+	// ring is the built-in backend (coll, or the one switchml hands
+	// calls to), closed with the group.
 	coll    collective.Backend
+	ring    *collective.Ring
 	collMu  sync.Mutex
 	collSeq uint64
 	collErr error
@@ -159,7 +162,8 @@ func Join(ctx context.Context, opts ...Option) (*Group, error) {
 		peerInc: map[int]uint64{}, rejoinSig: make(chan struct{}), peerPools: map[peerPoolKey]*alloc.Pool{}}
 	g.ctx, g.cancel = context.WithCancel(context.Background())
 	g.metrics = newMetrics(g)
-	g.coll = collective.NewRing(ringTransport{g})
+	g.ring = collective.NewRing(ringTransport{g})
+	g.coll = g.ring
 	if cfg.aggregator != "" {
 		g.coll = newSwitchML(g, g.coll)
 	}
@@ -703,6 +707,7 @@ func (g *Group) Close() error {
 		errs = append(errs, s.Close())
 	}
 	g.cancel()
+	errs = append(errs, g.ring.Close())
 	if g.metricsSrv != nil {
 		errs = append(errs, g.metricsSrv.close())
 	}

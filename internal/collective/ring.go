@@ -62,6 +62,11 @@ type Ring struct {
 	tr      Transport
 	segment int64
 	lanes   int
+
+	// idle are the coroutines of finished calls (lane.go).
+	comu   sync.Mutex
+	idle   []*coroutine
+	closed bool
 }
 
 // RingOption configures a Ring.
@@ -463,6 +468,7 @@ func (x *run) runLanes(ctx context.Context, lane func(k int) error) error {
 		}
 	})
 	x.ended.Wait()
+	x.releaseLanes()
 	stop()
 	x.mu.Lock()
 	if x.weakTimer != nil {
