@@ -55,7 +55,10 @@ type childReport struct {
 	// PlacedCalls the collective calls that had bytes written in place.
 	Copied      int64 `json:"copied"`
 	PlacedCalls int   `json:"placed_calls"`
-	Unusable    map[string]string
+	// DoublingCalls counts AllReduce calls by recursive doubling, which
+	// place nothing (no all-gather).
+	DoublingCalls int `json:"doubling_calls"`
+	Unusable      map[string]string
 	// Scraped is what the child read from its own /metrics (with
 	// GDRLINK_METRICS_ADDR): each sample named "name{label=value,...}" with
 	// the provider and device labels left out and their samples summed.

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"math/bits"
 	"net"
 	"os"
 	"os/exec"
@@ -182,8 +183,11 @@ func runAllReduce(ctx context.Context, env *Env) error {
 				if row.Yield {
 					how = "; polls yield the CPU (GDRLINK_YIELD=auto: more workers than CPUs)"
 				}
-				if row.Algorithm == "halving" {
+				switch row.Algorithm {
+				case "halving":
 					how += "; by recursive halving and doubling (a tensor of one segment per chunk on a power-of-two number of workers)"
+				case "doubling":
+					how += "; by recursive doubling (a tensor of at most 128 KiB on a power-of-two number of workers: log2(W) steps, each the whole tensor)"
 				}
 				note := fmt.Sprintf("%d worker processes, float32 average (MPI_Allreduce: sum, it has no average; ours divides as it makes the last addition), median of %d; received over %s%s%s%s", w, reps, row.Links, bind.note, how, baseNote)
 				r := newResult("allreduce", fmt.Sprintf("ring/%s/%dw", prov, w), row.Size, rateGBs(row.Size, d), "GB/s", b, name)
@@ -191,6 +195,9 @@ func runAllReduce(ctx context.Context, env *Env) error {
 				env.Emit(r)
 				wire := newResult("allreduce", fmt.Sprintf("wire/%s/%dw", prov, w), row.Size, float64(row.Sent), "B", 0, "")
 				wire.Note = fmt.Sprintf("bytes one worker put on the wire per call; a ring's least is 2(W-1)/W × size = %d", 2*int64(w-1)*row.Size/int64(w))
+				if row.Algorithm == "doubling" {
+					wire.Note += fmt.Sprintf(", recursive doubling's log2(W) × size = %d", int64(bits.Len(uint(w))-1)*row.Size)
+				}
 				env.Emit(wire)
 				if ringRate[row.Size] == 0 {
 					ringRate[row.Size], ringName = r.Value, "ring/"+prov

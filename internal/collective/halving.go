@@ -60,17 +60,31 @@ func (x *run) chunkRange(lo, d int) span {
 	return span{a.off, b.off + b.n - a.off}
 }
 
-// connectPartners gets the link to every step's partner: the
-// reduce-scatter's are distinct, and the all-gather retraces them.
+// firstStepWith is the first step whose partner is step s's (halving's
+// all-gather retraces its reduce-scatter's partners).
+func (x *run) firstStepWith(s int) int {
+	for t := range s {
+		if x.peers[t] == x.peers[s] {
+			return t
+		}
+	}
+	return s
+}
+
+// connectPartners gets the link to every step's partner, once per
+// partner.
 func (x *run) connectPartners(ctx context.Context) error {
-	m := x.steps / 2
 	x.links = make([]Link, x.steps)
-	for s := range m {
+	for s := range x.steps {
+		if t := x.firstStepWith(s); t < s {
+			x.links[s] = x.links[t]
+			continue
+		}
 		l, err := x.r.tr.Link(ctx, x.peers[s])
 		if err != nil {
 			return x.linkFailed(ctx, x.peers[s], err)
 		}
-		x.links[s], x.links[2*m-1-s] = l, l
+		x.links[s] = l
 	}
 	return nil
 }
@@ -79,14 +93,18 @@ func (x *run) connectPartners(ctx context.Context) error {
 // this rank's piece, that this rank's call failed with err before it
 // began (those whose link is there within ctx).
 func (x *run) tellPartners(ctx context.Context, err error) {
-	m := x.steps / 2
-	for s := range m {
+	for s := range x.steps {
+		if x.firstStepWith(s) < s {
+			continue
+		}
 		l, lerr := x.r.tr.Link(ctx, x.peers[s])
 		if lerr != nil {
 			continue
 		}
-		for _, t := range []int{s, 2*m - 1 - s} {
-			_ = l.SendError(x.key(0), x.step(t), abortText(x.rank, err))
+		for t := s; t < x.steps; t++ {
+			if x.peers[t] == x.peers[s] {
+				_ = l.SendError(x.key(0), x.step(t), abortText(x.rank, err))
+			}
 		}
 	}
 }
@@ -94,8 +112,10 @@ func (x *run) tellPartners(ctx context.Context, err error) {
 // abortPartners closes the links to the partners, dropping the sends
 // that none of them asked for.
 func (x *run) abortPartners() {
-	for _, l := range x.links[:x.steps/2] {
-		_ = l.Abort()
+	for s, l := range x.links {
+		if x.firstStepWith(s) == s {
+			_ = l.Abort()
+		}
 	}
 }
 

@@ -57,11 +57,15 @@ const (
 // are one segment each (tensors up to Size() segments) goes by recursive
 // halving and doubling instead (halving.go): the same bytes in
 // 2·log2(Size()) steps, each an exchange with one partner, and its own
-// fixed order of additions (Report.Algorithm says which ran).
+// fixed order of additions (Report.Algorithm says which ran); one of at
+// most 128 KiB (WithDoublingMax) in one segment, on 2 ranks too, by
+// recursive doubling alone (doubling.go): half as many steps, each the
+// whole tensor, the same bits as halving's (and the ring's on 2 ranks).
 type Ring struct {
-	tr      Transport
-	segment int64
-	lanes   int
+	tr          Transport
+	segment     int64
+	lanes       int
+	doublingMax int64
 
 	// idle are the coroutines of finished calls (lane.go).
 	comu   sync.Mutex
@@ -94,7 +98,7 @@ func WithLanes(n int) RingOption {
 
 // NewRing returns the ring backend over tr.
 func NewRing(tr Transport, opts ...RingOption) *Ring {
-	r := &Ring{tr: tr, segment: defaultSegment, lanes: defaultLanes}
+	r := &Ring{tr: tr, segment: defaultSegment, lanes: defaultLanes, doublingMax: defaultDoublingMax}
 	for _, o := range opts {
 		o(r)
 	}
@@ -161,7 +165,10 @@ func (r *Ring) allReduce(ctx context.Context, seq uint64, t *tensor.Tensor, op O
 	}
 	x.steps = 2 * (n - 1)
 	x.setLanes()
-	x.setHalving()
+	x.setDoubling()
+	if !x.doubling {
+		x.setHalving()
+	}
 	if st != nil {
 		x.st = st
 		x.loaded = make([][]func() error, n)
@@ -176,7 +183,11 @@ func (r *Ring) allReduce(ctx context.Context, seq uint64, t *tensor.Tensor, op O
 	}
 	lane := x.allReduceLane
 	x.rep.Algorithm = "ring"
-	if x.halving {
+	switch {
+	case x.doubling:
+		lane = x.doublingLane
+		x.rep.Algorithm = "doubling"
+	case x.halving:
 		lane = x.halvingLane
 		x.rep.Algorithm = "halving"
 	}
@@ -374,12 +385,15 @@ type run struct {
 	co    []*lane
 	ended sync.WaitGroup
 
-	// halving: the AllReduce goes by recursive halving and doubling
-	// (halving.go); peers[s] is step s's partner, links[s] the link to
-	// it.
+	// halving: the AllReduce goes by partners, by recursive halving and
+	// doubling (halving.go) or, with doubling, by recursive doubling
+	// alone (doubling.go); peers[s] is step s's partner, links[s] the
+	// link to it.
 	halving bool
 	peers   []int
 	links   []Link
+	// doubling: see halving.
+	doubling bool
 }
 
 // ready waits until segment k of chunk c is in the host tensor.

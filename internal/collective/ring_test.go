@@ -89,67 +89,77 @@ func halvingSums(in [][]float32, size int) []float32 {
 // by halving (4 ranks, one lane), whose report says which.
 func TestAllReduceFloat32Order(t *testing.T) {
 	for _, size := range []int{1, 2, 3, 4, 5, 6, 8} {
-		for _, sh := range shapes {
+		for _, shape := range shapes {
 			for _, op := range []Op{Sum, Average} {
-				t.Run(fmt.Sprintf("%d-ranks-%d-%s", size, sh.n, op), func(t *testing.T) {
-					in := make([][]float32, size)
-					rng := rand.New(rand.NewPCG(uint64(size), uint64(sh.n)))
-					for r := range in {
-						in[r] = make([]float32, sh.n)
-						for i := range in[r] {
-							in[r][i] = float32(rng.NormFloat64() * math.Pow(10, float64(rng.IntN(6))))
-						}
-					}
-					ring := NewRing(nil, sh.opts...)
-					chunks := make([]span, size)
-					for c := range size {
-						chunks[c] = span{sh.n * int64(c) / int64(size), sh.n*int64(c+1)/int64(size) - sh.n*int64(c)/int64(size)}
-					}
-					algo := "ring"
-					if size >= 4 && size&(size-1) == 0 && lanesFor(chunks, 4, ring.segment, ring.lanes) == 1 {
-						algo = "halving"
-					}
-					want := make([]float32, sh.n)
-					if algo == "halving" {
-						want = halvingSums(in, size)
-					} else {
-						for i := range want {
-							c := chunkOf(int64(i), sh.n, size)
-							v := in[c][i]
-							for s := 1; s < size; s++ {
-								v += in[(c+s)%size][i]
+				// By default small tensors on a power-of-two number of
+				// ranks go by doubling; without it, by halving or the ring.
+				for _, dmax := range []int64{defaultDoublingMax, 0} {
+					sh := shape
+					sh.opts = append(append([]RingOption(nil), sh.opts...), WithDoublingMax(dmax))
+					t.Run(fmt.Sprintf("%d-ranks-%d-%s-doubling-%d", size, sh.n, op, dmax), func(t *testing.T) {
+						in := make([][]float32, size)
+						rng := rand.New(rand.NewPCG(uint64(size), uint64(sh.n)))
+						for r := range in {
+							in[r] = make([]float32, sh.n)
+							for i := range in[r] {
+								in[r][i] = float32(rng.NormFloat64() * math.Pow(10, float64(rng.IntN(6))))
 							}
-							want[i] = v
 						}
-					}
-					if op == Average {
-						for i := range want {
-							want[i] /= float32(size)
+						ring := NewRing(nil, sh.opts...)
+						chunks := make([]span, size)
+						for c := range size {
+							chunks[c] = span{sh.n * int64(c) / int64(size), sh.n*int64(c+1)/int64(size) - sh.n*int64(c)/int64(size)}
 						}
-					}
-					got := make([][]float32, size)
-					errs := runRanks(t, size, sh.opts, func(r int, b *Ring) error {
-						x := newTensor(tensor.Float32, sh.n)
-						v, _ := tensor.View[float32](x)
-						copy(v, in[r])
-						rep, err := b.AllReduce(context.Background(), 7, x, op)
-						if err == nil && size > 1 && sh.n >= int64(size) && (rep.Received == 0 || rep.Sent == 0 || rep.Backend != "ring" || rep.Algorithm != algo) {
-							err = fmt.Errorf("report %+v, want algorithm %s", rep, algo)
+						algo := "ring"
+						pow2 := size&(size-1) == 0 && lanesFor(chunks, 4, ring.segment, ring.lanes) == 1
+						switch {
+						case pow2 && size >= 2 && sh.n > 0 && 4*sh.n <= ring.doublingMax:
+							algo = "doubling"
+						case pow2 && size >= 4:
+							algo = "halving"
 						}
-						got[r] = v
-						return err
+						want := make([]float32, sh.n)
+						if algo == "halving" || algo == "doubling" && size >= 4 {
+							want = halvingSums(in, size)
+						} else {
+							for i := range want {
+								c := chunkOf(int64(i), sh.n, size)
+								v := in[c][i]
+								for s := 1; s < size; s++ {
+									v += in[(c+s)%size][i]
+								}
+								want[i] = v
+							}
+						}
+						if op == Average {
+							for i := range want {
+								want[i] /= float32(size)
+							}
+						}
+						got := make([][]float32, size)
+						errs := runRanks(t, size, sh.opts, func(r int, b *Ring) error {
+							x := newTensor(tensor.Float32, sh.n)
+							v, _ := tensor.View[float32](x)
+							copy(v, in[r])
+							rep, err := b.AllReduce(context.Background(), 7, x, op)
+							if err == nil && size > 1 && sh.n >= int64(size) && (rep.Received == 0 || rep.Sent == 0 || rep.Backend != "ring" || rep.Algorithm != algo) {
+								err = fmt.Errorf("report %+v, want algorithm %s", rep, algo)
+							}
+							got[r] = v
+							return err
+						})
+						for r := range size {
+							if errs[r] != nil {
+								t.Fatalf("rank %d: %v", r, errs[r])
+							}
+							for i := range want {
+								if math.Float32bits(got[r][i]) != math.Float32bits(want[i]) {
+									t.Fatalf("rank %d element %d: %v, want %v", r, i, got[r][i], want[i])
+								}
+							}
+						}
 					})
-					for r := range size {
-						if errs[r] != nil {
-							t.Fatalf("rank %d: %v", r, errs[r])
-						}
-						for i := range want {
-							if math.Float32bits(got[r][i]) != math.Float32bits(want[i]) {
-								t.Fatalf("rank %d element %d: %v, want %v", r, i, got[r][i], want[i])
-							}
-						}
-					}
-				})
+				}
 			}
 		}
 	}
