@@ -119,9 +119,10 @@
 // receiving queue pair owns. A completion queue's Wait spins on the rings of
 // its queue pairs for as long as it learned pays (at most Options.Spin; on
 // a host with more runnable threads than CPUs, where its polls yield the
-// CPU, 25 times that while the device has no more waits than the process
-// has Go processors) and then sleeps on an eventfd that the sender signals
-// only when the receiver sleeps. A peer that
+// CPU, while any wait of the device had a completion within 25 times that,
+// waking the device's sleeping waits whose completions are ready) and then
+// sleeps on an eventfd that the sender signals only when the receiver
+// sleeps. A peer that
 // dies closes its end of the unix socket: its queue pairs enter the error
 // state and pending work requests complete with verbsio.StatusRetryExceeded
 // (errors.Is(status.Err(), verbsio.ErrPeerLost)).

@@ -2,9 +2,11 @@ package onnode
 
 import (
 	"fmt"
+	"github.com/gdrlink/gdrlink/internal/cowlist"
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/gdrlink/gdrlink/internal/adaptspin"
@@ -82,8 +84,9 @@ type Options struct {
 	// Spin is the longest CompletionQueue.Wait polls before it sleeps;
 	// within it each queue learns from its own waits how long to poll
 	// (GDRLINK_ONNODE_SPIN, a Go duration; default 200us). Where polls
-	// yield the CPU (verbsio.Config.Yield) a wait may poll 25 times longer
-	// (adaptspin.LongFactor); 0 turns polling off in both cases.
+	// yield the CPU (verbsio.Config.Yield) a wait polls while the device
+	// had a completion within 25 times that (adaptspin.LongFactor); 0
+	// turns polling off in both cases.
 	Spin time.Duration
 	// DeregTimeout bounds how long closing a memory region waits for writes
 	// of peers in flight (default 5s).
@@ -192,9 +195,12 @@ type device struct {
 	// (cfg.Logger), at most a line a second for the whole device.
 	refuseLog *refuselog.Log
 
-	// waits counts the completion queue waits in progress, for their
-	// long polls (adaptspin.Waits).
-	waits adaptspin.Waits
+	// cqs are the device's completion queues, and lastDone is when a
+	// wait of the device last returned completions (UnixNano): where
+	// polls yield, waits poll while it is recent and wake the sleeping
+	// waits whose completions are ready (cq.busyWait).
+	cqs      cowlist.List[*cq]
+	lastDone atomic.Int64
 
 	mu       sync.Mutex
 	children int
@@ -257,7 +263,9 @@ func (d *device) CreateCQ(depth int) (verbsio.CompletionQueue, error) {
 	if err := d.addChild(); err != nil {
 		return nil, err
 	}
-	return newCQ(d, depth), nil
+	c := newCQ(d, depth)
+	d.cqs.Add(c)
+	return c, nil
 }
 
 // Close implements verbsio.Device: ErrBusy while domains or queues live.

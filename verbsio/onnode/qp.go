@@ -694,6 +694,29 @@ func (q *qp) drainIfReady(out []verbsio.Completion) (n int, drained bool) {
 	return n, true
 }
 
+// ringReady says whether a record is published in q's notification
+// ring (false while another goroutine drains it).
+func (q *qp) ringReady() bool {
+	if !q.consMu.TryLock() {
+		return false
+	}
+	defer q.consMu.Unlock()
+	return q.State() == verbsio.QPReady && load64(q.in.mem, offHead) != atomic.LoadUint64(u64(q.in.mem, offTail))
+}
+
+// acksReady says whether the peer acknowledged a SEND that waits for it
+// since pollAcks last looked (false while another goroutine looks).
+func (q *qp) acksReady() bool {
+	if q.waiting.Load() == 0 || !q.compMu.TryLock() {
+		return false
+	}
+	defer q.compMu.Unlock()
+	if s := q.State(); s != verbsio.QPReady && s != verbsio.QPError {
+		return false
+	}
+	return atomic.LoadUint32(u32(q.out.mem, offAcked)) != q.lastAcked
+}
+
 // drainLocked consumes every published record. The caller holds consMu.
 func (q *qp) drainLocked() {
 	r := q.in
