@@ -1,10 +1,12 @@
 package rendezvous
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"strconv"
 	"strings"
 	"syscall"
@@ -72,6 +74,26 @@ func (p *peerProc) signal(sig syscall.Signal) {
 	if err := p.cmd.Process.Signal(sig); err != nil {
 		p.t.Fatalf("%v to the peer: %v", sig, err)
 	}
+}
+
+// stopped waits until the peer, sent SIGSTOP, is stopped (its state in
+// /proc): the signal takes effect when the peer next enters the kernel,
+// and a peer that still runs meanwhile (on a loaded host, for a few of
+// its Recvs) would ask for what the test means it never to see.
+func (p *peerProc) stopped() {
+	p.t.Helper()
+	stat := fmt.Sprintf("/proc/%d/stat", p.cmd.Process.Pid)
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Microsecond) {
+		b, err := os.ReadFile(stat)
+		if err != nil {
+			p.t.Fatalf("the peer's state: %v", err)
+		}
+		// pid (comm) state ...: comm may hold spaces and parentheses.
+		if i := bytes.LastIndexByte(b, ')'); i >= 0 && i+2 < len(b) && b[i+2] == 'T' {
+			return
+		}
+	}
+	p.t.Fatal("the peer was not stopped 5s after SIGSTOP")
 }
 
 // checkTimedOut checks that err is the peer timeout, naming the peer and
@@ -226,6 +248,7 @@ func TestLivenessReceiverStopped(t *testing.T) {
 			}
 			p.signal(syscall.SIGSTOP)
 			start := time.Now()
+			p.stopped()
 			// Sends the stopped peer has not asked for: work pending.
 			sendErr := make(chan error, 10)
 			for step := int64(100); step < 110; step++ {
@@ -239,10 +262,10 @@ func TestLivenessReceiverStopped(t *testing.T) {
 				time.Sleep(10 * time.Millisecond)
 			}
 			checkTimedOut(t, p.local.ch.Err(), time.Since(start))
-			// The Sends not written fail with it. (One or two may have
-			// been asked for before the peer stopped, the signal taking
-			// effect a moment after it was sent: their writes, posted,
-			// end when they complete or the queue pair goes.)
+			// The Sends not written fail with it. (The one the peer
+			// asked for before it stopped may have been written: its
+			// write, posted, ends when it completes or the queue pair
+			// goes.)
 			var timedOut, delivered int
 			wait := time.After(liveMargin)
 		collect:
