@@ -160,3 +160,6 @@ func (l link) RecvFunc(ctx context.Context, key string, step int64, cb func(*ten
 
 // Abort closes the connection to the peer for good.
 func (l link) Abort() error { return l.p.close() }
+
+// ConfirmNow sends the channel's held confirmations at once.
+func (l link) ConfirmNow() { l.ch.ConfirmNow() }

@@ -925,6 +925,23 @@ func (rv *receiver) confirmsDue() {
 	c.flushLocked()
 }
 
+// ConfirmNow sends at once the CONFIRMs held for the peer's writes (a
+// channel that confirms holds them up to confirmDelay for a frame to ride
+// with, and a Go program that sleeps sees a timer that short fire after a
+// millisecond): for a caller that will post nothing more to the peer soon
+// while the peer waits for them, as a collective's rank about to wait for
+// its own sends, whose peer does the same. Without held confirmations it
+// does nothing.
+func (c *Channel) ConfirmNow() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.state != stateConnected || len(c.rcv.confirms) == 0 {
+		return
+	}
+	c.rcv.takeConfirmsLocked(true)
+	c.flushLocked()
+}
+
 // takeConfirmsLocked queues the waiting CONFIRMs on the channel, when
 // something else is about to go out (a frame queued, or credits to
 // return), or always when now.

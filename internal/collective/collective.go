@@ -110,6 +110,11 @@ type Link interface {
 	// Abort closes the connection: sends not written yet are dropped,
 	// and their done runs before Abort returns.
 	Abort() error
+	// ConfirmNow sends at once what the link holds back for the peer's
+	// writes it took (rendezvous.Channel.ConfirmNow): a rank about to
+	// wait for its own sends to complete calls it, as its peers do, so
+	// that none waits for another's hold to run out.
+	ConfirmNow()
 }
 
 // addLink counts in rep a transfer that peer made into this rank.

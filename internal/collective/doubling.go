@@ -71,7 +71,9 @@ func (x *run) doublingLane(k int) error {
 			x.drain(k, nxt)
 			return err
 		}
-		// The sum goes where the piece sent came from: it must have left.
+		// The sum goes where the piece sent came from: it must have left,
+		// which the partner confirms as this rank does for its piece.
+		x.links[s].ConfirmNow()
 		if err := x.awaitSent(k, done); err != nil {
 			_ = got.Release()
 			x.drain(k, nxt)

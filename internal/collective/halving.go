@@ -204,6 +204,7 @@ func (x *run) halvingLane(k int) error {
 			// The bytes overwritten went to the partner in the
 			// reduce-scatter step of the same distance; its completion
 			// says they have left.
+			x.links[s].ConfirmNow()
 			if err := x.awaitSent(k, rsSent[2*m-1-s]); err != nil {
 				_ = got.Release()
 				x.drain(k, nxt)

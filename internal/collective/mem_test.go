@@ -157,6 +157,9 @@ func (l memLink) SendFunc(key string, step int64, t *tensor.Tensor, done func(er
 	return l.put(boxKey{l.me, l.peer, key, step}, func(b *box) { b.t, b.done = t, done })
 }
 
+// ConfirmNow has nothing to send: memLink confirms nothing.
+func (l memLink) ConfirmNow() {}
+
 func (l memLink) SendError(key string, step int64, err error) error {
 	return l.put(boxKey{l.me, l.peer, key, step}, func(b *box) { b.serr = err })
 }

@@ -544,6 +544,17 @@ func (x *run) connect(ctx context.Context) error {
 // failed before it began, and it told only its successor) cannot hold
 // this rank past its deadline.
 func (x *run) waitSends() error {
+	// The peers may wait for this rank's confirmations of their pieces,
+	// as it may wait for theirs: none is held back now.
+	if x.halving {
+		for s, l := range x.links {
+			if x.firstStepWith(s) == s {
+				l.ConfirmNow()
+			}
+		}
+	} else if x.prev != nil {
+		x.prev.ConfirmNow()
+	}
 	done := x.sends.idle()
 	if done == nil {
 		return nil
