@@ -21,10 +21,12 @@ import (
 // tensor, rendezvous.Into and the front door's RecvInto (475 and 45);
 // binding the ranks of a host to CPUs of their own, WithCPUBinding (476
 // and 46); queue pairs that take the checksum of a write as its bytes land,
-// verbsio.WriteChecksummer (477).
+// verbsio.WriteChecksummer (477); sending a channel's held confirmations
+// at once, for a caller about to wait on the peer's, as a collective's
+// rank does at a call's end: rendezvous.Channel.ConfirmNow (478).
 // Raise them only for a capability, and say which here.
 const (
-	maxTotal     = 477
+	maxTotal     = 478
 	maxFrontDoor = 46
 )
 
