@@ -109,13 +109,22 @@ func (x *run) tellPartners(ctx context.Context, err error) {
 	}
 }
 
+// partnerLinks are the links to the partners, one per partner.
+func (x *run) partnerLinks() []Link {
+	var ls []Link
+	for s, l := range x.links {
+		if x.firstStepWith(s) == s {
+			ls = append(ls, l)
+		}
+	}
+	return ls
+}
+
 // abortPartners closes the links to the partners, dropping the sends
 // that none of them asked for.
 func (x *run) abortPartners() {
-	for s, l := range x.links {
-		if x.firstStepWith(s) == s {
-			_ = l.Abort()
-		}
+	for _, l := range x.partnerLinks() {
+		_ = l.Abort()
 	}
 }
 

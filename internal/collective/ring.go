@@ -547,10 +547,8 @@ func (x *run) waitSends() error {
 	// The peers may wait for this rank's confirmations of their pieces,
 	// as it may wait for theirs: none is held back now.
 	if x.halving {
-		for s, l := range x.links {
-			if x.firstStepWith(s) == s {
-				l.ConfirmNow()
-			}
+		for _, l := range x.partnerLinks() {
+			l.ConfirmNow()
 		}
 	} else if x.prev != nil {
 		x.prev.ConfirmNow()

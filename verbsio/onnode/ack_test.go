@@ -14,6 +14,18 @@ import (
 // its receive queue, a's by polling or waiting on its send queue.
 func sendOnce(t *testing.T, a, b *node, wait bool) {
 	t.Helper()
+	sendBuffers(t, a, b).send(t, wait)
+}
+
+// sendPair is a registered source on a and destination on b, for SENDs
+// from a to b.
+type sendPair struct {
+	a, b     *node
+	src, dst verbsio.MemoryRegion
+}
+
+func sendBuffers(t *testing.T, a, b *node) sendPair {
+	t.Helper()
 	src, err := a.register("anon", 4096, verbsio.AccessLocalWrite, 7)
 	if err != nil {
 		t.Fatal(err)
@@ -22,6 +34,13 @@ func sendOnce(t *testing.T, a, b *node, wait bool) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return sendPair{a, b, src, dst}
+}
+
+// send is sendOnce with p's buffers.
+func (p sendPair) send(t *testing.T, wait bool) {
+	t.Helper()
+	a, b, src, dst := p.a, p.b, p.src, p.dst
 	if err := b.qp.PostRecv([]verbsio.RecvWR{{WRID: 1, SG: []verbsio.SGE{{Addr: dst.Addr(), Length: 4096, LKey: dst.LKey()}}}}); err != nil {
 		t.Fatal(err)
 	}

@@ -51,14 +51,7 @@ func TestBusyDeviceKeepsWaitsPolling(t *testing.T) {
 	a, b := yieldLoopback(t, spin)
 	b.rcq.(*cq).poll(true) // b's receives are polled for: no signals
 	defer b.rcq.(*cq).poll(false)
-	src, err := a.register("anon", 4096, verbsio.AccessLocalWrite, 7)
-	if err != nil {
-		t.Fatal(err)
-	}
-	dst, err := b.register("anon", 4096, verbsio.AccessLocalWrite, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
+	bufs := sendBuffers(t, a, b)
 	idle := a.rcq.(*cq)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -66,19 +59,7 @@ func TestBusyDeviceKeepsWaitsPolling(t *testing.T) {
 	start := time.Now()
 	last := start
 	for time.Since(start) < 4*long {
-		// One SEND a to b: a's send queue's Wait returns its completion.
-		if err := b.qp.PostRecv([]verbsio.RecvWR{{WRID: 1, SG: []verbsio.SGE{{Addr: dst.Addr(), Length: 4096, LKey: dst.LKey()}}}}); err != nil {
-			t.Fatal(err)
-		}
-		if err := a.qp.PostSend([]verbsio.SendWR{{WRID: 2, Op: verbsio.OpSend, Signaled: true, SG: []verbsio.SGE{{Addr: src.Addr(), Length: 8, LKey: src.LKey()}}}}); err != nil {
-			t.Fatal(err)
-		}
-		if c := pollOne(t, b.rcq); c.Status != verbsio.StatusSuccess {
-			t.Fatalf("receive: %+v", c)
-		}
-		if c := waitOne(t, a.scq, 5*time.Second); c.Status != verbsio.StatusSuccess {
-			t.Fatalf("send: %+v", c)
-		}
+		bufs.send(t, true) // a's send queue's Wait returns a completion
 		if gap := time.Since(last); gap > long/2 {
 			t.Skipf("a SEND took %v, half the long poll of %v: the host is too loaded for this test", gap, long)
 		}
