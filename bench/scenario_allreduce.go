@@ -62,6 +62,7 @@ const (
 	setAllReduceSwitchML  = "allreduce.switchml"  // "on" or "udp" adds switchml rows of software workers (UDP) through an aggregator in this process; "verbs" of workers on a Soft-RoCE device through an aggregator process in a network namespace (root, rdma_rxe); "udp,verbs" both
 	setAllReduceGPU       = "allreduce.gpu"       // "on" adds ring rows of tensors on GPU 0 (every worker shares it)
 	setAllReduceBind      = "allreduce.bind"      // "cores" (default) binds each ring worker to cores of its own where there is a core per worker, as mpirun binds MPI's ranks; "none" leaves them floating
+	setAllReduceRounds    = "allreduce.rounds"    // rounds of an MPI job and a ring job in turn (default 1); rows are medians over rounds, the ratio the median of the rounds' ratios
 )
 
 // allReduceRow is what rank 0 of a job prints for one size: the median
@@ -105,6 +106,14 @@ func runAllReduce(ctx context.Context, env *Env) error {
 		providers = strings.Split(v, ",")
 	}
 	reps := max(env.Reps, 1)
+	rounds := 1
+	if v, ok := env.Args[setAllReduceRounds]; ok {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 {
+			return fmt.Errorf("%w: -set %s=%s: want a number of rounds of at least 1", errUsage, setAllReduceRounds, v)
+		}
+		rounds = n
+	}
 	var bind ringBind
 	switch v := env.Args[setAllReduceBind]; v {
 	case "", "cores":
@@ -154,30 +163,52 @@ func runAllReduce(ctx context.Context, env *Env) error {
 		defer os.RemoveAll(filepath.Dir(mpi))
 	}
 	for _, w := range workers {
-		var base map[int64]float64
+		// Each round runs the MPI job and a ring job per provider, in
+		// turn (the order alternates), so that what a busy host does to
+		// one round falls on both; a row is the median over rounds.
+		var base []map[int64]float64
 		baseNote := ""
-		if mpiErr == nil {
-			var err error
-			if base, err = runMPIAllReduce(ctx, mpi, w, sizes, reps); err != nil {
-				env.Log.Info("MPI_Allreduce baseline failed", "workers", w, "err", err)
-				baseNote = fmt.Sprintf("; no baseline: MPI_Allreduce failed: %v", err)
+		ringRuns := make([][][]allReduceRow, len(providers)) // [provider][round]
+		for round := range rounds {
+			runMPI := func() {
+				if mpiErr != nil || baseNote != "" {
+					return
+				}
+				b, err := runMPIAllReduce(ctx, mpi, w, sizes, reps)
+				if err != nil {
+					env.Log.Info("MPI_Allreduce baseline failed", "workers", w, "err", err)
+					baseNote = fmt.Sprintf("; no baseline: MPI_Allreduce failed: %v", err)
+					base = nil
+					return
+				}
+				base = append(base, b)
 			}
-		} else {
+			if round%2 == 0 {
+				runMPI()
+			}
+			for i, prov := range providers {
+				rows, err := runRingAllReduce(ctx, prov, w, sizes, reps, ringRun{bind: bind.env})
+				if err != nil {
+					return fmt.Errorf("%d workers on %s: %w", w, prov, err)
+				}
+				ringRuns[i] = append(ringRuns[i], rows)
+			}
+			if round%2 == 1 {
+				runMPI()
+			}
+		}
+		if mpiErr != nil {
 			baseNote = fmt.Sprintf("; no baseline: %v", mpiErr)
 		}
 		// ringRate is the ring's figure per size on the first provider,
 		// the switchml rows' baseline.
 		ringRate, ringName := map[int64]float64{}, ""
-		for _, prov := range providers {
-			rows, err := runRingAllReduce(ctx, prov, w, sizes, reps, ringRun{bind: bind.env})
-			if err != nil {
-				return fmt.Errorf("%d workers on %s: %w", w, prov, err)
-			}
-			for _, row := range rows {
+		for i, prov := range providers {
+			for _, row := range roundMedians(ringRuns[i]) {
 				d := time.Duration(row.Seconds * float64(time.Second))
-				b, name := 0.0, ""
-				if sec, ok := base[row.Size]; ok {
-					b, name = rateGBs(row.Size, time.Duration(sec*float64(time.Second))), "mpi-allreduce"
+				b, name, paired := 0.0, "", pairedRatios(ringRuns[i], base, row.Size)
+				if len(paired) > 0 {
+					b, name = rateGBs(row.Size, time.Duration(roundMedian(base, row.Size)*float64(time.Second))), "mpi-allreduce"
 				}
 				how := ""
 				if row.Yield {
@@ -191,6 +222,13 @@ func runAllReduce(ctx context.Context, env *Env) error {
 				}
 				note := fmt.Sprintf("%d worker processes, float32 average (MPI_Allreduce: sum, it has no average; ours divides as it makes the last addition), median of %d; received over %s%s%s%s", w, reps, row.Links, bind.note, how, baseNote)
 				r := newResult("allreduce", fmt.Sprintf("ring/%s/%dw", prov, w), row.Size, rateGBs(row.Size, d), "GB/s", b, name)
+				if rounds > 1 {
+					note += fmt.Sprintf("; %d rounds, each an MPI job and a ring job in turn: value and baseline the medians over rounds", rounds)
+					if len(paired) > 0 {
+						r.Ratio = median(paired)
+						note += fmt.Sprintf(", ratio the median of the rounds' own ratios (%s)", formatRatios(paired))
+					}
+				}
 				r.Note = note
 				env.Emit(r)
 				wire := newResult("allreduce", fmt.Sprintf("wire/%s/%dw", prov, w), row.Size, float64(row.Sent), "B", 0, "")
@@ -249,6 +287,73 @@ func runAllReduce(ctx context.Context, env *Env) error {
 		}
 	}
 	return nil
+}
+
+// roundMedians is the rows of several rounds of one job, one per size in
+// the first round's order: each the first round's row with the median
+// time over the rounds that have its size.
+func roundMedians(runs [][]allReduceRow) []allReduceRow {
+	if len(runs) == 0 {
+		return nil
+	}
+	out := slices.Clone(runs[0])
+	for i := range out {
+		var secs []float64
+		for _, rows := range runs {
+			if row, ok := rowOf(rows, out[i].Size); ok {
+				secs = append(secs, row.Seconds)
+			}
+		}
+		out[i].Seconds = median(secs)
+	}
+	return out
+}
+
+func rowOf(rows []allReduceRow, size int64) (allReduceRow, bool) {
+	for _, r := range rows {
+		if r.Size == size {
+			return r, true
+		}
+	}
+	return allReduceRow{}, false
+}
+
+// roundMedian is the median over rounds of MPI's time for size (0 when
+// no round has it).
+func roundMedian(base []map[int64]float64, size int64) float64 {
+	var secs []float64
+	for _, b := range base {
+		if s, ok := b[size]; ok && s > 0 {
+			secs = append(secs, s)
+		}
+	}
+	if len(secs) == 0 {
+		return 0
+	}
+	return median(secs)
+}
+
+// pairedRatios is, for each round that has both, the ring's rate for size
+// over MPI's in the same round (above 1: the ring ahead).
+func pairedRatios(runs [][]allReduceRow, base []map[int64]float64, size int64) []float64 {
+	var out []float64
+	for i := range min(len(runs), len(base)) {
+		row, ok := rowOf(runs[i], size)
+		s := base[i][size]
+		if ok && row.Seconds > 0 && s > 0 {
+			out = append(out, s/row.Seconds)
+		}
+	}
+	return out
+}
+
+// formatRatios prints ratios in round order, two decimals each.
+func formatRatios(rs []float64) string {
+	parts := make([]string, len(rs))
+	for i, r := range rs {
+		parts[i] = strconv.FormatFloat(r, 'f', 2, 64)
+	}
+	return strings.Join(parts, ", ")
 }
 
 // ringBind is the allreduce.bind setting: the ring workers' GDRLINK_BIND

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"fmt"
 	"math"
 	"os"
 	"strings"
@@ -169,5 +170,82 @@ func TestAllReduceScenarioSwitchMLVerbs(t *testing.T) {
 	}
 	if rows != n || in != n {
 		t.Errorf("%d switchml-verbs and %d wire-in rows, want %d each", rows, in, n)
+	}
+}
+
+// TestRoundMedians checks how rounds combine: each size's time is the
+// median over the rounds, its other fields the first round's, and a
+// round's ratio is MPI's time over the ring's in that same round, only
+// for rounds that have both.
+func TestRoundMedians(t *testing.T) {
+	runs := [][]allReduceRow{
+		{{Size: 4096, Seconds: 3, Links: "onnode"}, {Size: 8192, Seconds: 10}},
+		{{Size: 4096, Seconds: 1, Links: "tcp"}, {Size: 8192, Seconds: 20}},
+		{{Size: 4096, Seconds: 2}},
+	}
+	got := roundMedians(runs)
+	if len(got) != 2 || got[0].Seconds != 2 || got[0].Links != "onnode" || got[1].Seconds != 15 {
+		t.Fatalf("roundMedians = %+v, want 4096 at 2 s over onnode and 8192 at 15 s", got)
+	}
+	base := []map[int64]float64{{4096: 6, 8192: 5}, {4096: 1}}
+	if r := pairedRatios(runs, base, 4096); len(r) != 2 || r[0] != 2 || r[1] != 1 {
+		t.Errorf("pairedRatios(4096) = %v, want [2 1] (the third round has no MPI job)", r)
+	}
+	if r := pairedRatios(runs, base, 8192); len(r) != 1 || r[0] != 0.5 {
+		t.Errorf("pairedRatios(8192) = %v, want [0.5] (the second MPI job has no 8192)", r)
+	}
+	if m := roundMedian(base, 4096); m != 3.5 {
+		t.Errorf("roundMedian(4096) = %v, want 3.5", m)
+	}
+	if m := roundMedian(base, 1<<20); m != 0 {
+		t.Errorf("roundMedian of a size no round has = %v, want 0", m)
+	}
+	if s := formatRatios([]float64{0.814, 1.2}); s != "0.81, 1.20" {
+		t.Errorf("formatRatios = %q", s)
+	}
+}
+
+// TestAllReduceScenarioRounds runs two rounds on 2 processes: one row per
+// size (not one per round), whose note says how the rounds were combined;
+// with Open MPI present, the ratio is the median of the two rounds' own,
+// both printed in the note. A round count below 1 fails the run.
+func TestAllReduceScenarioRounds(t *testing.T) {
+	code, out, errOut := runBench(t, "-quick", "-json", "-reps", "1", "-max-size", "8KiB", "-scenario", "allreduce",
+		"-set", "allreduce.workers=2", "-set", "allreduce.rounds=2")
+	if code != exitOK {
+		t.Fatalf("exit %d: %s", code, errOut)
+	}
+	rows := 0
+	for _, r := range parseLines(t, out) {
+		if !strings.HasPrefix(r.Case, "ring/onnode/") {
+			continue
+		}
+		rows++
+		if !strings.Contains(r.Note, "2 rounds") {
+			t.Errorf("%s %d: note does not say the rounds: %q", r.Case, r.SizeBytes, r.Note)
+		}
+		if r.Baseline == 0 {
+			if !strings.Contains(r.Note, "no baseline") {
+				t.Errorf("%s %d: no baseline, and the note does not say why: %q", r.Case, r.SizeBytes, r.Note)
+			}
+			continue
+		}
+		i := strings.Index(r.Note, "rounds' own ratios (")
+		if i < 0 {
+			t.Fatalf("%s %d: baseline but no paired ratios in the note: %q", r.Case, r.SizeBytes, r.Note)
+		}
+		var a, b float64
+		if _, err := fmt.Sscanf(r.Note[i+len("rounds' own ratios ("):], "%f, %f)", &a, &b); err != nil {
+			t.Fatalf("%s %d: ratios in %q: %v", r.Case, r.SizeBytes, r.Note, err)
+		}
+		if want := (a + b) / 2; math.Abs(r.Ratio-want) > 0.01 {
+			t.Errorf("%s %d: ratio %v, want the median of %v and %v", r.Case, r.SizeBytes, r.Ratio, a, b)
+		}
+	}
+	if n := len(sweepSizes(allReduceMinSize, 8<<10)); rows != n {
+		t.Errorf("%d ring rows, want %d (one per size)", rows, n)
+	}
+	if code, _, errOut := runBench(t, "-quick", "-scenario", "allreduce", "-set", "allreduce.rounds=0"); code == exitOK || !strings.Contains(errOut, "allreduce.rounds=0") {
+		t.Errorf("allreduce.rounds=0: exit %d, stderr %q; want a failure naming the setting", code, errOut)
 	}
 }
