@@ -151,6 +151,18 @@ type Channel struct {
 	confirm bool
 	// pull: both peers have a Puller (wire.HelloPull).
 	pull bool
+	// slotEager is, per send slot, whether the SEND posted from it
+	// carries EAGER frames and the sequence number after the last: their
+	// Sends end when it completes (eagerSender.settle).
+	slotEager []slotEager
+	// takesEager: this side offered wire.HelloEager (takesEager, in New);
+	// eager: it sends EAGER to the peer, which offered it, outside
+	// checksum mode; peerSlot is the size of the peer's receive buffers.
+	takesEager, eager bool
+	peerSlot          int
+	// peerEager: the peer offered wire.HelloEager, and so reads a BYE
+	// with wire.ByeEagers.
+	peerEager bool
 
 	// liveness (keepalive.go)
 	arrivals uint64      // receive completions from the peer
@@ -174,17 +186,20 @@ type chanCounters struct {
 	resultsRefused                                    atomic.Uint64
 }
 
-// outItem is a queued control frame or write, posted in order.
+// outItem is a queued control frame or write, posted in order. An EAGER
+// frame's item says so, with the frame's sequence number.
 type outItem struct {
-	frame []byte
-	write *sendEntry
+	frame    []byte
+	write    *sendEntry
+	eager    bool
+	eagerSeq uint32
 }
 
 // New makes a channel on dev: a completion queue, a queue pair in pd, and its
 // control buffers from mem (which must be registered with pd). Receives are
 // posted at once where the provider allows it.
 func New(dev verbsio.Device, pd verbsio.ProtectionDomain, mem Memory, opts ...Option) (*Channel, error) {
-	o := options{ring: defaultRing, sendSlots: defaultSendSlots, maxStrings: defaultMaxStringBytes, maxTensor: defaultMaxTensorBytes, stripeMin: defaultStripeMin, keepalive: defaultKeepalive, peerTimeout: defaultPeerTimeout, chunkShift: uint8(bits.TrailingZeros(defaultProxyChunk)), log: slog.New(discard{})}
+	o := options{ring: defaultRing, sendSlots: defaultSendSlots, maxStrings: defaultMaxStringBytes, maxTensor: defaultMaxTensorBytes, stripeMin: defaultStripeMin, keepalive: defaultKeepalive, peerTimeout: defaultPeerTimeout, chunkShift: uint8(bits.TrailingZeros(defaultProxyChunk)), eagerMax: defaultEagerMax, log: slog.New(discard{})}
 	for _, f := range opts {
 		if f == nil {
 			continue
@@ -200,7 +215,12 @@ func New(dev verbsio.Device, pd verbsio.ProtectionDomain, mem Memory, opts ...Op
 	c := &Channel{
 		opts: o, log: o.log, dev: dev, pd: pd, mem: mem,
 		provider: dev.Info().Provider, devName: dev.Info().Name, host: host, caps: dev.Caps(),
-		slot: wire.MaxFrame, pollDone: make(chan struct{}), byeSent: make(chan struct{}), peerBye: make(chan struct{}),
+		slot: wire.MinSlot, peerSlot: wire.MinSlot, pollDone: make(chan struct{}), byeSent: make(chan struct{}), peerBye: make(chan struct{}),
+	}
+	if o.eagerMax > 0 && !o.firstRelease {
+		// Room for an EAGER frame in every buffer, sent or received.
+		c.slot = wire.MaxFrame
+		c.takesEager = takesEager(&o, mem)
 	}
 	c.initHalves()
 	if c.provider == "" {
@@ -288,6 +308,16 @@ func (c *Channel) allocRegistered(n int) (tensor.Buffer, verbsio.MemoryRegion, e
 	return b, mr, nil
 }
 
+// sendSlot is send buffer i, cut to what the peer's receive buffers hold:
+// the frames packed into one SEND fit one of them.
+func (c *Channel) sendSlot(i int) []byte {
+	n := c.slot
+	if c.peerSlot > 0 {
+		n = min(n, c.peerSlot)
+	}
+	return c.sendBuf.Bytes()[i*c.slot : i*c.slot+n]
+}
+
 func (c *Channel) recvWR(i int) verbsio.RecvWR {
 	c.recvSGEs[i] = verbsio.SGE{Addr: c.recvBuf.Addr() + uintptr(i*c.slot), Length: uint32(c.slot), LKey: c.recvMR.LKey()}
 	return verbsio.RecvWR{WRID: wridRecv | uint64(i), SG: c.recvSGEs[i : i+1 : i+1]}
@@ -300,6 +330,9 @@ func (c *Channel) Hello() []byte {
 	m.Flags |= c.opts.checksumHello(c.provider)
 	if c.opts.puller != nil && !c.opts.firstRelease {
 		m.Flags |= wire.HelloPull
+	}
+	if c.takesEager {
+		m.Flags |= wire.HelloEager
 	}
 	ep := c.qp.Endpoint()
 	m.Endpoints[0] = wire.Endpoint{Provider: []byte(ep.Provider), Host: []byte(ep.Host), Data: ep.Data}
@@ -334,8 +367,8 @@ func (c *Channel) Connect(ctx context.Context, peerHello []byte) error {
 	if err != nil {
 		return err
 	}
-	if int(m.Slot) < wire.MaxFrame {
-		return fmt.Errorf("%w: peer %s receive buffers of %d bytes, need %d", ErrMismatch, peer, m.Slot, wire.MaxFrame)
+	if int(m.Slot) < wire.MinSlot {
+		return fmt.Errorf("%w: peer %s receive buffers of %d bytes, need %d", ErrMismatch, peer, m.Slot, wire.MinSlot)
 	}
 	if m.Ring < minRing {
 		return fmt.Errorf("%w: peer %s posts %d receive buffers", ErrMismatch, peer, m.Ring)
@@ -359,6 +392,9 @@ func (c *Channel) Connect(ctx context.Context, peerHello []byte) error {
 		s.ChecksumWrites(checksum)
 	}
 	c.pull = c.opts.puller != nil && !c.opts.firstRelease && m.Flags&wire.HelloPull != 0
+	c.peerEager = m.Flags&wire.HelloEager != 0
+	c.eager = c.opts.eagerMax > 0 && c.slot > wire.MinSlot && !checksum && c.peerEager
+	c.peerSlot = int(min(m.Slot, uint32(wire.MaxFrame)))
 	c.live.peerRing = int(m.Ring)
 	c.mu.Unlock()
 	if err := c.qp.Connect(ctx, ep); err != nil {
@@ -431,6 +467,7 @@ func (c *Channel) Stats() Stats {
 		PendingRefused: s.pendingRefused.Load(), NamesRefused: s.namesRefused.Load(), ResultsRefused: ch.resultsRefused.Load(),
 		SendsRefused:    s.refused.Load(),
 		ChecksumRetries: r.checksumRetries.Load(), Rewrites: s.rewrites.Load(), ConfirmsOut: r.confirmsOut.Load(), ConfirmsIn: s.confirmsIn.Load(), PullsIn: r.pullsIn.Load(), PullsOut: s.pullsOut.Load(),
+		EagerOut: s.eagerOut.Load(), EagerIn: r.eagerIn.Load(), EagerCrossed: s.eagerCrossed.Load(),
 	}
 	c.snd.statsLocked(&st)
 	return st
@@ -560,8 +597,12 @@ func (c *Channel) postByeLocked() {
 		return
 	}
 	slot := c.freeSlots[len(c.freeSlots)-1]
-	buf := c.sendBuf.Bytes()[slot*c.slot : (slot+1)*c.slot]
+	buf := c.sendSlot(slot)
 	m := wire.Message{Type: wire.TypeBye, Flags: wire.ByeImms, Imms: uint32(c.imms)}
+	if c.peerEager {
+		m.Flags |= wire.ByeEagers
+		m.Eagers = c.rcv.eager.in
+	}
 	n := c.rcv.confirmsAheadLocked(buf, m.Len())
 	n += len(m.Append(buf[n:n]))
 	c.putCredits(buf)
@@ -602,6 +643,11 @@ func (c *Channel) onByeLocked(m *wire.Message, ds *deliveries) {
 	c.peerByeLocked()
 	if m.Flags&wire.ByeImms != 0 {
 		c.snd.settleLocked(m.Imms, ds)
+	}
+	if m.Flags&wire.ByeEagers != 0 {
+		// The EAGER frames it took in are delivered, whatever became of
+		// the SENDs' completions.
+		c.snd.eager.settle(m.Eagers, ds)
 	}
 	if c.state == stateConnected {
 		c.postByeLocked()
@@ -661,6 +707,8 @@ func (c *Channel) failLocked(err error, ds *deliveries, st chanState) {
 			c.snd.dropLocked(it.write, err, ds)
 		}
 	}
+	c.snd.eager.failLocked(err, ds)
+	clear(c.slotEager)
 	c.outq, c.outqArr, c.frames = nil, nil, nil
 	c.snd.errorsQueued = 0
 	if st == stateFailed {
@@ -908,6 +956,11 @@ func (c *Channel) handleLocked(wc *verbsio.Completion, ds *deliveries) {
 	case wridCtrl:
 		c.sqOut--
 		c.freeSlots = append(c.freeSlots, int(id))
+		if int(id) < len(c.slotEager) && c.slotEager[id].has {
+			// The EAGER frames it carried are the peer's.
+			c.snd.eager.settle(c.slotEager[id].end, ds)
+			c.slotEager[id] = slotEager{}
+		}
 		if wc.WRID == c.byeWRID {
 			c.closeByeSentLocked()
 		}
@@ -958,6 +1011,10 @@ func (c *Channel) onFramesLocked(b []byte, ds *deliveries) {
 			c.onByeLocked(&m, ds)
 		case wire.TypeConfirm:
 			c.snd.onConfirmLocked(&m, ds)
+		case wire.TypeEager:
+			c.rcv.onEagerLocked(&m, ds)
+		case wire.TypeTaken:
+			c.snd.onTakenLocked(&m, ds)
 		default:
 			c.failLocked(fmt.Errorf("%w: %s from %s on an open channel", ErrProtocol, m.Type, c.peer), ds, stateFailed)
 		}
@@ -979,6 +1036,19 @@ func (c *Channel) enqueueLocked(m *wire.Message) {
 	}
 	c.frames = m.Append(c.frames)
 	c.pushLocked(outItem{frame: c.frames[start:len(c.frames):len(c.frames)]})
+}
+
+// enqueueEagerLocked queues EAGER frame seq.
+func (c *Channel) enqueueEagerLocked(m *wire.Message, seq uint32) {
+	c.enqueueLocked(m)
+	it := &c.outq[len(c.outq)-1]
+	it.eager, it.eagerSeq = true, seq
+}
+
+// slotEager: a SEND carries EAGER frames, the last of sequence end-1.
+type slotEager struct {
+	has bool
+	end uint32
 }
 
 // pushLocked appends it to the queue (an empty queue starts over at the
@@ -1022,10 +1092,16 @@ func (c *Channel) flushLocked() {
 			break
 		}
 		slot := c.freeSlots[len(c.freeSlots)-1]
-		buf := c.sendBuf.Bytes()[slot*c.slot : (slot+1)*c.slot]
+		buf := c.sendSlot(slot)
 		n := 0
 		for len(c.outq) > 0 && c.outq[0].write == nil && n+len(c.outq[0].frame) <= len(buf) {
 			f := c.outq[0].frame
+			if c.outq[0].eager {
+				if c.slotEager == nil {
+					c.slotEager = make([]slotEager, c.opts.sendSlots)
+				}
+				c.slotEager[slot] = slotEager{has: true, end: c.outq[0].eagerSeq + 1}
+			}
 			copy(buf[n:], f)
 			if wire.Type(f[1]) == wire.TypeError {
 				c.snd.errorsQueued--
@@ -1075,7 +1151,7 @@ func (c *Channel) flushLocked() {
 	c.creditBlocked = blocked
 	if c.owed >= c.threshold && c.credits >= 1 && !c.withholdingLocked() && len(c.freeSlots) > 0 && c.sqOut < c.sqMax {
 		slot := c.freeSlots[len(c.freeSlots)-1]
-		buf := c.sendBuf.Bytes()[slot*c.slot : (slot+1)*c.slot]
+		buf := c.sendSlot(slot)
 		m := wire.Message{Type: wire.TypeCredit}
 		n := len(m.Append(buf[:0]))
 		c.putCredits(buf)

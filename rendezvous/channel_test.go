@@ -22,7 +22,7 @@ func recvCtx(t *testing.T) context.Context {
 
 func TestInProcessBasics(t *testing.T) {
 	forEachProvider(t, func(t *testing.T, provider string) {
-		a, b := pair(t, provider)
+		a, b := pair(t, provider, WithEager(0)) // the request paths; eager_test.go has the other
 		ctx := recvCtx(t)
 		cases := []struct {
 			kind  string

@@ -21,6 +21,16 @@
 // deadlines on Recv; and every completed transfer says which path it took in
 // a Transfer and in a debug log record.
 //
+// Small tensors (up to 4 KiB, WithEager) whose Send comes before the Recv
+// asks go at once in a control message of their own, EAGER, as MPI's and
+// UCX's eager protocols send small messages: the receiver keeps the bytes
+// until the Recv, which then makes no round trip (PathEager), at the cost
+// of a copy on each side; a Recv already waiting, whose TENSOR_REQUEST
+// crossed the EAGER, takes it, and the sender drops that request. A
+// window of 16 such tensors per channel bounds what the receiver keeps;
+// TAKEN messages move it. Both peers must offer it (a channel whose Recvs
+// may want device memory does not), and checksum mode sends none.
+//
 // Results for a GPU land in GPU memory the NIC can write (PathDirectGPU),
 // or, through a Proxy (ProxyPath adapts package proxy), in a pinned host
 // tensor that the proxy copies to the device (PathProxy). A proxied result

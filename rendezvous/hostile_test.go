@@ -54,25 +54,50 @@ func stubPool(t testing.TB) *alloc.Pool {
 // pending Recv ("k" step 0, request 1, name index 1) and one pending Send
 // ("k" step 1), so that hostile frames reach every state.
 func hostileChannel(t testing.TB) (*Channel, func()) {
+	c, _, done := stubChannel(t, false)
+	return c, done
+}
+
+// stubChannel is a connected channel on a stub queue pair that records
+// the frames posted: in checksum mode with confirmations, or (eager) out
+// of it and taking and sending EAGER frames. It has a pending Recv of "k"
+// step 0 (with a result buffer) and has sent "k" step 1 (eagerly, when
+// eager).
+func stubChannel(t testing.TB, eager bool) (*Channel, *probeQP, func()) {
 	mem := PoolMemory(stubRegion, stubPool(t))
-	c := &Channel{
-		opts: options{ring: 8, sendSlots: 4, maxStrings: 1 << 20, maxTensor: 1 << 20, checksum: true},
-		mem:  mem, qp: &stubQP{}, slot: wire.MaxFrame, provider: "stub", devName: "stub", peer: "hostile",
-		pollDone: make(chan struct{}), byeSent: make(chan struct{}),
-		state: stateConnected, credits: 8, sqMax: 64, threshold: 2, checksum: true, confirm: true,
+	const ring = 8
+	slots := 4
+	if eager {
+		slots = 64 // the stub completes nothing: room for every frame a test posts
 	}
+	c := &Channel{
+		opts: options{ring: ring, sendSlots: slots, maxStrings: 1 << 20, maxTensor: 1 << 20, checksum: !eager},
+		mem:  mem, slot: wire.MaxFrame, peerSlot: wire.MaxFrame, provider: "stub", devName: "stub", peer: "hostile",
+		pollDone: make(chan struct{}), byeSent: make(chan struct{}),
+		state: stateConnected, credits: 1 << 20, sqMax: 1 << 20, threshold: 2, checksum: !eager, confirm: !eager,
+	}
+	if eager {
+		c.opts.eagerMax = defaultEagerMax
+		c.takesEager, c.eager = true, true
+	} else {
+		c.credits, c.sqMax = ring, 64
+	}
+	q := &probeQP{c: c}
+	c.qp = q
 	c.initHalves()
 	c.log = slog.New(discard{})
 	c.ctx, c.stop = context.WithCancel(context.Background())
 	var err error
-	if c.recvBuf, c.recvMR, err = c.allocRegistered(8 * c.slot); err != nil {
+	if c.recvBuf, c.recvMR, err = c.allocRegistered(ring * c.slot); err != nil {
 		t.Fatal(err)
 	}
-	if c.sendBuf, c.sendMR, err = c.allocRegistered(4 * c.slot); err != nil {
+	if c.sendBuf, c.sendMR, err = c.allocRegistered(slots * c.slot); err != nil {
 		t.Fatal(err)
 	}
-	c.freeSlots = []int{3, 2, 1, 0}
-	c.recvSGEs = make([]verbsio.SGE, 8)
+	for i := slots - 1; i >= 0; i-- {
+		c.freeSlots = append(c.freeSlots, i)
+	}
+	c.recvSGEs = make([]verbsio.SGE, ring)
 	// A cached meta-data makes the Recv allocate a result buffer up front.
 	c.rcv.cache["k"], _ = tensor.MetaFor(tensor.Uint8, tensor.Shape{16})
 	c.RecvFunc(context.Background(), "k", 0, func(t *tensor.Tensor, _ Transfer, _ error) {
@@ -92,7 +117,7 @@ func hostileChannel(t testing.TB) (*Channel, func()) {
 	if err := c.Send("k", 1, src); err != nil {
 		t.Fatal(err)
 	}
-	return c, func() {
+	return c, q, func() {
 		var ds deliveries
 		c.mu.Lock()
 		c.failLocked(ErrClosed, &ds, stateClosed)

@@ -192,7 +192,7 @@ func (c *Channel) pingLocked() {
 			return
 		}
 		slot := c.freeSlots[len(c.freeSlots)-1]
-		buf := c.sendBuf.Bytes()[slot*c.slot : (slot+1)*c.slot]
+		buf := c.sendSlot(slot)
 		m := wire.Message{Type: wire.TypeCredit}
 		n := len(m.Append(buf[:0]))
 		c.putCredits(buf)

@@ -74,7 +74,7 @@ func keepaliveChannel(t *testing.T, interval time.Duration) (*Channel, *probeQP)
 	const ring, slots = 8, 8
 	c := &Channel{
 		opts: options{ring: ring, sendSlots: slots, maxStrings: 1 << 20, maxTensor: 1 << 20, keepalive: interval},
-		mem:  PoolMemory(stubRegion, stubPool(t)), slot: wire.MaxFrame, provider: "stub", devName: "stub", peer: "sender",
+		mem:  PoolMemory(stubRegion, stubPool(t)), slot: wire.MaxFrame, peerSlot: wire.MaxFrame, provider: "stub", devName: "stub", peer: "sender",
 		pollDone: make(chan struct{}), byeSent: make(chan struct{}),
 		state: stateConnected, credits: ring, sqMax: 64, threshold: 2,
 	}

@@ -63,7 +63,9 @@ func victimAndRawPeer(t *testing.T, provider string, opts ...Option) (*side, *ra
 			t.Errorf("closing the victim: %v", err)
 		}
 	})
-	s, err := openArenaKeySide(provider, "raw") // its requests carry arena rkeys
+	// Its requests carry arena rkeys; it takes no EAGER (it reads frames
+	// of its own).
+	s, err := openArenaKeySide(provider, "raw", WithEager(0))
 	if err != nil {
 		skipUnavailable(t, provider, err)
 	}

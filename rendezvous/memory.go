@@ -62,3 +62,23 @@ func (m *poolMemory) Region(addr uintptr, n int) (verbsio.MemoryRegion, bool) {
 func inArena(a *alloc.Arena, addr uintptr, n int) bool {
 	return addr >= a.Base() && n >= 0 && uint64(addr-a.Base())+uint64(n) <= uint64(a.Size())
 }
+
+// hostOnly reports whether every pool is of host memory.
+func (m *poolMemory) hostOnly() bool {
+	for _, p := range m.pools {
+		if p.Device() != tensor.Host {
+			return false
+		}
+	}
+	return true
+}
+
+// takesEager says whether a channel with options o and memory mem takes
+// EAGER frames (wire.HelloEager): where every Recv's result is host memory
+// the frame's bytes can be copied into. A Proxy or a Puller means results
+// on a device; so may a Memory other than PoolMemory's, which it cannot
+// tell.
+func takesEager(o *options, mem Memory) bool {
+	h, ok := mem.(interface{ hostOnly() bool })
+	return o.eagerMax > 0 && o.proxy == nil && o.puller == nil && ok && h.hostOnly()
+}

@@ -26,7 +26,9 @@ const (
 	// a sign of life from its peer before it fails (WithPeerTimeout).
 	defaultPeerTimeout = 30 * time.Second
 	defaultProxyChunk  = 4 << 20
-	defaultStripeMin   = 4 << 20
+	// defaultEagerMax is the largest tensor sent eagerly (WithEager).
+	defaultEagerMax  = 4 << 10
+	defaultStripeMin = 4 << 20
 	// defaultMaxPending and defaultMaxNames bound what a peer may make a
 	// channel hold (WithMaxPendingRequests, WithMaxNames).
 	defaultMaxPending = 4096
@@ -95,6 +97,8 @@ type options struct {
 	chunkShift  uint8 // proxy results come in chunks of 1<<chunkShift; 0: one write
 	maxPending  int   // the peer's requests parked for Sends not made yet; 0: the default
 	maxNames    int   // the peer's name indexes; 0: the default
+	// eagerMax is the largest tensor sent eagerly, 0: none (WithEager).
+	eagerMax int
 	// corrupt, when set, changes the bytes of a source after its checksum
 	// is taken and before it is written (fault injection for tests).
 	corrupt func(key string, step int64, b []byte)
@@ -110,6 +114,26 @@ type options struct {
 
 // Option configures a channel made by New.
 type Option func(*options) error
+
+// WithEager sets the largest tensor, in bytes, that a Send made before the
+// peer's Recv sends at once in a control message (EAGER) rather than
+// waiting for the Recv's request: the receiver keeps it (up to 16 per
+// channel) and its Recv takes it without a round trip, at the cost of a
+// copy on each side. Default 4096; 0 turns it off, and makes the channel's
+// receive buffers 4 KiB instead of 8. Only host tensors of fixed-size
+// types go eagerly, only to a peer that takes them (its HELLO says so: a
+// channel with a Proxy, a Puller, or memory on a device does not, since its
+// Recvs may want their result there), and never in checksum mode, whose
+// writes the receiver verifies and confirms.
+func WithEager(maxBytes int) Option {
+	return func(o *options) error {
+		if maxBytes < 0 || maxBytes > wire.MaxFrame-wire.MinSlot {
+			return fmt.Errorf("%w: eager tensors of up to %d bytes, want 0..%d", ErrBadOption, maxBytes, wire.MaxFrame-wire.MinSlot)
+		}
+		o.eagerMax = maxBytes
+		return nil
+	}
+}
 
 // WithName is this side's name as the peer's errors and logs show it.
 func WithName(name string) Option {

@@ -37,6 +37,9 @@ type receiver struct {
 	confirmTimer *time.Timer
 	confirmArmed bool
 
+	// eager is what came eagerly (eager.go).
+	eager eagerReceiver
+
 	stats recvCounters
 }
 
@@ -50,12 +53,14 @@ type recvCounters struct {
 	checksumRetries, confirmsOut atomic.Uint64
 	// pullsIn counts the tensors pulled (WithPull).
 	pullsIn atomic.Uint64
+	// eagerIn counts the EAGER frames taken in.
+	eagerIn atomic.Uint64
 }
 
 func newReceiver(c *Channel) receiver {
 	return receiver{
 		c: c, reqs: map[uint32]*request{}, byKey: map[skey]*request{}, names: map[string]uint32{},
-		cache: map[string]tensor.Meta{}, nextReq: 1, nextName: 1,
+		cache: map[string]tensor.Meta{}, nextReq: 1, nextName: 1, eager: eagerReceiver{held: map[skey]*eagerHeld{}},
 	}
 }
 
@@ -64,6 +69,7 @@ func (rv *receiver) pendingLocked() bool { return len(rv.reqs) > 0 }
 
 // failLocked fails every pending Recv with err.
 func (rv *receiver) failLocked(err error, ds *deliveries) {
+	clear(rv.eager.held)
 	for idx, r := range rv.reqs {
 		delete(rv.reqs, idx)
 		rv.finishLocked(r, nil, fmt.Errorf("rendezvous: %q step %d from %s: %w", r.key.name, r.key.step, rv.c.peer, err), ds)
@@ -229,6 +235,17 @@ func (rv *receiver) recv(ctx context.Context, key string, step int64, cb func(*t
 	if _, dup := rv.byKey[r.key]; dup {
 		c.mu.Unlock()
 		cb(nil, tr, fmt.Errorf("%w: Recv of %q step %d is already pending", ErrDuplicate, key, step))
+		return
+	}
+	if h, ok := rv.eager.held[r.key]; ok {
+		// It came eagerly: no request.
+		r.cb = cb
+		var ds deliveries
+		if rv.eagerIntoLocked(r, h, &ds) {
+			delete(rv.eager.held, r.key)
+		}
+		c.mu.Unlock()
+		ds.run()
 		return
 	}
 	m := wire.Message{Type: wire.TypeRequest, Step: step}

@@ -52,6 +52,8 @@ type sender struct {
 	// request, from the answer that said where until its CONFIRM. Their
 	// sources are kept until then.
 	pulls map[uint32]*sendEntry
+	// eager is what the sender keeps of its EAGER frames (eager.go).
+	eager eagerSender
 
 	stats sendCounters
 }
@@ -67,6 +69,9 @@ type sendCounters struct {
 	rewrites, confirmsIn atomic.Uint64
 	// pullsOut counts the sends offered to the receiver to pull.
 	pullsOut atomic.Uint64
+	// eagerOut counts the tensors sent eagerly, eagerCrossed the requests
+	// dropped for crossing them.
+	eagerOut, eagerCrossed atomic.Uint64
 }
 
 // statsLocked fills in what the sender holds now.
@@ -92,6 +97,7 @@ func newSender(c *Channel) sender {
 		c: c, peerNames: map[uint32]string{}, sends: map[skey]*sendEntry{}, kept: map[uint32]*sendEntry{},
 		writes: map[uint64]*sendEntry{}, striping: map[uint64]*sendEntry{}, held: map[uint64]*sendEntry{}, nextWrite: 1,
 		awaiting: map[uint32]*sendEntry{}, pulls: map[uint32]*sendEntry{},
+		eager: eagerSender{sent: map[skey]uint32{}, dropped: map[uint32]uint32{}},
 	}
 }
 
@@ -209,7 +215,9 @@ func (c *Channel) Send(key string, step int64, t *tensor.Tensor) error {
 }
 
 // SendFunc is Send that gives t back: done runs once with nil when t has been
-// written (or needed no write), or with the error that dropped it. t must not
+// written (or needed no write; or, sent eagerly, see WithEager, when the
+// peer has the control message that carries a copy of it), or with the
+// error that dropped it. t must not
 // change until then. In checksum mode with a peer that confirms (see
 // WithChecksum), written means confirmed: the receiver checked the bytes,
 // and t is kept until it did, so that a write that arrived corrupted can
@@ -253,9 +261,14 @@ func (s *sender) put(k skey, t *tensor.Tensor, serr error, done func(error)) err
 		return fmt.Errorf("rendezvous: Send of %q step %d: %w", k.name, k.step, err)
 	}
 	e, ok := s.sends[k]
-	if ok && e.has {
+	_, eager := s.eager.sent[k]
+	if ok && e.has || eager {
 		c.mu.Unlock()
 		return fmt.Errorf("%w: Send of %q step %d", ErrDuplicate, k.name, k.step)
+	}
+	if !ok && s.sendEagerLocked(k, t, serr, done) {
+		c.mu.Unlock()
+		return nil
 	}
 	if !ok {
 		e = &sendEntry{key: k}
@@ -330,6 +343,8 @@ func (s *sender) pendingLocked() bool {
 // (or being striped) is not given back yet: its source stays with the
 // channel until no queue pair can read it (holdLocked).
 func (s *sender) failLocked(err error, ds *deliveries) {
+	clear(s.eager.sent)
+	clear(s.eager.dropped)
 	for k, e := range s.sends {
 		delete(s.sends, k)
 		s.dropLocked(e, err, ds)
@@ -568,6 +583,9 @@ func (s *sender) onRequestLocked(m *wire.Message, ds *deliveries) {
 		return
 	}
 	k := skey{name, m.Step}
+	if s.crossedLocked(k, m.Req) {
+		return
+	}
 	e, ok := s.sends[k]
 	if ok && e.hasReq {
 		s.sendErrorLocked(m.Req, wire.CodeBadRequest, fmt.Sprintf("%s step %d is already requested", printName([]byte(name)), m.Step))
@@ -916,6 +934,13 @@ func (s *sender) onReRequestLocked(m *wire.Message, ds *deliveries) {
 }
 
 func (s *sender) onCancelLocked(m *wire.Message, ds *deliveries) {
+	if _, ok := s.eager.dropped[m.Req]; ok {
+		// A request dropped for crossing an EAGER, withdrawn: its Recv
+		// ends with this answer (the tensor waits there for the next).
+		delete(s.eager.dropped, m.Req)
+		s.sendErrorLocked(m.Req, wire.CodeCancelled, "cancelled by the receiver")
+		return
+	}
 	if _, ok := s.pulls[m.Req]; ok {
 		return // the receiver's CONFIRM follows: it may be copying still
 	}

@@ -31,9 +31,13 @@ const (
 	// from the sender's device memory mapped into its process (WithPull:
 	// CUDA IPC on one node).
 	PathPull
+	// PathEager: the sender sent the tensor before the Recv asked, its
+	// bytes in a control message (WithEager), copied from the receive
+	// buffer into the result.
+	PathEager
 )
 
-var pathNames = [...]string{"none", "direct", "direct-gpu", "proxy", "serialized", "cuda-ipc"}
+var pathNames = [...]string{"none", "direct", "direct-gpu", "proxy", "serialized", "cuda-ipc", "eager"}
 
 // String names the path.
 func (p Path) String() string {
@@ -170,6 +174,12 @@ type Stats struct {
 	// to pull. A pulled tensor counts in BytesIn (and, once confirmed,
 	// in WritesOut and BytesOut) as a written one does.
 	PullsIn, PullsOut uint64
+	// EagerOut is the number of tensors this side sent eagerly (WithEager);
+	// EagerIn the number the peer sent it so. Their bytes count in BytesOut
+	// and BytesIn, not in WritesOut and WritesIn. EagerCrossed is the number
+	// of the peer's requests dropped here because they crossed the EAGER
+	// that answered them.
+	EagerOut, EagerIn, EagerCrossed uint64
 	// ResultsRefused is the number of this side's Recvs whose result could
 	// not be allocated for want of memory: the pool's limit reached
 	// (alloc.ErrPoolExhausted) or a tensor larger than WithMaxTensorBytes

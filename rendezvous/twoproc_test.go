@@ -385,7 +385,7 @@ func (p *peerProc) stop() {
 
 func TestTwoProcessEveryDType(t *testing.T) {
 	forEachProvider(t, func(t *testing.T, provider string) {
-		p := startPeer(t, provider, false)
+		p := startPeerWith(t, provider, nil, nil, nil, WithEager(0)) // the request paths
 		ctx := recvCtx(t)
 		type item struct {
 			key   string
@@ -464,7 +464,7 @@ func dims(s tensor.Shape) string {
 
 func TestTwoProcessShapeChange(t *testing.T) {
 	forEachProvider(t, func(t *testing.T, provider string) {
-		p := startPeer(t, provider, false)
+		p := startPeerWith(t, provider, nil, nil, nil, WithEager(0)) // the request paths
 		ctx := recvCtx(t)
 		shapes := []tensor.Shape{{64}, {64}, {64}, {128}, {128}, {128}}
 		var before Stats

@@ -19,7 +19,11 @@ const (
 	HeaderLen = 8
 	// MaxFrame is the largest frame, header included. Receive buffers of
 	// this size hold any frame.
-	MaxFrame = 4096
+	MaxFrame = 8192
+	// MinSlot is the smallest receive buffer a peer may post (HELLO's
+	// Slot), the size of the first release's: every frame but EAGER fits
+	// it, and an EAGER goes only to a peer whose buffers hold it.
+	MinSlot = 4096
 	// MaxName is the longest tensor name, in bytes.
 	MaxName = 1024
 	// MaxText is the longest error message or host name, in bytes.
@@ -81,10 +85,22 @@ const (
 	// a bounded number of times). A peer that did not offer HelloConfirm
 	// is never sent one.
 	TypeConfirm
+	// TypeEager is EAGER: a small tensor sent before any request for it,
+	// its bytes in the frame (Data), to a peer that offered HelloEager.
+	// The receiver keeps it for the Recv of its key and step, or hands it
+	// to one already waiting (whose TENSOR_REQUEST, crossing it, the
+	// sender drops). A sender has at most the peer's eager window of them
+	// not yet counted by a TAKEN.
+	TypeEager
+	// TypeTaken is TAKEN: Count is how many EAGER frames the receiver has
+	// handed to Recvs on the channel, modulo 2^32. Every TENSOR_REQUEST the
+	// receiver sent for a tensor that came eagerly went out before the
+	// TAKEN that counts it.
+	TypeTaken
 	numTypes
 )
 
-var typeNames = [numTypes]string{"", "TENSOR_REQUEST", "META_DATA_RESPONSE", "TENSOR_RE_REQUEST", "ERROR_STATUS", "CREDIT", "CHECKSUM", "CANCEL", "BYE", "HELLO", "CONFIRM"}
+var typeNames = [numTypes]string{"", "TENSOR_REQUEST", "META_DATA_RESPONSE", "TENSOR_RE_REQUEST", "ERROR_STATUS", "CREDIT", "CHECKSUM", "CANCEL", "BYE", "HELLO", "CONFIRM", "EAGER", "TAKEN"}
 
 // String names the type as the protocol description does.
 func (t Type) String() string {
@@ -163,7 +179,11 @@ const (
 	// ByeImms: Imms holds the number of writes with immediate the sender
 	// of the BYE took in on the channel's queue pair, modulo 2^32.
 	ByeImms uint8 = 1 << iota
-	byeAll        = ByeImms
+	// ByeEagers: Eagers holds the number of EAGER frames the sender of the
+	// BYE took in on the channel, modulo 2^32 (sent only to a peer that
+	// offered HelloEager).
+	ByeEagers
+	byeAll = ByeImms | ByeEagers
 )
 
 // Flags of HELLO.
@@ -184,8 +204,16 @@ const (
 	// HelloPull: the peer takes ReqPull, RespPull and the CONFIRM of a
 	// pulled tensor. Both peers must offer it for either to use it.
 	HelloPull
-	helloAll = HelloChecksum | HelloChecksumAuto | HelloConfirm | HelloPull
+	// HelloEager: the peer takes EAGER frames as large as its Slot, keeps
+	// up to EagerWindow of them not yet taken by a Recv, and sends TAKEN.
+	// A peer sends EAGER only to a peer that offered it.
+	HelloEager
+	helloAll = HelloChecksum | HelloChecksumAuto | HelloConfirm | HelloPull | HelloEager
 )
+
+// EagerWindow is how many EAGER frames a sender may have sent that the
+// receiver's TAKEN does not count yet.
+const EagerWindow = 16
 
 // Flags of CONFIRM.
 const (
@@ -285,11 +313,13 @@ type Endpoint struct {
 //	TENSOR_RE_REQUEST   Req Addr RKey Capacity RailKeys [ChunkShift]
 //	ERROR_STATUS        Req Code Text
 //	CREDIT              (header only)
-//	BYE                 [Flags(ByeImms) [Imms]]
+//	BYE                 [Flags(ByeImms|ByeEagers) [Imms] [Eagers]]
 //	CHECKSUM            Req Checksum
 //	CANCEL              Req [Code]
 //	CONFIRM             Flags(ConfirmBad) Req
-//	HELLO               Flags(HelloChecksum|HelloChecksumAuto|HelloConfirm|HelloPull) Ring Slot Text(peer name) Host Endpoints
+//	HELLO               Flags(HelloChecksum|HelloChecksumAuto|HelloConfirm|HelloPull|HelloEager) Ring Slot Text(peer name) Host Endpoints
+//	EAGER               Flags(none) Step Name Meta Data(the rest of the frame: Meta.ByteSize bytes)
+//	TAKEN               Count
 //
 // Credits rides in every header. ChunkShift is optional in both requests so
 // that frames without it are exactly the frames of the first release: in
@@ -335,6 +365,13 @@ type Message struct {
 	// Imms is the count of writes with immediate taken in (BYE with
 	// ByeImms).
 	Imms uint32
+
+	// Data is an EAGER tensor's bytes; Count is TAKEN's count of EAGER
+	// frames handed to Recvs; Eagers is BYE's count of EAGER frames taken
+	// in (ByeEagers).
+	Data   []byte
+	Count  uint32
+	Eagers uint32
 
 	// ChunkShift, when not 0, asks for the write in chunks of
 	// 1<<ChunkShift bytes, MinChunkShift..MaxChunkShift (TENSOR_REQUEST
@@ -405,6 +442,13 @@ func (m *Message) Len() int {
 		if m.Flags&ByeImms != 0 {
 			n += 4
 		}
+		if m.Flags&ByeEagers != 0 {
+			n += 4
+		}
+	case TypeEager:
+		n += 1 + 8 + 2 + len(m.Name) + m.Meta.len() + len(m.Data)
+	case TypeTaken:
+		n += 4
 	case TypeHello:
 		n += 1 + 2 + 4 + 2 + len(m.Text) + 2 + len(m.Host) + 1
 		for i := 0; i < int(m.NumEndpoints) && i < MaxEndpoints; i++ {
@@ -493,6 +537,17 @@ func (m *Message) Append(b []byte) []byte {
 		if m.Flags&ByeImms != 0 {
 			b = le.AppendUint32(b, m.Imms)
 		}
+		if m.Flags&ByeEagers != 0 {
+			b = le.AppendUint32(b, m.Eagers)
+		}
+	case TypeEager:
+		b = append(b, m.Flags)
+		b = le.AppendUint64(b, uint64(m.Step))
+		b = appendBytes16(b, m.Name)
+		b = m.Meta.append(b)
+		b = append(b, m.Data...)
+	case TypeTaken:
+		b = le.AppendUint32(b, m.Count)
 	case TypeHello:
 		b = append(b, m.Flags)
 		b = le.AppendUint16(b, m.Ring)
@@ -667,7 +722,7 @@ func Decode(b []byte, m *Message) (int, error) {
 			}
 		}
 	case TypeBye:
-		m.Flags, m.Imms = 0, 0
+		m.Flags, m.Imms, m.Eagers = 0, 0, 0
 		if r.off < len(r.b) {
 			at := r.off
 			m.Flags = r.u8()
@@ -677,8 +732,37 @@ func Decode(b []byte, m *Message) (int, error) {
 			if m.Flags&ByeImms != 0 {
 				m.Imms = r.u32()
 			}
+			if m.Flags&ByeEagers != 0 {
+				m.Eagers = r.u32()
+			}
 		}
 	case TypeCredit:
+	case TypeEager:
+		m.Flags = r.u8()
+		if r.err == nil && m.Flags != 0 {
+			return 0, fmt.Errorf("%w: %#x in %s", ErrFlags, m.Flags, t)
+		}
+		m.Step = int64(r.u64())
+		at := r.off
+		m.Name = r.bytes16(MaxName, "name")
+		if r.err == nil && len(m.Name) == 0 {
+			return 0, fmt.Errorf("%w: empty name at offset %d", ErrField, at)
+		}
+		at = r.off
+		r.meta(&m.Meta)
+		if r.err == nil && (m.Meta.Dead || m.Meta.ByteSize == 0 || m.Meta.DType == tensor.String) {
+			return 0, fmt.Errorf("%w: %s of a dead, empty or string tensor at offset %d", ErrField, t, at)
+		}
+		if r.err == nil && int64(len(r.b)-r.off) != m.Meta.ByteSize {
+			return 0, fmt.Errorf("%w: %s of %d tensor bytes carries %d at offset %d", ErrLength, t, m.Meta.ByteSize, len(r.b)-r.off, r.off)
+		}
+		m.Data = nil
+		if r.err == nil {
+			m.Data = r.b[r.off:len(r.b):len(r.b)]
+			r.off = len(r.b)
+		}
+	case TypeTaken:
+		m.Count = r.u32()
 	case TypeHello:
 		m.Flags = r.u8()
 		if r.err == nil && m.Flags&^helloAll != 0 {

@@ -55,6 +55,11 @@ func samples(t testing.TB) []Message {
 		{Type: TypeRequest, Flags: ReqMeta | ReqExact | ReqPull, Req: 14, Step: 5, NameIndex: 6, Addr: 0x7f0000800000, RKey: 3, Capacity: 4096, Meta: metaOf(t, tensor.Float32, 1024)},
 		{Type: TypeMetaResponse, Flags: RespPull, Req: 14, Meta: metaOf(t, tensor.Float32, 1024), PullArena: 3, PullOffset: 1 << 20, PullHandle: bytes.Repeat([]byte{0xab}, 73)},
 		func() Message { h := hello; h.Flags = HelloConfirm | HelloPull; return h }(),
+		{Type: TypeEager, Credits: 2, Step: 77, Name: []byte("grad/layer1"), Meta: metaOf(t, tensor.Float32, 2, 3), Data: bytes.Repeat([]byte{0x5a}, 24)},
+		{Type: TypeEager, Step: -3, Name: []byte("x"), Meta: metaOf(t, tensor.Uint8, 4000), Data: make([]byte, 4000)},
+		{Type: TypeTaken, Credits: 1, Count: 0xfffffff0},
+		func() Message { h := hello; h.Flags = HelloEager; h.Slot = MaxFrame; return h }(),
+		{Type: TypeBye, Flags: ByeImms | ByeEagers, Imms: 3, Eagers: 0xffffffff},
 	}
 }
 
@@ -184,14 +189,36 @@ func TestDecodeRejects(t *testing.T) {
 		}(), ErrMeta},
 		{"response flags", func() []byte { b := good(4); b[8] = 0x10; return b }(), ErrFlags},
 		{"final and write follows", func() []byte { b := good(4); b[8] = RespFinal | RespWriteFollows; return b }(), ErrFlags},
-		{"hello flags", func() []byte { b := good(16); b[8] = 0x10; return b }(), ErrFlags},
+		{"hello flags", func() []byte { b := good(16); b[8] = 0x20; return b }(), ErrFlags},
+		{"eager flags", func() []byte { b := good(28); b[8] = 1; return b }(), ErrFlags},
+		{"eager empty name", func() []byte {
+			m := samples(t)[28]
+			m.Name = nil
+			return m.Append(nil)
+		}(), ErrField},
+		{"eager data short", func() []byte { b := good(28); return setLen(b[:len(b)-1]) }(), ErrLength},
+		{"eager data long", func() []byte { b := append(good(28), 0); return setLen(b) }(), ErrLength},
+		{"eager dead", func() []byte {
+			m := samples(t)[28]
+			m.Meta.Dead, m.Meta.ByteSize, m.Data = true, 0, nil
+			return m.Append(nil)
+		}(), ErrField},
+		{"eager strings", func() []byte {
+			m := samples(t)[28]
+			m.Meta = Meta{DType: tensor.String, Rank: 1, Dims: [tensor.MaxRank]int64{1}, ByteSize: 24}
+			return m.Append(nil)
+		}(), ErrField},
+		{"taken cut", func() []byte { b := good(30); return setLen(b[:len(b)-1]) }(), ErrTruncated},
+		{"taken trailing", func() []byte { b := append(good(30), 0); return setLen(b) }(), ErrLength},
 		{"confirm flags", func() []byte { b := good(23); b[8] = 0x02; return b }(), ErrFlags},
 		{"confirm cut", func() []byte { b := good(22); return setLen(b[:len(b)-1]) }(), ErrTruncated},
 		{"confirm trailing", func() []byte { b := append(good(22), 0); return setLen(b) }(), ErrLength},
 		{"cancel trailing code 0", func() []byte { b := append(good(14), 0, 0); return setLen(b) }(), ErrField},
 		{"cancel code and trailing", func() []byte { b := append(good(19), 0); return setLen(b) }(), ErrLength},
 		{"bye flags 0", func() []byte { b := append(good(15), 0); return setLen(b) }(), ErrFlags},
-		{"bye unknown flags", func() []byte { b := good(20); b[8] = 0x02 | ByeImms; return b }(), ErrFlags},
+		{"bye unknown flags", func() []byte { b := good(20); b[8] = 0x04 | ByeImms; return b }(), ErrFlags},
+		{"bye eagers cut", func() []byte { b := good(32); return setLen(b[:len(b)-1]) }(), ErrTruncated},
+		{"bye eagers trailing", func() []byte { b := append(good(32), 0); return setLen(b) }(), ErrLength},
 		{"bye imms cut", func() []byte { b := good(20); return setLen(b[:len(b)-1]) }(), ErrTruncated},
 		{"bye trailing", func() []byte { b := append(good(20), 0); return setLen(b) }(), ErrLength},
 		{"pull with a checksum", func() []byte {

@@ -1,0 +1,235 @@
+package rendezvous
+
+import (
+	"fmt"
+	"unsafe"
+
+	"github.com/gdrlink/gdrlink/internal/wire"
+	"github.com/gdrlink/gdrlink/tensor"
+)
+
+// Eager tensors (WithEager). A Send of a small host tensor for which no
+// request has come goes at once as an EAGER frame, its bytes in the frame,
+// to a peer that takes them (wire.HelloEager), and completes: the bytes
+// were copied. The receiver hands the frame to the Recv of its key and
+// step, copying the bytes into the result: to a Recv already waiting (its
+// TENSOR_REQUEST crossed the EAGER: the sender drops that request), or,
+// kept, to the Recv when it comes, which then sends no request at all.
+//
+// Flow: a sender has at most wire.EagerWindow EAGER frames the receiver's
+// TAKEN has not counted; past that a Send waits for its request as any
+// other. TAKEN counts the frames handed to Recvs, sent once half a window
+// is owed. Frames arrive in the order sent, so a TAKEN of count n comes
+// after frame n-1 arrived, and after every request the receiver sent
+// before that frame arrived: a request crossing an EAGER of sequence s
+// comes before any TAKEN above s. The sender forgets what it keeps of
+// frame s for crossing requests at such a TAKEN.
+
+// eagerSender is the sender's side: under the channel's lock.
+type eagerSender struct {
+	// seq is the number of EAGER frames sent, taken the peer's last
+	// TAKEN count (both modulo 2^32).
+	seq, taken uint32
+	// sent: the key and step of each EAGER not yet counted by a TAKEN, with
+	// its sequence number, for a request that crosses it.
+	sent map[skey]uint32
+	// dropped: the requests dropped for crossing an EAGER, with its
+	// sequence number, for a CANCEL that follows them.
+	dropped map[uint32]uint32
+	// pending are the Sends of the EAGER frames whose delivery is not
+	// known yet, in sequence order: a SEND's completion (or the peer's
+	// BYE, which counts the frames it took in) ends them with nil, the
+	// channel's end with its error.
+	pending []eagerSend
+}
+
+// eagerSend is the Send of EAGER frame seq.
+type eagerSend struct {
+	seq  uint32
+	done func(error)
+}
+
+// settle ends, delivered, the Sends of the frames before end.
+func (e *eagerSender) settle(end uint32, ds *deliveries) {
+	k := 0
+	for k < len(e.pending) && int32(e.pending[k].seq-end) < 0 {
+		if d := e.pending[k].done; d != nil {
+			ds.add(func() { d(nil) })
+		}
+		k++
+	}
+	n := copy(e.pending, e.pending[k:])
+	clear(e.pending[n:]) // no Send stays reachable from the array
+	e.pending = e.pending[:n]
+}
+
+// failLocked ends the Sends of every frame not known delivered with err:
+// a new connection may send them again.
+func (e *eagerSender) failLocked(err error, ds *deliveries) {
+	for _, p := range e.pending {
+		if d := p.done; d != nil {
+			ds.add(func() { d(err) })
+		}
+	}
+	clear(e.pending)
+	e.pending = e.pending[:0]
+}
+
+// sendEagerLocked sends t eagerly when the peer takes it and the window
+// has room, and reports whether it did.
+func (s *sender) sendEagerLocked(k skey, t *tensor.Tensor, serr error, done func(error)) bool {
+	c := s.c
+	if !c.eager || serr != nil || t == nil || s.eager.seq-s.eager.taken >= wire.EagerWindow {
+		return false
+	}
+	meta := t.Meta()
+	if meta.IsDead || meta.ByteSize <= 0 || meta.ByteSize > int64(c.opts.eagerMax) || !meta.DType.DMAable() || t.Device() != tensor.Host {
+		return false
+	}
+	b, err := t.Bytes()
+	if err != nil || int64(len(b)) < meta.ByteSize {
+		return false
+	}
+	m := wire.Message{Type: wire.TypeEager, Step: k.step, Name: unsafe.Slice(unsafe.StringData(k.name), len(k.name)), Data: b[:meta.ByteSize]}
+	m.Meta.SetMeta(meta)
+	if n := m.Len(); n > c.peerSlot || n > c.slot {
+		return false
+	}
+	// The frame holds a copy of the bytes; the Send ends when its SEND
+	// completes (the peer has the frame), or with the channel's error
+	// (which a new connection may send it again for).
+	c.enqueueEagerLocked(&m, s.eager.seq)
+	s.eager.pending = append(s.eager.pending, eagerSend{seq: s.eager.seq, done: done})
+	s.eager.sent[k] = s.eager.seq
+	s.eager.seq++
+	s.stats.eagerOut.Add(1)
+	s.stats.bytesOut.Add(uint64(meta.ByteSize))
+	c.flushLocked()
+	return true
+}
+
+// crossedLocked drops the peer's request req for k when it crossed the
+// EAGER that carried k, and reports whether it did.
+func (s *sender) crossedLocked(k skey, req uint32) bool {
+	seq, ok := s.eager.sent[k]
+	if !ok {
+		return false
+	}
+	delete(s.eager.sent, k)
+	s.eager.dropped[req] = seq
+	s.stats.eagerCrossed.Add(1)
+	return true
+}
+
+// onTakenLocked takes the peer's TAKEN: the window moves, and what was
+// kept of the frames it counts goes.
+func (s *sender) onTakenLocked(m *wire.Message, ds *deliveries) {
+	if m.Count-s.eager.taken > s.eager.seq-s.eager.taken {
+		s.c.protocolLocked(ds, "TAKEN counts %d EAGER frames, %d were sent", m.Count, s.eager.seq)
+		return
+	}
+	s.eager.taken = m.Count
+	for k, seq := range s.eager.sent {
+		if int32(seq-m.Count) < 0 {
+			delete(s.eager.sent, k)
+		}
+	}
+	for req, seq := range s.eager.dropped {
+		if int32(seq-m.Count) < 0 {
+			delete(s.eager.dropped, req)
+		}
+	}
+}
+
+// eagerReceiver is the receiver's side: under the channel's lock.
+type eagerReceiver struct {
+	// in is the number of EAGER frames arrived, taken the number handed
+	// to Recvs, reported the count of the last TAKEN sent.
+	in, taken, reported uint32
+	// held are the tensors that came before their Recv.
+	held map[skey]*eagerHeld
+}
+
+// eagerHeld is a tensor that came eagerly before its Recv.
+type eagerHeld struct {
+	meta tensor.Meta
+	data []byte
+}
+
+// onEagerLocked takes an EAGER frame: into the Recv that waits for it, or
+// kept for the one to come.
+func (rv *receiver) onEagerLocked(m *wire.Message, ds *deliveries) {
+	c := rv.c
+	if !c.takesEager || c.checksum {
+		c.protocolLocked(ds, "EAGER for %q step %d, which this side did not offer to take", printName(m.Name), m.Step)
+		return
+	}
+	if int(rv.eager.in-rv.eager.taken) >= wire.EagerWindow {
+		c.protocolLocked(ds, "EAGER for %q step %d beyond the window of %d not taken", printName(m.Name), m.Step, wire.EagerWindow)
+		return
+	}
+	if int(m.Meta.ByteSize) > c.slot || len(m.Name) == 0 {
+		c.protocolLocked(ds, "EAGER for %q step %d of %d bytes", printName(m.Name), m.Step, m.Meta.ByteSize)
+		return
+	}
+	k := skey{string(m.Name), m.Step}
+	if _, dup := rv.eager.held[k]; dup {
+		c.protocolLocked(ds, "a second EAGER for %q step %d", printName(m.Name), m.Step)
+		return
+	}
+	rv.eager.in++
+	rv.stats.eagerIn.Add(1)
+	h := &eagerHeld{meta: m.Meta.Tensor(), data: m.Data}
+	if r := rv.byKey[k]; r != nil {
+		if rv.eagerIntoLocked(r, h, ds) {
+			return
+		}
+	}
+	h.data = append([]byte(nil), m.Data...) // the receive buffer is posted again
+	rv.eager.held[k] = h
+}
+
+// eagerIntoLocked completes r with h, and reports whether h was taken:
+// not when r's result cannot be had (no memory, or none with a host view:
+// r then fails, and h waits for the next Recv of its key and step).
+func (rv *receiver) eagerIntoLocked(r *request, h *eagerHeld, ds *deliveries) bool {
+	c := rv.c
+	if r.buf == nil || !r.meta.Equal(h.meta) {
+		if err := rv.allocResultLocked(r, h.meta); err != nil {
+			rv.finishLocked(r, nil, c.resultErrLocked(r.key, h.meta, err), ds)
+			return false
+		}
+	}
+	rv.revokeLocked(r, 0) // no write comes
+	var b []byte
+	if r.buf != nil {
+		b = r.buf.Bytes()
+	}
+	if int64(len(b)) < h.meta.ByteSize {
+		rv.finishLocked(r, nil, fmt.Errorf("%w: %q step %d came eagerly, and its result (on %s) has no host memory to copy it into", ErrNoPath, r.key.name, r.key.step, r.dev), ds)
+		return false
+	}
+	copy(b, h.data)
+	rv.stats.bytesIn.Add(uint64(h.meta.ByteSize))
+	rv.takenLocked()
+	r.path = PathEager
+	t, err := tensor.New(h.meta, r.buf)
+	if err == nil {
+		r.buf = nil // owned by t now
+	}
+	rv.finishLocked(r, t, err, ds)
+	return true
+}
+
+// takenLocked counts an EAGER frame handed to a Recv, and sends TAKEN once
+// half a window is owed.
+func (rv *receiver) takenLocked() {
+	c := rv.c
+	rv.eager.taken++
+	if rv.eager.taken-rv.eager.reported >= wire.EagerWindow/2 {
+		m := wire.Message{Type: wire.TypeTaken, Count: rv.eager.taken}
+		c.enqueueLocked(&m)
+		rv.eager.reported = rv.eager.taken
+		c.flushLocked()
+	}
+}
