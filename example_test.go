@@ -27,12 +27,15 @@ func exchange(ctx context.Context, opts ...gdrlink.Option) error {
 		}
 		err = g.Send(1, "layer0/out", 0, t) // never waits on the network
 	} else {
-		t, tr, err := g.Recv(ctx, 0, "layer0/out", 0) // written straight into a pool tensor
+		// Into a pool tensor: written there by the sender, or, a small
+		// tensor sent before the Recv asked, copied there from the
+		// message that brought it (tr.Path says which).
+		t, tr, err := g.Recv(ctx, 0, "layer0/out", 0)
 		if err != nil {
 			return err
 		}
 		v, _ := tensor.View[float32](t)
-		fmt.Println(v, tr.Path)
+		fmt.Println(v, tr.Bytes, "bytes")
 		t.Release() // back to the pool
 	}
 	if err != nil {
@@ -64,5 +67,5 @@ func Example() {
 		}()
 	}
 	wg.Wait()
-	// Output: [0 1 2 3 4 5] direct
+	// Output: [0 1 2 3 4 5] 24 bytes
 }

@@ -442,8 +442,10 @@ func TestTwoProcesses(t *testing.T) {
 					t.Skipf("provider %s not usable here: %v", tc.provider, err)
 				}
 			}
+			// The request path, whose counts the metrics check: the
+			// eager one (small tensors sent ahead) is TestMetrics'.
 			j := startJob(t, "pair", 2, "127.0.0.1", func(int) []string { return nil }, func(int) []string {
-				return []string{"GDRLINK_PROVIDER=" + tc.provider, "GDRLINK_METRICS_ADDR=127.0.0.1:0"}
+				return []string{"GDRLINK_PROVIDER=" + tc.provider, "GDRLINK_METRICS_ADDR=127.0.0.1:0", "GDRLINK_EAGER_MAX=0"}
 			})
 			reps := j.wait(2 * time.Minute)
 			if reps[1].Received != 15 {
@@ -522,7 +524,7 @@ func TestEnvironment(t *testing.T) {
 		{"GDRLINK_PROVIDER", "carrier-pigeon"}, {"GDRLINK_POOL_LIMIT", "lots"}, {"GDRLINK_CHECKSUM", "maybe"},
 		{"GDRLINK_CONNECT_TIMEOUT", "-1s"}, {"GDRLINK_LOG", "loud"}, {"GDRLINK_METRICS_ADDR", "9400"},
 		{"GDRLINK_PEER_TIMEOUT", "0"}, {"GDRLINK_PEER_TIMEOUT", "soon"}, {"GDRLINK_PEER_TIMEOUT", "48h"},
-		{"GDRLINK_CUDA_IPC", "sometimes"},
+		{"GDRLINK_CUDA_IPC", "sometimes"}, {"GDRLINK_EAGER_MAX", "5KiB"}, {"GDRLINK_EAGER_MAX", "small"},
 	} {
 		if _, err := fromEnv(env(bad...)); !errors.Is(err, verbsio.ErrBadConfig) || !strings.Contains(err.Error(), bad[0]) {
 			t.Errorf("%s=%s: %v, want ErrBadConfig naming it", bad[0], bad[1], err)
@@ -539,6 +541,19 @@ func TestEnvironment(t *testing.T) {
 	c, _ = fromEnv(env("GDRLINK_CHECKSUM", "1"))
 	if err := WithChecksum(false)(&c); err != nil || !c.checksumSet || c.checksum {
 		t.Errorf("WithChecksum(false) after GDRLINK_CHECKSUM=1: set %v on %v, %v", c.checksumSet, c.checksum, err)
+	}
+	if c, _ := fromEnv(env("GDRLINK_EAGER_MAX", "0")); !c.eagerSet || c.eagerMax != 0 {
+		t.Errorf("GDRLINK_EAGER_MAX=0: set %v to %d, want eager sends off", c.eagerSet, c.eagerMax)
+	}
+	if c, _ := fromEnv(env("GDRLINK_EAGER_MAX", "2KiB")); c.eagerMax != 2048 {
+		t.Errorf("GDRLINK_EAGER_MAX=2KiB: %d, want 2048", c.eagerMax)
+	}
+	c, _ = fromEnv(env("GDRLINK_EAGER_MAX", "2KiB"))
+	if err := WithEagerMax(0)(&c); err != nil || c.eagerMax != 0 || !c.eagerSet {
+		t.Errorf("WithEagerMax(0) after GDRLINK_EAGER_MAX=2KiB: %d (set %v), %v; want 0", c.eagerMax, c.eagerSet, err)
+	}
+	if err := WithEagerMax(8192)(&c); !errors.Is(err, verbsio.ErrBadConfig) {
+		t.Errorf("WithEagerMax(8192): %v, want ErrBadConfig", err)
 	}
 	if c, _ := fromEnv(env()); c.peerTimeout != 30*time.Second {
 		t.Errorf("default peer timeout %v, want 30s", c.peerTimeout)

@@ -33,5 +33,5 @@ func ExampleWithPeerTimeout() {
 		}()
 	}
 	wg.Wait()
-	// Output: [0 1 2 3 4 5] direct
+	// Output: [0 1 2 3 4 5] 24 bytes
 }

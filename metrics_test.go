@@ -21,7 +21,9 @@ import (
 // 1, which receives them and one key never sent; rank 1's /metrics, read
 // over HTTP, counts each transfer by path with its bytes, the timeout, the
 // connection and the protocol's requests, and a registry of the caller's
-// gathers the same from Collector.
+// gathers the same from Collector. Each Send comes before its Recv, so
+// outside checksum mode (onnode) those of up to 4 KiB go eagerly: no
+// request, no write.
 func TestMetrics(t *testing.T) {
 	gs := joinPair(t, WithMetricsAddr("127.0.0.1:0"))
 	defer func() {
@@ -34,7 +36,9 @@ func TestMetrics(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	const full, empty = 12, 3
-	var wantBytes int64
+	onnode := false // the connection is made by the first Send
+	var wantBytes, eagerBytes int64
+	eager := 0
 	for i := range full + empty {
 		n := int64(100 * (i + 1))
 		if i >= full {
@@ -53,9 +57,22 @@ func TestMetrics(t *testing.T) {
 			t.Fatal(err)
 		}
 		got.Release()
-		if want := map[bool]string{true: "none", false: "direct"}[n == 0]; tr.Path.String() != want {
+		onnode = tr.Provider == "onnode"
+		want := "direct"
+		switch {
+		case n == 0:
+			want = "none"
+		case onnode && 4*n <= 4096:
+			want = "eager"
+			eager++
+			eagerBytes += 4 * n
+		}
+		if tr.Path.String() != want {
 			t.Errorf("step %d: path %s, want %s", i, tr.Path, want)
 		}
+	}
+	if onnode && eager != 10 {
+		t.Errorf("%d tensors went eagerly on onnode, want the 10 of up to 4 KiB", eager)
 	}
 	short, cancelShort := context.WithTimeout(ctx, 50*time.Millisecond)
 	_, _, err := gs[1].Recv(short, 0, "never", 0)
@@ -93,15 +110,24 @@ func TestMetrics(t *testing.T) {
 	}
 	direct := map[string]string{"path": "direct", "provider": provider}
 	none := map[string]string{"path": "none", "provider": provider}
-	check("gdrlink_transfers_total", direct, full)
+	check("gdrlink_transfers_total", direct, float64(full-eager))
 	check("gdrlink_transfers_total", none, empty)
-	check("gdrlink_transfer_bytes_total", direct, float64(wantBytes))
+	check("gdrlink_transfer_bytes_total", direct, float64(wantBytes-eagerBytes))
 	check("gdrlink_transfer_bytes_total", none, 0)
-	check("gdrlink_transfer_duration_seconds", direct, full) // the sample count
+	check("gdrlink_transfer_duration_seconds", direct, float64(full-eager)) // the sample count
+	if eager > 0 {
+		ea := map[string]string{"path": "eager", "provider": provider}
+		check("gdrlink_transfers_total", ea, float64(eager))
+		check("gdrlink_transfer_bytes_total", ea, float64(eagerBytes))
+	}
 	check("gdrlink_errors_total", map[string]string{"kind": "timeout"}, 1)
 	check("gdrlink_errors_total", map[string]string{"kind": "peer_lost"}, 0)
 	check("gdrlink_connections", map[string]string{"provider": provider}, 1)
-	check("gdrlink_protocol_requests_total", nil, full+empty+1)
+	// A Recv sends a request unless its tensor came eagerly before it did
+	// (one that crossed the EAGER counts).
+	if got, ok := value(fams["gdrlink_protocol_requests_total"], nil); !ok || got < float64(full+empty+1-eager) || got > full+empty+1 {
+		t.Errorf("gdrlink_protocol_requests_total = %v (found %v), want %d..%d", got, ok, full+empty+1-eager, full+empty+1)
+	}
 	check("gdrlink_protocol_checksum_failures_total", nil, 0)
 	check("gdrlink_protocol_checksum_retries_total", nil, 0)
 	for _, name := range []string{"gdrlink_protocol_rerequests_total", "gdrlink_protocol_meta_responses_total",
@@ -135,8 +161,8 @@ func TestMetrics(t *testing.T) {
 	if _, ok := value(byName["gdrlink_transfers_total"], nil); ok {
 		t.Error("rank 0 counted transfers it only sent")
 	}
-	if v, ok := value(byName["gdrlink_protocol_writes_total"], map[string]string{"direction": "out"}); !ok || v != full {
-		t.Errorf("rank 0 gdrlink_protocol_writes_total{direction=out} = %v, want %d", v, full)
+	if v, ok := value(byName["gdrlink_protocol_writes_total"], map[string]string{"direction": "out"}); !ok || v != float64(full-eager) {
+		t.Errorf("rank 0 gdrlink_protocol_writes_total{direction=out} = %v, want %d", v, full-eager)
 	}
 }
 

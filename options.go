@@ -15,6 +15,7 @@ import (
 	"github.com/gdrlink/gdrlink/alloc"
 	"github.com/gdrlink/gdrlink/internal/cgroupmem"
 	"github.com/gdrlink/gdrlink/internal/jobauth"
+	"github.com/gdrlink/gdrlink/internal/wire"
 	"github.com/gdrlink/gdrlink/proxy"
 	"github.com/gdrlink/gdrlink/verbsio"
 )
@@ -25,12 +26,16 @@ type Option func(*config) error
 
 // config is what Join works from: the environment first, then the options.
 type config struct {
-	rank, size     int
-	haveRank       bool
-	root           string
-	rootListener   net.Listener
-	provider       string
-	poolLimit      int64
+	rank, size   int
+	haveRank     bool
+	root         string
+	rootListener net.Listener
+	provider     string
+	poolLimit    int64
+	// eagerMax is GDRLINK_EAGER_MAX: the largest tensor sent eagerly
+	// (rendezvous.WithEager); eagerSet says it was given.
+	eagerMax       int
+	eagerSet       bool
 	checksum       bool
 	checksumSet    bool // checksum was chosen, not the provider's default
 	connectTimeout time.Duration
@@ -134,6 +139,22 @@ func WithProvider(name string) Option {
 			}
 		}
 		c.provider = name
+		return nil
+	}
+}
+
+// WithEagerMax sets the largest tensor, in bytes, that a Send made before
+// the peer's Recv asks sends at once, in the control message itself, so
+// that the Recv makes no round trip (GDRLINK_EAGER_MAX, a size such as
+// "2KiB"; default 4096, at most 4096; 0: none). Outside checksum mode
+// only, and not to a rank whose results may land on a GPU (a group with
+// WithGPU); Transfer.Path says "eager". See rendezvous.WithEager.
+func WithEagerMax(bytes int) Option {
+	return func(c *config) error {
+		if bytes < 0 || bytes > wire.MaxFrame-wire.MinSlot {
+			return fmt.Errorf("%w: eager tensors of up to %d bytes, want 0..%d", verbsio.ErrBadConfig, bytes, wire.MaxFrame-wire.MinSlot)
+		}
+		c.eagerMax, c.eagerSet = bytes, true
 		return nil
 	}
 }
@@ -328,6 +349,13 @@ func fromEnv(lookup func(string) (string, bool)) (config, error) {
 			return c, fmt.Errorf("%w: GDRLINK_POOL_LIMIT=%q is not a byte size", verbsio.ErrBadConfig, v)
 		}
 		c.poolLimit = int64(n)
+	}
+	if v := get("GDRLINK_EAGER_MAX"); v != "" {
+		n, err := humanize.ParseBytes(v)
+		if err != nil || n > wire.MaxFrame-wire.MinSlot {
+			return c, fmt.Errorf("%w: GDRLINK_EAGER_MAX=%q, want a byte size of at most %d", verbsio.ErrBadConfig, v, wire.MaxFrame-wire.MinSlot)
+		}
+		c.eagerMax, c.eagerSet = int(n), true
 	}
 	if v := get("GDRLINK_CHECKSUM"); v != "" {
 		on, err := strconv.ParseBool(v)

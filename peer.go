@@ -266,6 +266,9 @@ func (g *Group) newChannel(provider string, p *peer) (*rendezvous.Channel, error
 	if g.cfg.checksumSet {
 		opts = append(opts, rendezvous.WithChecksum(g.cfg.checksum))
 	}
+	if g.cfg.eagerSet {
+		opts = append(opts, rendezvous.WithEager(g.cfg.eagerMax))
+	}
 	mem, err := g.peerMemory(d, rank)
 	if err != nil {
 		return nil, err

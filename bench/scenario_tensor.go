@@ -416,6 +416,7 @@ func tensorProvider(ctx context.Context, env *Env, provider string, sizes []int6
 		return fmt.Errorf("raw write latency: %w", err)
 	}
 	rawNote := "; raw write = SEND request + write-with-immediate answer on a bare queue pair, neither side waiting for its own send completions; ratio = raw-write time / tensor time, higher is better for us"
+	rawNote += fmt.Sprintf("; %d of the tensor path's %d Recvs took a tensor sent eagerly (EAGER: its Send went before the Recv asked, so the Recv makes no round trip; WithEager, GDRLINK_EAGER_MAX)", m.eagerRecvs, m.latRecvs)
 	emit(env, provider, "small/latency-vs-raw-write", tensorSmall, us(lat), "us", us(rawLat), "raw-write", note+rawNote+"; mean per call")
 	emit(env, provider, "small/latency-median-vs-raw-write", tensorSmall, us(quantile(lats, 0.5)), "us", us(quantile(raws, 0.5)), "raw-write",
 		fmt.Sprintf("%s%s; median call of %d, 99th percentile %.1f us against %.1f us", note, rawNote, len(lats), us(quantile(lats, 0.99)), us(quantile(raws, 0.99))))
@@ -481,6 +482,9 @@ type tensorMeasure struct {
 	gc       *grpcClient
 	provider string
 	seq      int
+	// latRecvs and eagerRecvs count the last oursLatencyCalls' Recvs and
+	// those of them that took a tensor sent eagerly.
+	latRecvs, eagerRecvs int
 }
 
 // command sends the peer a command; the peer carries it out after the
@@ -535,7 +539,8 @@ func (m *tensorMeasure) oursRate(size, n, reps int) (float64, error) {
 }
 
 // oursLatency is the median time of one Recv of size bytes whose Send is
-// already in (the steady state: meta-data cached, one round trip).
+// already in (the steady state: meta-data cached, one round trip; none
+// for a tensor that came eagerly, rendezvous.WithEager, before its Recv).
 func (m *tensorMeasure) oursLatency(size, reps int) (time.Duration, error) {
 	d, _, err := m.oursLatencyCalls(size, reps)
 	return d, err
@@ -555,11 +560,16 @@ func (m *tensorMeasure) oursLatencyCalls(size, reps int) (time.Duration, []time.
 		return 0, nil, err
 	}
 	step := 0
+	m.eagerRecvs, m.latRecvs = 0, 0
 	return timeEachCall(reps, iters, func() error {
-		t, _, err := m.s.ch.Recv(m.ctx, key, int64(step))
+		t, tr, err := m.s.ch.Recv(m.ctx, key, int64(step))
 		step++
 		if err != nil {
 			return err
+		}
+		m.latRecvs++
+		if tr.Path == rendezvous.PathEager {
+			m.eagerRecvs++
 		}
 		return t.Release()
 	})

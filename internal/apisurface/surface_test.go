@@ -23,11 +23,14 @@ import (
 // and 46); queue pairs that take the checksum of a write as its bytes land,
 // verbsio.WriteChecksummer (477); sending a channel's held confirmations
 // at once, for a caller about to wait on the peer's, as a collective's
-// rank does at a call's end: rendezvous.Channel.ConfirmNow (478).
+// rank does at a call's end: rendezvous.Channel.ConfirmNow (478); small
+// tensors sent before their Recv asks, in the control message itself:
+// rendezvous.WithEager and PathEager, the front door's WithEagerMax (481
+// and 47).
 // Raise them only for a capability, and say which here.
 const (
-	maxTotal     = 478
-	maxFrontDoor = 46
+	maxTotal     = 481
+	maxFrontDoor = 47
 )
 
 // TestPublicSurface prints the exported identifiers per public package
