@@ -163,6 +163,14 @@ func openTensorSide(ctx context.Context, provider string, cfg bootstrap.Config, 
 		}
 		opts = append(opts, rendezvous.WithChecksum(on))
 	}
+	// GDRLINK_EAGER_MAX too (bytes; 0: no tensor sent eagerly).
+	if v := os.Getenv("GDRLINK_EAGER_MAX"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil {
+			return s, ph, fmt.Errorf("GDRLINK_EAGER_MAX=%q, want a number of bytes: %w", v, err)
+		}
+		opts = append(opts, rendezvous.WithEager(n))
+	}
 	if s.ch, err = rendezvous.New(s.dev, s.pd, mem, opts...); err != nil {
 		return s, ph, err
 	}

@@ -83,6 +83,10 @@ func (g *grantSwitch) Alloc(n int, dev tensor.Device) (tensor.Buffer, error) {
 
 // Region finds the region in any of the pools; those of the arena-key
 // pool come without their Granter.
+// HostOnly says that every pool of the switch is of host memory, so its
+// channel takes tensors sent eagerly (rendezvous.Memory).
+func (g *grantSwitch) HostOnly() bool { return true }
+
 func (g *grantSwitch) Region(addr uintptr, n int) (verbsio.MemoryRegion, bool) {
 	for _, m := range []rendezvous.Memory{g.main, g.grants} {
 		if r, ok := m.Region(addr, n); ok {

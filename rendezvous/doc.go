@@ -27,7 +27,7 @@
 // until the Recv, which then makes no round trip (PathEager), at the cost
 // of a copy on each side; a Recv already waiting, whose TENSOR_REQUEST
 // crossed the EAGER, takes it, and the sender drops that request. A
-// window of 16 such tensors per channel bounds what the receiver keeps;
+// window of 32 such tensors per channel bounds what the receiver keeps;
 // TAKEN messages move it. Both peers must offer it (a channel whose Recvs
 // may want device memory does not), and checksum mode sends none.
 //

@@ -17,9 +17,9 @@ import (
 // kept, to the Recv when it comes, which then sends no request at all.
 //
 // Flow: a sender has at most wire.EagerWindow EAGER frames the receiver's
-// TAKEN has not counted; past that a Send waits for its request as any
-// other. TAKEN counts the frames handed to Recvs, sent once half a window
-// is owed. Frames arrive in the order sent, so a TAKEN of count n comes
+// TAKEN has not counted; past that a Send waits, and goes eagerly when a
+// TAKEN makes room unless its request came first. TAKEN counts the frames
+// handed to Recvs, sent once a quarter window is owed (takenEvery). Frames arrive in the order sent, so a TAKEN of count n comes
 // after frame n-1 arrived, and after every request the receiver sent
 // before that frame arrived: a request crossing an EAGER of sequence s
 // comes before any TAKEN above s. The sender forgets what it keeps of
@@ -36,6 +36,10 @@ type eagerSender struct {
 	// dropped: the requests dropped for crossing an EAGER, with its
 	// sequence number, for a CANCEL that follows them.
 	dropped map[uint32]uint32
+	// waiting are the keys of Sends that would have gone eagerly but for
+	// the window, in the order made: a TAKEN sends those still not
+	// requested when it makes room (onTakenLocked).
+	waiting []skey
 	// pending are the Sends of the EAGER frames whose delivery is not
 	// known yet, in sequence order: a SEND's completion (or the peer's
 	// BYE, which counts the frames it took in) ends them with nil, the
@@ -76,10 +80,11 @@ func (e *eagerSender) failLocked(err error, ds *deliveries) {
 }
 
 // sendEagerLocked sends t eagerly when the peer takes it and the window
-// has room, and reports whether it did.
+// has room, and reports whether it did. A tensor that would go but for
+// the window waits in the queue for a TAKEN to make room (waitLocked).
 func (s *sender) sendEagerLocked(k skey, t *tensor.Tensor, serr error, done func(error)) bool {
 	c := s.c
-	if !c.eager || serr != nil || t == nil || s.eager.seq-s.eager.taken >= wire.EagerWindow {
+	if !c.eager || serr != nil || t == nil {
 		return false
 	}
 	meta := t.Meta()
@@ -93,6 +98,10 @@ func (s *sender) sendEagerLocked(k skey, t *tensor.Tensor, serr error, done func
 	m := wire.Message{Type: wire.TypeEager, Step: k.step, Name: unsafe.Slice(unsafe.StringData(k.name), len(k.name)), Data: b[:meta.ByteSize]}
 	m.Meta.SetMeta(meta)
 	if n := m.Len(); n > c.peerSlot || n > c.slot {
+		return false
+	}
+	if s.eager.seq-s.eager.taken >= wire.EagerWindow {
+		s.eager.waiting = append(s.eager.waiting, k)
 		return false
 	}
 	// The frame holds a copy of the bytes; the Send ends when its SEND
@@ -139,6 +148,23 @@ func (s *sender) onTakenLocked(m *wire.Message, ds *deliveries) {
 			delete(s.eager.dropped, req)
 		}
 	}
+	// Room again: the Sends that wait for it go, those not matched by a
+	// request meanwhile.
+	q := s.eager.waiting
+	for len(q) > 0 && s.eager.seq-s.eager.taken < wire.EagerWindow {
+		k := q[0]
+		q = q[1:]
+		e, ok := s.sends[k]
+		if !ok || e.hasReq || !e.has {
+			continue
+		}
+		if s.sendEagerLocked(k, e.t, e.serr, e.done) {
+			delete(s.sends, k)
+		}
+	}
+	n := copy(s.eager.waiting, q)
+	clear(s.eager.waiting[n:])
+	s.eager.waiting = s.eager.waiting[:n]
 }
 
 // eagerReceiver is the receiver's side: under the channel's lock.
@@ -221,12 +247,17 @@ func (rv *receiver) eagerIntoLocked(r *request, h *eagerHeld, ds *deliveries) bo
 	return true
 }
 
+// takenEvery is how many EAGER frames handed to Recvs a TAKEN counts: a
+// quarter window, so that a sender pushing a stream has three quarters
+// still in flight while a TAKEN travels and its sender wakes to it.
+const takenEvery = wire.EagerWindow / 4
+
 // takenLocked counts an EAGER frame handed to a Recv, and sends TAKEN once
-// half a window is owed.
+// takenEvery are owed.
 func (rv *receiver) takenLocked() {
 	c := rv.c
 	rv.eager.taken++
-	if rv.eager.taken-rv.eager.reported >= wire.EagerWindow/2 {
+	if rv.eager.taken-rv.eager.reported >= takenEvery {
 		m := wire.Message{Type: wire.TypeTaken, Count: rv.eager.taken}
 		c.enqueueLocked(&m)
 		rv.eager.reported = rv.eager.taken

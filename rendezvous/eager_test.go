@@ -105,12 +105,12 @@ func TestEagerIntoWaitingRecv(t *testing.T) {
 }
 
 // TestEagerHeldUntilRecv: an EAGER that comes before its Recv is kept, and
-// the Recv takes it at once without a request; every half window of
-// EAGERs taken sends one TAKEN.
+// the Recv takes it at once without a request; every takenEvery EAGERs
+// taken send one TAKEN.
 func TestEagerHeldUntilRecv(t *testing.T) {
 	c, q, done := stubChannel(t, true)
 	defer done()
-	half := wire.EagerWindow / 2
+	half := takenEvery
 	for i := range half {
 		m := eagerFrame(t, fmt.Sprintf("z%d", i), 1, int64(i+1), byte(i+1))
 		feed(c, m.Append(nil), nil)
@@ -184,8 +184,8 @@ func TestEagerCrossedRequestDropped(t *testing.T) {
 }
 
 // TestEagerWindow: a sender sends at most a window of EAGERs that TAKEN
-// has not counted; the Sends beyond it wait for their requests, and a
-// TAKEN opens the window again.
+// has not counted; the Sends beyond it wait, and go eagerly, in order,
+// when a TAKEN makes room (unless their request came first).
 func TestEagerWindow(t *testing.T) {
 	c, _, done := stubChannel(t, true)
 	defer done()
@@ -210,11 +210,15 @@ func TestEagerWindow(t *testing.T) {
 	if st := c.Stats(); st.EagerOut != wire.EagerWindow || st.SendsPending != 5 {
 		t.Fatalf("%d Sends: EagerOut %d, SendsPending %d; want %d and 5", wire.EagerWindow+5, st.EagerOut, st.SendsPending, wire.EagerWindow)
 	}
+	// A TAKEN makes room for 8: the 5 waiting go, then the next Send.
 	taken := wire.Message{Type: wire.TypeTaken, Count: 8}
 	feed(c, taken.Append(nil), nil)
+	if st := c.Stats(); st.EagerOut != wire.EagerWindow+5 || st.SendsPending != 0 {
+		t.Errorf("after TAKEN 8: EagerOut %d, SendsPending %d; want %d and 0", st.EagerOut, st.SendsPending, wire.EagerWindow+5)
+	}
 	send("after")
-	if st := c.Stats(); st.EagerOut != wire.EagerWindow+1 {
-		t.Errorf("after TAKEN 8: EagerOut %d, want %d", st.EagerOut, wire.EagerWindow+1)
+	if st := c.Stats(); st.EagerOut != wire.EagerWindow+6 {
+		t.Errorf("a Send after that: EagerOut %d, want %d", st.EagerOut, wire.EagerWindow+6)
 	}
 	if err := c.Send("after", 0, tensor.Dead(tensor.Uint8, tensor.Shape{1})); !errors.Is(err, ErrDuplicate) {
 		t.Errorf("a second Send of a key and step sent eagerly: %v, want ErrDuplicate", err)

@@ -11,7 +11,11 @@ import (
 // Memory is where a channel gets registered memory: result tensors, staging
 // blocks for strings, and its control-message buffers. Every buffer it hands
 // out must lie inside a region registered with the channel's protection
-// domain for local and remote write.
+// domain for local and remote write. A Memory that also has a method
+// HostOnly() bool saying true hands out host memory alone, with a view of
+// its bytes: a channel over it takes small tensors sent eagerly
+// (WithEager), whose bytes it copies into its results; PoolMemory's says
+// whether all its pools are of host memory.
 type Memory interface {
 	// Alloc returns a buffer of at least n bytes on dev. A device it has no
 	// registered memory for gives an error wrapping verbsio.ErrNotSupported.
@@ -63,8 +67,8 @@ func inArena(a *alloc.Arena, addr uintptr, n int) bool {
 	return addr >= a.Base() && n >= 0 && uint64(addr-a.Base())+uint64(n) <= uint64(a.Size())
 }
 
-// hostOnly reports whether every pool is of host memory.
-func (m *poolMemory) hostOnly() bool {
+// HostOnly reports whether every pool is of host memory.
+func (m *poolMemory) HostOnly() bool {
 	for _, p := range m.pools {
 		if p.Device() != tensor.Host {
 			return false
@@ -76,9 +80,8 @@ func (m *poolMemory) hostOnly() bool {
 // takesEager says whether a channel with options o and memory mem takes
 // EAGER frames (wire.HelloEager): where every Recv's result is host memory
 // the frame's bytes can be copied into. A Proxy or a Puller means results
-// on a device; so may a Memory other than PoolMemory's, which it cannot
-// tell.
+// on a device; so may a Memory that does not say otherwise (HostOnly).
 func takesEager(o *options, mem Memory) bool {
-	h, ok := mem.(interface{ hostOnly() bool })
-	return o.eagerMax > 0 && o.proxy == nil && o.puller == nil && ok && h.hostOnly()
+	h, ok := mem.(interface{ HostOnly() bool })
+	return o.eagerMax > 0 && o.proxy == nil && o.puller == nil && ok && h.HostOnly()
 }

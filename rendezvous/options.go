@@ -117,7 +117,7 @@ type Option func(*options) error
 
 // WithEager sets the largest tensor, in bytes, that a Send made before the
 // peer's Recv sends at once in a control message (EAGER) rather than
-// waiting for the Recv's request: the receiver keeps it (up to 16 per
+// waiting for the Recv's request: the receiver keeps it (up to 32 per
 // channel) and its Recv takes it without a round trip, at the cost of a
 // copy on each side. Default 4096; 0 turns it off, and makes the channel's
 // receive buffers 4 KiB instead of 8. Only host tensors of fixed-size

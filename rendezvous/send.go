@@ -345,6 +345,7 @@ func (s *sender) pendingLocked() bool {
 func (s *sender) failLocked(err error, ds *deliveries) {
 	clear(s.eager.sent)
 	clear(s.eager.dropped)
+	s.eager.waiting = nil
 	for k, e := range s.sends {
 		delete(s.sends, k)
 		s.dropLocked(e, err, ds)

@@ -213,7 +213,7 @@ const (
 
 // EagerWindow is how many EAGER frames a sender may have sent that the
 // receiver's TAKEN does not count yet.
-const EagerWindow = 16
+const EagerWindow = 32
 
 // Flags of CONFIRM.
 const (
