@@ -84,7 +84,10 @@ func (e *eagerSender) failLocked(err error, ds *deliveries) {
 // the window waits in the queue for a TAKEN to make room (waitLocked).
 func (s *sender) sendEagerLocked(k skey, t *tensor.Tensor, serr error, done func(error)) bool {
 	c := s.c
-	if !c.eager || serr != nil || t == nil {
+	if !c.eager || serr != nil || t == nil || len(s.writes) > 0 {
+		// Writes in flight: the peer's Recvs are asking ahead of the
+		// Sends, and a stream goes faster by request (one copy, a
+		// write into the result) than eagerly (a copy on each side).
 		return false
 	}
 	meta := t.Meta()
@@ -174,12 +177,38 @@ type eagerReceiver struct {
 	in, taken, reported uint32
 	// held are the tensors that came before their Recv.
 	held map[skey]*eagerHeld
+	// spare are byte slices of held tensors taken, for the next ones (at
+	// most a window of them, as held is).
+	spare [][]byte
 }
 
-// eagerHeld is a tensor that came eagerly before its Recv.
+// eagerHeld is a tensor that came eagerly before its Recv: its bytes in
+// a block of the channel's memory, which a Recv takes as its result as
+// it is, or, without one (the memory refused), in data.
 type eagerHeld struct {
 	meta tensor.Meta
+	buf  tensor.Buffer
 	data []byte
+}
+
+// bytes is where h's bytes are.
+func (h *eagerHeld) bytes() []byte {
+	if h.buf != nil {
+		return h.buf.Bytes()[:h.meta.ByteSize]
+	}
+	return h.data
+}
+
+// release gives h's memory back: its block to the pool, its slice to the
+// spares.
+func (rv *receiver) releaseHeld(h *eagerHeld) {
+	if h.buf != nil {
+		_ = h.buf.Free()
+		h.buf = nil
+	} else if h.data != nil && len(rv.eager.spare) < wire.EagerWindow {
+		rv.eager.spare = append(rv.eager.spare, h.data)
+	}
+	h.data = nil
 }
 
 // onEagerLocked takes an EAGER frame: into the Recv that waits for it, or
@@ -211,7 +240,21 @@ func (rv *receiver) onEagerLocked(m *wire.Message, ds *deliveries) {
 			return
 		}
 	}
-	h.data = append([]byte(nil), m.Data...) // the receive buffer is posted again
+	// The receive buffer is posted again: the bytes wait in a block the
+	// Recv will take as its result, or else in a slice of their own.
+	if buf, err := c.mem.Alloc(len(m.Data), tensor.Host); err == nil && len(buf.Bytes()) >= len(m.Data) {
+		copy(buf.Bytes(), m.Data)
+		h.buf, h.data = buf, nil
+	} else {
+		if err == nil {
+			_ = buf.Free()
+		}
+		var b []byte
+		if n := len(rv.eager.spare); n > 0 {
+			b, rv.eager.spare = rv.eager.spare[n-1], rv.eager.spare[:n-1]
+		}
+		h.data = append(b[:0], m.Data...)
+	}
 	rv.eager.held[k] = h
 }
 
@@ -220,6 +263,24 @@ func (rv *receiver) onEagerLocked(m *wire.Message, ds *deliveries) {
 // r then fails, and h waits for the next Recv of its key and step).
 func (rv *receiver) eagerIntoLocked(r *request, h *eagerHeld, ds *deliveries) bool {
 	c := rv.c
+	r.eager = true
+	if h.buf != nil && r.into == nil && r.dev == tensor.Host && h.meta.DType != tensor.String {
+		// The block is the result as it is: no copy.
+		rv.revokeLocked(r, 0)
+		if r.buf != nil {
+			_ = r.buf.Free()
+		}
+		r.buf, r.meta, h.buf = h.buf, h.meta, nil
+		rv.stats.bytesIn.Add(uint64(h.meta.ByteSize))
+		rv.takenLocked()
+		r.path = PathEager
+		t, err := tensor.New(h.meta, r.buf)
+		if err == nil {
+			r.buf = nil // owned by t now
+		}
+		rv.finishLocked(r, t, err, ds)
+		return true
+	}
 	if r.buf == nil || !r.meta.Equal(h.meta) {
 		if err := rv.allocResultLocked(r, h.meta); err != nil {
 			rv.finishLocked(r, nil, c.resultErrLocked(r.key, h.meta, err), ds)
@@ -235,7 +296,7 @@ func (rv *receiver) eagerIntoLocked(r *request, h *eagerHeld, ds *deliveries) bo
 		rv.finishLocked(r, nil, fmt.Errorf("%w: %q step %d came eagerly, and its result (on %s) has no host memory to copy it into", ErrNoPath, r.key.name, r.key.step, r.dev), ds)
 		return false
 	}
-	copy(b, h.data)
+	copy(b, h.bytes())
 	rv.stats.bytesIn.Add(uint64(h.meta.ByteSize))
 	rv.takenLocked()
 	r.path = PathEager

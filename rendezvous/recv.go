@@ -69,7 +69,10 @@ func (rv *receiver) pendingLocked() bool { return len(rv.reqs) > 0 }
 
 // failLocked fails every pending Recv with err.
 func (rv *receiver) failLocked(err error, ds *deliveries) {
-	clear(rv.eager.held)
+	for k, h := range rv.eager.held {
+		delete(rv.eager.held, k)
+		rv.releaseHeld(h)
+	}
 	for idx, r := range rv.reqs {
 		delete(rv.reqs, idx)
 		rv.finishLocked(r, nil, fmt.Errorf("rendezvous: %q step %d from %s: %w", r.key.name, r.key.step, rv.c.peer, err), ds)
@@ -116,6 +119,9 @@ type request struct {
 	// pulling: the Puller is copying it into buf, which is freed only
 	// once the copy is over.
 	pull, pulling bool
+	// eager: its tensor came eagerly, copied into buf here: nobody
+	// writes buf, so it is granted to nobody.
+	eager bool
 }
 
 // RecvOption changes one Recv.
@@ -243,6 +249,7 @@ func (rv *receiver) recv(ctx context.Context, key string, step int64, cb func(*t
 		var ds deliveries
 		if rv.eagerIntoLocked(r, h, &ds) {
 			delete(rv.eager.held, r.key)
+			rv.releaseHeld(h)
 		}
 		c.mu.Unlock()
 		ds.run()
@@ -351,7 +358,7 @@ func (rv *receiver) bufTarget(r *request) (addr uint64, rkey uint32, capacity ui
 // immediate as the request's chunks, until the request ends.
 func (rv *receiver) grantLocked(r *request, mr verbsio.MemoryRegion) error {
 	gr, ok := mr.(verbsio.Granter)
-	if !ok {
+	if !ok || r.eager {
 		return nil
 	}
 	imms := 1
@@ -525,6 +532,10 @@ func (rv *receiver) lendLocked(r *request, meta tensor.Meta) bool {
 		return false
 	}
 	l := &lent{b: b[:im.ByteSize:im.ByteSize], addr: r.into.Addr()}
+	if r.eager {
+		r.buf = l // copied into here: no grant
+		return true
+	}
 	mr, ok := c.mem.Region(l.addr, l.Len())
 	if !ok {
 		return false
