@@ -84,10 +84,14 @@ func (e *eagerSender) failLocked(err error, ds *deliveries) {
 // the window waits in the queue for a TAKEN to make room (waitLocked).
 func (s *sender) sendEagerLocked(k skey, t *tensor.Tensor, serr error, done func(error)) bool {
 	c := s.c
-	if !c.eager || serr != nil || t == nil || len(s.writes) > 0 {
+	if !c.eager || serr != nil || t == nil || len(s.writes) > 0 || c.rcv.pendingLocked() {
 		// Writes in flight: the peer's Recvs are asking ahead of the
 		// Sends, and a stream goes faster by request (one copy, a
 		// write into the result) than eagerly (a copy on each side).
+		// A Recv of this side pending: an exchange (a collective's
+		// step), whose peer's request is on its way; by request the
+		// Send ends when its write is posted, eagerly only when the
+		// peer has taken the SEND in, a round trip later.
 		return false
 	}
 	meta := t.Meta()

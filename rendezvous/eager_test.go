@@ -185,7 +185,8 @@ func TestEagerCrossedRequestDropped(t *testing.T) {
 
 // TestEagerWindow: a sender sends at most a window of EAGERs that TAKEN
 // has not counted; the Sends beyond it wait, and go eagerly, in order,
-// when a TAKEN makes room (unless their request came first).
+// when a TAKEN makes room (unless their request came first); none goes
+// eagerly while a Recv of the sender's own is pending.
 func TestEagerWindow(t *testing.T) {
 	c, _, done := stubChannel(t, true)
 	defer done()
@@ -222,6 +223,12 @@ func TestEagerWindow(t *testing.T) {
 	}
 	if err := c.Send("after", 0, tensor.Dead(tensor.Uint8, tensor.Shape{1})); !errors.Is(err, ErrDuplicate) {
 		t.Errorf("a second Send of a key and step sent eagerly: %v, want ErrDuplicate", err)
+	}
+	// With a Recv of its own pending (an exchange), a Send goes by request.
+	c.RecvFunc(context.Background(), "theirs", 0, nil)
+	send("exchange")
+	if st := c.Stats(); st.EagerOut != wire.EagerWindow+6 || st.SendsPending != 1 {
+		t.Errorf("a Send while a Recv is pending: EagerOut %d, SendsPending %d; want %d and 1", st.EagerOut, st.SendsPending, wire.EagerWindow+6)
 	}
 }
 

@@ -60,9 +60,10 @@ func hostileChannel(t testing.TB) (*Channel, func()) {
 
 // stubChannel is a connected channel on a stub queue pair that records
 // the frames posted: in checksum mode with confirmations, or (eager) out
-// of it and taking and sending EAGER frames. It has a pending Recv of "k"
-// step 0 (with a result buffer) and has sent "k" step 1 (eagerly, when
-// eager).
+// of it and taking and sending EAGER frames. It has sent "k" step 1
+// (eagerly, when eager) and, unless eager (a Recv pending keeps a Send
+// from going eagerly), has a pending Recv of "k" step 0 with a result
+// buffer.
 func stubChannel(t testing.TB, eager bool) (*Channel, *probeQP, func()) {
 	mem := PoolMemory(stubRegion, stubPool(t))
 	const ring = 8
@@ -100,11 +101,13 @@ func stubChannel(t testing.TB, eager bool) (*Channel, *probeQP, func()) {
 	c.recvSGEs = make([]verbsio.SGE, ring)
 	// A cached meta-data makes the Recv allocate a result buffer up front.
 	c.rcv.cache["k"], _ = tensor.MetaFor(tensor.Uint8, tensor.Shape{16})
-	c.RecvFunc(context.Background(), "k", 0, func(t *tensor.Tensor, _ Transfer, _ error) {
-		if t != nil {
-			_ = t.Release()
-		}
-	})
+	if !eager {
+		c.RecvFunc(context.Background(), "k", 0, func(t *tensor.Tensor, _ Transfer, _ error) {
+			if t != nil {
+				_ = t.Release()
+			}
+		})
+	}
 	meta, _ := tensor.MetaFor(tensor.Uint8, tensor.Shape{16})
 	blk, err := hostilePool.Alloc(16)
 	if err != nil {
