@@ -275,14 +275,7 @@ func (rv *receiver) eagerIntoLocked(r *request, h *eagerHeld, ds *deliveries) bo
 			_ = r.buf.Free()
 		}
 		r.buf, r.meta, h.buf = h.buf, h.meta, nil
-		rv.stats.bytesIn.Add(uint64(h.meta.ByteSize))
-		rv.takenLocked()
-		r.path = PathEager
-		t, err := tensor.New(h.meta, r.buf)
-		if err == nil {
-			r.buf = nil // owned by t now
-		}
-		rv.finishLocked(r, t, err, ds)
+		rv.eagerDoneLocked(r, h.meta, ds)
 		return true
 	}
 	if r.buf == nil || !r.meta.Equal(h.meta) {
@@ -301,15 +294,21 @@ func (rv *receiver) eagerIntoLocked(r *request, h *eagerHeld, ds *deliveries) bo
 		return false
 	}
 	copy(b, h.bytes())
-	rv.stats.bytesIn.Add(uint64(h.meta.ByteSize))
+	rv.eagerDoneLocked(r, h.meta, ds)
+	return true
+}
+
+// eagerDoneLocked completes r, whose buf holds the tensor that came
+// eagerly, and counts it taken.
+func (rv *receiver) eagerDoneLocked(r *request, meta tensor.Meta, ds *deliveries) {
+	rv.stats.bytesIn.Add(uint64(meta.ByteSize))
 	rv.takenLocked()
 	r.path = PathEager
-	t, err := tensor.New(h.meta, r.buf)
+	t, err := tensor.New(meta, r.buf)
 	if err == nil {
 		r.buf = nil // owned by t now
 	}
 	rv.finishLocked(r, t, err, ds)
-	return true
 }
 
 // takenEvery is how many EAGER frames handed to Recvs a TAKEN counts: a

@@ -190,17 +190,8 @@ func TestEagerCrossedRequestDropped(t *testing.T) {
 func TestEagerWindow(t *testing.T) {
 	c, _, done := stubChannel(t, true)
 	defer done()
-	meta, _ := tensor.MetaFor(tensor.Uint8, tensor.Shape{16})
 	send := func(key string) {
-		blk, err := hostilePool.Alloc(16)
-		if err != nil {
-			t.Fatal(err)
-		}
-		src, err := tensor.New(meta, blk)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := c.Send(key, 0, src); err != nil {
+		if err := c.Send(key, 0, stubTensor(t)); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -108,16 +108,7 @@ func stubChannel(t testing.TB, eager bool) (*Channel, *probeQP, func()) {
 			}
 		})
 	}
-	meta, _ := tensor.MetaFor(tensor.Uint8, tensor.Shape{16})
-	blk, err := hostilePool.Alloc(16)
-	if err != nil {
-		t.Fatal(err)
-	}
-	src, err := tensor.New(meta, blk)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := c.Send("k", 1, src); err != nil {
+	if err := c.Send("k", 1, stubTensor(t)); err != nil {
 		t.Fatal(err)
 	}
 	return c, q, func() {
@@ -131,6 +122,21 @@ func stubChannel(t testing.TB, eager bool) (*Channel, *probeQP, func()) {
 			t.Fatal(err)
 		}
 	}
+}
+
+// stubTensor is a tensor of 16 bytes of the stub channels' pool.
+func stubTensor(t testing.TB) *tensor.Tensor {
+	t.Helper()
+	meta, _ := tensor.MetaFor(tensor.Uint8, tensor.Shape{16})
+	blk, err := stubPool(t).Alloc(16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	src, err := tensor.New(meta, blk)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return src
 }
 
 // feed hands the channel b as one received SEND, or as the immediate of a
