@@ -29,7 +29,8 @@ func TestTwoProcessGrants(t *testing.T) {
 
 func testTwoProcessGrants(t *testing.T, provider string) {
 	requireGrants(t, provider)
-	p := startPeer(t, provider, false)
+	// Every Recv by request, each with its grant: none taken eagerly.
+	p := startPeerWith(t, provider, nil, nil, nil, WithEager(0))
 	ctx := recvCtx(t)
 	recv := func(key string, step int64, kind string, shape tensor.Shape) {
 		t.Helper()

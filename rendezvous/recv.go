@@ -532,13 +532,13 @@ func (rv *receiver) lendLocked(r *request, meta tensor.Meta) bool {
 		return false
 	}
 	l := &lent{b: b[:im.ByteSize:im.ByteSize], addr: r.into.Addr()}
-	if r.eager {
-		r.buf = l // copied into here: no grant
-		return true
-	}
 	mr, ok := c.mem.Region(l.addr, l.Len())
 	if !ok {
 		return false
+	}
+	if r.eager {
+		r.buf = l // copied into here: no grant
+		return true
 	}
 	if _, ok := mr.(verbsio.Granter); !ok {
 		return false // the peer could write the whole region
