@@ -9,21 +9,24 @@ import (
 )
 
 // Eager tensors (WithEager). A Send of a small host tensor for which no
-// request has come goes at once as an EAGER frame, its bytes in the frame,
-// to a peer that takes them (wire.HelloEager), and completes: the bytes
-// were copied. The receiver hands the frame to the Recv of its key and
-// step, copying the bytes into the result: to a Recv already waiting (its
-// TENSOR_REQUEST crossed the EAGER: the sender drops that request), or,
-// kept, to the Recv when it comes, which then sends no request at all.
+// request has come goes at once as an EAGER frame, its bytes copied into
+// the frame, to a peer that takes them (wire.HelloEager); the Send ends
+// when the SEND carrying it completes, or the peer's BYE counts it. The
+// receiver hands the frame to the Recv of its key and step: to a Recv
+// already waiting (its TENSOR_REQUEST crossed the EAGER: the sender drops
+// that request), copying the bytes into its result, or, kept in a block
+// of the channel's memory, to the Recv when it comes, which then sends no
+// request and takes the block as its result.
 //
 // Flow: a sender has at most wire.EagerWindow EAGER frames the receiver's
 // TAKEN has not counted; past that a Send waits, and goes eagerly when a
 // TAKEN makes room unless its request came first. TAKEN counts the frames
-// handed to Recvs, sent once a quarter window is owed (takenEvery). Frames arrive in the order sent, so a TAKEN of count n comes
-// after frame n-1 arrived, and after every request the receiver sent
-// before that frame arrived: a request crossing an EAGER of sequence s
-// comes before any TAKEN above s. The sender forgets what it keeps of
-// frame s for crossing requests at such a TAKEN.
+// handed to Recvs, sent once takenEvery are owed. Frames arrive in the
+// order sent, so a TAKEN of count n comes after frame n-1 arrived, and
+// after every request the receiver sent before that frame arrived: a
+// request crossing an EAGER of sequence s comes before any TAKEN above s.
+// The sender forgets what it keeps of frame s for crossing requests at
+// such a TAKEN.
 
 // eagerSender is the sender's side: under the channel's lock.
 type eagerSender struct {
@@ -81,7 +84,7 @@ func (e *eagerSender) failLocked(err error, ds *deliveries) {
 
 // sendEagerLocked sends t eagerly when the peer takes it and the window
 // has room, and reports whether it did. A tensor that would go but for
-// the window waits in the queue for a TAKEN to make room (waitLocked).
+// the window waits for a TAKEN to make room (eagerSender.waiting).
 func (s *sender) sendEagerLocked(k skey, t *tensor.Tensor, serr error, done func(error)) bool {
 	c := s.c
 	if !c.eager || serr != nil || t == nil || len(s.writes) > 0 || c.rcv.pendingLocked() {
