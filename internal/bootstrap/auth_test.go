@@ -345,7 +345,13 @@ func replayFrom(t *testing.T, from, addr string, b []byte) []byte {
 			return errors.Join(err, serr)
 		}
 	}
+	// The recorded connection, just closed, holds its port until its peer
+	// closes too (a loaded host may take a while): bind again until then.
 	c, err := d.Dial("tcp", addr)
+	for deadline := time.Now().Add(5 * time.Second); errors.Is(err, syscall.EADDRINUSE) && time.Now().Before(deadline); {
+		time.Sleep(10 * time.Millisecond)
+		c, err = d.Dial("tcp", addr)
+	}
 	if err != nil {
 		t.Fatal(err)
 	}
