@@ -592,7 +592,8 @@ func openGrantSide(provider, name string, grants bool) (*side, error) {
 	if !grants {
 		s.mem = noGrants{s.mem}
 	}
-	if s.ch, err = New(s.dev, s.pd, s.mem, WithName(name)); err != nil {
+	// The request path's grants are what is measured: nothing eagerly.
+	if s.ch, err = New(s.dev, s.pd, s.mem, WithName(name), WithEager(0)); err != nil {
 		_ = s.close()
 		return nil, err
 	}
