@@ -151,8 +151,8 @@ func WithProvider(name string) Option {
 // WithGPU); Transfer.Path says "eager". See rendezvous.WithEager.
 func WithEagerMax(bytes int) Option {
 	return func(c *config) error {
-		if bytes < 0 || bytes > wire.MaxFrame-wire.MinSlot {
-			return fmt.Errorf("%w: eager tensors of up to %d bytes, want 0..%d", verbsio.ErrBadConfig, bytes, wire.MaxFrame-wire.MinSlot)
+		if bytes < 0 || bytes > wire.MaxEager {
+			return fmt.Errorf("%w: eager tensors of up to %d bytes, want 0..%d", verbsio.ErrBadConfig, bytes, wire.MaxEager)
 		}
 		c.eagerMax, c.eagerSet = bytes, true
 		return nil
@@ -352,8 +352,8 @@ func fromEnv(lookup func(string) (string, bool)) (config, error) {
 	}
 	if v := get("GDRLINK_EAGER_MAX"); v != "" {
 		n, err := humanize.ParseBytes(v)
-		if err != nil || n > wire.MaxFrame-wire.MinSlot {
-			return c, fmt.Errorf("%w: GDRLINK_EAGER_MAX=%q, want a byte size of at most %d", verbsio.ErrBadConfig, v, wire.MaxFrame-wire.MinSlot)
+		if err != nil || n > wire.MaxEager {
+			return c, fmt.Errorf("%w: GDRLINK_EAGER_MAX=%q, want a byte size of at most %d", verbsio.ErrBadConfig, v, wire.MaxEager)
 		}
 		c.eagerMax, c.eagerSet = int(n), true
 	}

@@ -707,7 +707,6 @@ func (c *Channel) failLocked(err error, ds *deliveries, st chanState) {
 			c.snd.dropLocked(it.write, err, ds)
 		}
 	}
-	c.snd.eager.failLocked(err, ds)
 	clear(c.slotEager)
 	c.outq, c.outqArr, c.frames = nil, nil, nil
 	c.snd.errorsQueued = 0

@@ -70,8 +70,8 @@ func (e *eagerSender) settle(end uint32, ds *deliveries) {
 	e.pending = e.pending[:n]
 }
 
-// failLocked ends the Sends of every frame not known delivered with err:
-// a new connection may send them again.
+// failLocked ends the Sends of every frame not known delivered with err
+// (a new connection may send them again) and forgets the rest.
 func (e *eagerSender) failLocked(err error, ds *deliveries) {
 	for _, p := range e.pending {
 		if d := p.done; d != nil {
@@ -80,6 +80,9 @@ func (e *eagerSender) failLocked(err error, ds *deliveries) {
 	}
 	clear(e.pending)
 	e.pending = e.pending[:0]
+	clear(e.sent)
+	clear(e.dropped)
+	e.waiting = nil
 }
 
 // sendEagerLocked sends t eagerly when the peer takes it and the window
@@ -228,10 +231,6 @@ func (rv *receiver) onEagerLocked(m *wire.Message, ds *deliveries) {
 	}
 	if int(rv.eager.in-rv.eager.taken) >= wire.EagerWindow {
 		c.protocolLocked(ds, "EAGER for %q step %d beyond the window of %d not taken", printName(m.Name), m.Step, wire.EagerWindow)
-		return
-	}
-	if int(m.Meta.ByteSize) > c.slot || len(m.Name) == 0 {
-		c.protocolLocked(ds, "EAGER for %q step %d of %d bytes", printName(m.Name), m.Step, m.Meta.ByteSize)
 		return
 	}
 	k := skey{string(m.Name), m.Step}

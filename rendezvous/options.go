@@ -127,8 +127,8 @@ type Option func(*options) error
 // writes the receiver verifies and confirms.
 func WithEager(maxBytes int) Option {
 	return func(o *options) error {
-		if maxBytes < 0 || maxBytes > wire.MaxFrame-wire.MinSlot {
-			return fmt.Errorf("%w: eager tensors of up to %d bytes, want 0..%d", ErrBadOption, maxBytes, wire.MaxFrame-wire.MinSlot)
+		if maxBytes < 0 || maxBytes > wire.MaxEager {
+			return fmt.Errorf("%w: eager tensors of up to %d bytes, want 0..%d", ErrBadOption, maxBytes, wire.MaxEager)
 		}
 		o.eagerMax = maxBytes
 		return nil

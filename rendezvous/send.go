@@ -343,9 +343,7 @@ func (s *sender) pendingLocked() bool {
 // (or being striped) is not given back yet: its source stays with the
 // channel until no queue pair can read it (holdLocked).
 func (s *sender) failLocked(err error, ds *deliveries) {
-	clear(s.eager.sent)
-	clear(s.eager.dropped)
-	s.eager.waiting = nil
+	s.eager.failLocked(err, ds)
 	for k, e := range s.sends {
 		delete(s.sends, k)
 		s.dropLocked(e, err, ds)

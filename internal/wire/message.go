@@ -24,6 +24,9 @@ const (
 	// Slot), the size of the first release's: every frame but EAGER fits
 	// it, and an EAGER goes only to a peer whose buffers hold it.
 	MinSlot = 4096
+	// MaxEager is the largest tensor an EAGER may be made for: with its
+	// header, name and meta-data the frame must fit MaxFrame.
+	MaxEager = MaxFrame - MinSlot
 	// MaxName is the longest tensor name, in bytes.
 	MaxName = 1024
 	// MaxText is the longest error message or host name, in bytes.
