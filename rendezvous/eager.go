@@ -282,8 +282,8 @@ func (rv *receiver) eagerIntoLocked(r *request, h *eagerHeld, ds *deliveries) bo
 	}
 	// A result asked into the caller's tensor takes it here even where its
 	// request could not lend it (no grants): nobody writes it remotely.
-	_, lent := r.buf.(*lent)
-	if r.buf == nil || !r.meta.Equal(h.meta) || r.into != nil && !lent {
+	_, lending := r.buf.(*lent)
+	if r.buf == nil || !r.meta.Equal(h.meta) || r.into != nil && !lending {
 		if err := rv.allocResultLocked(r, h.meta); err != nil {
 			rv.finishLocked(r, nil, c.resultErrLocked(r.key, h.meta, err), ds)
 			return false
