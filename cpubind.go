@@ -7,6 +7,7 @@ import (
 	"runtime"
 
 	"github.com/gdrlink/gdrlink/internal/cpubind"
+	"github.com/gdrlink/gdrlink/internal/hostcard"
 )
 
 // bindCPUs binds every thread of this process to its share of the CPUs it
@@ -65,6 +66,68 @@ func (g *Group) localRanks() (index, count int, why string) {
 		count++
 	}
 	return index, count, ""
+}
+
+// shareProcs lowers GOMAXPROCS to this process's share of the CPUs it may
+// run on, where this host runs more ranks of the job than those CPUs (the
+// case in which GDRLINK_YIELD=auto makes polls yield) and this process
+// reaches the others over onnode: the CPUs times this process's ranks
+// over the host's, at least 1. There a second Go processor only lets the
+// runtime's idle threads spin and hand work between threads, on CPUs that
+// other ranks wait for: 8 ranks of a 1 MiB AllReduce on 2 CPUs ran 12-40%
+// faster with one (README, Collectives). Where the GOMAXPROCS variable is
+// set, or this rank is bound to CPUs (the binding set it), it is left as
+// it is; Close puts back what it was if nothing else changed it since.
+func (g *Group) shareProcs() error {
+	if g.cpus != nil || os.Getenv("GOMAXPROCS") != "" {
+		return nil
+	}
+	_, count, why := g.localRanks()
+	if why != "" || count == 0 {
+		return nil
+	}
+	allowed, err := cpubind.Allowed()
+	if err != nil {
+		return err
+	}
+	if count <= len(allowed) {
+		return nil
+	}
+	mine := 0
+	for _, c := range g.cards {
+		if hostcard.SameProcess(c, g.me) {
+			mine++
+			continue
+		}
+		if c.Host != g.me.Host {
+			continue
+		}
+		if cands, _ := hostcard.Candidates(g.me, c, g.cfg.provider); len(cands) == 0 || cands[0] != "onnode" {
+			// A peer of this host over tcp (another network namespace,
+			// or the provider forced): the kernel's socket copies run
+			// in this process's system calls, which a second processor
+			// overlaps (4 ranks of a 1 MiB AllReduce over tcp on 2 CPUs
+			// took 1.6 times as long with one).
+			return nil
+		}
+	}
+	share := max(1, len(allowed)*max(mine, 1)/count)
+	prev := runtime.GOMAXPROCS(0)
+	if share >= prev {
+		return nil
+	}
+	runtime.GOMAXPROCS(share)
+	g.procs, g.procsBefore = share, prev
+	g.log.Info("gdrlink: GOMAXPROCS set to this process's share of the CPUs", "rank", g.Rank(), "gomaxprocs", share, "was", prev, "local_ranks", count, "in_this_process", mine, "cpus", len(allowed))
+	return nil
+}
+
+// restoreProcs puts GOMAXPROCS back as it was before shareProcs lowered
+// it, unless something else has changed it since.
+func (g *Group) restoreProcs() {
+	if g.procs > 0 && runtime.GOMAXPROCS(0) == g.procs {
+		runtime.GOMAXPROCS(g.procsBefore)
+	}
 }
 
 // yieldCPUs says whether this process's completion queues yield their CPU

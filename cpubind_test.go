@@ -27,7 +27,7 @@ func bindJob(ctx context.Context, g *Group, rep *childReport) error {
 		return err
 	}
 	s := g.Stats()
-	rep.CPUs, rep.Unbound, rep.Yield, rep.MaxProcs = s.CPUs, s.Unbound, s.Yield, runtime.GOMAXPROCS(0)
+	rep.CPUs, rep.Unbound, rep.Yield, rep.Procs, rep.MaxProcs = s.CPUs, s.Unbound, s.Yield, s.Procs, runtime.GOMAXPROCS(0)
 	masks, err := cpubind.ThreadMasks()
 	if err != nil {
 		return err
@@ -46,7 +46,9 @@ func bindJob(ctx context.Context, g *Group, rep *childReport) error {
 // share's size; with more ranks than CPUs none is bound, and each says
 // why. Without the variable nothing is bound. Polls yield the CPU
 // (Stats.Yield) where there are more ranks than CPUs, bound or not, and
-// nowhere else unless GDRLINK_YIELD says so.
+// nowhere else unless GDRLINK_YIELD says so; where they yield by default
+// and the ranks meet over onnode, GOMAXPROCS becomes the rank's share of
+// the CPUs (one), unless the GOMAXPROCS variable is set.
 func TestCPUBinding(t *testing.T) {
 	allowed, err := cpubind.Allowed()
 	if err != nil {
@@ -74,6 +76,15 @@ func TestCPUBinding(t *testing.T) {
 			}
 		}
 	}
+	// procs checks GOMAXPROCS (want) and whether Join set it (Stats.Procs).
+	procs := func(what string, reps []childReport, want int, set bool) {
+		t.Helper()
+		for _, rep := range reps {
+			if rep.MaxProcs != want || (rep.Procs != 0) != set || (set && rep.Procs != want) {
+				t.Errorf("%s: rank %d: GOMAXPROCS %d, Stats.Procs %d; want GOMAXPROCS %d, set by Join: %v", what, rep.Rank, rep.MaxProcs, rep.Procs, want, set)
+			}
+		}
+	}
 	reps := run(2, "cores")
 	per := len(allowed) / 2
 	seen := map[int]int{}
@@ -98,8 +109,11 @@ func TestCPUBinding(t *testing.T) {
 		}
 	}
 	yields("2 ranks bound", reps, false)
+	procs("2 ranks bound", reps, per, false)
 	over := run(len(allowed)+1, "cores")
-	yields(fmt.Sprintf("%d ranks on %d CPUs", len(allowed)+1, len(allowed)), over, true)
+	overWhat := fmt.Sprintf("%d ranks on %d CPUs", len(allowed)+1, len(allowed))
+	yields(overWhat, over, true)
+	procs(overWhat, over, 1, true)
 	for _, rep := range over {
 		if rep.CPUs != nil || rep.Unbound == "" {
 			t.Fatalf("%d ranks on %d CPUs: rank %d bound to %v (%q), want unbound with a reason", len(allowed)+1, len(allowed), rep.Rank, rep.CPUs, rep.Unbound)
@@ -116,8 +130,67 @@ func TestCPUBinding(t *testing.T) {
 		}
 	}
 	yields("2 ranks floating", floating, false)
-	yields("GDRLINK_YIELD=on", run(2, "", "GDRLINK_YIELD=on"), true)
-	yields("GDRLINK_YIELD=off", run(len(allowed)+1, "", "GDRLINK_YIELD=off"), false)
+	procs("2 ranks floating", floating, len(allowed), false)
+	on := run(2, "", "GDRLINK_YIELD=on")
+	yields("GDRLINK_YIELD=on", on, true)
+	procs("GDRLINK_YIELD=on", on, len(allowed), false)
+	off := run(len(allowed)+1, "", "GDRLINK_YIELD=off")
+	yields("GDRLINK_YIELD=off", off, false)
+	procs("GDRLINK_YIELD=off", off, len(allowed), false)
+	overFloating := run(len(allowed)+1, "")
+	yields(overWhat+", floating", overFloating, true)
+	procs(overWhat+", floating", overFloating, 1, true)
+	overTCP := run(len(allowed)+1, "", "GDRLINK_PROVIDER=tcp")
+	yields(overWhat+", over tcp", overTCP, true)
+	procs(overWhat+", over tcp", overTCP, len(allowed), false)
+	given := run(len(allowed)+1, "", fmt.Sprintf("GOMAXPROCS=%d", len(allowed)))
+	yields(overWhat+", GOMAXPROCS given", given, true)
+	procs(overWhat+", GOMAXPROCS given", given, len(allowed), false)
+}
+
+// TestProcsShareInProcess: ranks that are goroutines of one process share
+// its CPUs rather than compete for them, so more of them than CPUs yield
+// their polls but leave GOMAXPROCS alone; and Close puts back a
+// GOMAXPROCS that Join lowered.
+func TestProcsShareInProcess(t *testing.T) {
+	allowed, err := cpubind.Allowed()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("GOMAXPROCS", "")
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(len(allowed)))
+	gs := joinRanks(t, len(allowed)+1, WithProvider("onnode"))
+	for _, g := range gs {
+		s := g.Stats()
+		if !s.Yield || s.Procs != 0 {
+			t.Errorf("rank %d of %d in this process on %d CPUs: Yield %v, Procs %d; want true, 0", s.Rank, s.Size, len(allowed), s.Yield, s.Procs)
+		}
+	}
+	if n := runtime.GOMAXPROCS(0); n != len(allowed) {
+		t.Errorf("GOMAXPROCS %d after Join, want %d as before", n, len(allowed))
+	}
+	// A Group that lowered it (as one of separate processes would have)
+	// puts it back at Close, unless it was changed since.
+	for _, changed := range []bool{false, true} {
+		g := gs[0]
+		g.procs, g.procsBefore = 1, len(allowed)
+		runtime.GOMAXPROCS(1)
+		want := len(allowed)
+		if changed {
+			runtime.GOMAXPROCS(3)
+			want = 3
+		}
+		g.restoreProcs()
+		if n := runtime.GOMAXPROCS(0); n != want {
+			t.Errorf("changed since Join: %v: GOMAXPROCS %d after restore, want %d", changed, n, want)
+		}
+		runtime.GOMAXPROCS(len(allowed))
+	}
+	for _, g := range gs {
+		if err := g.Close(); err != nil {
+			t.Error(err)
+		}
+	}
 }
 
 // TestCPUBindingConfig: GDRLINK_BIND takes cores or none, and names what

@@ -85,12 +85,14 @@ type childReport struct {
 	FailMS   float64 `json:"fail_ms,omitempty"`
 	// IPC is Stats.IPC as the ipc jobs saw it.
 	IPC IPCStats `json:"ipc"`
-	// CPUs, Unbound, Yield, MaxProcs and ThreadCPUs are the bind job's:
-	// Stats.CPUs, Stats.Unbound and Stats.Yield, GOMAXPROCS, and the
-	// distinct affinity masks of the process's threads.
+	// CPUs, Unbound, Yield, Procs, MaxProcs and ThreadCPUs are the bind
+	// job's: Stats.CPUs, Stats.Unbound, Stats.Yield and Stats.Procs,
+	// GOMAXPROCS, and the distinct affinity masks of the process's
+	// threads.
 	CPUs       []int   `json:"cpus,omitempty"`
 	Unbound    string  `json:"unbound,omitempty"`
 	Yield      bool    `json:"yield,omitempty"`
+	Procs      int     `json:"procs,omitempty"`
 	MaxProcs   int     `json:"max_procs,omitempty"`
 	ThreadCPUs [][]int `json:"thread_cpus,omitempty"`
 }

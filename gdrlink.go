@@ -83,6 +83,9 @@ type Group struct {
 	// yield says whether the devices' completion queues yield their CPU
 	// between polls (verbsio.Config.Yield).
 	yield bool
+	// procs is what shareProcs set GOMAXPROCS to (0: it did not), and
+	// procsBefore what it was before.
+	procs, procsBefore int
 
 	metrics    *metrics
 	metricsSrv *metricsServer // nil without WithMetricsAddr
@@ -309,6 +312,11 @@ func (g *Group) setup(ctx context.Context) error {
 	}
 	if g.yield = vc.Yield; g.yield {
 		g.log.Info("gdrlink: polls yield the CPU", "rank", g.Rank(), "why", why)
+		if g.cfg.yield != "on" {
+			if err := g.shareProcs(); err != nil {
+				return err
+			}
+		}
 	}
 	g.boot.SetYield(g.yield)
 	if vc.Logger == nil {
@@ -603,13 +611,18 @@ type Stats struct {
 	// CPU between polls (GDRLINK_YIELD; by default where this host runs
 	// more ranks of the job than this process may use CPUs).
 	Yield bool
+	// Procs is what Join set GOMAXPROCS to, this process's share of the
+	// CPUs where the host runs more ranks of the job than it may use
+	// CPUs (GDRLINK_YIELD=auto; not where the GOMAXPROCS variable is
+	// set); 0 where Join left it alone.
+	Procs int
 }
 
 // Stats reports the group's connections, protocol counters, pool, the
 // pool's registrations and the transport's retransmits.
 func (g *Group) Stats() Stats {
 	s := Stats{Rank: g.Rank(), Size: g.Size(), Join: g.joinDur, Connections: map[string]int{}, Unusable: map[string]string{},
-		Retransmits: map[string]uint64{}, CPUs: slices.Clone(g.cpus), Unbound: g.unbound, Yield: g.yield}
+		Retransmits: map[string]uint64{}, CPUs: slices.Clone(g.cpus), Unbound: g.unbound, Yield: g.yield, Procs: g.procs}
 	for n, err := range g.unusable {
 		s.Unusable[n] = err.Error()
 	}
@@ -743,6 +756,7 @@ func (g *Group) Close() error {
 		}
 		errs = append(errs, d.dev.Close())
 	}
+	g.restoreProcs()
 	return errors.Join(errs...)
 }
 

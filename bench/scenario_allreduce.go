@@ -77,6 +77,9 @@ type allReduceRow struct {
 	// Yield says that rank 0's polls yielded the CPU (gdrlink.Stats.Yield:
 	// more workers than CPUs, by default).
 	Yield bool `json:"yield,omitempty"`
+	// Procs is rank 0's gdrlink.Stats.Procs: the GOMAXPROCS Join set, 0
+	// where it left it alone.
+	Procs int `json:"procs,omitempty"`
 	// Algorithm is rank 0's last call's collective.Report.Algorithm.
 	Algorithm string `json:"algorithm,omitempty"`
 	// Stage is the median time of the copies between the GPU tensor and
@@ -213,6 +216,9 @@ func runAllReduce(ctx context.Context, env *Env) error {
 				how := ""
 				if row.Yield {
 					how = "; polls yield the CPU (GDRLINK_YIELD=auto: more workers than CPUs)"
+				}
+				if row.Procs > 0 {
+					how += fmt.Sprintf("; GOMAXPROCS %d (each worker's share of the CPUs)", row.Procs)
 				}
 				switch row.Algorithm {
 				case "halving":
@@ -563,7 +569,8 @@ func allReduceRank(ctx context.Context) error {
 			}
 			row.Links = strings.Join(links, ",")
 		}
-		row.Yield = g.Stats().Yield
+		st := g.Stats()
+		row.Yield, row.Procs = st.Yield, st.Procs
 		_ = t.Release()
 		row.Seconds = median(times)
 		if fill != nil {

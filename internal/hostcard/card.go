@@ -1,6 +1,7 @@
 // Package hostcard describes where a process runs, for the front door to
 // choose a provider per peer: the kernel it runs on (boot id), the network
-// and PID namespaces it sits in, and the providers it can use. Ranks trade
+// and PID namespaces it sits in, the process, and the providers it can
+// use. Ranks trade
 // cards through the bootstrap; Candidates turns two cards into the
 // providers to try, best first.
 package hostcard
@@ -30,6 +31,10 @@ type Card struct {
 	NetNS, PIDNS string
 	// Providers are the providers usable here, best first.
 	Providers []string
+	// Process is the process id within PIDNS ("4242"); "" when unknown (a
+	// card of a release before it). Two ranks of one process (goroutines
+	// of a test, say) share its CPUs rather than compete for them.
+	Process string
 }
 
 // Local reads this process's card under the procfs root ("/" normally),
@@ -41,6 +46,11 @@ func Local(root string, providers []string) Card {
 	}
 	c.NetNS = readNS(root, "net")
 	c.PIDNS = readNS(root, "pid")
+	if pid, err := os.Readlink(filepath.Join(root, "proc/self")); err == nil {
+		// /proc/self names this process as the procfs's PID namespace
+		// numbers it.
+		c.Process = pid
+	}
 	return c
 }
 
@@ -59,6 +69,14 @@ func SameNode(a, b Card) bool {
 	return a.Host != "" && a.Host == b.Host &&
 		a.NetNS != "" && a.NetNS == b.NetNS &&
 		a.PIDNS != "" && a.PIDNS == b.PIDNS
+}
+
+// SameProcess reports whether two cards are of one process: one host and
+// PID namespace, one process id, each known.
+func SameProcess(a, b Card) bool {
+	return a.Host != "" && a.Host == b.Host &&
+		a.PIDNS != "" && a.PIDNS == b.PIDNS &&
+		a.Process != "" && a.Process == b.Process
 }
 
 // Candidates returns the providers to try between two ranks, best first,
@@ -136,6 +154,9 @@ func (c Card) Append(b []byte) []byte {
 	for _, p := range c.Providers {
 		b = appendString(b, p)
 	}
+	if c.Process != "" {
+		b = appendString(b, c.Process)
+	}
 	return b
 }
 
@@ -169,6 +190,12 @@ func Decode(b []byte) (Card, error) {
 			return Card{}, err
 		}
 		c.Providers = append(c.Providers, p)
+	}
+	if len(b) != 0 {
+		// The process id, which a card of an earlier release lacks.
+		if c.Process, b, err = readString(b); err != nil {
+			return Card{}, err
+		}
 	}
 	if len(b) != 0 {
 		return Card{}, fmt.Errorf("%w: host card: %d trailing bytes", verbsio.ErrBadFrame, len(b))

@@ -5,6 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -84,15 +85,47 @@ func TestLocalReadsRoot(t *testing.T) {
 	if self.NetNS == "" || self.PIDNS == "" {
 		t.Errorf("this process's card lacks namespaces: %+v", self)
 	}
+	if c.Process != "" {
+		t.Errorf("a root without proc/self gave process %q", c.Process)
+	}
+	if want := strconv.Itoa(os.Getpid()); self.Process != want {
+		t.Errorf("this process's card says process %q, want %s", self.Process, want)
+	}
+}
+
+func TestSameProcess(t *testing.T) {
+	a := card(boot, "net:[1]", "pid:[2]", "onnode")
+	a.Process = "42"
+	for _, tc := range []struct {
+		edit func(*Card)
+		want bool
+	}{
+		{func(*Card) {}, true},
+		{func(c *Card) { c.Process = "43" }, false},
+		{func(c *Card) { c.PIDNS = "pid:[3]" }, false},
+		{func(c *Card) { c.Host = "other" }, false},
+		{func(c *Card) { c.Process = "" }, false},
+	} {
+		b := a
+		tc.edit(&b)
+		if got := SameProcess(a, b); got != tc.want {
+			t.Errorf("SameProcess(%+v, %+v) = %v, want %v", a, b, got, tc.want)
+		}
+	}
+	if SameProcess(Card{}, Card{}) {
+		t.Error("two unknown cards are one process")
+	}
 }
 
 func TestRoundTrip(t *testing.T) {
-	for _, c := range []Card{{}, card(boot, "net:[1]", "pid:[2]", "onnode", "tcp")} {
+	withProcess := card(boot, "net:[1]", "pid:[2]", "onnode")
+	withProcess.Process = "4242"
+	for _, c := range []Card{{}, card(boot, "net:[1]", "pid:[2]", "onnode", "tcp"), withProcess} {
 		got, err := Decode(c.Append(nil))
 		if err != nil {
 			t.Fatal(err)
 		}
-		if got.Host != c.Host || got.NetNS != c.NetNS || got.PIDNS != c.PIDNS || !slices.Equal(got.Providers, c.Providers) {
+		if got.Host != c.Host || got.NetNS != c.NetNS || got.PIDNS != c.PIDNS || !slices.Equal(got.Providers, c.Providers) || got.Process != c.Process {
 			t.Errorf("round trip %+v -> %+v", c, got)
 		}
 	}
@@ -110,6 +143,7 @@ func TestRoundTrip(t *testing.T) {
 func FuzzDecode(f *testing.F) {
 	f.Add(card(boot, "net:[1]", "pid:[2]", "onnode", "tcp").Append(nil))
 	f.Add(Card{}.Append(nil))
+	f.Add(Card{Host: boot, PIDNS: "pid:[2]", Providers: []string{"tcp"}, Process: "4242"}.Append(nil))
 	f.Add([]byte{1, 0, 0, 0, 0, 0, 0, 200})
 	f.Fuzz(func(t *testing.T, b []byte) {
 		c, err := Decode(b)
@@ -120,7 +154,7 @@ func FuzzDecode(f *testing.F) {
 			return
 		}
 		again, err := Decode(c.Append(nil))
-		if err != nil || again.Host != c.Host || !slices.Equal(again.Providers, c.Providers) {
+		if err != nil || again.Host != c.Host || !slices.Equal(again.Providers, c.Providers) || again.Process != c.Process {
 			t.Fatalf("re-encoded card does not decode the same: %+v, %v", again, err)
 		}
 	})
