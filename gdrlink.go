@@ -613,8 +613,8 @@ type Stats struct {
 	Yield bool
 	// Procs is what Join set GOMAXPROCS to, this process's share of the
 	// CPUs where the host runs more ranks of the job than it may use
-	// CPUs (GDRLINK_YIELD=auto; not where the GOMAXPROCS variable is
-	// set); 0 where Join left it alone.
+	// CPUs and reaches the others over onnode (GDRLINK_YIELD=auto; not
+	// where the GOMAXPROCS variable is set); 0 where Join left it alone.
 	Procs int
 }
 

@@ -156,8 +156,9 @@ type Channel struct {
 	// Sends end when it completes (eagerSender.settle).
 	slotEager []slotEager
 	// takesEager: this side offered wire.HelloEager (takesEager, in New);
-	// eager: it sends EAGER to the peer, which offered it, outside
-	// checksum mode; peerSlot is the size of the peer's receive buffers.
+	// eager: it sends EAGER to the peer, which offered it (and, in
+	// checksum mode, wire.HelloEagerChecksum); peerSlot is the size of the
+	// peer's receive buffers.
 	takesEager, eager bool
 	peerSlot          int
 	// peerEager: the peer offered wire.HelloEager, and so reads a BYE
@@ -332,7 +333,7 @@ func (c *Channel) Hello() []byte {
 		m.Flags |= wire.HelloPull
 	}
 	if c.takesEager {
-		m.Flags |= wire.HelloEager
+		m.Flags |= wire.HelloEager | wire.HelloEagerChecksum
 	}
 	ep := c.qp.Endpoint()
 	m.Endpoints[0] = wire.Endpoint{Provider: []byte(ep.Provider), Host: []byte(ep.Host), Data: ep.Data}
@@ -393,7 +394,8 @@ func (c *Channel) Connect(ctx context.Context, peerHello []byte) error {
 	}
 	c.pull = c.opts.puller != nil && !c.opts.firstRelease && m.Flags&wire.HelloPull != 0
 	c.peerEager = m.Flags&wire.HelloEager != 0
-	c.eager = c.opts.eagerMax > 0 && c.slot > wire.MinSlot && !checksum && c.peerEager
+	c.eager = c.opts.eagerMax > 0 && c.slot > wire.MinSlot && c.peerEager &&
+		(!checksum || m.Flags&wire.HelloEagerChecksum != 0)
 	c.peerSlot = int(min(m.Slot, uint32(wire.MaxFrame)))
 	c.live.peerRing = int(m.Ring)
 	c.mu.Unlock()
@@ -500,14 +502,24 @@ func (c *Channel) Close() error {
 	}
 	c.mu.Lock()
 	wasConnected := c.state == stateConnected
-	// Writes in flight: the peer's BYE tells which arrived.
-	waitPeer := wasConnected && c.snd.inFlightLocked()
+	// Writes in flight, or EAGER frames whose delivery is not known yet:
+	// the peer's BYE tells which arrived.
+	eagers := c.snd.eager.pending
+	waitPeer := wasConnected && (c.snd.inFlightLocked() || len(eagers) > 0)
 	if wasConnected {
 		c.postByeLocked()
 	}
 	c.byeSentLocked() // unless posted: then its completion says it left
 	var ds deliveries
-	c.failLocked(fmt.Errorf("%w: closed by this side", ErrClosed), &ds, stateClosed)
+	closed := fmt.Errorf("%w: closed by this side", ErrClosed)
+	if waitPeer {
+		// Their Sends end at the peer's BYE (onByeLocked), or below.
+		c.snd.eager.pending = nil
+	}
+	c.failLocked(closed, &ds, stateClosed)
+	if waitPeer {
+		c.snd.eager.pending = eagers
+	}
 	started := c.started
 	if !started {
 		c.peerByeLocked()
@@ -539,6 +551,12 @@ func (c *Channel) Close() error {
 			<-rl.done
 		}
 	}
+	// EAGER frames no BYE counted: not known delivered.
+	var late deliveries
+	c.mu.Lock()
+	c.snd.eager.failLocked(closed, &late)
+	c.mu.Unlock()
+	late.run()
 	return c.release()
 }
 
@@ -646,8 +664,9 @@ func (c *Channel) onByeLocked(m *wire.Message, ds *deliveries) {
 	}
 	if m.Flags&wire.ByeEagers != 0 {
 		// The EAGER frames it took in are delivered, whatever became of
-		// the SENDs' completions.
+		// the SENDs' completions (or the TAKENs); the others never will be.
 		c.snd.eager.settle(m.Eagers, ds)
+		c.snd.eager.failLocked(fmt.Errorf("%w: by peer %s, which did not take the tensor in", ErrClosed, c.peer), ds)
 	}
 	if c.state == stateConnected {
 		c.postByeLocked()
@@ -956,8 +975,12 @@ func (c *Channel) handleLocked(wc *verbsio.Completion, ds *deliveries) {
 		c.sqOut--
 		c.freeSlots = append(c.freeSlots, int(id))
 		if int(id) < len(c.slotEager) && c.slotEager[id].has {
-			// The EAGER frames it carried are the peer's.
-			c.snd.eager.settle(c.slotEager[id].end, ds)
+			// The EAGER frames it carried are the peer's (in checksum
+			// mode their Sends end at the TAKEN that counts them, once
+			// the peer has checked their bytes).
+			if !c.checksum {
+				c.snd.eager.settle(c.slotEager[id].end, ds)
+			}
 			c.slotEager[id] = slotEager{}
 		}
 		if wc.WRID == c.byeWRID {
@@ -1042,6 +1065,10 @@ func (c *Channel) enqueueEagerLocked(m *wire.Message, seq uint32) {
 	c.enqueueLocked(m)
 	it := &c.outq[len(c.outq)-1]
 	it.eager, it.eagerSeq = true, seq
+	if c.opts.corrupt != nil {
+		// The test hook: the bytes on their way, after their checksum.
+		c.opts.corrupt(string(m.Name), m.Step, it.frame[len(it.frame)-len(m.Data):])
+	}
 }
 
 // slotEager: a SEND carries EAGER frames, the last of sequence end-1.

@@ -270,7 +270,7 @@ func TestChecksumDetectsCorruption(t *testing.T) {
 			}
 			return nil
 		}
-		a, b := pair(t, provider, WithChecksum(true), corrupt)
+		a, b := pair(t, provider, WithChecksum(true), WithEager(0), corrupt)
 		ctx := recvCtx(t)
 		for step := int64(0); step < 2; step++ {
 			for _, key := range []string{"good", "bad"} {

@@ -104,12 +104,19 @@ func TestTwoProcessConfirmClean(t *testing.T) {
 // The sender keeps a source until its CONFIRM, and a Close with some
 // outstanding, on either side, still reports delivered exactly what the
 // receiver got: the CONFIRMs still waiting go out ahead of the BYE (the
-// receiver's own, or its answer to the sender's).
+// receiver's own, or its answer to the sender's). The same holds of
+// tensors sent eagerly, whose Sends end at the TAKEN that counts them:
+// those still waiting for one end at the peer's BYE.
 func TestConfirmAcrossClose(t *testing.T) {
 	forEachProvider(t, func(t *testing.T, provider string) {
-		for _, senderFirst := range []bool{false, true} {
-			t.Run(fmt.Sprintf("sender-closes-first=%v", senderFirst), func(t *testing.T) {
-				a, b := pair(t, provider, WithChecksum(true))
+		for _, tc := range []struct{ senderFirst, eager bool }{{false, false}, {true, false}, {false, true}, {true, true}} {
+			senderFirst := tc.senderFirst
+			t.Run(fmt.Sprintf("sender-closes-first=%v/eager=%v", senderFirst, tc.eager), func(t *testing.T) {
+				eagerMax := 0
+				if tc.eager {
+					eagerMax = defaultEagerMax
+				}
+				a, b := pair(t, provider, WithChecksum(true), WithEager(eagerMax))
 				ctx := recvCtx(t)
 				const n = 50
 				dones := make(chan error, n)
@@ -155,8 +162,9 @@ func TestConfirmAcrossClose(t *testing.T) {
 				if delivered != got {
 					t.Fatalf("sender reports %d delivered, the receiver got %d", delivered, got)
 				}
-				if st := a.ch.Stats(); st.WritesOut != uint64(got) {
-					t.Fatalf("sender counts %d writes out, the receiver got %d", st.WritesOut, got)
+				st := a.ch.Stats()
+				if out := st.WritesOut + st.EagerOut; out != uint64(got) || tc.eager != (st.EagerOut > 0) {
+					t.Fatalf("sender counts %d writes and %d tensors sent eagerly, the receiver got %d", st.WritesOut, st.EagerOut, got)
 				}
 			})
 		}
@@ -371,7 +379,7 @@ func TestNegotiateChecksum(t *testing.T) {
 // Send then completes; without held confirmations it sends nothing.
 func TestConfirmNow(t *testing.T) {
 	forEachProvider(t, func(t *testing.T, provider string) {
-		a, b := pair(t, provider, WithChecksum(true))
+		a, b := pair(t, provider, WithChecksum(true), WithEager(0))
 		ctx := recvCtx(t)
 		held := func() int {
 			b.ch.mu.Lock()

@@ -29,7 +29,12 @@
 // crossed the EAGER, takes it, and the sender drops that request. A
 // window of 32 such tensors per channel bounds what the receiver keeps;
 // TAKEN messages move it. Both peers must offer it (a channel whose Recvs
-// may want device memory does not), and checksum mode sends none.
+// may want device memory does not). In checksum mode each EAGER carries
+// the CRC-32C of its bytes, the receiver checks them on arrival and sends
+// a TAKEN for every tensor a Recv takes, and the Send ends at that TAKEN
+// (the bytes arrived intact) rather than when its SEND completes; an
+// EAGER whose bytes do not match fails the channel (*ChecksumError),
+// nothing of it delivered.
 //
 // Results for a GPU land in GPU memory the NIC can write (PathDirectGPU),
 // or, through a Proxy (ProxyPath adapts package proxy), in a pinned host

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"unsafe"
 
+	"github.com/gdrlink/gdrlink/internal/crc32c"
 	"github.com/gdrlink/gdrlink/internal/wire"
 	"github.com/gdrlink/gdrlink/tensor"
 )
@@ -11,7 +12,10 @@ import (
 // Eager tensors (WithEager). A Send of a small host tensor for which no
 // request has come goes at once as an EAGER frame, its bytes copied into
 // the frame, to a peer that takes them (wire.HelloEager); the Send ends
-// when the SEND carrying it completes, or the peer's BYE counts it. The
+// when the SEND carrying it completes, or the peer's BYE counts it (in
+// checksum mode, with wire.HelloEagerChecksum from the peer, the frame
+// carries the CRC-32C of the bytes and the Send ends at the TAKEN or BYE
+// that counts it, once the receiver found them intact). The
 // receiver hands the frame to the Recv of its key and step: to a Recv
 // already waiting (its TENSOR_REQUEST crossed the EAGER: the sender drops
 // that request), copying the bytes into its result, or, kept in a block
@@ -110,6 +114,9 @@ func (s *sender) sendEagerLocked(k skey, t *tensor.Tensor, serr error, done func
 	}
 	m := wire.Message{Type: wire.TypeEager, Step: k.step, Name: unsafe.Slice(unsafe.StringData(k.name), len(k.name)), Data: b[:meta.ByteSize]}
 	m.Meta.SetMeta(meta)
+	if c.checksum {
+		m.Flags, m.Checksum = wire.EagerChecksum, crc32c.Checksum(m.Data)
+	}
 	if n := m.Len(); n > c.peerSlot || n > c.slot {
 		return false
 	}
@@ -118,7 +125,8 @@ func (s *sender) sendEagerLocked(k skey, t *tensor.Tensor, serr error, done func
 		return false
 	}
 	// The frame holds a copy of the bytes; the Send ends when its SEND
-	// completes (the peer has the frame), or with the channel's error
+	// completes (the peer has the frame), in checksum mode when a TAKEN
+	// counts it (the peer checked its bytes), or with the channel's error
 	// (which a new connection may send it again for).
 	c.enqueueEagerLocked(&m, s.eager.seq)
 	s.eager.pending = append(s.eager.pending, eagerSend{seq: s.eager.seq, done: done})
@@ -151,6 +159,12 @@ func (s *sender) onTakenLocked(m *wire.Message, ds *deliveries) {
 		return
 	}
 	s.eager.taken = m.Count
+	if s.c.checksum {
+		// Frames arrive in order, and one whose bytes do not match its
+		// checksum fails the channel: a TAKEN of n says frames 0..n-1
+		// arrived good.
+		s.eager.settle(m.Count, ds)
+	}
 	for k, seq := range s.eager.sent {
 		if int32(seq-m.Count) < 0 {
 			delete(s.eager.sent, k)
@@ -199,6 +213,8 @@ type eagerHeld struct {
 	meta tensor.Meta
 	buf  tensor.Buffer
 	data []byte
+	// checked: the bytes matched the frame's checksum (checksum mode).
+	checked bool
 }
 
 // bytes is where h's bytes are.
@@ -225,9 +241,23 @@ func (rv *receiver) releaseHeld(h *eagerHeld) {
 // kept for the one to come.
 func (rv *receiver) onEagerLocked(m *wire.Message, ds *deliveries) {
 	c := rv.c
-	if !c.takesEager || c.checksum {
+	if !c.takesEager {
 		c.protocolLocked(ds, "EAGER for %q step %d, which this side did not offer to take", printName(m.Name), m.Step)
 		return
+	}
+	if c.checksum && m.Flags&wire.EagerChecksum == 0 {
+		c.protocolLocked(ds, "EAGER for %q step %d without a checksum, in checksum mode", printName(m.Name), m.Step)
+		return
+	}
+	if m.Flags&wire.EagerChecksum != 0 {
+		if got := crc32c.Checksum(m.Data); got != m.Checksum {
+			// Corrupted on the way: nothing of it is delivered, and the
+			// channel fails, ending the Send that sent it (not yet
+			// counted by a TAKEN) with its error.
+			err := &ChecksumError{Peer: c.peer, Key: string(m.Name), Step: m.Step, Tries: 1, Got: got, Want: m.Checksum}
+			c.failLocked(fmt.Errorf("%w: from %s: an EAGER frame: %w", ErrProtocol, c.peer, err), ds, stateFailed)
+			return
+		}
 	}
 	if int(rv.eager.in-rv.eager.taken) >= wire.EagerWindow {
 		c.protocolLocked(ds, "EAGER for %q step %d beyond the window of %d not taken", printName(m.Name), m.Step, wire.EagerWindow)
@@ -240,7 +270,7 @@ func (rv *receiver) onEagerLocked(m *wire.Message, ds *deliveries) {
 	}
 	rv.eager.in++
 	rv.stats.eagerIn.Add(1)
-	h := &eagerHeld{meta: m.Meta.Tensor(), data: m.Data}
+	h := &eagerHeld{meta: m.Meta.Tensor(), data: m.Data, checked: m.Flags&wire.EagerChecksum != 0}
 	if r := rv.byKey[k]; r != nil {
 		if rv.eagerIntoLocked(r, h, ds) {
 			return
@@ -269,7 +299,7 @@ func (rv *receiver) onEagerLocked(m *wire.Message, ds *deliveries) {
 // r then fails, and h waits for the next Recv of its key and step).
 func (rv *receiver) eagerIntoLocked(r *request, h *eagerHeld, ds *deliveries) bool {
 	c := rv.c
-	r.eager = true
+	r.eager, r.hasCRC = true, h.checked
 	if h.buf != nil && r.into == nil && r.dev == tensor.Host && h.meta.DType != tensor.String {
 		// The block is the result as it is: no copy.
 		rv.revokeLocked(r, 0)
@@ -318,15 +348,16 @@ func (rv *receiver) eagerDoneLocked(r *request, meta tensor.Meta, ds *deliveries
 
 // takenEvery is how many EAGER frames handed to Recvs a TAKEN counts: a
 // quarter window, so that a sender pushing a stream has three quarters
-// still in flight while a TAKEN travels and its sender wakes to it.
+// still in flight while a TAKEN travels and its sender wakes to it. In
+// checksum mode every one: the TAKEN ends the Send (eagerSender.settle).
 const takenEvery = wire.EagerWindow / 4
 
 // takenLocked counts an EAGER frame handed to a Recv, and sends TAKEN once
-// takenEvery are owed.
+// takenEvery are owed (in checksum mode, at once).
 func (rv *receiver) takenLocked() {
 	c := rv.c
 	rv.eager.taken++
-	if rv.eager.taken-rv.eager.reported >= takenEvery {
+	if rv.eager.taken-rv.eager.reported >= takenEvery || c.checksum {
 		m := wire.Message{Type: wire.TypeTaken, Count: rv.eager.taken}
 		c.enqueueLocked(&m)
 		rv.eager.reported = rv.eager.taken

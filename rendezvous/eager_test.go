@@ -11,8 +11,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gdrlink/gdrlink/internal/crc32c"
 	"github.com/gdrlink/gdrlink/internal/wire"
 	"github.com/gdrlink/gdrlink/tensor"
+	"github.com/gdrlink/gdrlink/verbsio"
 )
 
 // eagerFrame is an EAGER frame for key and step of n float32s, each byte
@@ -262,7 +264,8 @@ func TestEagerHostile(t *testing.T) {
 
 // TestEagerPair runs real channels: a small Send made before its Recv goes
 // eagerly (the Recv sends no request), a tensor above the bound and one
-// with no bytes go by request, and in checksum mode nothing goes eagerly.
+// with no bytes go by request, with and without checksum mode (where its
+// checksum goes with it, and its Send ends at the TAKEN that counts it).
 func TestEagerPair(t *testing.T) {
 	forEachProvider(t, func(t *testing.T, provider string) {
 		ctx := recvCtx(t)
@@ -273,8 +276,8 @@ func TestEagerPair(t *testing.T) {
 				shape tensor.Shape
 				eager bool
 			}{
-				{"float32", tensor.Shape{1024}, !checksum}, // 4 KiB
-				{"int8", tensor.Shape{3}, !checksum},
+				{"float32", tensor.Shape{1024}, true}, // 4 KiB
+				{"int8", tensor.Shape{3}, true},
 				{"float32", tensor.Shape{1025}, false}, // above the bound
 				{"dead:float32", tensor.Shape{2}, false},
 			}
@@ -310,8 +313,8 @@ func TestEagerPair(t *testing.T) {
 					t.Errorf("checksum %v, %s %v: %d requests for a tensor that came eagerly, want 0", checksum, tc.kind, tc.shape, after.Requests-before.Requests)
 				}
 			}
-			if checksum && a.ch.Stats().EagerOut != 0 {
-				t.Errorf("checksum mode: %d tensors sent eagerly, want 0", a.ch.Stats().EagerOut)
+			if n := a.ch.Stats().EagerOut; n != 2 {
+				t.Errorf("checksum %v: %d tensors sent eagerly, want 2", checksum, n)
 			}
 		}
 	})
@@ -416,3 +419,89 @@ func TestEagerConcurrent(t *testing.T) {
 		}
 	})
 }
+
+// TestEagerChecksumEndsAtTaken: in checksum mode an EAGER carries the
+// CRC-32C of its bytes, its Send does not end when the SEND that carried
+// it completes but at the TAKEN that counts it (the receiver checked the
+// bytes), and a receiver hands a checked tensor on as checksummed; an
+// EAGER without a checksum there fails the channel.
+func TestEagerChecksumEndsAtTaken(t *testing.T) {
+	c, q, done := stubChannel(t, true)
+	defer done()
+	c.mu.Lock()
+	c.checksum = true
+	c.mu.Unlock()
+	sent := make(chan error, 1)
+	src := stubTensor(t)
+	want, _ := src.Bytes()
+	want = append([]byte(nil), want...)
+	if err := c.SendFunc("c", 0, src, func(err error) { sent <- err }); err != nil {
+		t.Fatal(err)
+	}
+	// The frame as posted: flagged, with the CRC of the bytes.
+	var last sentFrame
+	for _, f := range q.frames {
+		if f.typ == wire.TypeEager {
+			last = f
+		}
+	}
+	slot := int(last.wrid &^ wridKind)
+	var m wire.Message
+	b := c.sendSlot(slot)
+	for len(b) > 0 {
+		n, err := wire.Decode(b, &m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if m.Type == wire.TypeEager && string(m.Name) == "c" {
+			break
+		}
+		b = b[n:]
+	}
+	if m.Type != wire.TypeEager || m.Flags&wire.EagerChecksum == 0 || m.Checksum != crcOf(want) || !bytes.Equal(m.Data, want) {
+		t.Fatalf("EAGER posted: type %s flags %#x checksum %#x; want the flag and %#x", m.Type, m.Flags, m.Checksum, crcOf(want))
+	}
+	// Its SEND completes: not the end of the Send in checksum mode.
+	var ds deliveries
+	c.mu.Lock()
+	c.sqOut++ // the stub posted it; its completion counts it back
+	c.handleLocked(&verbsio.Completion{WRID: last.wrid, Status: verbsio.StatusSuccess, Op: verbsio.OpSend}, &ds)
+	c.mu.Unlock()
+	ds.run()
+	select {
+	case err := <-sent:
+		t.Fatalf("the Send ended (%v) at its SEND's completion, before a TAKEN", err)
+	default:
+	}
+	// The stub's own Send was frame 0, this one frame 1: a TAKEN of 2.
+	taken := wire.Message{Type: wire.TypeTaken, Count: 2}
+	feed(c, taken.Append(nil), nil)
+	select {
+	case err := <-sent:
+		if err != nil {
+			t.Fatalf("the Send ended with %v at the TAKEN", err)
+		}
+	default:
+		t.Fatal("the Send did not end at the TAKEN that counts it")
+	}
+	// Receiving: a checked EAGER is delivered as checksummed; one without
+	// a checksum fails the channel.
+	in := eagerFrame(t, "in", 0, 4, 7)
+	in.Flags, in.Checksum = wire.EagerChecksum, crcOf(in.Data)
+	feed(c, in.Append(nil), nil)
+	r := <-recvOne(c, "in", 0)
+	wantEager(t, "checked EAGER", r, 4, 7)
+	if !r.tr.Checksummed {
+		t.Error("a checked EAGER is not reported checksummed")
+	}
+	if n := countFrames(q, wire.TypeTaken); n != 1 {
+		t.Errorf("%d TAKEN sent for one tensor taken in checksum mode, want 1", n)
+	}
+	plain := eagerFrame(t, "plain", 0, 4, 1)
+	feed(c, plain.Append(nil), nil)
+	if err := c.Err(); !errors.Is(err, ErrProtocol) {
+		t.Errorf("an EAGER without a checksum in checksum mode: %v, want ErrProtocol", err)
+	}
+}
+
+func crcOf(b []byte) uint32 { return crc32c.Checksum(b) }

@@ -276,5 +276,5 @@ func Example_endpoint() {
 	arena, _ := receiver.Pool.ArenaOf(got.Addr())
 	_, registered := visitor.MemoryRegionOf(arena)
 	fmt.Println(v, tr.Path, "registered:", registered)
-	// Output: [1 2 3 4] direct registered: true
+	// Output: [1 2 3 4] eager registered: true
 }

@@ -68,6 +68,9 @@ func Example() {
 			vals[i] = float32(step*10) + float32(i)
 		}
 		// Send never waits for the network; the channel releases src.
+		// A tensor this small, sent before its Recv asks, goes eagerly
+		// in a control message (path eager); a larger one is written
+		// into the Recv's result (path direct).
 		if err := sender.Send("layer0/out", step, src); err != nil {
 			panic(err)
 		}
@@ -80,8 +83,8 @@ func Example() {
 		got.Release()
 	}
 	// Output:
-	// float32[2 3] 24 B [0 1 2 3 4 5] path: direct meta-data round trip: true
-	// float32[2 3] 24 B [10 11 12 13 14 15] path: direct meta-data round trip: false
+	// float32[2 3] 24 B [0 1 2 3 4 5] path: eager meta-data round trip: false
+	// float32[2 3] 24 B [10 11 12 13 14 15] path: eager meta-data round trip: false
 }
 
 // Checksum mode is on by default where bytes cross a network that may

@@ -12,7 +12,7 @@ import (
 // re-request follows. Growth still needs the round trip.
 func TestChangedTensorThatFitsNeedsNoReRequest(t *testing.T) {
 	forEachProvider(t, func(t *testing.T, provider string) {
-		a, b := pair(t, provider, WithChecksum(true))
+		a, b := pair(t, provider, WithChecksum(true), WithEager(0))
 		ctx := recvCtx(t)
 		steps := []struct {
 			shape             tensor.Shape

@@ -265,7 +265,10 @@ func startPeer(t *testing.T, provider string, checksum bool) *peerProc {
 	var opts []Option
 	var env []string
 	if checksum {
-		opts = append(opts, WithChecksum(true))
+		// The write path's checksums (its corruptions are of writes):
+		// the receiver takes no tensor eagerly (TestTwoProcessEagerChecksum
+		// has those).
+		opts = append(opts, WithChecksum(true), WithEager(0))
 		env = append(env, "GDRLINK_RDV_CHECKSUM=1")
 	}
 	return startPeerWith(t, provider, nil, env, nil, opts...)
@@ -573,6 +576,50 @@ func TestTwoProcessChecksum(t *testing.T) {
 			if !errors.Is(err, ErrChecksum) {
 				t.Fatalf("corrupted write step %d: %v, want ErrChecksum", step, err)
 			}
+		}
+	})
+}
+
+// TestTwoProcessEagerChecksum: in checksum mode a small tensor sent before
+// its Recv goes eagerly with the CRC-32C of its bytes, and arrives
+// checked; one corrupted on the way is never delivered: its Recv fails
+// with ErrChecksum, as does the channel.
+func TestTwoProcessEagerChecksum(t *testing.T) {
+	forEachProvider(t, func(t *testing.T, provider string) {
+		p := startPeerWith(t, provider, nil, []string{"GDRLINK_RDV_CHECKSUM=1"}, nil, WithChecksum(true))
+		ctx := recvCtx(t)
+		waitEager := func(n uint64) {
+			t.Helper()
+			deadline := time.Now().Add(10 * time.Second)
+			for p.local.ch.Stats().EagerIn < n && time.Now().Before(deadline) {
+				time.Sleep(time.Millisecond)
+			}
+		}
+		for step := int64(0); step < 3; step++ {
+			p.send("send clean %d float64 100", step)
+			waitEager(uint64(step) + 1)
+			got, tr, err := p.local.ch.Recv(ctx, "clean", step)
+			if err != nil || !tr.Checksummed || tr.Path != PathEager {
+				t.Fatalf("clean step %d: %v (checksummed %v, path %s), want eager and checksummed", step, err, tr.Checksummed, tr.Path)
+			}
+			if err := checkTensor(got, "float64", tensor.Shape{100}, "clean", step); err != nil {
+				t.Fatal(err)
+			}
+			_ = got.Release()
+		}
+		// No Recv asks for it, so it goes eagerly, and fails the channel.
+		p.send("send corrupt 0 float64 100")
+		deadline := time.Now().Add(10 * time.Second)
+		for p.local.ch.Err() == nil && time.Now().Before(deadline) {
+			time.Sleep(time.Millisecond)
+		}
+		_, _, err := p.local.ch.Recv(ctx, "corrupt", 0)
+		var ce *ChecksumError
+		if !errors.Is(err, ErrChecksum) || !errors.As(err, &ce) || ce.Key != "corrupt" || ce.Got == ce.Want {
+			t.Fatalf("a corrupted EAGER: %v, want a ChecksumError for \"corrupt\"", err)
+		}
+		if err := p.local.ch.Err(); !errors.Is(err, ErrChecksum) {
+			t.Errorf("channel after a corrupted EAGER: %v, want ErrChecksum", err)
 		}
 	})
 }

@@ -211,7 +211,21 @@ const (
 	// up to EagerWindow of them not yet taken by a Recv, and sends TAKEN.
 	// A peer sends EAGER only to a peer that offered it.
 	HelloEager
-	helloAll = HelloChecksum | HelloChecksumAuto | HelloConfirm | HelloPull | HelloEager
+	// HelloEagerChecksum: with HelloEager, the peer takes EAGER frames in
+	// checksum mode, each carrying the CRC-32C of its bytes
+	// (EagerChecksum), and then sends a TAKEN for every frame it hands to
+	// a Recv. Without it from both peers, a channel in checksum mode sends
+	// no EAGER.
+	HelloEagerChecksum
+	helloAll = HelloChecksum | HelloChecksumAuto | HelloConfirm | HelloPull | HelloEager | HelloEagerChecksum
+)
+
+// Flags of EAGER.
+const (
+	// EagerChecksum: Checksum holds the CRC-32C of the tensor's bytes
+	// (a channel in checksum mode).
+	EagerChecksum uint8 = 1 << iota
+	eagerAll            = EagerChecksum
 )
 
 // EagerWindow is how many EAGER frames a sender may have sent that the
@@ -320,8 +334,8 @@ type Endpoint struct {
 //	CHECKSUM            Req Checksum
 //	CANCEL              Req [Code]
 //	CONFIRM             Flags(ConfirmBad) Req
-//	HELLO               Flags(HelloChecksum|HelloChecksumAuto|HelloConfirm|HelloPull|HelloEager) Ring Slot Text(peer name) Host Endpoints
-//	EAGER               Flags(none) Step Name Meta Data(the rest of the frame: Meta.ByteSize bytes)
+//	HELLO               Flags(HelloChecksum|HelloChecksumAuto|HelloConfirm|HelloPull|HelloEager|HelloEagerChecksum) Ring Slot Text(peer name) Host Endpoints
+//	EAGER               Flags(EagerChecksum) Step Name Meta [Checksum] Data(the rest of the frame: Meta.ByteSize bytes)
 //	TAKEN               Count
 //
 // Credits rides in every header. ChunkShift is optional in both requests so
@@ -450,6 +464,9 @@ func (m *Message) Len() int {
 		}
 	case TypeEager:
 		n += 1 + 8 + 2 + len(m.Name) + m.Meta.len() + len(m.Data)
+		if m.Flags&EagerChecksum != 0 {
+			n += 4
+		}
 	case TypeTaken:
 		n += 4
 	case TypeHello:
@@ -548,6 +565,9 @@ func (m *Message) Append(b []byte) []byte {
 		b = le.AppendUint64(b, uint64(m.Step))
 		b = appendBytes16(b, m.Name)
 		b = m.Meta.append(b)
+		if m.Flags&EagerChecksum != 0 {
+			b = le.AppendUint32(b, m.Checksum)
+		}
 		b = append(b, m.Data...)
 	case TypeTaken:
 		b = le.AppendUint32(b, m.Count)
@@ -742,7 +762,7 @@ func Decode(b []byte, m *Message) (int, error) {
 	case TypeCredit:
 	case TypeEager:
 		m.Flags = r.u8()
-		if r.err == nil && m.Flags != 0 {
+		if r.err == nil && m.Flags&^eagerAll != 0 {
 			return 0, fmt.Errorf("%w: %#x in %s", ErrFlags, m.Flags, t)
 		}
 		m.Step = int64(r.u64())
@@ -755,6 +775,9 @@ func Decode(b []byte, m *Message) (int, error) {
 		r.meta(&m.Meta)
 		if r.err == nil && (m.Meta.Dead || m.Meta.ByteSize == 0 || m.Meta.DType == tensor.String) {
 			return 0, fmt.Errorf("%w: %s of a dead, empty or string tensor at offset %d", ErrField, t, at)
+		}
+		if m.Flags&EagerChecksum != 0 {
+			m.Checksum = r.u32()
 		}
 		if r.err == nil && int64(len(r.b)-r.off) != m.Meta.ByteSize {
 			return 0, fmt.Errorf("%w: %s of %d tensor bytes carries %d at offset %d", ErrLength, t, m.Meta.ByteSize, len(r.b)-r.off, r.off)

@@ -60,6 +60,13 @@ func samples(t testing.TB) []Message {
 		{Type: TypeTaken, Credits: 1, Count: 0xfffffff0},
 		func() Message { h := hello; h.Flags = HelloEager; h.Slot = MaxFrame; return h }(),
 		{Type: TypeBye, Flags: ByeImms | ByeEagers, Imms: 3, Eagers: 0xffffffff},
+		{Type: TypeEager, Flags: EagerChecksum, Step: 78, Name: []byte("grad/layer2"), Meta: metaOf(t, tensor.Float32, 4), Checksum: 0xc0ffee01, Data: bytes.Repeat([]byte{0xa5}, 16)},
+		func() Message {
+			h := hello
+			h.Flags = HelloChecksum | HelloConfirm | HelloEager | HelloEagerChecksum
+			h.Slot = MaxFrame
+			return h
+		}(),
 	}
 }
 
@@ -189,8 +196,9 @@ func TestDecodeRejects(t *testing.T) {
 		}(), ErrMeta},
 		{"response flags", func() []byte { b := good(4); b[8] = 0x10; return b }(), ErrFlags},
 		{"final and write follows", func() []byte { b := good(4); b[8] = RespFinal | RespWriteFollows; return b }(), ErrFlags},
-		{"hello flags", func() []byte { b := good(16); b[8] = 0x20; return b }(), ErrFlags},
-		{"eager flags", func() []byte { b := good(28); b[8] = 1; return b }(), ErrFlags},
+		{"hello flags", func() []byte { b := good(16); b[8] = 0x40; return b }(), ErrFlags},
+		{"eager flags", func() []byte { b := good(28); b[8] = 2; return b }(), ErrFlags},
+		{"eager checksum missing", func() []byte { b := good(28); b[8] = EagerChecksum; return b }(), ErrLength},
 		{"eager empty name", func() []byte {
 			m := samples(t)[28]
 			m.Name = nil
