@@ -505,3 +505,52 @@ func TestEagerChecksumEndsAtTaken(t *testing.T) {
 }
 
 func crcOf(b []byte) uint32 { return crc32c.Checksum(b) }
+
+// TestEagerCorruptedNotDelivered: an EAGER corrupted on the way (checksum
+// mode) fails the receiver's channel with ErrChecksum, and its Send is
+// never reported delivered: it ends with an error once the channels go.
+func TestEagerCorruptedNotDelivered(t *testing.T) {
+	forEachProvider(t, func(t *testing.T, provider string) {
+		corrupt := func(o *options) error {
+			o.corrupt = func(key string, _ int64, b []byte) {
+				if key == "bad" {
+					b[0] ^= 0x10
+				}
+			}
+			return nil
+		}
+		a, b := pair(t, provider, WithChecksum(true), corrupt)
+		src, err := makeTensor(a.pool, "float32", tensor.Shape{64}, "bad", 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sent := make(chan error, 1)
+		if err := a.ch.SendFunc("bad", 0, src, func(err error) { _ = src.Release(); sent <- err }); err != nil {
+			t.Fatal(err)
+		}
+		deadline := time.Now().Add(10 * time.Second)
+		for b.ch.Err() == nil && time.Now().Before(deadline) {
+			time.Sleep(time.Millisecond)
+		}
+		if err := b.ch.Err(); !errors.Is(err, ErrChecksum) {
+			t.Fatalf("receiver's channel after a corrupted EAGER: %v, want ErrChecksum", err)
+		}
+		if st := b.ch.Stats(); st.EagerIn != 0 {
+			t.Errorf("%d EAGERs taken in, want 0", st.EagerIn)
+		}
+		if err := b.ch.Close(); err != nil {
+			t.Fatal(err)
+		}
+		if err := a.ch.Close(); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case err := <-sent:
+			if err == nil {
+				t.Error("the corrupted tensor's Send was reported delivered")
+			}
+		case <-time.After(10 * time.Second):
+			t.Error("the corrupted tensor's Send did not end after both channels closed")
+		}
+	})
+}
