@@ -115,7 +115,7 @@ func (s *sender) sendEagerLocked(k skey, t *tensor.Tensor, serr error, done func
 	m := wire.Message{Type: wire.TypeEager, Step: k.step, Name: unsafe.Slice(unsafe.StringData(k.name), len(k.name)), Data: b[:meta.ByteSize]}
 	m.Meta.SetMeta(meta)
 	if c.checksum {
-		m.Flags, m.Checksum = wire.EagerChecksum, crc32c.Checksum(m.Data)
+		m.Flags = wire.EagerChecksum
 	}
 	if n := m.Len(); n > c.peerSlot || n > c.slot {
 		return false
@@ -123,6 +123,9 @@ func (s *sender) sendEagerLocked(k skey, t *tensor.Tensor, serr error, done func
 	if s.eager.seq-s.eager.taken >= wire.EagerWindow {
 		s.eager.waiting = append(s.eager.waiting, k)
 		return false
+	}
+	if c.checksum {
+		m.Checksum = crc32c.Checksum(m.Data)
 	}
 	// The frame holds a copy of the bytes; the Send ends when its SEND
 	// completes (the peer has the frame), in checksum mode when a TAKEN
