@@ -177,7 +177,8 @@ func BenchmarkRecvChecksum(b *testing.B) {
 		for _, size := range []int64{4 << 10, 1 << 20, 16 << 20} {
 			for _, mode := range []string{"off", "on", "on-noconfirm"} {
 				b.Run(fmt.Sprintf("%s/%dB/checksum=%s", provider, size, mode), func(b *testing.B) {
-					opts := []Option{WithChecksum(mode != "off")}
+					// The write path's checksums: nothing goes eagerly.
+					opts := []Option{WithChecksum(mode != "off"), WithEager(0)}
 					if mode == "on-noconfirm" {
 						opts = append(opts, noConfirm)
 					}
