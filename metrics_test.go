@@ -22,8 +22,7 @@ import (
 // over HTTP, counts each transfer by path with its bytes, the timeout, the
 // connection and the protocol's requests, and a registry of the caller's
 // gathers the same from Collector. Each Send comes before its Recv, so
-// outside checksum mode (onnode) those of up to 4 KiB go eagerly: no
-// request, no write.
+// (on onnode) those of up to 4 KiB go eagerly: no request, no write.
 func TestMetrics(t *testing.T) {
 	gs := joinPair(t, WithMetricsAddr("127.0.0.1:0"))
 	defer func() {

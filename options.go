@@ -146,9 +146,10 @@ func WithProvider(name string) Option {
 // WithEagerMax sets the largest tensor, in bytes, that a Send made before
 // the peer's Recv asks sends at once, in the control message itself, so
 // that the Recv makes no round trip (GDRLINK_EAGER_MAX, a size such as
-// "2KiB"; default 4096, at most 4096; 0: none). Outside checksum mode
-// only, and not to a rank whose results may land on a GPU (a group with
-// WithGPU); Transfer.Path says "eager". See rendezvous.WithEager.
+// "2KiB"; default 4096, at most 4096; 0: none). In checksum mode (tcp's
+// default) with the CRC-32C of the bytes, checked on arrival. Not to a
+// rank whose results may land on a GPU (a group with WithGPU);
+// Transfer.Path says "eager". See rendezvous.WithEager.
 func WithEagerMax(bytes int) Option {
 	return func(c *config) error {
 		if bytes < 0 || bytes > wire.MaxEager {

@@ -123,8 +123,9 @@ type Option func(*options) error
 // receive buffers 4 KiB instead of 8. Only host tensors of fixed-size
 // types go eagerly, only to a peer that takes them (its HELLO says so: a
 // channel with a Proxy, a Puller, or memory on a device does not, since its
-// Recvs may want their result there), and never in checksum mode, whose
-// writes the receiver verifies and confirms.
+// Recvs may want their result there). In checksum mode the frame carries
+// the CRC-32C of the bytes, which the receiver checks, and the Send ends
+// when the receiver's TAKEN counts it, as a write's ends at its CONFIRM.
 func WithEager(maxBytes int) Option {
 	return func(o *options) error {
 		if maxBytes < 0 || maxBytes > wire.MaxEager {
