@@ -352,15 +352,34 @@ func (rv *receiver) eagerDoneLocked(r *request, meta tensor.Meta, ds *deliveries
 // takenEvery is how many EAGER frames handed to Recvs a TAKEN counts: a
 // quarter window, so that a sender pushing a stream has three quarters
 // still in flight while a TAKEN travels and its sender wakes to it. In
-// checksum mode every one: the TAKEN ends the Send (eagerSender.settle).
+// checksum mode, where the TAKEN ends the Send (eagerSender.settle), one
+// also goes for fewer: with the next control frame, or alone after
+// confirmDelay, as a CONFIRM does.
 const takenEvery = wire.EagerWindow / 4
 
 // takenLocked counts an EAGER frame handed to a Recv, and sends TAKEN once
-// takenEvery are owed (in checksum mode, at once).
+// takenEvery are owed (in checksum mode also with the next control frame,
+// or alone after confirmDelay).
 func (rv *receiver) takenLocked() {
 	c := rv.c
 	rv.eager.taken++
-	if rv.eager.taken-rv.eager.reported >= takenEvery || c.checksum {
+	if c.checksum {
+		if n := len(rv.confirms); n > 0 && rv.confirms[n-1].Type == wire.TypeTaken {
+			rv.confirms[n-1].Count = rv.eager.taken // counts are cumulative
+		} else {
+			rv.confirms = append(rv.confirms, wire.Message{Type: wire.TypeTaken, Count: rv.eager.taken})
+		}
+		if rv.eager.taken-rv.eager.reported >= takenEvery {
+			// A quarter window owed: now, so that a sender's window
+			// does not wait on the hold.
+			rv.takeConfirmsLocked(true)
+			c.flushLocked()
+			return
+		}
+		rv.armConfirmsLocked()
+		return
+	}
+	if rv.eager.taken-rv.eager.reported >= takenEvery {
 		m := wire.Message{Type: wire.TypeTaken, Count: rv.eager.taken}
 		c.enqueueLocked(&m)
 		rv.eager.reported = rv.eager.taken

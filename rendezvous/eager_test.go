@@ -423,8 +423,9 @@ func TestEagerConcurrent(t *testing.T) {
 // TestEagerChecksumEndsAtTaken: in checksum mode an EAGER carries the
 // CRC-32C of its bytes, its Send does not end when the SEND that carried
 // it completes but at the TAKEN that counts it (the receiver checked the
-// bytes), and a receiver hands a checked tensor on as checksummed; an
-// EAGER without a checksum there fails the channel.
+// bytes), and a receiver hands a checked tensor on as checksummed, its
+// TAKEN held for a frame to ride with, as a CONFIRM is, and sent alone
+// after confirmDelay; an EAGER without a checksum there fails the channel.
 func TestEagerChecksumEndsAtTaken(t *testing.T) {
 	c, q, done := stubChannel(t, true)
 	defer done()
@@ -494,8 +495,31 @@ func TestEagerChecksumEndsAtTaken(t *testing.T) {
 	if !r.tr.Checksummed {
 		t.Error("a checked EAGER is not reported checksummed")
 	}
+	// Its TAKEN waits for a frame to ride with, then goes alone.
+	if n := countFrames(q, wire.TypeTaken); n != 0 {
+		t.Errorf("%d TAKEN sent at once for a tensor taken in checksum mode, want it held", n)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for countFrames(q, wire.TypeTaken) == 0 && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond)
+	}
 	if n := countFrames(q, wire.TypeTaken); n != 1 {
-		t.Errorf("%d TAKEN sent for one tensor taken in checksum mode, want 1", n)
+		t.Errorf("%d TAKEN sent for one tensor taken in checksum mode, want 1 within %v", n, confirmDelay)
+	}
+	// A quarter window taken: its TAKEN goes at once, not after the hold.
+	for i := range takenEvery {
+		key := fmt.Sprintf("q%d", i)
+		m := eagerFrame(t, key, 0, 4, 2)
+		m.Flags, m.Checksum = wire.EagerChecksum, crcOf(m.Data)
+		feed(c, m.Append(nil), nil)
+		wantEager(t, key, <-recvOne(c, key, 0), 4, 2)
+	}
+	sentNow := false
+	for _, f := range q.frames {
+		sentNow = sentNow || f.typ == wire.TypeTaken && f.count == 1+takenEvery
+	}
+	if !sentNow {
+		t.Errorf("no TAKEN of %d at once after a quarter window taken in checksum mode", 1+takenEvery)
 	}
 	plain := eagerFrame(t, "plain", 0, 4, 1)
 	feed(c, plain.Append(nil), nil)

@@ -18,6 +18,7 @@ type sentFrame struct {
 	wrid    uint64
 	typ     wire.Type
 	credits uint16
+	count   uint32 // TAKEN's
 }
 
 // probeQP is a stub queue pair that records the frames of every control
@@ -46,7 +47,7 @@ func (q *probeQP) PostSend(wrs []verbsio.SendWR) error {
 			if err != nil {
 				return err
 			}
-			q.frames = append(q.frames, sentFrame{wr.WRID, m.Type, m.Credits})
+			q.frames = append(q.frames, sentFrame{wr.WRID, m.Type, m.Credits, m.Count})
 			b = b[n:]
 		}
 	}

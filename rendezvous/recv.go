@@ -30,8 +30,9 @@ type receiver struct {
 	nextName uint32
 	cache    map[string]tensor.Meta // the meta-data cache
 
-	// confirms are the CONFIRMs not queued yet: they wait, at most
-	// confirmDelay (confirmTimer), for another control frame to ride with
+	// confirms are the CONFIRMs not queued yet (and, in checksum mode,
+	// the TAKEN owed: takenLocked): they wait, at most confirmDelay
+	// (confirmTimer), for another control frame to ride with
 	// (takeConfirmsLocked).
 	confirms     []wire.Message
 	confirmTimer *time.Timer
@@ -929,6 +930,12 @@ func (rv *receiver) confirmLocked(r *request, flags uint8) {
 	}
 	rv.confirms = append(rv.confirms, wire.Message{Type: wire.TypeConfirm, Flags: flags, Req: r.idx})
 	rv.stats.confirmsOut.Add(1)
+	rv.armConfirmsLocked()
+}
+
+// armConfirmsLocked starts the wait of the frames held in rv.confirms
+// (CONFIRMs, and in checksum mode a TAKEN) for another frame to ride with.
+func (rv *receiver) armConfirmsLocked() {
 	if rv.confirmArmed {
 		return
 	}
@@ -979,7 +986,11 @@ func (rv *receiver) takeConfirmsLocked(now bool) {
 		return
 	}
 	for i := range rv.confirms {
-		c.enqueueLocked(&rv.confirms[i])
+		m := &rv.confirms[i]
+		if m.Type == wire.TypeTaken {
+			rv.eager.reported = m.Count
+		}
+		c.enqueueLocked(m)
 	}
 	rv.confirms = rv.confirms[:0]
 }
