@@ -30,9 +30,11 @@
 // window of 32 such tensors per channel bounds what the receiver keeps;
 // TAKEN messages move it. Both peers must offer it (a channel whose Recvs
 // may want device memory does not). In checksum mode each EAGER carries
-// the CRC-32C of its bytes, the receiver checks them on arrival and sends
-// a TAKEN for every tensor a Recv takes, and the Send ends at that TAKEN
-// (the bytes arrived intact) rather than when its SEND completes; an
+// the CRC-32C of its bytes, the receiver checks them on arrival and its
+// TAKENs count every tensor a Recv takes (riding with the next control
+// frame, as CONFIRMs do, or alone within 200 µs), and the Send ends at
+// the TAKEN that counts it (the bytes arrived intact) rather than when
+// its SEND completes; an
 // EAGER whose bytes do not match fails the channel (*ChecksumError),
 // nothing of it delivered.
 //
