@@ -495,15 +495,21 @@ func TestEagerChecksumEndsAtTaken(t *testing.T) {
 	if !r.tr.Checksummed {
 		t.Error("a checked EAGER is not reported checksummed")
 	}
-	// Its TAKEN waits for a frame to ride with, then goes alone.
-	if n := countFrames(q, wire.TypeTaken); n != 0 {
+	// Its TAKEN waits for a frame to ride with, then goes alone (from
+	// the hold's timer, which posts under the channel's lock).
+	takens := func() int {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		return countFrames(q, wire.TypeTaken)
+	}
+	if n := takens(); n != 0 {
 		t.Errorf("%d TAKEN sent at once for a tensor taken in checksum mode, want it held", n)
 	}
 	deadline := time.Now().Add(5 * time.Second)
-	for countFrames(q, wire.TypeTaken) == 0 && time.Now().Before(deadline) {
+	for takens() == 0 && time.Now().Before(deadline) {
 		time.Sleep(time.Millisecond)
 	}
-	if n := countFrames(q, wire.TypeTaken); n != 1 {
+	if n := takens(); n != 1 {
 		t.Errorf("%d TAKEN sent for one tensor taken in checksum mode, want 1 within %v", n, confirmDelay)
 	}
 	// A quarter window taken: its TAKEN goes at once, not after the hold.
@@ -515,9 +521,11 @@ func TestEagerChecksumEndsAtTaken(t *testing.T) {
 		wantEager(t, key, <-recvOne(c, key, 0), 4, 2)
 	}
 	sentNow := false
+	c.mu.Lock()
 	for _, f := range q.frames {
 		sentNow = sentNow || f.typ == wire.TypeTaken && f.count == 1+takenEvery
 	}
+	c.mu.Unlock()
 	if !sentNow {
 		t.Errorf("no TAKEN of %d at once after a quarter window taken in checksum mode", 1+takenEvery)
 	}
