@@ -163,9 +163,13 @@ func TestSenderStats(t *testing.T) {
 	}
 }
 
+// TestShapeChangeRoundTripOnce: the request path's meta-data cache makes
+// a shape change cost one META_DATA_RESPONSE and one re-request, whichever
+// of Send and Recv comes first (nothing goes eagerly: an EAGER carries its
+// meta-data and asks no round trip).
 func TestShapeChangeRoundTripOnce(t *testing.T) {
 	forEachProvider(t, func(t *testing.T, provider string) {
-		a, b := pair(t, provider)
+		a, b := pair(t, provider, WithEager(0))
 		ctx := recvCtx(t)
 		shapes := []tensor.Shape{{8, 8}, {8, 8}, {8, 8}, {4, 32}, {4, 32}, {4, 32}}
 		var before Stats
