@@ -489,6 +489,7 @@ func TestEagerChecksumEndsAtTaken(t *testing.T) {
 	// a checksum fails the channel.
 	in := eagerFrame(t, "in", 0, 4, 7)
 	in.Flags, in.Checksum = wire.EagerChecksum, crcOf(in.Data)
+	start := time.Now() // the hold's timer starts after this
 	feed(c, in.Append(nil), nil)
 	r := <-recvOne(c, "in", 0)
 	wantEager(t, "checked EAGER", r, 4, 7)
@@ -502,7 +503,9 @@ func TestEagerChecksumEndsAtTaken(t *testing.T) {
 		defer c.mu.Unlock()
 		return countFrames(q, wire.TypeTaken)
 	}
-	if n := takens(); n != 0 {
+	if n := takens(); n != 0 && time.Since(start) < confirmDelay {
+		// (On a host so slow that the hold may have ended, nothing to
+		// check here.)
 		t.Errorf("%d TAKEN sent at once for a tensor taken in checksum mode, want it held", n)
 	}
 	deadline := time.Now().Add(5 * time.Second)
