@@ -195,32 +195,35 @@ func parsePerftestBW(out []byte) (float64, error) {
 	return 0, fmt.Errorf("ib_write_bw printed no bandwidth report:\n%s", out)
 }
 
-// perftestLat is the ib_write_lat baseline of one ibverbs device: it
-// measures on the device and GID that the device uses.
+// perftestLat is a perftest latency baseline of one ibverbs device
+// (ib_write_lat or ib_send_lat): it measures on the device and GID that
+// the device uses.
 type perftestLat struct {
-	dev string
-	gid int
+	prog string
+	dev  string
+	gid  int
 }
 
-// perftestLatBaseline returns the ib_write_lat baseline of an ibverbs
-// device's one-way write latency. It fails with errNoPerftest when
-// perftest is not installed, and with verbsio.ErrNotSupported for devices
-// of other providers.
-func perftestLatBaseline(dev verbsio.Device) (*perftestLat, error) {
+// perftestLatBaseline returns the baseline of an ibverbs device's one-way
+// latency that prog measures: ib_write_lat (RDMA writes; its receiver
+// polls the buffer's last byte) or ib_send_lat (sends; its receiver polls
+// its completion queue for the receive, as a write with immediate's
+// does). It fails with errNoPerftest when perftest is not installed, and
+// with verbsio.ErrNotSupported for devices of other providers.
+func perftestLatBaseline(dev verbsio.Device, prog string) (*perftestLat, error) {
 	d, ok := ibvdiag.Of(dev)
 	if !ok {
-		return nil, fmt.Errorf("%w: ib_write_lat measures ibverbs devices, not %s", verbsio.ErrNotSupported, dev.Info().Provider)
+		return nil, fmt.Errorf("%w: %s measures ibverbs devices, not %s", verbsio.ErrNotSupported, prog, dev.Info().Provider)
 	}
-	if _, err := exec.LookPath("ib_write_lat"); err != nil {
+	if _, err := exec.LookPath(prog); err != nil {
 		return nil, fmt.Errorf("%w: %w", errNoPerftest, err)
 	}
-	return &perftestLat{dev: d.Info().Name, gid: d.GIDIndex()}, nil
+	return &perftestLat{prog: prog, dev: d.Info().Name, gid: d.GIDIndex()}, nil
 }
 
-// run makes iters ping-pongs of size-byte RDMA WRITEs with ib_write_lat
-// (`ib_write_lat -d DEV -x GID -F -s SIZE -n ITERS -p PORT`, server and
-// client) and returns the client's report, whose figures are one-way
-// latencies.
+// run makes iters ping-pongs of size-byte messages with the program
+// (`PROG -d DEV -x GID -F -s SIZE -n ITERS -p PORT`, server and client)
+// and returns the client's report, whose figures are one-way latencies.
 func (p *perftestLat) run(ctx context.Context, size, iters int) (perftestLatReport, error) {
 	// A report of inf (errPerftestNoClock, seen in about one Soft-RoCE
 	// guest run in three) is measured again, up to three times in all.
@@ -228,7 +231,7 @@ func (p *perftestLat) run(ctx context.Context, size, iters int) (perftestLatRepo
 	var r perftestLatReport
 	var err error
 	for try := 0; try < 3; try++ {
-		out, err = perftestPair(ctx, "ib_write_lat", p.dev, p.gid, "-s", strconv.Itoa(size), "-n", strconv.Itoa(iters))
+		out, err = perftestPair(ctx, p.prog, p.dev, p.gid, "-s", strconv.Itoa(size), "-n", strconv.Itoa(iters))
 		if err != nil {
 			return perftestLatReport{}, err
 		}
@@ -237,10 +240,10 @@ func (p *perftestLat) run(ctx context.Context, size, iters int) (perftestLatRepo
 		}
 	}
 	if err != nil {
-		return r, err
+		return r, fmt.Errorf("%s: %w", p.prog, err)
 	}
 	if !(r.Typical > 0) {
-		return r, fmt.Errorf("ib_write_lat reported a typical latency of %v us for %d writes of %d bytes:\n%s", r.Typical, iters, size, out)
+		return r, fmt.Errorf("%s reported a typical latency of %v us for %d messages of %d bytes:\n%s", p.prog, r.Typical, iters, size, out)
 	}
 	return r, nil
 }
@@ -248,9 +251,9 @@ func (p *perftestLat) run(ctx context.Context, size, iters int) (perftestLatRepo
 // String is the command line it runs, without size and count.
 func (p *perftestLat) String() string {
 	if p.gid < 0 {
-		return "ib_write_lat -d " + p.dev
+		return p.prog + " -d " + p.dev
 	}
-	return fmt.Sprintf("ib_write_lat -d %s -x %d", p.dev, p.gid)
+	return fmt.Sprintf("%s -d %s -x %d", p.prog, p.dev, p.gid)
 }
 
 // perftestLatReport is the data line of an ib_*_lat report (run with -n,
@@ -299,7 +302,7 @@ func parsePerftestLat(out []byte) (perftestLatReport, error) {
 			case "#bytes", "#iterations":
 				n, err := strconv.ParseInt(f[i], 10, 64)
 				if err != nil || n < 0 {
-					return perftestLatReport{}, fmt.Errorf("ib_write_lat: %s %q in %q", h, f[i], line)
+					return perftestLatReport{}, fmt.Errorf("latency report: %s %q in %q", h, f[i], line)
 				}
 				if h == "#bytes" {
 					r.Bytes = n
@@ -337,17 +340,17 @@ func parsePerftestLat(out []byte) (perftestLatReport, error) {
 				return perftestLatReport{}, fmt.Errorf("%w: %s %q in %q", errPerftestNoClock, h, f[i], line)
 			}
 			if err != nil || !(v >= 0) {
-				return perftestLatReport{}, fmt.Errorf("ib_write_lat: %s %q in %q", h, f[i], line)
+				return perftestLatReport{}, fmt.Errorf("latency report: %s %q in %q", h, f[i], line)
 			}
 			*dst = v
 			delete(required, h)
 		}
 		if len(required) > 0 {
-			return perftestLatReport{}, fmt.Errorf("ib_write_lat's report has no %s column:\n%s", strings.Join(slices.Sorted(maps.Keys(required)), ", "), out)
+			return perftestLatReport{}, fmt.Errorf("the latency report has no %s column:\n%s", strings.Join(slices.Sorted(maps.Keys(required)), ", "), out)
 		}
 		return r, nil
 	}
-	return perftestLatReport{}, fmt.Errorf("ib_write_lat printed no latency report:\n%s", out)
+	return perftestLatReport{}, fmt.Errorf("perftest printed no latency report:\n%s", out)
 }
 
 // freePort returns a TCP port that was free a moment ago.

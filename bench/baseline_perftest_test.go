@@ -175,7 +175,9 @@ func TestPerftestLatBaselineNeedsIbverbs(t *testing.T) {
 		t.Skipf("skipping: no tcp device to hand the ib_write_lat baseline: %v", err)
 	}
 	defer dev.Close()
-	if _, err := perftestLatBaseline(dev); !errors.Is(err, verbsio.ErrNotSupported) {
-		t.Fatalf("perftestLatBaseline of a tcp device: %v", err)
+	for _, prog := range []string{"ib_write_lat", "ib_send_lat"} {
+		if _, err := perftestLatBaseline(dev, prog); !errors.Is(err, verbsio.ErrNotSupported) {
+			t.Fatalf("perftestLatBaseline(%s) of a tcp device: %v", prog, err)
+		}
 	}
 }

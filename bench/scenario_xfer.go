@@ -612,8 +612,9 @@ func xferProvider(ctx context.Context, env *Env, provider string, sizes []int64,
 	var cases []*xferCase
 	var ucxBW, ucxLat []string // UCX_TLS settings to run
 	var latUCX string
-	var latBase *perftestLat // ib_write_lat, for ibverbs devices
-	var latNote string       // why latBase is nil
+	var latBase *perftestLat  // ib_write_lat, for ibverbs devices
+	var sendBase *perftestLat // ib_send_lat, for ibverbs devices
+	var latNote string        // why latBase is nil
 	switch provider {
 	case "onnode":
 		shm := &xferCase{name: "bw/onnode-shm", target: *peer.hello.Memfd, ucx: []string{"sm", "cma,tcp"},
@@ -656,12 +657,15 @@ func xferProvider(ctx context.Context, env *Env, provider string, sizes []int64,
 		} else {
 			c.note += fmt.Sprintf("; baseline %s -F, as many writes of the same size, run alternately with the transfer", c.perftest)
 		}
-		if latBase, err = perftestLatBaseline(s.dev); err != nil {
+		if latBase, err = perftestLatBaseline(s.dev, "ib_write_lat"); err != nil {
 			latBase = nil
 			if provider == "ibverbs" {
 				env.Log.Info("ib_write_lat baseline skipped", "reason", err)
 				latNote = "; no ib_write_lat baseline: " + err.Error()
 			}
+		} else if sendBase, err = perftestLatBaseline(s.dev, "ib_send_lat"); err != nil {
+			sendBase = nil
+			env.Log.Info("ib_send_lat baseline skipped", "reason", err)
 		}
 		cases = []*xferCase{c}
 	}
@@ -735,7 +739,9 @@ func xferProvider(ctx context.Context, env *Env, provider string, sizes []int64,
 
 	// One-way latency: half the median round trip of a ping-pong of writes
 	// with immediate, in rounds of count; with ib_write_lat, each round
-	// alternates with an ib_write_lat run of as many ping-pongs.
+	// alternates with an ib_write_lat run of as many ping-pongs, and one of
+	// ib_send_lat (whose receiver, like ours, waits for a receive
+	// completion) right after it.
 	count := 2000
 	if env.Quick {
 		count = 200
@@ -754,9 +760,19 @@ func xferProvider(ctx context.Context, env *Env, provider string, sizes []int64,
 			return time.Duration(median(round) / 2 * 1e3), nil
 		}
 		var baseline func() (time.Duration, error)
+		var sends []float64 // ib_send_lat's t_typical of the timed rounds
 		if latBase != nil {
 			baseline = func() (time.Duration, error) {
 				r, err := latBase.run(ctx, size, count)
+				if err == nil && sendBase != nil {
+					rs, serr := sendBase.run(ctx, size, count)
+					if serr != nil {
+						env.Log.Info("ib_send_lat baseline failed", "size", size, "err", serr)
+						sendBase = nil
+					} else {
+						sends = append(sends, rs.Typical)
+					}
+				}
 				return time.Duration(r.Typical * 1e3), err
 			}
 		}
@@ -781,6 +797,12 @@ func xferProvider(ctx context.Context, env *Env, provider string, sizes []int64,
 		res := newResult("xfer", "lat/"+provider, int64(size), oneWay, "us", base, baseName)
 		res.Note = note
 		env.Emit(res)
+		if sendBase != nil && len(sends) > 1 {
+			// The first was timePair's warm-up.
+			res := newResult("xfer", "lat/"+provider+"-vs-send", int64(size), oneWay, "us", median(sends[1:]), "ib_send_lat")
+			res.Note = fmt.Sprintf("the same ping-pongs; baseline %s -F -n %d run right after each ib_write_lat round: the median of %d runs' t_typical (a send whose receiver polls its completion queue, as a write with immediate's does)", sendBase, count, len(sends)-1)
+			env.Emit(res)
+		}
 	}
 	return nil
 }
