@@ -25,6 +25,7 @@ import (
 	"os"
 	"os/signal"
 	"runtime/debug"
+	"runtime/pprof"
 	"slices"
 	"strings"
 	"sync"
@@ -65,6 +66,7 @@ type options struct {
 	args      map[string]string
 	verbose   bool
 	progress  progressMode
+	cpuProf   string
 }
 
 // quickReps is the repetition count of -quick when -reps is not given.
@@ -91,6 +93,7 @@ func parseArgs(args []string, stderr io.Writer) (options, error) {
 		return nil
 	})
 	fs.BoolVar(&o.verbose, "v", false, "log debug messages")
+	fs.StringVar(&o.cpuProf, "cpuprofile", "", "write this process's CPU profile (runtime/pprof) to `FILE`")
 	fs.Func("progress", "status line on stderr: `auto|always|never` (auto: when stderr is a terminal)", func(s string) error {
 		m, err := parseProgressMode(s)
 		o.progress = m
@@ -179,6 +182,20 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			return exitFailed
 		}
 		return exitOK
+	}
+	if o.cpuProf != "" {
+		f, err := os.Create(o.cpuProf)
+		if err == nil {
+			err = pprof.StartCPUProfile(f)
+		}
+		if err != nil {
+			fmt.Fprintln(stderr, "bench: -cpuprofile:", err)
+			return exitUsage
+		}
+		defer func() {
+			pprof.StopCPUProfile()
+			f.Close()
+		}()
 	}
 	prog := newProgress(stderr, o.progress.draws(stderr))
 	prog.width = terminalWidth(stderr)
