@@ -22,7 +22,13 @@
 #   RDMA_TEST_RACE=1    build the binaries with the race detector
 #   RDMA_TEST_BENCH=0   skip the benchmark program's reg/xfer and allreduce
 #                       scenarios
+#   RDMA_BENCH_SCENARIOS  which of reg, xfer and allreduce run (comma-
+#                       separated; default: all three)
 #   RDMA_BENCH_ARGS     bench flags for reg/xfer (default: quick sizes, ibverbs)
+#   RDMA_BENCH_PROFILE=1  the bench runs write CPU profiles (bench-*.pprof)
+#   RDMA_BENCH_PERF=1   the reg/xfer bench run goes under `perf record -g`
+#                       (bench-scenarios.perf.data, with RDMA_OUT_DIR)
+#   RDMA_OUT_DIR        copy the guest's output (logs, profiles) here
 #   RDMA_BENCH_ALLREDUCE_ARGS  bench flags for allreduce (default: quick
 #                       sizes, 2 and 4 workers, the ring over ibverbs and
 #                       switchml rows of workers on Soft-RoCE, no MPI
@@ -137,12 +143,15 @@ done <<< "$plist"
 bench="" bench_scenarios="" bench_allreduce=""
 if [ "${RDMA_TEST_BENCH:-1}" = 1 ]; then
   # The scenarios that measure the ibverbs provider, those that exist.
-  for s in reg xfer; do [ -e "bench/scenario_$s.go" ] && bench_scenarios=${bench_scenarios:+$bench_scenarios,}$s; done
+  want=",${RDMA_BENCH_SCENARIOS:-reg,xfer,allreduce},"
+  for s in reg xfer; do
+    case $want in *",$s,"*) [ -e "bench/scenario_$s.go" ] && bench_scenarios=${bench_scenarios:+$bench_scenarios,}$s ;; esac
+  done
   # The allreduce scenario runs apart, with its own flags: the ring over
   # ibverbs and switchml (a software aggregator in the bench process; its
   # workers reach it over UDP on loopback, since rxe holds port 4791 here)
   # side by side.
-  [ -e bench/scenario_allreduce.go ] && bench_allreduce=allreduce
+  case $want in *,allreduce,*) [ -e bench/scenario_allreduce.go ] && bench_allreduce=allreduce ;; esac
   if [ -n "$bench_scenarios$bench_allreduce" ]; then
     log "building the benchmark program"
     if go build -o "$work/bin/bench" ./bench; then bench=$work/bin/bench; else log "bench does not build: its scenarios are left out"; fi
@@ -156,6 +165,8 @@ fi
   # Quick sizes, and only the provider under test where xfer has others.
   printf 'bench_args=%q\n' "${RDMA_BENCH_ARGS:--quick -set xfer.providers=ibverbs}"
   printf 'bench_allreduce=%q\n' "$bench_allreduce"
+  printf 'bench_profile=%q\n' "${RDMA_BENCH_PROFILE:-0}"
+  printf 'bench_perf=%q\n' "${RDMA_BENCH_PERF:-0}"
   # 4 KiB to 1 MiB (-quick), 3 repetitions: the guest has 2 emulated CPUs.
   printf 'bench_allreduce_args=%q\n' "${RDMA_BENCH_ALLREDUCE_ARGS:--quick -set allreduce.providers=ibverbs -set allreduce.switchml=verbs -set allreduce.workers=2,4 -set allreduce.mpi=off}"
 } > "$work/env"
@@ -238,12 +249,15 @@ while read -r name bin pkg dir pattern envs; do
 done < "\$work/list"
 if [ -n "\$bench" ] && [ -n "\$bench_scenarios" ]; then
   echo "=== test-rdma: bench -scenario \$bench_scenarios"
-  (cd /var/tmp && timeout -k 10 \$per "\$bench" -scenario "\$bench_scenarios" \$bench_args 2>&1) | tee "\$work/out/bench-scenarios.log"
+  prof=(); [ "\$bench_profile" = 1 ] && prof=(-cpuprofile "\$work/out/bench-scenarios.pprof")
+  wrap=(); [ "\$bench_perf" = 1 ] && wrap=(perf record -q -g -F 999 -o "\$work/out/bench-scenarios.perf.data" --)
+  (cd /var/tmp && timeout -k 10 \$per "\${wrap[@]}" "\$bench" -scenario "\$bench_scenarios" "\${prof[@]}" \$bench_args 2>&1) | tee "\$work/out/bench-scenarios.log"
   [ "\${PIPESTATUS[0]}" = 0 ] || { echo "test-rdma: bench failed"; rc=1; }
 fi
 if [ -n "\$bench" ] && [ -n "\$bench_allreduce" ]; then
   echo "=== test-rdma: bench -scenario allreduce \$bench_allreduce_args"
-  (cd /var/tmp && timeout -k 10 \$per "\$bench" -scenario allreduce \$bench_allreduce_args 2>&1) | tee "\$work/out/bench-allreduce.log"
+  prof=(); [ "\$bench_profile" = 1 ] && prof=(-cpuprofile "\$work/out/bench-allreduce.pprof")
+  (cd /var/tmp && timeout -k 10 \$per "\$bench" -scenario allreduce "\${prof[@]}" \$bench_allreduce_args 2>&1) | tee "\$work/out/bench-allreduce.log"
   [ "\${PIPESTATUS[0]}" = 0 ] || { echo "test-rdma: bench allreduce failed"; rc=1; }
 fi
 echo \$rc > "\$work/out/rc"
@@ -273,6 +287,9 @@ log "guest ran $((SECONDS - t0))s"
 if [ "${RDMA_GUEST_VERBOSE:-0}" = 1 ]; then tr -d '\r' < "$work/console.log" >&2; fi
 
 # --- 7. Verdict. --------------------------------------------------------------
+if [ -n "${RDMA_OUT_DIR:-}" ]; then
+  mkdir -p "$RDMA_OUT_DIR" && cp -r "$work/out/." "$RDMA_OUT_DIR/" && log "the guest's output is in $RDMA_OUT_DIR"
+fi
 if [ ! -s "$work/out/rc" ]; then
   log "the guest reported no result (qemu exit $qrc); kernel console tail:"
   tr -d '\r' < "$work/console.log" | tail -n 30 >&2
