@@ -25,7 +25,10 @@ type QP struct {
 	// Work requests are built off the Go heap: sendMu guards send (postBatch
 	// struct ibv_send_wr, then their struct ibv_sge, then the bad_wr
 	// pointer the verb fills), recvMu guards recv, laid out alike.
-	sendMu, recvMu       sync.Mutex
+	sendMu, recvMu sync.Mutex
+	// sendArgs and recvArgs are the verbs' arguments (under sendMu and
+	// recvMu): a call with a slice of its own would allocate one per post.
+	sendArgs, recvArgs   [3]uintptr
 	send, recv           scratch
 	sendSGEs, recvSGEs   int // SGE capacity of each
 	sendWRMax, recvWRMax int
@@ -97,13 +100,13 @@ func (q *QP) QPN() uint32 { return q.qpn }
 // Caps are the sizes the device granted.
 func (q *QP) Caps() QPCaps { return q.caps }
 
-func (q *QP) live(op string) (uintptr, func(), error) {
+func (q *QP) live(op string) (uintptr, error) {
 	q.mu.RLock()
 	if q.qp == 0 {
 		q.mu.RUnlock()
-		return 0, nil, q.c.errf(op, syscall.EBADF, "queue pair %d closed", q.qpn)
+		return 0, q.c.errf(op, syscall.EBADF, "queue pair %d closed", q.qpn)
 	}
-	return q.qp, q.mu.RUnlock, nil
+	return q.qp, nil
 }
 
 // Close destroys the queue pair. Idempotent.
@@ -127,11 +130,11 @@ func (q *QP) Close() error {
 
 // modify calls ibv_modify_qp with attr and mask.
 func (q *QP) modify(op string, a *cQPAttr, mask int, format string, args ...any) error {
-	qp, unlock, err := q.live(op)
+	qp, err := q.live(op)
 	if err != nil {
 		return err
 	}
-	defer unlock()
+	defer q.mu.RUnlock()
 	q.c.cnt.control.Add(1)
 	r, e := q.c.l.callErrno(symModifyQP, qp, uintptr(unsafe.Pointer(a)), uintptr(mask))
 	if rc := rc32(r); rc != 0 {
@@ -193,11 +196,11 @@ func (q *QP) ToError() error {
 
 // State queries the queue pair's state (QPS*).
 func (q *QP) State() (int, error) {
-	qp, unlock, err := q.live("ibv_query_qp")
+	qp, err := q.live("ibv_query_qp")
 	if err != nil {
 		return 0, err
 	}
-	defer unlock()
+	defer q.mu.RUnlock()
 	var a cQPAttr
 	var init cQPInitAttr
 	q.c.cnt.control.Add(1)
@@ -215,11 +218,11 @@ func (q *QP) PostSend(wrs []SendWR, sges []SGE) (int, error) {
 	if len(wrs) == 0 {
 		return 0, nil
 	}
-	qp, unlock, err := q.live("ibv_post_send")
+	qp, err := q.live("ibv_post_send")
 	if err != nil {
 		return 0, err
 	}
-	defer unlock()
+	defer q.mu.RUnlock()
 	if err := checkSGEs(len(sges), func(i int) (uint32, uint32) { return wrs[i].SGEOff, wrs[i].NumSGE }, len(wrs)); err != nil {
 		return 0, q.c.errf("ibv_post_send", syscall.EINVAL, "%v", err)
 	}
@@ -266,7 +269,8 @@ func (q *QP) PostSend(wrs []SendWR, sges []SGE) (int, error) {
 		badAt := (*uintptr)(ptrAt(sgeBase, q.sendSGEs*int(unsafe.Sizeof(SGE{}))))
 		*badAt = 0
 		q.c.cnt.postSend.Add(1)
-		r, _, _ := purego.SyscallN(q.c.postSend, qp, base, uintptr(unsafe.Pointer(badAt)))
+		q.sendArgs = [3]uintptr{qp, base, uintptr(unsafe.Pointer(badAt))}
+		r, _, _ := purego.SyscallN(q.c.postSend, q.sendArgs[:]...)
 		bad := *badAt
 		if rc := rc32(r); rc != 0 {
 			posted := done
@@ -288,11 +292,11 @@ func (q *QP) PostRecv(wrs []RecvWR, sges []SGE) (int, error) {
 	if len(wrs) == 0 {
 		return 0, nil
 	}
-	qp, unlock, err := q.live("ibv_post_recv")
+	qp, err := q.live("ibv_post_recv")
 	if err != nil {
 		return 0, err
 	}
-	defer unlock()
+	defer q.mu.RUnlock()
 	if err := checkSGEs(len(sges), func(i int) (uint32, uint32) { return wrs[i].SGEOff, wrs[i].NumSGE }, len(wrs)); err != nil {
 		return 0, q.c.errf("ibv_post_recv", syscall.EINVAL, "%v", err)
 	}
@@ -327,7 +331,8 @@ func (q *QP) PostRecv(wrs []RecvWR, sges []SGE) (int, error) {
 		badAt := (*uintptr)(ptrAt(sgeBase, q.recvSGEs*int(unsafe.Sizeof(SGE{}))))
 		*badAt = 0
 		q.c.cnt.postRecv.Add(1)
-		r, _, _ := purego.SyscallN(q.c.postRecv, qp, base, uintptr(unsafe.Pointer(badAt)))
+		q.recvArgs = [3]uintptr{qp, base, uintptr(unsafe.Pointer(badAt))}
+		r, _, _ := purego.SyscallN(q.c.postRecv, q.recvArgs[:]...)
 		bad := *badAt
 		if rc := rc32(r); rc != 0 {
 			posted := done

@@ -486,7 +486,10 @@ type CQ struct {
 	cqe  int
 	// pollMu serialises Polls over wcs, pollBatch struct ibv_wc off the heap.
 	pollMu sync.Mutex
-	wcs    scratch
+	// pollArgs are ibv_poll_cq's arguments (under pollMu): a call with a
+	// slice of its own would allocate one per poll.
+	pollArgs [3]uintptr
+	wcs      scratch
 	// waitSem admits one waiter at a time on the channel.
 	waitSem chan struct{}
 }
@@ -601,7 +604,8 @@ func (q *CQ) Poll(out []WC) (int, error) {
 	q.pollMu.Lock()
 	defer q.pollMu.Unlock()
 	q.c.cnt.poll.Add(1)
-	r, _, _ := purego.SyscallN(q.c.pollCQ, q.cq, uintptr(k), q.wcs.addr())
+	q.pollArgs = [3]uintptr{q.cq, uintptr(k), q.wcs.addr()}
+	r, _, _ := purego.SyscallN(q.c.pollCQ, q.pollArgs[:]...)
 	n := rc32(r)
 	if n < 0 {
 		return 0, q.c.errf("ibv_poll_cq", errnoOf(n), "")
