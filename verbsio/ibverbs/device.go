@@ -694,6 +694,10 @@ func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 	return spinWait(ctx, c.spin, cqWaiter{c}, out)
 }
 
+// spinCheck is how many polls a spinning Wait makes between readings of
+// the clock.
+const spinCheck = 8
+
 // waiter is what spinWait needs of a completion queue: Poll, and the
 // completion channel's arm and wait.
 type waiter interface {
@@ -708,17 +712,19 @@ func (w cqWaiter) Poll(out []verbsio.Completion) (int, error) { return w.c.Poll(
 func (w cqWaiter) Arm() error                                 { return wrap(w.c.q.Arm()) }
 func (w cqWaiter) WaitEvent(ctx context.Context) error        { return w.c.q.WaitEvent(ctx) }
 
-// spinWait is a Wait: it polls w for as long as p's budget, with pauses of
-// 1, 2, 4, then 8 us between polls, yielding the CPU in them where
-// verbsio.Config.Yield says to (so a long poll still makes only a
-// handful of calls into libibverbs; a completion due within it, a
-// ping-pong's answer, is found without a wake-up's latency), then arms the
-// completion channel and sleeps on it. What each wait took teaches p.
+// spinWait is a Wait: it polls w for as long as p's budget, then arms the
+// completion channel and sleeps on it. Between polls it yields the CPU
+// where verbsio.Config.Yield says to; every spinCheck polls it reads the
+// clock and lets the goroutines of its processor run. Polls follow each
+// other with no pause: a pause would let a completion due within the
+// poll, a ping-pong's answer, wait up to its length, and on an emulated
+// CPU (a Soft-RoCE guest) a reading of the clock costs about what a poll
+// does, so reading it at every turn would halve the polls. What each wait
+// took teaches p.
 func spinWait(ctx context.Context, p *adaptspin.Policy, w waiter, out []verbsio.Completion) (int, error) {
 	start := time.Now()
 	budget := p.Budget()
-	pause := time.Microsecond
-	for {
+	for i := 1; ; i++ {
 		n, err := w.Poll(out)
 		if n > 0 || err != nil {
 			if n > 0 {
@@ -726,18 +732,20 @@ func spinWait(ctx context.Context, p *adaptspin.Policy, w waiter, out []verbsio.
 			}
 			return n, err
 		}
-		next := time.Since(start) + pause
-		if next > budget {
+		if budget <= 0 {
 			break
 		}
-		for time.Since(start) < next {
-			if p.Yields() {
-				p.Yield()
-			} else {
+		if p.Yields() {
+			p.Yield()
+		}
+		if i%spinCheck == 0 {
+			if time.Since(start) >= budget {
+				break
+			}
+			if !p.Yields() {
 				runtime.Gosched()
 			}
 		}
-		pause = min(2*pause, 8*time.Microsecond)
 	}
 	for {
 		if err := ctx.Err(); err != nil {
