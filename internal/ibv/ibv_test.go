@@ -207,6 +207,10 @@ func TestDeviceVerbs(t *testing.T) {
 	if got := c.Counters().Snapshot().Sub(before); got.Poll != 1 || got.Crossings() != 1 {
 		t.Errorf("one poll counted as %+v", got)
 	}
+	// A waiter polls in a loop: a poll allocates nothing.
+	if a := testing.AllocsPerRun(100, func() { cq.Poll(wc) }); a != 0 {
+		t.Errorf("a poll allocates %v times", a)
+	}
 	qp, err := pd.CreateQP(cq, cq, QPCaps{MaxSendWR: 8, MaxRecvWR: 8, MaxSendSGE: 1, MaxRecvSGE: 1})
 	if err != nil {
 		t.Fatal(err)
