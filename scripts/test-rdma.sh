@@ -27,7 +27,8 @@
 #   RDMA_BENCH_ARGS     bench flags for reg/xfer (default: quick sizes, ibverbs)
 #   RDMA_BENCH_PROFILE=1  the bench runs write CPU profiles (bench-*.pprof)
 #   RDMA_BENCH_PERF=1   the reg/xfer bench run goes under `perf record -g`
-#                       (bench-scenarios.perf.data, with RDMA_OUT_DIR)
+#                       (bench-scenarios.perf.data and the guest's
+#                       kallsyms, with RDMA_OUT_DIR)
 #   RDMA_OUT_DIR        copy the guest's output (logs, profiles) here
 #   RDMA_BENCH_ALLREDUCE_ARGS  bench flags for allreduce (default: quick
 #                       sizes, 2 and 4 workers, the ring over ibverbs and
@@ -250,7 +251,7 @@ done < "\$work/list"
 if [ -n "\$bench" ] && [ -n "\$bench_scenarios" ]; then
   echo "=== test-rdma: bench -scenario \$bench_scenarios"
   prof=(); [ "\$bench_profile" = 1 ] && prof=(-cpuprofile "\$work/out/bench-scenarios.pprof")
-  wrap=(); [ "\$bench_perf" = 1 ] && wrap=(perf record -q -g -F 999 -o "\$work/out/bench-scenarios.perf.data" --)
+  wrap=(); [ "\$bench_perf" = 1 ] && { wrap=(perf record -q -g -F 999 -o "\$work/out/bench-scenarios.perf.data" --); cat /proc/kallsyms > "\$work/out/kallsyms"; }
   (cd /var/tmp && timeout -k 10 \$per "\${wrap[@]}" "\$bench" -scenario "\$bench_scenarios" "\${prof[@]}" \$bench_args 2>&1) | tee "\$work/out/bench-scenarios.log"
   [ "\${PIPESTATUS[0]}" = 0 ] || { echo "test-rdma: bench failed"; rc=1; }
 fi
@@ -275,7 +276,7 @@ t0=$SECONDS
 timeout -k 15 "${RDMA_GUEST_TIMEOUT:-900}" qemu-system-x86_64 \
   -accel tcg,thread=multi -cpu max -smp "$(nproc)" -m "${RDMA_GUEST_MEM:-2048}" \
   -nodefaults -no-reboot -display none -kernel "$kernel" -initrd "$work/initrd.gz" \
-  -append "console=ttyS0 panic=-1 quiet" \
+  -append "console=ttyS0 panic=-1 quiet clocksource=tsc tsc=reliable" \
   -fsdev local,id=host,path=/,security_model=none,readonly=on,multidevs=remap -device virtio-9p-pci,fsdev=host,mount_tag=host \
   -fsdev local,id=work,path="$work",security_model=none -device virtio-9p-pci,fsdev=work,mount_tag=work \
   -serial file:"$work/console.log" -serial stdio </dev/null &
