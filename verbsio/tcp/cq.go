@@ -32,6 +32,11 @@ type cq struct {
 	qps      cowlist.List[*qp]
 	sleepers atomic.Int32
 	pushed   atomic.Int64 // when a completion last woke a sleeper (UnixNano)
+	// polling counts the Waits polling the lanes now; polled is when
+	// the last stopped (UnixNano): the queue pairs' quiet timers read
+	// them (qp.quietCheck).
+	polling atomic.Int32
+	polled  atomic.Int64
 }
 
 func newCQ(d *device, depth int) *cq {
@@ -117,11 +122,23 @@ func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 	start := time.Now()
 	budget := c.dev.waits.Budget(c.spin)
 	defer c.dev.waits.Leave()
+	c.polling.Add(1)
+	polling := true
+	stop := func(d time.Duration) {
+		if polling {
+			polling = false
+			c.polled.Store(start.UnixNano() + int64(d))
+			c.polling.Add(-1)
+		}
+	}
+	defer stop(0)
 	yield := c.spin.Yields()
 	for i := 0; ; i++ {
 		n, err := c.Poll(out)
 		if n > 0 || err != nil {
-			c.spin.Polled(time.Since(start))
+			d := time.Since(start)
+			stop(d)
+			c.spin.Polled(d)
 			return n, err
 		}
 		if c.progress(i&7 == 0) {
@@ -136,6 +153,10 @@ func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 			}
 		}
 		c.spin.Relax()
+	}
+	stop(time.Since(start))
+	for _, q := range c.qps.Load() {
+		q.unquiet() // nobody polls their lanes now
 	}
 	for {
 		c.sleepers.Add(1)

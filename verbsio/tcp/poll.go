@@ -35,9 +35,14 @@ type lane struct {
 	// err is why the waiter gave the lane up (under rd); the goroutine
 	// reports it.
 	err error
-	hb  [headerLen]byte   // the waiter's header buffer (under rd)
-	pb  [2 * peekMax]byte // the waiter's peek buffer (under rd)
-	br  bytes.Reader      // reads a frame applied from pb (under rd)
+	// quiet says the socket's SO_RCVLOWAT is quietLowat (under rd): see
+	// quietLocked.
+	quiet   bool
+	lowatFn func(fd uintptr)
+	lowat   int
+	hb      [headerLen]byte   // the waiter's header buffer (under rd)
+	pb      [2 * peekMax]byte // the waiter's peek buffer (under rd)
+	br      bytes.Reader      // reads a frame applied from pb (under rd)
 	// applied counts the bytes at the head of an inbound lane that the
 	// waiter has applied and not yet dropped (under rd): it drops them
 	// when a look finds nothing new, so that the drop's system call is
@@ -112,6 +117,9 @@ func (l *lane) init(c net.Conn) {
 		}
 	}
 	l.writeFn = l.writev
+	l.lowatFn = func(fd uintptr) {
+		_, _, l.errno = unix.RawSyscall6(unix.SYS_SETSOCKOPT, fd, unix.SOL_SOCKET, unix.SO_RCVLOWAT, uintptr(unsafe.Pointer(&l.lowat)), 4, 0)
+	}
 	l.peekOutFn = func(fd uintptr) {
 		if l.n, l.errno = recvPeek(fd, l.pb[:]); l.errno != 0 {
 			l.n = 0
@@ -178,6 +186,34 @@ func (l *lane) take() {
 	for !l.rd.TryLock() {
 		runtime.Gosched()
 	}
+}
+
+// quietLowat is the SO_RCVLOWAT of a socket a waiter polls: TCP wakes
+// the socket's sleepers (the runtime's epoll_wait, and through it the
+// lane's goroutine) only once so many bytes are queued, so a frame the
+// waiter reads itself wakes no thread. A non-blocking peek or read still
+// returns what is queued.
+const quietLowat = 1 << 20
+
+// quietLocked sets the socket's SO_RCVLOWAT: quietLowat while a waiter
+// polls the lane (on), 1 otherwise, and reports whether it changed. Lowering it wakes the socket's sleepers if bytes are queued (the
+// kernel checks on the change). Callers hold l.rd.
+func (l *lane) quietLocked(on bool) bool {
+	if l.rc == nil || l.quiet == on {
+		return false
+	}
+	l.lowat = 1
+	if on {
+		l.lowat = quietLowat
+	}
+	l.errno = 0
+	if err := l.rc.Control(l.lowatFn); (err != nil || l.errno != 0) && on {
+		return false
+	}
+	// A socket that refuses the lower mark is closed or failing: its
+	// goroutine wakes on that, so nothing is left quiet.
+	l.quiet = on
+	return true
 }
 
 // peekMax is how much of the socket the waiter looks at in one peek: a
@@ -360,21 +396,30 @@ func (q *qp) pollIn(l *inLane) bool {
 		return false
 	}
 	defer l.rd.Unlock()
-	return q.pollInLocked(l)
+	if l.quietLocked(true) {
+		q.armQuiet()
+	}
+	did, left := q.pollInLocked(l)
+	if left {
+		// For the lane's goroutine, which sleeps until the socket
+		// is readable by its low-water mark.
+		l.quietLocked(false)
+	}
+	return did
 }
 
-// pollInLocked is pollIn once the waiter holds the lane (l.rd).
-func (q *qp) pollInLocked(l *inLane) bool {
+// pollInLocked is pollIn once the waiter holds the lane (l.rd); left
+// says it left a frame in the socket for the lane's goroutine.
+func (q *qp) pollInLocked(l *inLane) (did, left bool) {
 	// Held back by the last look (answer): out now, as nothing of the
 	// caller's waits on it.
 	if l.sendHeld() && l.err != nil {
-		return true
+		return true, false
 	}
 	defer l.owe()
-	did := false
 	for range 16 {
 		if l.err != nil {
-			return did
+			return did, false
 		}
 		f, whole, more, ok, _ := l.peek()
 		if !ok {
@@ -383,14 +428,14 @@ func (q *qp) pollInLocked(l *inLane) bool {
 			if err := l.skipApplied(); err != nil {
 				l.fail(err)
 			}
-			return did
+			return did, false
 		}
 		if !whole || !q.quick(f) {
 			// For the lane's goroutine, which reads the socket.
 			if err := l.skipApplied(); err != nil {
 				l.fail(err)
 			}
-			return did
+			return did, true
 		}
 		did = true
 		q.polledFrames.Add(1)
@@ -409,7 +454,7 @@ func (q *qp) pollInLocked(l *inLane) bool {
 			if err == nil && !more {
 				// Nothing behind it yet: the caller takes its
 				// completion now; the next look drops it.
-				return true
+				return true, false
 			}
 		} else if err = l.skipApplied(); err == nil {
 			r := rawReader{l.rc}
@@ -419,10 +464,10 @@ func (q *qp) pollInLocked(l *inLane) bool {
 		}
 		if err != nil {
 			l.fail(err)
-			return true
+			return true, false
 		}
 	}
-	return did
+	return did, false
 }
 
 // fail gives the lane up: its goroutine, woken by the close, ends it with
@@ -457,6 +502,9 @@ func (q *qp) pollOut(l *outLane) bool {
 	if l.err != nil {
 		return false
 	}
+	if l.quietLocked(true) {
+		q.armQuiet()
+	}
 	l.n = 0
 	l.rc.Control(l.peekOutFn)
 	n := l.n
@@ -466,6 +514,7 @@ func (q *qp) pollOut(l *outLane) bool {
 		var h header
 		if h, err = parseHeader(l.pb[took : took+headerLen]); err != nil || (h.op != opAck && h.op != opNak) {
 			err = nil // the lane's goroutine reads it, and fails it if it must
+			l.quietLocked(false)
 			break
 		}
 		if err = q.handleResponse(l, h); err != nil {
@@ -503,6 +552,115 @@ func (q *qp) poll(out bool) bool {
 		}
 	}
 	return did
+}
+
+// unquiet lowers the low-water mark of q's lanes that nobody reads now:
+// a waiter that stops polling leaves them to their goroutines. It reports
+// whether a lane stayed quiet (another reader held it).
+func (q *qp) unquiet() bool {
+	left := false
+	if ls := q.inLanes.Load(); ls != nil {
+		for _, l := range *ls {
+			left = !l.unquiet() || left
+		}
+	}
+	if ls := q.outLanes.Load(); ls != nil {
+		for _, l := range *ls {
+			left = !l.unquiet() || left
+		}
+	}
+	return left
+}
+
+// unquiet lowers the lane's low-water mark if nobody reads it now, and
+// reports whether the lane is not quiet.
+func (l *lane) unquiet() bool {
+	if l.rc == nil {
+		return true
+	}
+	if !l.rd.TryLock() {
+		return false
+	}
+	defer l.rd.Unlock()
+	l.quietLocked(false)
+	return !l.quiet
+}
+
+// quietHold is how long after the last Wait of a queue pair's queues
+// stopped polling its lanes stay quiet: a caller that waits again within
+// it (a ping-pong, a stream) finds them quiet, and a frame that arrives
+// after it wakes the lane's goroutine at once; one that arrives within
+// it, with nobody polling, waits for the hold's end (or the runtime's
+// timer resolution).
+const quietHold = 200 * time.Microsecond
+
+// armQuiet starts q's quiet timer, if it is not running: a lane just
+// went quiet.
+func (q *qp) armQuiet() {
+	if q.quietArmed.Swap(true) {
+		return
+	}
+	q.quietMu.Lock()
+	if q.quietTimer == nil {
+		q.quietTimer = time.AfterFunc(quietHold, q.quietCheck)
+	} else {
+		q.quietTimer.Reset(quietHold)
+	}
+	q.quietMu.Unlock()
+}
+
+// quietCheck is the quiet timer's: once no Wait of q's queues polls and
+// the last stopped quietHold ago, it lowers the lanes' marks; until then,
+// or while a lane is held, it looks again later.
+func (q *qp) quietCheck() {
+	now := time.Now().UnixNano()
+	wait := time.Duration(0)
+	for _, c := range [2]*cq{q.scq, q.rcq} {
+		if c == nil {
+			continue
+		}
+		if c.polling.Load() > 0 {
+			wait = quietHold
+			break
+		}
+		if d := time.Duration(c.polled.Load() + int64(quietHold) - now); d > wait {
+			wait = d
+		}
+	}
+	if wait <= 0 && !q.unquiet() {
+		q.quietArmed.Store(false)
+		// A lane that went quiet since the look above armed nothing.
+		if !q.anyQuiet() || q.quietArmed.Swap(true) {
+			return
+		}
+		wait = quietHold
+	}
+	q.quietMu.Lock()
+	q.quietTimer.Reset(max(wait, 10*time.Microsecond))
+	q.quietMu.Unlock()
+}
+
+// anyQuiet reports whether one of q's lanes is quiet (a racy look, for
+// quietCheck).
+func (q *qp) anyQuiet() bool {
+	found := false
+	check := func(l *lane) {
+		if l.rc != nil && l.rd.TryLock() {
+			found = found || l.quiet
+			l.rd.Unlock()
+		}
+	}
+	if ls := q.inLanes.Load(); ls != nil {
+		for _, l := range *ls {
+			check(&l.lane)
+		}
+	}
+	if ls := q.outLanes.Load(); ls != nil {
+		for _, l := range *ls {
+			check(&l.lane)
+		}
+	}
+	return found
 }
 
 // setInLanes replaces the snapshot of inbound lanes the waiter polls.

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/gdrlink/gdrlink/verbsio"
+	"golang.org/x/sys/unix"
 )
 
 // TestWaiterTakesFrames checks that a polling waiter reads and applies
@@ -464,5 +465,73 @@ func TestGoroutineLooksAfterWaiter(t *testing.T) {
 		if err != nil || k != 1 || out[0].WRID != uint64(round) || out[0].Imm != uint32(round) {
 			t.Fatalf("round %d: receive completion %+v, %v", round, out[:k], err)
 		}
+	}
+}
+
+// rcvLowat is the SO_RCVLOWAT of the socket of q's first inbound lane.
+func rcvLowat(t *testing.T, q *qp) int {
+	t.Helper()
+	ls := q.inLanes.Load()
+	if ls == nil || len(*ls) == 0 {
+		t.Fatal("no inbound lane")
+	}
+	v, gerr := 0, error(nil)
+	if err := (*ls)[0].rc.Control(func(fd uintptr) { v, gerr = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVLOWAT) }); err != nil || gerr != nil {
+		t.Fatalf("SO_RCVLOWAT: %v %v", err, gerr)
+	}
+	return v
+}
+
+// TestQuietLanes: while a Wait polls a lane, the lane's socket has a high
+// low-water mark (a frame the waiter reads itself wakes no thread); once
+// nobody has polled for quietHold it is 1 again, and a frame that comes
+// when nobody waits is still applied (by the lane's goroutine) and
+// acknowledged.
+func TestQuietLanes(t *testing.T) {
+	tg := newTarget(t, verbsio.AccessLocalWrite|verbsio.AccessRemoteWrite)
+	c := tg.dial(t)
+	base := tg.base()
+	high := false
+	for i := 0; i < 200 && !high; i++ {
+		if err := tg.qp.PostRecv([]verbsio.RecvWR{{WRID: uint64(i)}}); err != nil {
+			t.Fatal(err)
+		}
+		waited := make(chan error, 1)
+		lowat := make(chan int, 1)
+		go func() {
+			out := make([]verbsio.Completion, 1)
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			_, err := tg.cq.Wait(ctx, out)
+			lowat <- rcvLowat(t, tg.qp) // at once, within the hold (mostly)
+			waited <- err
+		}()
+		runtime.Gosched()
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		r := exchange(t, c, header{op: opWriteImm, flags: flagLast, token: uint64(i + 1), raddr: base, rkey: tg.mr.RKey(), imm: uint32(i), total: 8}, make([]byte, 8))
+		wantAck(t, "write with immediate", r)
+		if err := <-waited; err != nil {
+			t.Fatalf("round %d: Wait: %v", i, err)
+		}
+		high = <-lowat > 1
+	}
+	if !high {
+		t.Fatal("no Wait left the lane's socket with a raised low-water mark")
+	}
+	// Nobody waits now: a write still lands and is acknowledged.
+	time.Sleep(time.Millisecond)
+	payload := bytes.Repeat([]byte{0x5a}, 64)
+	c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	r := exchange(t, c, header{op: opWrite, token: 1000, raddr: base + 64, rkey: tg.mr.RKey()}, payload)
+	wantAck(t, "write with nobody waiting", r)
+	if m := tg.region()[64:128]; !bytes.Equal(m, payload) {
+		t.Fatalf("the write landed as %x", m[:8])
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for rcvLowat(t, tg.qp) != 1 {
+		if time.Now().After(deadline) {
+			t.Fatalf("low-water mark %d long after the last Wait, want 1", rcvLowat(t, tg.qp))
+		}
+		time.Sleep(time.Millisecond)
 	}
 }

@@ -38,7 +38,12 @@ type qp struct {
 	dev      *device
 	scq, rcq *cq
 	id       uint32
-	nonce    uint64
+	// quietTimer lowers the marks of lanes left quiet (poll.go's
+	// quietCheck); quietArmed says it runs; quietMu guards the timer.
+	quietTimer *time.Timer
+	quietArmed atomic.Bool
+	quietMu    sync.Mutex
+	nonce      uint64
 	// sumWrites: receive completions of writes with immediate carry the
 	// CRC-32C of their payload (ChecksumWrites).
 	sumWrites atomic.Bool
@@ -678,6 +683,12 @@ func (q *qp) Close() error {
 	q.state = verbsio.QPClosed
 	q.mu.Unlock()
 	q.wg.Wait()
+	q.quietMu.Lock()
+	if q.quietTimer != nil {
+		q.quietTimer.Stop()
+	}
+	q.quietArmed.Store(true) // arms nothing more
+	q.quietMu.Unlock()
 	q.dev.mu.Lock()
 	delete(q.dev.qps, q.id)
 	q.dev.mu.Unlock()
@@ -992,6 +1003,7 @@ func (q *qp) readResponses(l *outLane) {
 				break
 			}
 			l.take()
+			l.quietLocked(false)
 		} else {
 			l.rd.Lock()
 		}
@@ -1146,6 +1158,7 @@ func (q *qp) serve(l *inLane) {
 				break
 			}
 			l.take()
+			l.quietLocked(false)
 			if err = l.skipApplied(); err != nil {
 				l.rd.Unlock()
 				break
