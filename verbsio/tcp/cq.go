@@ -123,21 +123,12 @@ func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 	budget := c.dev.waits.Budget(c.spin)
 	defer c.dev.waits.Leave()
 	c.polling.Add(1)
-	polling := true
-	stop := func(d time.Duration) {
-		if polling {
-			polling = false
-			c.polled.Store(start.UnixNano() + int64(d))
-			c.polling.Add(-1)
-		}
-	}
-	defer stop(0)
 	yield := c.spin.Yields()
 	for i := 0; ; i++ {
 		n, err := c.Poll(out)
 		if n > 0 || err != nil {
 			d := time.Since(start)
-			stop(d)
+			c.endPoll(start.Add(d))
 			c.spin.Polled(d)
 			return n, err
 		}
@@ -146,6 +137,7 @@ func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 		}
 		if i&7 == 7 || yield {
 			if err := ctx.Err(); err != nil {
+				c.endPoll(time.Now())
 				return 0, err
 			}
 			if time.Since(start) >= budget {
@@ -154,7 +146,7 @@ func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 		}
 		c.spin.Relax()
 	}
-	stop(time.Since(start))
+	c.endPoll(time.Now())
 	for _, q := range c.qps.Load() {
 		q.unquiet() // nobody polls their lanes now
 	}
@@ -180,6 +172,12 @@ func (c *cq) Wait(ctx context.Context, out []verbsio.Completion) (int, error) {
 			return 0, fmt.Errorf("%w: completion queue", verbsio.ErrClosed)
 		}
 	}
+}
+
+// endPoll records that a Wait stopped polling the lanes at t.
+func (c *cq) endPoll(t time.Time) {
+	c.polled.Store(t.UnixNano())
+	c.polling.Add(-1)
 }
 
 // Close releases the queue; ErrBusy while queue pairs use it. Idempotent.

@@ -406,7 +406,7 @@ func (q *qp) pollIn(l *inLane) bool {
 	}
 	defer l.rd.Unlock()
 	if l.quietLocked(true) {
-		q.armQuiet()
+		q.armQuiet(quietHold)
 	}
 	did, left := q.pollInLocked(l)
 	if left {
@@ -512,7 +512,7 @@ func (q *qp) pollOut(l *outLane) bool {
 		return false
 	}
 	if l.quietLocked(true) {
-		q.armQuiet()
+		q.armQuiet(quietHold)
 	}
 	l.n = 0
 	l.rc.Control(l.peekOutFn)
@@ -563,36 +563,37 @@ func (q *qp) poll(out bool) bool {
 	return did
 }
 
-// unquiet lowers the low-water mark of q's lanes that nobody reads now:
-// a waiter that stops polling leaves them to their goroutines. It reports
-// whether a lane stayed quiet (another reader held it).
-func (q *qp) unquiet() bool {
-	left := false
+// eachLane calls f with each of q's lanes, inbound then outbound.
+func (q *qp) eachLane(f func(*lane)) {
 	if ls := q.inLanes.Load(); ls != nil {
 		for _, l := range *ls {
-			left = !l.unquiet() || left
+			f(&l.lane)
 		}
 	}
 	if ls := q.outLanes.Load(); ls != nil {
 		for _, l := range *ls {
-			left = !l.unquiet() || left
+			f(&l.lane)
 		}
 	}
-	return left
 }
 
-// unquiet lowers the lane's low-water mark if nobody reads it now, and
-// reports whether the lane is not quiet.
-func (l *lane) unquiet() bool {
-	if l.rc == nil {
-		return true
-	}
-	if !l.rd.TryLock() {
-		return false
-	}
-	defer l.rd.Unlock()
-	l.quietLocked(false)
-	return !l.quiet
+// unquiet lowers the low-water mark of q's lanes that nobody reads now:
+// a waiter that stops polling leaves them to their goroutines. It reports
+// whether a lane stayed quiet (another reader held it).
+func (q *qp) unquiet() bool {
+	held := false
+	q.eachLane(func(l *lane) {
+		if l.rc == nil {
+			return
+		}
+		if !l.rd.TryLock() {
+			held = true
+			return
+		}
+		l.quietLocked(false)
+		l.rd.Unlock()
+	})
+	return held
 }
 
 // quietHold is how long after the last Wait of a queue pair's queues
@@ -603,73 +604,42 @@ func (l *lane) unquiet() bool {
 // timer resolution).
 const quietHold = 200 * time.Microsecond
 
-// armQuiet starts q's quiet timer, if it is not running: a lane just
-// went quiet.
-func (q *qp) armQuiet() {
+// armQuiet starts q's quiet timer to run in d, if it is not running (a
+// lane just went quiet) and q is not closed.
+func (q *qp) armQuiet(d time.Duration) {
 	if q.quietArmed.Swap(true) {
 		return
 	}
 	q.quietMu.Lock()
-	if q.quietTimer == nil {
-		q.quietTimer = time.AfterFunc(quietHold, q.quietCheck)
-	} else {
-		q.quietTimer.Reset(quietHold)
+	defer q.quietMu.Unlock()
+	switch {
+	case q.quietDone:
+	case q.quietTimer == nil:
+		q.quietTimer = time.AfterFunc(d, q.quietCheck)
+	default:
+		q.quietTimer.Reset(d)
 	}
-	q.quietMu.Unlock()
 }
 
 // quietCheck is the quiet timer's: once no Wait of q's queues polls and
 // the last stopped quietHold ago, it lowers the lanes' marks; until then,
-// or while a lane is held, it looks again later.
+// or while a lane is held, it looks again later. A lane that goes quiet
+// after it disarmed arms the timer itself.
 func (q *qp) quietCheck() {
+	q.quietArmed.Store(false)
 	now := time.Now().UnixNano()
 	wait := time.Duration(0)
 	for _, c := range [2]*cq{q.scq, q.rcq} {
-		if c == nil {
-			continue
-		}
 		if c.polling.Load() > 0 {
 			wait = quietHold
 			break
 		}
-		if d := time.Duration(c.polled.Load() + int64(quietHold) - now); d > wait {
-			wait = d
-		}
+		wait = max(wait, time.Duration(c.polled.Load()+int64(quietHold)-now))
 	}
 	if wait <= 0 && !q.unquiet() {
-		q.quietArmed.Store(false)
-		// A lane that went quiet since the look above armed nothing.
-		if !q.anyQuiet() || q.quietArmed.Swap(true) {
-			return
-		}
-		wait = quietHold
+		return
 	}
-	q.quietMu.Lock()
-	q.quietTimer.Reset(max(wait, 10*time.Microsecond))
-	q.quietMu.Unlock()
-}
-
-// anyQuiet reports whether one of q's lanes is quiet (a racy look, for
-// quietCheck).
-func (q *qp) anyQuiet() bool {
-	found := false
-	check := func(l *lane) {
-		if l.rc != nil && l.rd.TryLock() {
-			found = found || l.quiet
-			l.rd.Unlock()
-		}
-	}
-	if ls := q.inLanes.Load(); ls != nil {
-		for _, l := range *ls {
-			check(&l.lane)
-		}
-	}
-	if ls := q.outLanes.Load(); ls != nil {
-		for _, l := range *ls {
-			check(&l.lane)
-		}
-	}
-	return found
+	q.armQuiet(max(wait, 10*time.Microsecond))
 }
 
 // setInLanes replaces the snapshot of inbound lanes the waiter polls.

@@ -39,10 +39,12 @@ type qp struct {
 	scq, rcq *cq
 	id       uint32
 	// quietTimer lowers the marks of lanes left quiet (poll.go's
-	// quietCheck); quietArmed says it runs; quietMu guards the timer.
+	// quietCheck); quietArmed says it runs; quietMu guards the timer
+	// and quietDone (Close: arm it no more).
 	quietTimer *time.Timer
 	quietArmed atomic.Bool
 	quietMu    sync.Mutex
+	quietDone  bool
 	nonce      uint64
 	// sumWrites: receive completions of writes with immediate carry the
 	// CRC-32C of their payload (ChecksumWrites).
@@ -684,10 +686,10 @@ func (q *qp) Close() error {
 	q.mu.Unlock()
 	q.wg.Wait()
 	q.quietMu.Lock()
+	q.quietDone = true
 	if q.quietTimer != nil {
 		q.quietTimer.Stop()
 	}
-	q.quietArmed.Store(true) // arms nothing more
 	q.quietMu.Unlock()
 	q.dev.mu.Lock()
 	delete(q.dev.qps, q.id)
